@@ -1,0 +1,191 @@
+/* cmd_inspect.c - `weightctl inspect PATH [--json]`: validate and summarise a checkpoint. */
+#include <cjson/cJSON.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "checkpoint.h"
+#include "ctl.h"
+
+/* cJSON keeps numbers as doubles; exact 64-bit integers go in as raw text. */
+static cJSON *json_u64(uint64_t v) {
+  char buf[24];
+  snprintf(buf, sizeof buf, "%" PRIu64, v);
+  return cJSON_CreateRaw(buf);
+}
+
+static cJSON *json_shape(const struct st_tensor *t) {
+  cJSON *a = cJSON_CreateArray();
+  for (unsigned d = 0; a != NULL && d < t->ndim; d++) cJSON_AddItemToArray(a, json_u64(t->shape[d]));
+  return a;
+}
+
+static cJSON *json_config(const struct mcfg *m) {
+  cJSON *o = cJSON_CreateObject();
+  if (o == NULL) return NULL;
+  if (m->model_type) cJSON_AddStringToObject(o, "model_type", m->model_type);
+  if (m->architecture) cJSON_AddStringToObject(o, "architecture", m->architecture);
+  for (int f = 0; f < MCFG_NFIELDS; f++)
+    if (m->present[f]) cJSON_AddItemToObject(o, mcfg_field_key((enum mcfg_field)f), json_u64((uint64_t)m->value[f]));
+  if (m->has_quant) {
+    cJSON *q = cJSON_AddObjectToObject(o, "quantization_config");
+    if (q && m->quant_method) cJSON_AddStringToObject(q, "quant_method", m->quant_method);
+    if (q && m->weight_block_size[0]) {
+      cJSON *bs = cJSON_AddArrayToObject(q, "weight_block_size");
+      cJSON_AddItemToArray(bs, json_u64((uint64_t)m->weight_block_size[0]));
+      cJSON_AddItemToArray(bs, json_u64((uint64_t)m->weight_block_size[1]));
+    }
+  }
+  return o;
+}
+
+static uint64_t dtype_bytes_sum(const struct ckpt *c, enum wd_dtype t, size_t *count) {
+  uint64_t sum = 0;
+  *count = 0;
+  for (size_t i = 0; i < c->ntensors; i++) {
+    const struct st_tensor *x = c->by_name[i].t;
+    if (x->dtype != t) continue;
+    sum += x->end - x->begin;
+    (*count)++;
+  }
+  return sum;
+}
+
+static int print_json(const struct ckpt *c) {
+  cJSON *o = cJSON_CreateObject();
+  if (o == NULL) return -1;
+  cJSON_AddStringToObject(o, "path", c->path);
+  cJSON_AddStringToObject(o, "layout", ckpt_layout_name(c->layout));
+  cJSON *shards = cJSON_AddArrayToObject(o, "shards");
+  cJSON *tensors = cJSON_CreateArray();
+  for (size_t i = 0; i < c->nshards; i++) {
+    const struct ckpt_shard *s = &c->shards[i];
+    const struct st_header *h = s->hdr;
+    cJSON *so = cJSON_CreateObject();
+    cJSON_AddStringToObject(so, "file", s->rel);
+    cJSON_AddItemToObject(so, "tensors", json_u64(h->ntensors));
+    cJSON_AddItemToObject(so, "header_bytes", json_u64(h->header_len));
+    cJSON_AddItemToObject(so, "data_start", json_u64(h->data_start));
+    cJSON_AddItemToObject(so, "data_bytes", json_u64(h->data_len));
+    cJSON_AddItemToObject(so, "file_bytes", json_u64(s->size));
+    if (h->has_metadata) {
+      cJSON *md = cJSON_AddObjectToObject(so, "metadata");
+      for (size_t k = 0; md && k < h->nmeta; k++) cJSON_AddStringToObject(md, h->meta[k].key, h->meta[k].value);
+    } else {
+      cJSON_AddNullToObject(so, "metadata");
+    }
+    cJSON_AddItemToArray(shards, so);
+    for (size_t k = 0; k < h->ntensors; k++) {
+      const struct st_tensor *t = &h->tensors[k];
+      cJSON *to = cJSON_CreateObject();
+      cJSON_AddStringToObject(to, "name", t->name);
+      cJSON_AddStringToObject(to, "dtype", dtype_name(t->dtype));
+      cJSON_AddItemToObject(to, "shape", json_shape(t));
+      cJSON_AddItemToObject(to, "shard", json_u64(i));
+      cJSON *off = cJSON_AddArrayToObject(to, "data_offsets");
+      cJSON_AddItemToArray(off, json_u64(t->begin));
+      cJSON_AddItemToArray(off, json_u64(t->end));
+      cJSON_AddItemToArray(tensors, to);
+    }
+  }
+  cJSON_AddItemToObject(o, "tensor_count", json_u64(c->ntensors));
+  cJSON_AddItemToObject(o, "total_bytes", json_u64(c->total_bytes));
+  cJSON *bd = cJSON_AddObjectToObject(o, "bytes_by_dtype");
+  for (int t = 0; t < WD_DTYPE_COUNT; t++) {
+    size_t count;
+    uint64_t sum = dtype_bytes_sum(c, (enum wd_dtype)t, &count);
+    if (count > 0) cJSON_AddItemToObject(bd, dtype_name((enum wd_dtype)t), json_u64(sum));
+  }
+  cJSON_AddItemToObject(o, "tensors", tensors);
+  if (c->config) cJSON_AddItemToObject(o, "config", json_config(c->config));
+  else cJSON_AddNullToObject(o, "config");
+  char *text = cJSON_PrintUnformatted(o);
+  cJSON_Delete(o);
+  if (text == NULL) return -1;
+  puts(text);
+  free(text);
+  return 0;
+}
+
+static void human_bytes(uint64_t b, char *buf, size_t len) {
+  if (b >= (1ull << 30)) snprintf(buf, len, "%.2f GiB", (double)b / (1ull << 30));
+  else if (b >= (1ull << 20)) snprintf(buf, len, "%.1f MiB", (double)b / (1ull << 20));
+  else if (b >= 1024) snprintf(buf, len, "%.1f KiB", (double)b / 1024);
+  else snprintf(buf, len, "%" PRIu64 " B", b);
+}
+
+static void print_human(const struct ckpt *c) {
+  char hb[32];
+  human_bytes(c->total_bytes, hb, sizeof hb);
+  printf("checkpoint  %s\n", c->layout == CKPT_FILE ? c->path : c->dir);
+  printf("layout      %s, %zu shard%s, %zu tensors, %" PRIu64 " payload bytes (%s)\n",
+         ckpt_layout_name(c->layout), c->nshards, c->nshards == 1 ? "" : "s", c->ntensors,
+         c->total_bytes, hb);
+  if (c->config) {
+    const struct mcfg *m = c->config;
+    printf("model       %s (%s)\n", m->model_type ? m->model_type : "?",
+           m->architecture ? m->architecture : "?");
+    int shown = 0;
+    for (int f = 0; f < MCFG_NFIELDS; f++) {
+      if (!m->present[f]) continue;
+      printf("%s%s=%" PRId64, shown % 4 == 0 ? "\n            " : "  ",
+             mcfg_field_key((enum mcfg_field)f), m->value[f]);
+      shown++;
+    }
+    if (m->has_quant)
+      printf("\n            quantization=%s block=%" PRId64 "x%" PRId64,
+             m->quant_method ? m->quant_method : "?", m->weight_block_size[0],
+             m->weight_block_size[1]);
+    printf("\n");
+  } else {
+    printf("model       (no config.json)\n");
+  }
+  printf("shards\n");
+  for (size_t i = 0; i < c->nshards; i++) {
+    const struct ckpt_shard *s = &c->shards[i];
+    human_bytes(s->hdr->data_len, hb, sizeof hb);
+    printf("  %-40s %6zu tensors  %10s  header %" PRIu64 " B\n", s->rel, s->hdr->ntensors, hb,
+           s->hdr->header_len);
+  }
+  printf("dtypes\n");
+  for (int t = 0; t < WD_DTYPE_COUNT; t++) {
+    size_t count;
+    uint64_t sum = dtype_bytes_sum(c, (enum wd_dtype)t, &count);
+    if (count == 0) continue;
+    human_bytes(sum, hb, sizeof hb);
+    printf("  %-12s %6zu tensors  %" PRIu64 " bytes (%s)\n", dtype_name((enum wd_dtype)t), count,
+           sum, hb);
+  }
+}
+
+int cmd_inspect(int argc, char **argv) {
+  const char *path = NULL;
+  int json = 0;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--json") == 0) json = 1;
+    else if (argv[i][0] == '-' && argv[i][1] != '\0') {
+      ctl_errorf("inspect: unknown option '%s'", argv[i]);
+      return ctl_usage("inspect");
+    } else if (path == NULL) path = argv[i];
+    else return ctl_usage("inspect");
+  }
+  if (path == NULL) return ctl_usage("inspect");
+  struct wd_error err = {0};
+  struct ckpt *c = NULL;
+  if (ckpt_open(path, NULL, &c, &err) != 0) {
+    ctl_errorf("%s", err.msg);
+    return CTL_EXIT_FAIL;
+  }
+  int rc = CTL_EXIT_OK;
+  if (json) {
+    if (print_json(c) != 0) {
+      ctl_errorf("inspect: out of memory");
+      rc = CTL_EXIT_FAIL;
+    }
+  } else {
+    print_human(c);
+  }
+  ckpt_free(c);
+  return rc;
+}

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds weightd and runs the whole test suite twice: a normal build (with the
+# CUDA backend when the toolkit is present; GPU tests skip without a GPU), and
+# an AddressSanitizer + UndefinedBehaviorSanitizer build with CUDA off. Any
+# failure or sanitizer finding fails the run.
+#
+# Needs: cmake, a C compiler, pkg-config, libuv1-dev, libcjson-dev, python3
+# with venv (the README's test command installs them). The Python reference
+# tools (tests/requirements.txt) go into ./.venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+jobs=$(nproc 2>/dev/null || echo 2)
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
+export WD_REQUIRE_REFERENCE=1
+
+echo "== build (release) =="
+cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWEIGHTD_PYTHON="$PWD/.venv/bin/python"
+cmake --build build -j "$jobs"
+echo "== tests (release) =="
+ctest --test-dir build --output-on-failure -j "$jobs"
+
+echo "== build (ASan + UBSan, CUDA off) =="
+cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DWEIGHTD_SANITIZE=ON -DWEIGHTD_CUDA=OFF \
+  -DWEIGHTD_PYTHON="$PWD/.venv/bin/python"
+cmake --build build-asan -j "$jobs"
+echo "== tests (ASan + UBSan) =="
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:halt_on_error=1 \
+UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan --output-on-failure -j "$jobs"
