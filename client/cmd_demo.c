@@ -1,15 +1,26 @@
 /*
- * cmd_demo.c - `weightctl demo [--dir DIR] [--keep]`: a guided tour that
- * generates a small Qwen3-layout checkpoint and inspects it.
+ * cmd_demo.c - `weightctl demo [--dir DIR] [--keep]`: a guided tour. It
+ * starts a private daemon on a socket in a temporary directory, generates a
+ * small Qwen3-layout checkpoint there, inspects it, loads it, attaches it and
+ * compares every byte with the files, shows the daemon's status and shuts the
+ * daemon down. Every step is printed as the command a user would type.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <ftw.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ctl.h"
+
+#define START_TIMEOUT_MS 20000
+#define EXIT_TIMEOUT_MS 20000
 
 static int remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
   (void)sb;
@@ -20,6 +31,7 @@ static int remove_entry(const char *path, const struct stat *sb, int flag, struc
 
 static int step(const char *title, int (*fn)(int, char **), int argc, char **argv) {
   printf("\n$ weightctl");
+  if (fn != cmd_mkcheckpoint && fn != cmd_inspect) printf(" --socket %s", ctl_opts.socket);
   for (int i = 0; i < argc; i++) printf(" %s", argv[i]);
   printf("    # %s\n", title);
   fflush(stdout);
@@ -27,6 +39,104 @@ static int step(const char *title, int (*fn)(int, char **), int argc, char **arg
   fflush(stdout);
   if (rc != 0) ctl_errorf("demo: step '%s' failed (exit %d)", title, rc);
   return rc;
+}
+
+static void sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* The weightd next to this weightctl, else "weightd" for a PATH search. */
+static void find_daemon(char *buf, size_t len) {
+  char self[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    char *slash = strrchr(self, '/');
+    if (slash != NULL) {
+      *slash = '\0';
+      snprintf(buf, len, "%s/weightd", self);
+      if (access(buf, X_OK) == 0) return;
+    }
+  }
+  snprintf(buf, len, "weightd");
+}
+
+/* Starts the daemon with its output in log; returns its pid or -1. */
+static pid_t daemon_start(const char *exe, const char *sock, const char *root, const char *log) {
+  printf("\n$ %s --foreground --backend auto --socket %s --model-root %s >%s 2>&1 &    # a private daemon\n",
+         exe, sock, root, log);
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      dup2(fd, STDOUT_FILENO);
+      dup2(fd, STDERR_FILENO);
+    }
+    execlp(exe, exe, "--foreground", "--backend", "auto", "--socket", sock, "--model-root", root, (char *)NULL);
+    fprintf(stderr, "weightctl demo: cannot run %s: %s\n", exe, strerror(errno));
+    _exit(127);
+  }
+  return pid;
+}
+
+/* Waits until the daemon answers hello; 0, or -1 when it exited or took too long. */
+static int daemon_wait_ready(pid_t pid, const char *sock) {
+  for (int waited = 0; waited < START_TIMEOUT_MS; waited += 50) {
+    weightd_client *c = NULL;
+    int rc = weightd_connect(sock, &c);
+    if (rc == 0) {
+      printf("daemon ready (pid %ld, %s backend)\n", (long)pid, weightd_backend(c));
+      weightd_close(c);
+      return 0;
+    }
+    weightd_close(c);
+    int status;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      ctl_errorf("demo: the daemon exited before it was ready (%s %d)",
+                 WIFEXITED(status) ? "exit status" : "signal",
+                 WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+      return -2;
+    }
+    sleep_ms(50);
+  }
+  ctl_errorf("demo: the daemon did not accept connections within %d s", START_TIMEOUT_MS / 1000);
+  return -1;
+}
+
+/* Waits for the daemon to exit; 0 when it exited with status 0. Kills it after the timeout. */
+static int daemon_wait_exit(pid_t pid) {
+  int status;
+  for (int waited = 0; waited < EXIT_TIMEOUT_MS; waited += 50) {
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) {
+      if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+        printf("daemon exited cleanly (status 0)\n");
+        return 0;
+      }
+      ctl_errorf("demo: the daemon ended with %s %d", WIFEXITED(status) ? "exit status" : "signal",
+                 WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+      return -1;
+    }
+    if (r < 0) return -1;
+    sleep_ms(50);
+  }
+  ctl_errorf("demo: the daemon did not exit within %d s; killing it", EXIT_TIMEOUT_MS / 1000);
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  return -1;
+}
+
+static void show_log(const char *log) {
+  FILE *f = fopen(log, "r");
+  if (f == NULL) return;
+  char line[512];
+  int n = 0;
+  printf("\nthe daemon's log (%s):\n", log);
+  while (fgets(line, sizeof line, f) != NULL && n++ < 60) printf("  | %s", line);
+  fclose(f);
 }
 
 int cmd_demo(int argc, char **argv) {
@@ -38,28 +148,69 @@ int cmd_demo(int argc, char **argv) {
     else return ctl_usage("demo");
   }
   char tmpl[] = "/tmp/weightd-demo-XXXXXX";
-  char ckpt[PATH_MAX];
   if (dir == NULL) {
     if (mkdtemp(tmpl) == NULL) {
-      ctl_errorf("demo: cannot create a temporary directory");
+      ctl_errorf("demo: cannot create a temporary directory: %s", strerror(errno));
       return CTL_EXIT_FAIL;
     }
     dir = tmpl;
   }
+  char ckpt[PATH_MAX], sock[PATH_MAX], log[PATH_MAX], exe[PATH_MAX];
   snprintf(ckpt, sizeof ckpt, "%s/qwen3-4b-2layers", dir);
-  printf("weightd demo: a synthetic checkpoint with Qwen3-4B's exact tensor layout\n"
-         "(2 of its 36 layers, 3 shards like the published one), then validated and\n"
-         "summarised the way the daemon reads it.\n");
+  snprintf(sock, sizeof sock, "%s/weightd.sock", dir);
+  snprintf(log, sizeof log, "%s/weightd.log", dir);
+  find_daemon(exe, sizeof exe);
+  printf("weightd demo: a private daemon on a socket in %s, a synthetic checkpoint with\n"
+         "Qwen3-4B's exact tensor layout (2 of its 36 layers, 3 shards like the published one),\n"
+         "loaded into device memory (a GPU when the daemon finds one, else a sealed memfd),\n"
+         "attached the way an engine attaches, and compared byte for byte with the files.\n",
+         dir);
+
+  const char *saved_socket = ctl_opts.socket;
+  int saved_json = ctl_opts.json;
+  ctl_opts.socket = sock;
+  ctl_opts.json = 0;
+  int rc = CTL_EXIT_FAIL, daemon_ok = -1;
+  pid_t pid = daemon_start(exe, sock, dir, log);
+  if (pid < 0) {
+    ctl_errorf("demo: cannot start %s: %s", exe, strerror(errno));
+    goto done;
+  }
+  int ready = daemon_wait_ready(pid, sock);
+  if (ready != 0) {
+    show_log(log);
+    if (ready == -1) {
+      kill(pid, SIGKILL);
+      waitpid(pid, NULL, 0);
+    }
+    goto done;
+  }
+
   char *gen[] = {"mkcheckpoint", "--preset", "qwen3-4b", "--layers", "2", "--seed", "1", "--out", ckpt};
   char *ins[] = {"inspect", ckpt};
-  int rc = step("write the checkpoint", cmd_mkcheckpoint, 9, gen);
+  char *load[] = {"load", ckpt};
+  char *att[] = {"attach", ckpt, "--verify"};
+  char *show[] = {"status"};
+  char *stop[] = {"shutdown"};
+  rc = step("write the checkpoint", cmd_mkcheckpoint, 9, gen);
   if (rc == 0) rc = step("validate every shard and summarise", cmd_inspect, 2, ins);
+  if (rc == 0) rc = step("load it into device memory (one slab, a resident set)", cmd_load, 2, load);
+  if (rc == 0) rc = step("lease the set, map it here, compare every byte with the files", cmd_attach, 3, att);
+  if (rc == 0) rc = step("what the daemon holds now (the lease ended when attach exited)", cmd_status, 1, show);
+  int stop_rc = step("stop the daemon", cmd_shutdown, 1, stop);
+  if (stop_rc != 0) kill(pid, SIGTERM);
+  daemon_ok = daemon_wait_exit(pid);
+  if (rc == 0 && (stop_rc != 0 || daemon_ok != 0)) rc = CTL_EXIT_FAIL;
+  if (rc != 0) show_log(log);
+
+done:
+  ctl_opts.socket = saved_socket;
+  ctl_opts.json = saved_json;
   if (!keep && dir == tmpl) {
-    if (nftw(tmpl, remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
-      ctl_errorf("demo: could not remove %s", tmpl);
+    if (nftw(tmpl, remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0) ctl_errorf("demo: could not remove %s", tmpl);
   } else {
-    printf("\nkept %s\n", ckpt);
+    printf("\nkept %s\n", dir);
   }
-  if (rc == 0) printf("\ndemo finished: the checkpoint is valid.\n");
+  if (rc == 0) printf("\ndemo finished: loaded, attached and verified; the daemon stopped cleanly.\n");
   return rc == 0 ? CTL_EXIT_OK : CTL_EXIT_FAIL;
 }

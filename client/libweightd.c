@@ -1,7 +1,393 @@
 /*
- * libweightd.c - the client library engines link.
+ * libweightd.c - connections: finding the socket, hello, and the blocking
+ * request/reply loop every op goes through.
  *
- * Today it carries the error table and the version functions; the daemon
- * client (connect, load, attach) lands with the daemon.
+ * DESIGN: a weightd_client is used by one thread at a time (the caller
+ * serialises); it owns one socket and sends one request per call, so a call
+ * reads frames until the final reply that echoes its id. Progress events of
+ * that request go to the caller's callback; replies to earlier requests that
+ * timed out are discarded (a late attach reply's lease is released and its
+ * descriptors closed); the daemon's unsolicited shutdown event is remembered
+ * so that a connection that then closes reports WEIGHTD_E_SHUTDOWN.
  */
-#include "weightd.h"
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "lib_internal.h"
+
+/* A daemon that has not answered hello within this long is not working. */
+#define HELLO_TIMEOUT_MS 30000
+
+/* ---- errors ------------------------------------------------------------------ */
+
+int lib_fail(weightd_client *c, int code, const char *fmt, ...) {
+  if (c == NULL) return code;
+  c->err.code = code;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(c->err.msg, sizeof c->err.msg, fmt, ap);
+  va_end(ap);
+  return code;
+}
+
+const char *weightd_last_error(const weightd_client *c) {
+  if (c == NULL) return "";
+  return c->err.msg;
+}
+
+int lib_usable(weightd_client *c) {
+  if (c == NULL) return WEIGHTD_E_INVALID;
+  if (c->pid != getpid())
+    return lib_fail(c, WEIGHTD_E_INVALID,
+                    "this handle belongs to process %ld; after fork() connect anew with "
+                    "weightd_connect",
+                    (long)c->pid);
+  if (c->sock < 0) return lib_fail(c, WEIGHTD_E_CLOSED, "not connected");
+  if (c->broken)
+    return lib_fail(c, c->shutdown_seen ? WEIGHTD_E_SHUTDOWN : WEIGHTD_E_CLOSED,
+                    "the connection to the daemon is no longer usable (%s)",
+                    c->shutdown_seen ? "the daemon shut down" : "it closed or fell out of step");
+  err_clear(&c->err);
+  return 0;
+}
+
+/* ---- small JSON helpers ------------------------------------------------------ */
+
+cJSON *lib_request_new(const char *op) {
+  cJSON *o = cJSON_CreateObject();
+  if (o == NULL) return NULL;
+  if (cJSON_AddStringToObject(o, "op", op) == NULL) {
+    cJSON_Delete(o);
+    return NULL;
+  }
+  return o;
+}
+
+int lib_add_path(weightd_client *c, cJSON *req, const char *path) {
+  if (path == NULL || path[0] == '\0') return lib_fail(c, WEIGHTD_E_INVALID, "no checkpoint path given");
+  char buf[PATH_MAX];
+  const char *p = path;
+  if (path[0] != '/') {
+    /* The daemon resolves paths in its own directory: send ours made absolute. */
+    char cwd[PATH_MAX];
+    if (getcwd(cwd, sizeof cwd) == NULL)
+      return lib_fail(c, WEIGHTD_E_IO, "%s: cannot make the path absolute: %s", path, strerror(errno));
+    int n = snprintf(buf, sizeof buf, "%s/%s", strcmp(cwd, "/") == 0 ? "" : cwd, path);
+    if (n < 0 || (size_t)n >= sizeof buf) return lib_fail(c, WEIGHTD_E_INVALID, "%s: path too long", path);
+    p = buf;
+  }
+  if (cJSON_AddStringToObject(req, "path", p) == NULL) return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+  return 0;
+}
+
+int lib_get_u64(weightd_client *c, const cJSON *o, const char *key, uint64_t *out) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  /* cJSON keeps a double: integers are exact below 2^53, more than any byte count here. */
+  if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble >= 9007199254740992.0 ||
+      floor(v->valuedouble) != v->valuedouble)
+    return lib_fail(c, WEIGHTD_E_PROTOCOL, "the daemon's reply lacks a valid \"%s\"", key);
+  *out = (uint64_t)v->valuedouble;
+  return 0;
+}
+
+const char *lib_get_str(const cJSON *o, const char *key) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  return cJSON_IsString(v) ? v->valuestring : NULL;
+}
+
+/* ---- the request/reply loop -------------------------------------------------- */
+
+/* Sends a request the caller will not wait for (releasing a stray lease, canceling). */
+static void send_detached(weightd_client *c, cJSON *req) {
+  if (req == NULL) return;
+  if (cJSON_AddNumberToObject(req, "id", (double)c->next_id++) != NULL) {
+    char *text = cJSON_PrintUnformatted(req);
+    struct wd_error e;
+    if (text != NULL && wire_send_frame(c->sock, text, strlen(text), NULL, 0, &e) != 0) c->broken = 1;
+    free(text);
+  }
+  cJSON_Delete(req);
+}
+
+/* A final reply to a request that gave up waiting: give back what it took. */
+static void discard_stale(weightd_client *c, const cJSON *msg) {
+  const char *lease = lib_get_str(msg, "lease");
+  if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(msg, "ok")) || lease == NULL) return;
+  cJSON *req = lib_request_new("release");
+  if (req != NULL && cJSON_AddStringToObject(req, "lease", lease) == NULL) {
+    cJSON_Delete(req);
+    return;
+  }
+  send_detached(c, req);
+}
+
+/* Maps an error object {"code", "message"} to its code and the handle's message. */
+static int reply_error(weightd_client *c, const cJSON *e) {
+  const char *name = lib_get_str(e, "code");
+  const char *message = lib_get_str(e, "message");
+  int code = err_from_name(name);
+  if (code == 0) code = WEIGHTD_E_INTERNAL;
+  return lib_fail(c, code, "%s", message ? message : weightd_strerror(code));
+}
+
+static void call_progress(const cJSON *msg, weightd_progress_fn fn, void *arg) {
+  const cJSON *d = cJSON_GetObjectItemCaseSensitive(msg, "bytes_done");
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(msg, "bytes_total");
+  if (fn == NULL || !cJSON_IsNumber(d) || !cJSON_IsNumber(t) || d->valuedouble < 0 || t->valuedouble < 0)
+    return;
+  fn((uint64_t)d->valuedouble, (uint64_t)t->valuedouble, arg);
+}
+
+/* Marks the connection dead and turns a transport error into the handle's error. */
+static int transport_fail(weightd_client *c, int code, const struct wd_error *e, const char *op) {
+  c->broken = 1;
+  if (c->shutdown_seen && (code == WEIGHTD_E_CLOSED || code == WEIGHTD_E_IO))
+    return lib_fail(c, WEIGHTD_E_SHUTDOWN, "%s: the daemon is shutting down", op);
+  if (code == WEIGHTD_E_CLOSED)
+    return lib_fail(c, code, "%s: the daemon closed the connection", op);
+  return lib_fail(c, code, "%s: %s", op, e->msg[0] ? e->msg : weightd_strerror(code));
+}
+
+int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
+             cJSON **reply, struct wire_frame *frame, char **text) {
+  if (reply) *reply = NULL;
+  if (text) *text = NULL;
+  if (frame) memset(frame, 0, sizeof *frame);
+  const char *op = lib_get_str(req, "op");
+  if (op == NULL) op = "request";
+  int64_t id = c->next_id++;
+  cJSON_DeleteItemFromObjectCaseSensitive(req, "id");
+  if (cJSON_AddNumberToObject(req, "id", (double)id) == NULL) return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+  char *out = cJSON_PrintUnformatted(req);
+  if (out == NULL) return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+  struct wd_error e;
+  err_clear(&e);
+  int rc = wire_send_frame(c->sock, out, strlen(out), NULL, 0, &e);
+  free(out);
+  if (rc == WEIGHTD_E_LIMIT || rc == WEIGHTD_E_INVALID)
+    return lib_fail(c, rc, "%s: %s", op, e.msg);
+  if (rc != 0) return transport_fail(c, rc, &e, op);
+
+  for (;;) {
+    struct wire_frame f;
+    memset(&f, 0, sizeof f);
+    err_clear(&e);
+    rc = wire_recv_frame(c->sock, c->timeout_ms, &f, &e);
+    if (rc == WEIGHTD_E_TIMEOUT) {
+      if (strcmp(op, "load") == 0) {
+        /* Nobody waits for this load any more: let the daemon stop it. */
+        cJSON *cancel = lib_request_new("cancel");
+        if (cancel != NULL && cJSON_AddNumberToObject(cancel, "target", (double)id) == NULL) {
+          cJSON_Delete(cancel);
+          cancel = NULL;
+        }
+        send_detached(c, cancel);
+      }
+      return lib_fail(c, rc, "%s: no reply from the daemon within %d ms", op, c->timeout_ms);
+    }
+    if (rc != 0) return transport_fail(c, rc, &e, op);
+    cJSON *msg = cJSON_ParseWithLength(f.json, f.len);
+    if (!cJSON_IsObject(msg)) {
+      cJSON_Delete(msg);
+      wire_frame_clear(&f);
+      c->broken = 1;
+      return lib_fail(c, WEIGHTD_E_PROTOCOL, "%s: the daemon sent a frame that is not a JSON object", op);
+    }
+    const cJSON *mid = cJSON_GetObjectItemCaseSensitive(msg, "id");
+    const char *event = lib_get_str(msg, "event");
+    const cJSON *error = cJSON_GetObjectItemCaseSensitive(msg, "error");
+    if (mid == NULL) {
+      if (event != NULL && strcmp(event, "shutdown") == 0) c->shutdown_seen = 1;
+      if (event == NULL && cJSON_IsObject(error)) {
+        /* An error about the connection itself (refused peer, broken framing): it closes. */
+        if (text) *text = strndup(f.json, f.len);
+        rc = reply_error(c, error);
+        c->broken = 1;
+        cJSON_Delete(msg);
+        wire_frame_clear(&f);
+        return rc;
+      }
+      cJSON_Delete(msg);
+      wire_frame_clear(&f);
+      continue;
+    }
+    if (!cJSON_IsNumber(mid) || mid->valuedouble != (double)id) {
+      if (event == NULL) discard_stale(c, msg);
+      cJSON_Delete(msg);
+      wire_frame_clear(&f);
+      continue;
+    }
+    if (event != NULL) {
+      if (strcmp(event, "progress") == 0) call_progress(msg, progress, progress_arg);
+      cJSON_Delete(msg);
+      wire_frame_clear(&f);
+      continue;
+    }
+    if (text) {
+      *text = strndup(f.json, f.len);
+      if (*text == NULL) {
+        cJSON_Delete(msg);
+        wire_frame_clear(&f);
+        return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+      }
+    }
+    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(msg, "ok"))) rc = 0;
+    else if (cJSON_IsObject(error)) rc = reply_error(c, error);
+    else rc = lib_fail(c, WEIGHTD_E_PROTOCOL, "%s: the reply has neither \"ok\" nor \"error\"", op);
+    if (rc == 0 && reply != NULL) *reply = msg;
+    else cJSON_Delete(msg);
+    if (rc == 0 && frame != NULL) *frame = f;
+    else wire_frame_clear(&f);
+    return rc;
+  }
+}
+
+int weightd_request(weightd_client *c, const char *request_json, char **reply,
+                    weightd_progress_fn progress, void *progress_arg) {
+  if (reply) *reply = NULL;
+  int rc = lib_usable(c);
+  if (rc != 0) return rc;
+  if (request_json == NULL) return lib_fail(c, WEIGHTD_E_INVALID, "no request given");
+  cJSON *req = cJSON_Parse(request_json);
+  if (!cJSON_IsObject(req) || lib_get_str(req, "op") == NULL) {
+    cJSON_Delete(req);
+    return lib_fail(c, WEIGHTD_E_INVALID, "the request must be a JSON object with a string \"op\"");
+  }
+  char *text = NULL;
+  rc = lib_call(c, req, progress, progress_arg, NULL, NULL, &text);
+  cJSON_Delete(req);
+  if (reply) *reply = text;
+  else free(text);
+  return rc;
+}
+
+void weightd_free(void *p) { free(p); }
+
+/* ---- connecting -------------------------------------------------------------- */
+
+/* Connects to path; 0 or -errno. */
+static int try_connect(const char *path, int *out) {
+  struct sockaddr_un sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sun_family = AF_UNIX;
+  if (strlen(path) >= sizeof sa.sun_path) return -ENAMETOOLONG;
+  memcpy(sa.sun_path, path, strlen(path) + 1);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -errno;
+  while (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+    if (errno == EINTR) continue;
+    int e = errno;
+    close(fd);
+    return -e;
+  }
+  *out = fd;
+  return 0;
+}
+
+static int hello(weightd_client *c) {
+  cJSON *req = lib_request_new("hello");
+  char client_name[96];
+  snprintf(client_name, sizeof client_name, "libweightd %s (%s)", WEIGHTD_VERSION_STRING,
+           program_invocation_short_name);
+  if (req == NULL || cJSON_AddNumberToObject(req, "protocol", WEIGHTD_PROTOCOL_VERSION) == NULL ||
+      cJSON_AddStringToObject(req, "client", client_name) == NULL) {
+    cJSON_Delete(req);
+    return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  int saved = c->timeout_ms;
+  c->timeout_ms = HELLO_TIMEOUT_MS;
+  cJSON *reply = NULL;
+  int rc = lib_call(c, req, NULL, NULL, &reply, NULL, NULL);
+  c->timeout_ms = saved;
+  cJSON_Delete(req);
+  if (rc == WEIGHTD_E_VERSION) {
+    char msg[WD_ERROR_MSG_MAX];
+    snprintf(msg, sizeof msg, "%s", c->err.msg);
+    return lib_fail(c, rc, "the daemon does not speak protocol %d: %s", WEIGHTD_PROTOCOL_VERSION, msg);
+  }
+  if (rc != 0) return rc;
+  const char *backend = lib_get_str(reply, "backend");
+  const char *version = lib_get_str(reply, "version");
+  snprintf(c->backend, sizeof c->backend, "%s", backend ? backend : "");
+  snprintf(c->daemon_version, sizeof c->daemon_version, "%s", version ? version : "");
+  const cJSON *proto = cJSON_GetObjectItemCaseSensitive(reply, "protocol");
+  if (cJSON_IsNumber(proto) && proto->valuedouble != WEIGHTD_PROTOCOL_VERSION)
+    rc = lib_fail(c, WEIGHTD_E_VERSION, "the daemon answered hello with protocol %g, this library speaks %d",
+                  proto->valuedouble, WEIGHTD_PROTOCOL_VERSION);
+  cJSON_Delete(reply);
+  return rc;
+}
+
+int weightd_connect(const char *socket_path, weightd_client **out) {
+  if (out == NULL) return WEIGHTD_E_INVALID;
+  weightd_client *c = calloc(1, sizeof *c);
+  *out = c;
+  if (c == NULL) return WEIGHTD_E_NOMEM;
+  c->sock = -1;
+  c->pid = getpid();
+  c->timeout_ms = -1;
+  c->next_id = 1;
+
+  /* The candidates, in order, each with the reason it is tried. */
+  char per_user[PATH_MAX];
+  const char *xdg = getenv("XDG_RUNTIME_DIR");
+  if (xdg != NULL && xdg[0] != '\0') snprintf(per_user, sizeof per_user, "%s/weightd.sock", xdg);
+  else snprintf(per_user, sizeof per_user, "/tmp/weightd-%lu.sock", (unsigned long)getuid());
+  const char *env = getenv("WEIGHTD_SOCKET");
+  const char *cand[3];
+  const char *label[3];
+  size_t n = 0;
+  if (socket_path != NULL) {
+    cand[n] = socket_path;
+    label[n++] = "";
+  } else {
+    if (env != NULL && env[0] != '\0') {
+      cand[n] = env;
+      label[n++] = "$WEIGHTD_SOCKET=";
+    }
+    cand[n] = "/run/weightd/weightd.sock";
+    label[n++] = "";
+    cand[n] = per_user;
+    label[n++] = "";
+  }
+  char tried[WD_ERROR_MSG_MAX] = "";
+  size_t len = 0;
+  for (size_t i = 0; i < n; i++) {
+    int e = try_connect(cand[i], &c->sock);
+    if (e == 0) break;
+    int w = snprintf(tried + len, sizeof tried - len, "%s%s%s (%s)", i ? ", " : "", label[i], cand[i],
+                     strerror(-e));
+    if (w > 0 && (size_t)w < sizeof tried - len) len += (size_t)w;
+  }
+  if (c->sock < 0)
+    return lib_fail(c, WEIGHTD_E_CONNECT, "cannot connect to weightd: tried %s", tried);
+  return hello(c);
+}
+
+void weightd_close(weightd_client *c) {
+  if (c == NULL) return;
+  /* Sets stay mapped; their weightd_release only unmaps them. The daemon ends the leases. */
+  for (weightd_set *s = c->sets, *next; s != NULL; s = next) {
+    next = s->next;
+    s->client = NULL;
+    s->prev = s->next = NULL;
+  }
+  if (c->sock >= 0) close(c->sock);
+  free(c);
+}
+
+const char *weightd_backend(const weightd_client *c) {
+  return c != NULL ? c->backend : "";
+}
+
+void weightd_set_timeout(weightd_client *c, int timeout_ms) {
+  if (c != NULL) c->timeout_ms = timeout_ms > 0 ? timeout_ms : -1;
+}

@@ -19,6 +19,11 @@
 extern "C" {
 #endif
 
+/* Everything declared here is exported from libweightd, which hides the rest. */
+#if defined(__GNUC__)
+#pragma GCC visibility push(default)
+#endif
+
 #define WEIGHTD_VERSION_MAJOR 0
 #define WEIGHTD_VERSION_MINOR 1
 #define WEIGHTD_VERSION_PATCH 0
@@ -77,6 +82,130 @@ const char *weightd_err_name(int code);
 unsigned weightd_version(void);
 /* The library's version as a string, e.g. "0.1.0". */
 const char *weightd_version_string(void);
+
+/* ---- connections ----------------------------------------------------------
+ *
+ * Thread safety: a weightd_client may be used by one thread at a time (calls
+ * on one handle from several threads must be serialised by the caller);
+ * separate handles are independent. Sets attached through a handle may be
+ * read from any thread. After fork() the child must not use the parent's
+ * handles (they share the parent's socket and leases): it makes its own with
+ * weightd_connect. All I/O is blocking; no event loop is needed.
+ */
+
+typedef struct weightd_client weightd_client;
+typedef struct weightd_set weightd_set;
+
+/* The protocol version this library speaks. */
+#define WEIGHTD_PROTOCOL_VERSION 1
+
+/*
+ * Connects and performs the hello exchange. socket_path NULL means: try
+ * $WEIGHTD_SOCKET, then /run/weightd/weightd.sock, then the per-user socket
+ * ($XDG_RUNTIME_DIR/weightd.sock, else /tmp/weightd-$UID.sock).
+ * On failure *out is still set when memory allowed, so that
+ * weightd_last_error() can say why; close it with weightd_close().
+ */
+int weightd_connect(const char *socket_path, weightd_client **out);
+
+/* Closes the connection; the daemon ends its leases. NULL-safe. */
+void weightd_close(weightd_client *c);
+
+/* The last error's detail on this handle ("" when none). NULL-safe. */
+const char *weightd_last_error(const weightd_client *c);
+
+/* The daemon's backend ("host" or "cuda") as reported by hello. */
+const char *weightd_backend(const weightd_client *c);
+
+/* Sets the timeout for each reply, in milliseconds (default: wait forever). */
+void weightd_set_timeout(weightd_client *c, int timeout_ms);
+
+/* Progress of a load: bytes done of bytes total. */
+typedef void (*weightd_progress_fn)(uint64_t bytes_done, uint64_t bytes_total, void *arg);
+
+/*
+ * Options of a load or load-and-attach. Set struct_size to sizeof the struct
+ * you compiled against: fields added later are appended and read only when
+ * struct_size covers them. NULL options mean all defaults.
+ */
+struct weightd_load_options {
+  size_t struct_size;
+  const char *device;          /* a UUID or an index as text; NULL: device 0 */
+  const char *plan_json;       /* a plan object as JSON text; NULL: {"preset":"whole"} */
+  weightd_progress_fn progress;/* called from inside weightd_load; may be NULL */
+  void *progress_arg;
+};
+
+/* Opens (validates and maps) a checkpoint in the daemon. */
+int weightd_open(weightd_client *c, const char *path);
+
+/* Warms a checkpoint in the page cache; pin asks for the pinned tier; wait blocks until done. */
+int weightd_prefetch(weightd_client *c, const char *path, int pin, int wait);
+
+/*
+ * Loads a checkpoint onto a device and writes the resident set's id into
+ * set_id (set_id_len bytes, 32 is enough).
+ */
+int weightd_load(weightd_client *c, const char *path, const struct weightd_load_options *opts,
+                 char *set_id, size_t set_id_len);
+
+/* Attaches a resident set by id: maps its memory and takes a lease. */
+int weightd_attach(weightd_client *c, const char *set_id, weightd_set **out);
+
+/* Loads if needed, then attaches: one call for an engine starting up. */
+int weightd_attach_path(weightd_client *c, const char *path,
+                        const struct weightd_load_options *opts, weightd_set **out);
+
+/* Releases the lease and unmaps the set (once no other attach in this process uses it). NULL-safe. */
+int weightd_release(weightd_set *s);
+
+/* Evicts a set that no one leases. */
+int weightd_evict(weightd_client *c, const char *set_id);
+
+/*
+ * Sends one request (a JSON object without "id"; one is added) and returns the
+ * final reply as JSON text in *reply (free it with weightd_free), also when
+ * the reply is an error; the return value is 0 or the reply's error code.
+ * Progress events are passed to progress when given.
+ */
+int weightd_request(weightd_client *c, const char *request_json, char **reply,
+                    weightd_progress_fn progress, void *progress_arg);
+
+/* Frees memory returned by this library. */
+void weightd_free(void *p);
+
+/* ---- attached sets --------------------------------------------------------- */
+
+enum weightd_memory_kind {
+  WEIGHTD_MEMORY_HOST = 1, /* pointers are readable host addresses */
+  WEIGHTD_MEMORY_CUDA = 2, /* pointers are CUDA device addresses */
+};
+
+typedef struct weightd_tensor {
+  const char *name;
+  const char *dtype;     /* safetensors dtype name: "BF16", "F8_E4M3", ... */
+  int ndim;
+  const int64_t *shape;
+  uint64_t offset;       /* from the slab base */
+  uint64_t nbytes;
+  void *data;            /* slab base + offset (host or device address, see the kind) */
+} weightd_tensor;
+
+const char *weightd_set_id(const weightd_set *s);
+const char *weightd_set_lease(const weightd_set *s);
+const char *weightd_set_device(const weightd_set *s); /* the device UUID */
+enum weightd_memory_kind weightd_set_memory_kind(const weightd_set *s);
+void *weightd_set_base(const weightd_set *s);
+uint64_t weightd_set_bytes(const weightd_set *s);
+size_t weightd_set_tensor_count(const weightd_set *s);
+/* The i-th tensor (in slab order); WEIGHTD_E_NOT_FOUND past the end. */
+int weightd_set_tensor(const weightd_set *s, size_t i, weightd_tensor *out);
+/* The tensor called name; WEIGHTD_E_NOT_FOUND when the set has none. */
+int weightd_set_find(const weightd_set *s, const char *name, weightd_tensor *out);
+
+#if defined(__GNUC__)
+#pragma GCC visibility pop
+#endif
 
 #ifdef __cplusplus
 }

@@ -185,6 +185,7 @@ static int parse_metadata(struct builder *b, const struct sj_node *v) {
     }
     size_t slot = h->nmeta++;
     h->meta[slot].key = k;
+    h->meta[slot].key_len = c->key_len;
     h->meta[slot].value = val;
   }
   if (drop_duplicate_meta(h) != 0) return err_set(b->err, WEIGHTD_E_NOMEM, "%s: out of memory", b->label);
@@ -256,7 +257,7 @@ static int drop_duplicate_meta(struct st_header *h) {
   size_t n = h->nmeta;
   struct key_ref *k = malloc((n ? n : 1) * sizeof *k);
   if (k == NULL) return -1;
-  for (size_t i = 0; i < n; i++) k[i] = (struct key_ref){h->meta[i].key, strlen(h->meta[i].key), i};
+  for (size_t i = 0; i < n; i++) k[i] = (struct key_ref){h->meta[i].key, h->meta[i].key_len, i};
   qsort(k, n, sizeof *k, cmp_keys);
   for (size_t i = 0; i + 1 < n; i++)
     if (k[i].len == k[i + 1].len && memcmp(k[i].s, k[i + 1].s, k[i].len) == 0) {
@@ -512,8 +513,9 @@ const struct st_tensor *st_tensor_find(const struct st_header *h, const char *na
 }
 
 const char *st_meta_get(const struct st_header *h, const char *key) {
+  size_t kl = strlen(key);
   for (size_t i = 0; i < h->nmeta; i++)
-    if (strcmp(h->meta[i].key, key) == 0) return h->meta[i].value;
+    if (h->meta[i].key_len == kl && memcmp(h->meta[i].key, key, kl) == 0) return h->meta[i].value;
   return NULL;
 }
 

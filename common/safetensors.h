@@ -36,7 +36,8 @@ struct st_tensor {
 };
 
 struct st_meta {
-  char *key;
+  char *key; /* NUL-terminated; key_len counts any embedded NUL */
+  size_t key_len;
   char *value;
 };
 

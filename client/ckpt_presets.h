@@ -1,0 +1,147 @@
+/*
+ * ckpt_presets.h - the published checkpoint layouts that `weightctl
+ * mkcheckpoint` reproduces.
+ *
+ * A preset is one row of a table: the model's architecture parameters, the
+ * config.json values that differ between models, and the rule that cuts its
+ * tensors into shard files. From a preset and a layer count,
+ * ckpt_layout_build() produces the tensor list in the PyTorch state-dict
+ * order that Hugging Face uses (names, dtypes, shapes, sizes), assigns each
+ * tensor to a shard and gives it its offset inside that shard's data.
+ *
+ * Nothing here touches files except ckpt_config_write(), which prints the
+ * model's config.json to a stream the caller opened.
+ */
+#ifndef WD_CKPT_PRESETS_H
+#define WD_CKPT_PRESETS_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "dtype.h"
+#include "error.h"
+
+/* The model families, each with its own per-layer tensor generator. */
+enum ckpt_family {
+  CKPT_QWEN3,       /* dense Qwen3 (Qwen3ForCausalLM) */
+  CKPT_QWEN3_MOE,   /* Qwen3 mixture of experts (Qwen3MoeForCausalLM) */
+  CKPT_DEEPSEEK_V3, /* DeepSeek-V3: MLA attention, MoE, FP8 block-quantized */
+  CKPT_FAMILY_COUNT
+};
+
+/*
+ * One published model. Fields a family does not use are 0. Numbers that
+ * config.json spells in a particular way (rope_theta, rms_norm_eps) are kept
+ * as the JSON text the published file holds.
+ */
+struct ckpt_preset {
+  const char *name;
+  enum ckpt_family family;
+  const char *architecture;
+  const char *model_type;
+  const char *transformers_version;
+  const char *rope_theta;   /* JSON number text */
+  const char *rms_norm_eps; /* JSON number text */
+  uint32_t hidden_size;
+  uint32_t num_layers;
+  uint32_t num_heads;
+  uint32_t num_kv_heads;
+  uint32_t head_dim; /* 0 where config.json has no head_dim (DeepSeek) */
+  uint32_t intermediate_size;
+  uint32_t vocab_size;
+  uint32_t max_position_embeddings;
+  uint32_t max_window_layers;
+  uint32_t bos_token_id;
+  uint32_t eos_token_id;
+  bool tie_word_embeddings;
+  /* Whether the published files carry lm_head.weight (Qwen3-0.6B does, tied or not). */
+  bool stores_lm_head;
+  /* Mixture of experts. */
+  uint32_t num_experts;
+  uint32_t experts_per_tok;
+  uint32_t moe_intermediate_size;
+  uint32_t n_shared_experts;
+  uint32_t first_k_dense_replace;
+  uint32_t decoder_sparse_step;
+  uint32_t n_group;
+  uint32_t topk_group;
+  /* Multi-head latent attention (DeepSeek). */
+  uint32_t q_lora_rank;
+  uint32_t kv_lora_rank;
+  uint32_t qk_nope_head_dim;
+  uint32_t qk_rope_head_dim;
+  uint32_t v_head_dim;
+  /* FP8 block quantization: the block edge, 0 when weights are BF16. */
+  uint32_t fp8_block;
+  /* Sharding: the greedy limit in bytes, the published shard count, and
+   * the digits of the count in shard names ("of-00003" vs "of-000163"). */
+  uint64_t max_shard_size;
+  uint32_t shards;
+  unsigned shard_count_digits;
+};
+
+/* How a tensor's bytes are made: seeded random bytes, or finite positive F32 values. */
+enum ckpt_fill { CKPT_FILL_BYTES, CKPT_FILL_F32_POSITIVE };
+
+/* One tensor of a layout. offset is relative to the start of its shard's data. */
+struct ckpt_tensor {
+  char *name;
+  enum wd_dtype dtype;
+  enum ckpt_fill fill;
+  unsigned ndim;
+  uint64_t shape[2];
+  uint64_t nbytes;
+  uint32_t shard;
+  uint64_t offset;
+};
+
+/* A generated layout: tensors in state-dict order, shard by shard. */
+struct ckpt_layout {
+  const struct ckpt_preset *preset;
+  uint32_t layers;
+  struct ckpt_tensor *tensors;
+  size_t count;
+  size_t cap;
+  uint64_t total_bytes;
+  uint32_t shards;
+};
+
+/* The number of presets in the table. */
+size_t ckpt_preset_count(void);
+
+/* The i-th preset of the table, or NULL when i is out of range. */
+const struct ckpt_preset *ckpt_preset_at(size_t i);
+
+/* The preset named exactly `name`, or NULL. */
+const struct ckpt_preset *ckpt_preset_find(const char *name);
+
+/*
+ * Builds the layout of preset p cut to its first `layers` layers (1 to
+ * p->num_layers) and assigns shards. Returns 0, WEIGHTD_E_INVALID for a bad
+ * layer count, WEIGHTD_E_NOMEM, or WEIGHTD_E_INTERNAL when the full model
+ * does not come out with the published shard count. On failure *out is
+ * empty and needs no ckpt_layout_free().
+ */
+int ckpt_layout_build(const struct ckpt_preset *p, uint32_t layers, struct ckpt_layout *out,
+                      struct wd_error *err);
+
+/* Frees what a layout holds and empties it; NULL-safe. */
+void ckpt_layout_free(struct ckpt_layout *l);
+
+/*
+ * Writes the file name of shard `shard` (0-based) into buf: "model.safetensors"
+ * for a one-shard layout, else "model-00001-of-00003.safetensors" style.
+ * Returns 0, or WEIGHTD_E_INVALID when buf is too small.
+ */
+int ckpt_shard_name(const struct ckpt_layout *l, uint32_t shard, char *buf, size_t buflen);
+
+/*
+ * Prints the config.json of preset p with num_hidden_layers = layers, in
+ * the layout transformers writes (sorted keys, two-space indent, final
+ * newline). Returns 0, or WEIGHTD_E_IO when the stream reports an error.
+ */
+int ckpt_config_write(const struct ckpt_preset *p, uint32_t layers, FILE *f);
+
+#endif

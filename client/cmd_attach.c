@@ -1,0 +1,155 @@
+/*
+ * cmd_attach.c - `weightctl attach (SET | PATH [--device D]) [--verify] [--hold]`:
+ * lease a resident set and map it in this process, as an engine would.
+ *
+ * The argument is a checkpoint PATH when it contains a '/' or names an
+ * existing file or directory, else a set id. With --json the output is one
+ * object built here (set, lease, device, bytes, memory, tensors and, with
+ * --verify, the verified counts): the daemon's reply carries the whole
+ * tensor table, which is not what a script asks attach for.
+ */
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "ctl.h"
+
+static int looks_like_path(const char *arg) {
+  struct stat st;
+  return strchr(arg, '/') != NULL || stat(arg, &st) == 0;
+}
+
+/*
+ * The checkpoint path and plan of a resident set, from status. *whole says
+ * the plan is {"preset": "whole"}. Returns a new string or NULL after printing why.
+ */
+static char *set_checkpoint(weightd_client *c, const char *set_id, int *whole) {
+  char *text = NULL, *path = NULL;
+  int rc = weightd_request(c, "{\"op\":\"status\"}", &text, NULL, NULL);
+  if (rc != 0) {
+    ctl_fail(c, rc, "status");
+    weightd_free(text);
+    return NULL;
+  }
+  cJSON *r = cJSON_Parse(text);
+  weightd_free(text);
+  const cJSON *x;
+  cJSON_ArrayForEach(x, cJSON_GetObjectItemCaseSensitive(r, "sets")) {
+    if (strcmp(ctl_str(x, "set"), set_id) != 0) continue;
+    const cJSON *plan = cJSON_GetObjectItemCaseSensitive(x, "plan");
+    const char *preset = ctl_str(plan, "preset");
+    *whole = plan == NULL || strcmp(preset, "whole") == 0;
+    path = strdup(ctl_str(x, "path"));
+    break;
+  }
+  if (path == NULL) ctl_errorf("verify: the daemon's status does not list set %s", set_id);
+  cJSON_Delete(r);
+  return path;
+}
+
+static void print_attached(const weightd_set *s, int verified, const struct ctl_verify_result *vr) {
+  int cuda = weightd_set_memory_kind(s) == WEIGHTD_MEMORY_CUDA;
+  if (ctl_opts.json) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "set", weightd_set_id(s));
+    cJSON_AddStringToObject(o, "lease", weightd_set_lease(s));
+    cJSON_AddStringToObject(o, "device", weightd_set_device(s));
+    cJSON_AddNumberToObject(o, "bytes", (double)weightd_set_bytes(s));
+    cJSON_AddStringToObject(o, "memory", cuda ? "cuda" : "host");
+    cJSON_AddNumberToObject(o, "tensors", (double)weightd_set_tensor_count(s));
+    if (verified) {
+      cJSON *v = cJSON_AddObjectToObject(o, "verified");
+      cJSON_AddNumberToObject(v, "tensors", (double)vr->tensors);
+      cJSON_AddNumberToObject(v, "bytes", (double)vr->bytes);
+    }
+    char *text = cJSON_PrintUnformatted(o);
+    if (text) puts(text);
+    free(text);
+    cJSON_Delete(o);
+    return;
+  }
+  char b[32];
+  ctl_human_bytes(weightd_set_bytes(s), b, sizeof b);
+  printf("attached set %s, lease %s\n  %zu tensors, %" PRIu64 " bytes (%s) of %s memory at %p on %s\n",
+         weightd_set_id(s), weightd_set_lease(s), weightd_set_tensor_count(s), weightd_set_bytes(s), b,
+         cuda ? "CUDA device" : "host", weightd_set_base(s), weightd_set_device(s));
+  if (verified) {
+    ctl_human_bytes(vr->bytes, b, sizeof b);
+    printf("verified %zu tensors, %" PRIu64 " bytes (%s): identical to the checkpoint's files\n", vr->tensors,
+           vr->bytes, b);
+  }
+}
+
+/* Blocks until SIGINT or SIGTERM (blocked by the caller beforehand). */
+static void hold(const weightd_set *s, const sigset_t *sigs) {
+  if (!ctl_opts.json)
+    printf("holding lease %s on set %s; interrupt (Ctrl-C) or SIGTERM releases it\n", weightd_set_lease(s),
+           weightd_set_id(s));
+  fflush(stdout);
+  int sig;
+  sigwait(sigs, &sig);
+}
+
+int cmd_attach(int argc, char **argv) {
+  const char *target = NULL, *device = NULL;
+  int verify = 0, holding = 0;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--json") == 0) ctl_opts.json = 1;
+    else if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) device = argv[++i];
+    else if (strcmp(argv[i], "--verify") == 0) verify = 1;
+    else if (strcmp(argv[i], "--hold") == 0) holding = 1;
+    else if (argv[i][0] != '-' && target == NULL) target = argv[i];
+    else return ctl_usage("attach");
+  }
+  if (target == NULL) return ctl_usage("attach");
+  int by_path = looks_like_path(target);
+  if (device != NULL && !by_path) {
+    ctl_errorf("attach: --device goes with a checkpoint PATH; '%s' is taken as a set id", target);
+    return CTL_EXIT_USAGE;
+  }
+  /* Signals that end --hold wait for sigwait, from before the lease exists. */
+  sigset_t sigs, old;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  if (holding) sigprocmask(SIG_BLOCK, &sigs, &old);
+
+  weightd_client *c = NULL;
+  weightd_set *s = NULL;
+  int rc, exit_code = CTL_EXIT_OK;
+  if (ctl_connect(&c) != 0) {
+    exit_code = CTL_EXIT_FAIL;
+    goto done;
+  }
+  if (by_path) {
+    struct weightd_load_options o = {.struct_size = sizeof o, .device = device, .progress = ctl_progress};
+    rc = weightd_attach_path(c, target, &o, &s);
+    ctl_progress_done();
+  } else {
+    rc = weightd_attach(c, target, &s);
+  }
+  if (rc != 0) {
+    exit_code = ctl_fail(c, rc, "attach");
+    goto done;
+  }
+  struct ctl_verify_result vr = {0};
+  if (verify) {
+    int whole = 1;
+    char *path = by_path ? strdup(target) : set_checkpoint(c, target, &whole);
+    if (path == NULL || ctl_verify_set(s, path, whole, &vr) != 0) exit_code = CTL_EXIT_FAIL;
+    free(path);
+  }
+  if (exit_code == CTL_EXIT_OK) {
+    print_attached(s, verify, &vr);
+    if (holding) hold(s, &sigs);
+  }
+  rc = weightd_release(s);
+  if (rc != 0 && exit_code == CTL_EXIT_OK) exit_code = ctl_fail(c, rc, "release");
+done:
+  weightd_close(c);
+  if (holding) sigprocmask(SIG_SETMASK, &old, NULL);
+  return exit_code;
+}

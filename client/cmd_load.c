@@ -1,0 +1,47 @@
+/* cmd_load.c - `weightctl load PATH [--device D] [--plan FILE]`: load a checkpoint onto a device. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ctl.h"
+
+int cmd_load(int argc, char **argv) {
+  const char *path = NULL, *device = NULL, *plan_file = NULL;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--json") == 0) ctl_opts.json = 1;
+    else if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) device = argv[++i];
+    else if (strcmp(argv[i], "--plan") == 0 && i + 1 < argc) plan_file = argv[++i];
+    else if (argv[i][0] != '-' && path == NULL) path = argv[i];
+    else return ctl_usage("load");
+  }
+  if (path == NULL) return ctl_usage("load");
+  cJSON *plan = NULL;
+  if (plan_file != NULL && (plan = ctl_plan_read(plan_file)) == NULL) return CTL_EXIT_FAIL;
+
+  weightd_client *c;
+  if (ctl_connect(&c) != 0) {
+    cJSON_Delete(plan);
+    return CTL_EXIT_FAIL;
+  }
+  cJSON *req = ctl_request_new("load"), *reply;
+  ctl_add_path(req, path);
+  ctl_add_device(req, device);
+  if (plan != NULL) cJSON_AddItemToObject(req, "plan", plan);
+  int rc = ctl_request(c, req, ctl_progress, NULL, &reply);
+  ctl_progress_done();
+  if (rc == 0 && !ctl_opts.json) {
+    char b[32];
+    uint64_t bytes = ctl_u64(reply, "bytes");
+    const cJSON *secs = cJSON_GetObjectItemCaseSensitive(reply, "seconds");
+    const cJSON *rate = cJSON_GetObjectItemCaseSensitive(reply, "gib_per_s");
+    ctl_human_bytes(bytes, b, sizeof b);
+    printf("set %s on %s\n  %" PRIu64 " tensors, %" PRIu64 " bytes (%s) in %.3f s, %.2f GiB/s (%s)%s\n",
+           ctl_str(reply, "set"), ctl_str(reply, "device"), ctl_u64(reply, "tensors"), bytes, b,
+           cJSON_IsNumber(secs) ? secs->valuedouble : 0.0, cJSON_IsNumber(rate) ? rate->valuedouble : 0.0,
+           ctl_str(reply, "method"),
+           cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(reply, "shared")) ? "; already resident, shared" : "");
+  }
+  cJSON_Delete(reply);
+  weightd_close(c);
+  return rc == 0 ? CTL_EXIT_OK : CTL_EXIT_FAIL;
+}

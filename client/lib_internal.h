@@ -1,0 +1,128 @@
+/*
+ * lib_internal.h - libweightd's private structures, shared by its files.
+ *
+ *   libweightd.c  connections: socket search, hello, the request/reply loop
+ *   lib_ops.c     the ops: open, prefetch, load, evict, attach, release
+ *   lib_set.c     attached sets: the tensor table and its accessors
+ *   lib_map.c     the process-wide table of mapped slabs (one per set)
+ *   cuda_import.c the CUDA driver, loaded on demand
+ */
+#ifndef WD_LIB_INTERNAL_H
+#define WD_LIB_INTERNAL_H
+
+#include <cjson/cJSON.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "cuda_import.h"
+#include "error.h"
+#include "weightd.h"
+#include "wire.h"
+
+struct weightd_client {
+  int sock;           /* -1 once closed or never connected */
+  pid_t pid;          /* the process that connected: a forked child must not use it */
+  int timeout_ms;     /* per frame; -1 waits forever */
+  int64_t next_id;    /* the next request id */
+  int broken;         /* the stream is out of step or closed: nothing more is sent */
+  int shutdown_seen;  /* the daemon announced that it is stopping */
+  char backend[16];   /* from hello */
+  char daemon_version[32];
+  struct wd_error err;   /* the last error's detail */
+  struct weightd_set *sets; /* sets attached through this handle, a list */
+};
+
+/* A mapped slab, shared by every attach of the same set in this process. */
+struct lib_mapping {
+  struct lib_mapping *next;
+  char *set_id;
+  enum weightd_memory_kind kind;
+  dev_t dev; /* host: the memfd's identity */
+  ino_t ino;
+  unsigned char ipc[CUIMP_HANDLE_BYTES]; /* cuda: the handle */
+  struct cuimp_device cudev;             /* cuda: the device it is open on */
+  void *base;
+  uint64_t bytes;
+  int refs;
+};
+
+struct weightd_set {
+  weightd_client *client; /* NULL once weightd_close detached it */
+  struct weightd_set *prev, *next;
+  pid_t pid;              /* the process that attached it */
+  char *id, *lease, *device;
+  enum weightd_memory_kind kind;
+  uint64_t bytes;
+  struct lib_mapping *map;
+  size_t ntensors;
+  struct weightd_tensor *tensors; /* slab order, data filled in */
+  size_t *by_name;                /* indexes into tensors, sorted by name */
+  char *strings;                  /* names and dtypes, one allocation */
+  int64_t *shapes;                /* every tensor's dimensions, one allocation */
+};
+
+/* ---- libweightd.c: connections and requests ------------------------------- */
+
+/* Sets the handle's last error and returns code. */
+int lib_fail(weightd_client *c, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Fails with WEIGHTD_E_INVALID when c is NULL, closed, broken or from another process. */
+int lib_usable(weightd_client *c);
+
+/*
+ * Sends req (an object; its "id" is set here; ownership stays with the caller)
+ * and waits for the final reply. On 0, *reply is the parsed reply (the caller
+ * deletes it) and, when frame is not NULL, *frame holds its descriptors (the
+ * caller clears it). On a daemon error the code is the wire code's and the
+ * handle's last error holds the daemon's message; when text is not NULL it
+ * receives the reply's raw JSON in both cases.
+ */
+int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
+             cJSON **reply, struct wire_frame *frame, char **text);
+
+/* A new request object {"op": op}, or NULL when memory ran out. */
+cJSON *lib_request_new(const char *op);
+
+/* Adds "path" to req, made absolute against the current directory. */
+int lib_add_path(weightd_client *c, cJSON *req, const char *path);
+
+/* Reads a non-negative exact integer member (below 2^53); 0 or WEIGHTD_E_PROTOCOL. */
+int lib_get_u64(weightd_client *c, const cJSON *o, const char *key, uint64_t *out);
+
+/* A string member or NULL. */
+const char *lib_get_str(const cJSON *o, const char *key);
+
+/* ---- lib_set.c: sets ---------------------------------------------------------- */
+
+/*
+ * Builds a set from an attach reply and its frame's descriptors: maps the
+ * slab (or reuses this process's mapping) and reads the tensor table.
+ */
+int lib_set_from_reply(weightd_client *c, const cJSON *reply, struct wire_frame *frame,
+                       weightd_set **out);
+
+/* Frees a set's memory (not its mapping). NULL-safe. */
+void lib_set_free(weightd_set *s);
+
+/* ---- lib_map.c: the process-wide mapping table ------------------------------- */
+
+/*
+ * Maps a host slab received as fd (which this call always closes), or takes
+ * another reference on this process's mapping of the same set and memfd.
+ */
+int lib_map_host(const char *set_id, int fd, uint64_t bytes, struct lib_mapping **out,
+                 struct wd_error *err);
+
+/* Opens a CUDA IPC handle on the device with that UUID, or takes another reference. */
+int lib_map_cuda(const char *set_id, const char *device_uuid,
+                 const unsigned char handle[CUIMP_HANDLE_BYTES], uint64_t bytes,
+                 struct lib_mapping **out, struct wd_error *err);
+
+/*
+ * Drops a reference; the last one unmaps (host) or closes the handle (cuda).
+ * in_child says the caller is a forked child of the process that mapped it:
+ * the CUDA driver is then left alone (its mappings are not inherited).
+ */
+int lib_map_put(struct lib_mapping *m, int in_child, struct wd_error *err);
+
+#endif

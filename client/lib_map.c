@@ -1,0 +1,160 @@
+/*
+ * lib_map.c - the process-wide table of mapped slabs.
+ *
+ * DESIGN: every attach in this process, through any handle and on any
+ * thread, looks its slab up here by set id and slab identity (host: the
+ * memfd's st_dev/st_ino; cuda: the IPC handle's bytes), so one set is mapped
+ * once and every weightd_set of it sees the same base address. Entries are
+ * reference-counted; the last weightd_release unmaps. One mutex guards the
+ * list and is held across mmap/munmap and cuIpcOpen/CloseMemHandle, so two
+ * threads attaching the same set never map it twice.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "lib_internal.h"
+
+static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct lib_mapping *maps;
+
+/* The mapping of set_id with that identity, or NULL; called with map_lock held. */
+static struct lib_mapping *find(const char *set_id, enum weightd_memory_kind kind, dev_t dev, ino_t ino,
+                                const unsigned char *ipc) {
+  for (struct lib_mapping *m = maps; m != NULL; m = m->next) {
+    if (m->kind != kind || strcmp(m->set_id, set_id) != 0) continue;
+    if (kind == WEIGHTD_MEMORY_HOST && m->dev == dev && m->ino == ino) return m;
+    if (kind == WEIGHTD_MEMORY_CUDA && memcmp(m->ipc, ipc, sizeof m->ipc) == 0) return m;
+  }
+  return NULL;
+}
+
+static struct lib_mapping *entry_new(const char *set_id, enum weightd_memory_kind kind, uint64_t bytes) {
+  struct lib_mapping *m = calloc(1, sizeof *m);
+  if (m == NULL) return NULL;
+  m->set_id = strdup(set_id);
+  if (m->set_id == NULL) {
+    free(m);
+    return NULL;
+  }
+  m->kind = kind;
+  m->bytes = bytes;
+  m->refs = 1;
+  return m;
+}
+
+int lib_map_host(const char *set_id, int fd, uint64_t bytes, struct lib_mapping **out, struct wd_error *err) {
+  struct stat st;
+  int rc = 0;
+  pthread_mutex_lock(&map_lock);
+  if (fstat(fd, &st) != 0) {
+    rc = err_set(err, WEIGHTD_E_IO, "fstat of the received descriptor: %s", strerror(errno));
+    goto done;
+  }
+  struct lib_mapping *m = find(set_id, WEIGHTD_MEMORY_HOST, st.st_dev, st.st_ino, NULL);
+  if (m != NULL) {
+    m->refs++;
+    *out = m;
+    goto done;
+  }
+  /* Sealed against shrinking (no SIGBUS under our readers) and writing (shared weights stay intact). */
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_WRITE)) != (F_SEAL_SHRINK | F_SEAL_WRITE)) {
+    rc = err_set(err, WEIGHTD_E_PROTOCOL, "the set's memory descriptor is not sealed against writing and shrinking");
+    goto done;
+  }
+  if (!S_ISREG(st.st_mode) || st.st_size < 0 || (uint64_t)st.st_size < bytes) {
+    rc = err_set(err, WEIGHTD_E_PROTOCOL, "the set's memory holds %lld bytes, the set needs %llu",
+                 (long long)st.st_size, (unsigned long long)bytes);
+    goto done;
+  }
+  m = entry_new(set_id, WEIGHTD_MEMORY_HOST, bytes);
+  if (m == NULL) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    goto done;
+  }
+  if (bytes > 0) {
+    m->base = mmap(NULL, bytes, PROT_READ, MAP_SHARED, fd, 0);
+    if (m->base == MAP_FAILED) {
+      rc = err_set(err, errno == ENOMEM ? WEIGHTD_E_NOMEM : WEIGHTD_E_IO, "mmap of %llu bytes: %s",
+                   (unsigned long long)bytes, strerror(errno));
+      free(m->set_id);
+      free(m);
+      goto done;
+    }
+  }
+  m->dev = st.st_dev;
+  m->ino = st.st_ino;
+  m->next = maps;
+  maps = m;
+  *out = m;
+done:
+  pthread_mutex_unlock(&map_lock);
+  close(fd);
+  return rc;
+}
+
+int lib_map_cuda(const char *set_id, const char *device_uuid, const unsigned char handle[CUIMP_HANDLE_BYTES],
+                 uint64_t bytes, struct lib_mapping **out, struct wd_error *err) {
+  int rc = 0;
+  pthread_mutex_lock(&map_lock);
+  struct lib_mapping *m = find(set_id, WEIGHTD_MEMORY_CUDA, 0, 0, handle);
+  if (m != NULL) {
+    m->refs++;
+    *out = m;
+    goto done;
+  }
+  m = entry_new(set_id, WEIGHTD_MEMORY_CUDA, bytes);
+  if (m == NULL) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    goto done;
+  }
+  memcpy(m->ipc, handle, sizeof m->ipc);
+  uint64_t dptr = 0;
+  if ((rc = cuimp_device_find(device_uuid, &m->cudev, err)) != 0 ||
+      (rc = cuimp_ipc_open(&m->cudev, handle, &dptr, err)) != 0) {
+    cuimp_device_put(&m->cudev);
+    free(m->set_id);
+    free(m);
+    goto done;
+  }
+  m->base = (void *)(uintptr_t)dptr;
+  m->next = maps;
+  maps = m;
+  *out = m;
+done:
+  pthread_mutex_unlock(&map_lock);
+  return rc;
+}
+
+int lib_map_put(struct lib_mapping *m, int in_child, struct wd_error *err) {
+  if (m == NULL) return 0;
+  int rc = 0;
+  pthread_mutex_lock(&map_lock);
+  if (--m->refs > 0) {
+    pthread_mutex_unlock(&map_lock);
+    return 0;
+  }
+  for (struct lib_mapping **p = &maps; *p != NULL; p = &(*p)->next)
+    if (*p == m) {
+      *p = m->next;
+      break;
+    }
+  pthread_mutex_unlock(&map_lock);
+  if (m->kind == WEIGHTD_MEMORY_HOST && m->base != NULL) {
+    if (munmap(m->base, m->bytes) != 0)
+      rc = err_set(err, WEIGHTD_E_INTERNAL, "munmap: %s", strerror(errno));
+  } else if (m->kind == WEIGHTD_MEMORY_CUDA && !in_child) {
+    /* A forked child inherits no CUDA mappings: only the parent closes them. */
+    rc = cuimp_ipc_close(&m->cudev, (uint64_t)(uintptr_t)m->base, err);
+    cuimp_device_put(&m->cudev);
+  }
+  free(m->set_id);
+  free(m);
+  return rc;
+}

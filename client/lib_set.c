@@ -1,0 +1,197 @@
+/* lib_set.c - attached sets: building one from an attach reply, and its accessors. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "lib_internal.h"
+#include "msg.h"
+
+/* ---- the tensor table ------------------------------------------------------------ */
+
+/* qsort_r's context: the tensors whose indexes are sorted. */
+static int by_name_cmp(const void *a, const void *b, void *arg) {
+  const struct weightd_tensor *t = arg;
+  return strcmp(t[*(const size_t *)a].name, t[*(const size_t *)b].name);
+}
+
+/* Reads "tensors" into s (names, dtypes and shapes copied; data pointers from the base). */
+static int read_tensors(weightd_client *c, weightd_set *s, const cJSON *reply) {
+  const cJSON *arr = cJSON_GetObjectItemCaseSensitive(reply, "tensors");
+  if (!cJSON_IsArray(arr)) return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the reply has no \"tensors\" list");
+  size_t n = (size_t)cJSON_GetArraySize(arr), text = 0, dims = 0;
+  const cJSON *t;
+  cJSON_ArrayForEach(t, arr) {
+    const char *name = lib_get_str(t, "name"), *dtype = lib_get_str(t, "dtype");
+    const cJSON *shape = cJSON_GetObjectItemCaseSensitive(t, "shape");
+    if (name == NULL || dtype == NULL || !cJSON_IsArray(shape))
+      return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: a tensor entry lacks \"name\", \"dtype\" or \"shape\"");
+    text += strlen(name) + strlen(dtype) + 2;
+    dims += (size_t)cJSON_GetArraySize(shape);
+  }
+  s->ntensors = n;
+  s->tensors = calloc(n ? n : 1, sizeof *s->tensors);
+  s->by_name = calloc(n ? n : 1, sizeof *s->by_name);
+  s->strings = malloc(text ? text : 1);
+  s->shapes = calloc(dims ? dims : 1, sizeof *s->shapes);
+  if (!s->tensors || !s->by_name || !s->strings || !s->shapes) return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+  char *sp = s->strings;
+  int64_t *dp = s->shapes;
+  size_t i = 0;
+  cJSON_ArrayForEach(t, arr) {
+    struct weightd_tensor *x = &s->tensors[i];
+    const char *name = lib_get_str(t, "name"), *dtype = lib_get_str(t, "dtype");
+    size_t nl = strlen(name) + 1, dl = strlen(dtype) + 1;
+    x->name = memcpy(sp, name, nl);
+    sp += nl;
+    x->dtype = memcpy(sp, dtype, dl);
+    sp += dl;
+    x->shape = dp;
+    const cJSON *d;
+    cJSON_ArrayForEach(d, cJSON_GetObjectItemCaseSensitive(t, "shape")) {
+      if (!cJSON_IsNumber(d) || d->valuedouble < 0 || d->valuedouble >= 9007199254740992.0)
+        return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: tensor '%s' has a bad shape", name);
+      *dp++ = (int64_t)d->valuedouble;
+      x->ndim++;
+    }
+    int rc;
+    if ((rc = lib_get_u64(c, t, "offset", &x->offset)) != 0 || (rc = lib_get_u64(c, t, "nbytes", &x->nbytes)) != 0)
+      return lib_fail(c, rc, "attach: tensor '%s': %s", name, c->err.msg);
+    if (x->offset > s->bytes || x->nbytes > s->bytes - x->offset)
+      return lib_fail(c, WEIGHTD_E_PROTOCOL,
+                      "attach: tensor '%s' (offset %llu, %llu bytes) lies outside the %llu-byte slab", name,
+                      (unsigned long long)x->offset, (unsigned long long)x->nbytes,
+                      (unsigned long long)s->bytes);
+    s->by_name[i] = i;
+    i++;
+  }
+  qsort_r(s->by_name, n, sizeof *s->by_name, by_name_cmp, s->tensors);
+  return 0;
+}
+
+/* ---- handles ------------------------------------------------------------------------ */
+
+/* Maps the reply's single slab handle. */
+static int map_handle(weightd_client *c, weightd_set *s, const cJSON *reply, struct wire_frame *frame) {
+  const cJSON *handles = cJSON_GetObjectItemCaseSensitive(reply, "handles");
+  if (!cJSON_IsArray(handles) || cJSON_GetArraySize(handles) < 1)
+    return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the reply has no \"handles\"");
+  if (cJSON_GetArraySize(handles) > 1)
+    return lib_fail(c, WEIGHTD_E_UNSUPPORTED, "attach: set %s has %d slabs; this library maps one", s->id,
+                    cJSON_GetArraySize(handles));
+  const cJSON *h = cJSON_GetArrayItem(handles, 0);
+  const char *kind = lib_get_str(h, "kind");
+  uint64_t hbytes;
+  int rc = lib_get_u64(c, h, "bytes", &hbytes);
+  if (rc != 0) return rc;
+  if (hbytes < s->bytes)
+    return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the handle covers %llu bytes, the set has %llu",
+                    (unsigned long long)hbytes, (unsigned long long)s->bytes);
+  struct wd_error e;
+  err_clear(&e);
+  if (kind != NULL && strcmp(kind, "fd") == 0) {
+    uint64_t idx;
+    if ((rc = lib_get_u64(c, h, "fd_index", &idx)) != 0) return rc;
+    if (idx >= frame->nfds || frame->fds[idx] < 0)
+      return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the reply names fd %llu but carried %zu descriptor%s",
+                      (unsigned long long)idx, frame->nfds, frame->nfds == 1 ? "" : "s");
+    int fd = frame->fds[idx];
+    frame->fds[idx] = -1; /* lib_map_host closes it */
+    s->kind = WEIGHTD_MEMORY_HOST;
+    rc = lib_map_host(s->id, fd, s->bytes, &s->map, &e);
+  } else if (kind != NULL && strcmp(kind, "cuda_ipc") == 0) {
+    const char *hex = lib_get_str(h, "handle");
+    unsigned char raw[CUIMP_HANDLE_BYTES];
+    if (hex == NULL || msg_hex_decode(hex, raw, sizeof raw) != 0)
+      return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the cuda_ipc handle is not %d hex digits",
+                      2 * CUIMP_HANDLE_BYTES);
+    s->kind = WEIGHTD_MEMORY_CUDA;
+    rc = lib_map_cuda(s->id, s->device, raw, s->bytes, &s->map, &e);
+  } else {
+    return lib_fail(c, WEIGHTD_E_UNSUPPORTED, "attach: unknown handle kind '%s'", kind ? kind : "(none)");
+  }
+  if (rc != 0) return lib_fail(c, rc, "attach %s: %s", s->id, e.msg);
+  return 0;
+}
+
+/* ---- building and freeing ---------------------------------------------------------- */
+
+int lib_set_from_reply(weightd_client *c, const cJSON *reply, struct wire_frame *frame, weightd_set **out) {
+  weightd_set *s = calloc(1, sizeof *s);
+  if (s == NULL) return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+  s->pid = getpid();
+  const char *id = lib_get_str(reply, "set"), *lease = lib_get_str(reply, "lease");
+  const char *device = lib_get_str(reply, "device");
+  int rc;
+  if (id == NULL || lease == NULL || device == NULL) {
+    rc = lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the reply lacks \"set\", \"lease\" or \"device\"");
+    goto fail;
+  }
+  s->id = strdup(id);
+  s->lease = strdup(lease);
+  s->device = strdup(device);
+  if (!s->id || !s->lease || !s->device) {
+    rc = lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+    goto fail;
+  }
+  if ((rc = lib_get_u64(c, reply, "bytes", &s->bytes)) != 0) goto fail;
+  if ((rc = read_tensors(c, s, reply)) != 0) goto fail;
+  if ((rc = map_handle(c, s, reply, frame)) != 0) goto fail;
+  for (size_t i = 0; i < s->ntensors; i++)
+    s->tensors[i].data = s->map->base ? (char *)s->map->base + s->tensors[i].offset : NULL;
+  s->client = c;
+  s->next = c->sets;
+  if (c->sets) c->sets->prev = s;
+  c->sets = s;
+  *out = s;
+  return 0;
+fail:
+  lib_set_free(s);
+  return rc;
+}
+
+void lib_set_free(weightd_set *s) {
+  if (s == NULL) return;
+  free(s->id);
+  free(s->lease);
+  free(s->device);
+  free(s->tensors);
+  free(s->by_name);
+  free(s->strings);
+  free(s->shapes);
+  free(s);
+}
+
+/* ---- accessors ----------------------------------------------------------------------- */
+
+const char *weightd_set_id(const weightd_set *s) { return s ? s->id : NULL; }
+const char *weightd_set_lease(const weightd_set *s) { return s ? s->lease : NULL; }
+const char *weightd_set_device(const weightd_set *s) { return s ? s->device : NULL; }
+enum weightd_memory_kind weightd_set_memory_kind(const weightd_set *s) {
+  return s ? s->kind : (enum weightd_memory_kind)0;
+}
+void *weightd_set_base(const weightd_set *s) { return s && s->map ? s->map->base : NULL; }
+uint64_t weightd_set_bytes(const weightd_set *s) { return s ? s->bytes : 0; }
+size_t weightd_set_tensor_count(const weightd_set *s) { return s ? s->ntensors : 0; }
+
+int weightd_set_tensor(const weightd_set *s, size_t i, weightd_tensor *out) {
+  if (s == NULL || out == NULL) return WEIGHTD_E_INVALID;
+  if (i >= s->ntensors) return WEIGHTD_E_NOT_FOUND;
+  *out = s->tensors[i];
+  return 0;
+}
+
+int weightd_set_find(const weightd_set *s, const char *name, weightd_tensor *out) {
+  if (s == NULL || name == NULL || out == NULL) return WEIGHTD_E_INVALID;
+  size_t lo = 0, hi = s->ntensors;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    int cmp = strcmp(s->tensors[s->by_name[mid]].name, name);
+    if (cmp == 0) {
+      *out = s->tensors[s->by_name[mid]];
+      return 0;
+    }
+    if (cmp < 0) lo = mid + 1;
+    else hi = mid;
+  }
+  return WEIGHTD_E_NOT_FOUND;
+}

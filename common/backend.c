@@ -1,0 +1,17 @@
+/* backend.c - what every backend shares: destruction, and the cuda fallback. */
+#include "backend.h"
+
+void backend_destroy(struct wd_backend *b) {
+  if (b == NULL || b->ops == NULL) return;
+  if (b->ops->destroy) b->ops->destroy(b->ctx);
+  b->ops = NULL;
+  b->ctx = NULL;
+}
+
+#ifndef WEIGHTD_HAVE_CUDA
+int backend_cuda_create(struct wd_backend *out, struct wd_error *err) {
+  out->ops = NULL;
+  out->ctx = NULL;
+  return err_set(err, WEIGHTD_E_UNSUPPORTED, "this weightd was built without CUDA");
+}
+#endif

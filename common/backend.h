@@ -1,0 +1,123 @@
+/*
+ * backend.h - the device backend interface.
+ *
+ * A backend is a const table of operations plus a context, in the style of
+ * ggml's backends. Optional operations may be NULL and say so. Two backends
+ * exist: `host`, where device memory is a sealed memfd handed to clients over
+ * SCM_RIGHTS and a copy is a memcpy (CPU engines share weights through it,
+ * and every daemon test runs on it), and `cuda`, where a slab is one
+ * cudaMalloc allocation exported with cudaIpcGetMemHandle.
+ *
+ * Threads: device queries, slab allocation and export run on the daemon's
+ * loader threads or the loop thread; copies run on loader threads. A backend
+ * guards its own shared state; slabs, streams and events are used by one
+ * thread at a time.
+ */
+#ifndef WD_BACKEND_H
+#define WD_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "error.h"
+
+#define WD_UUID_MAX 64
+#define WD_IPC_HANDLE_BYTES 64
+
+struct wd_device_info {
+  int index;               /* the daemon's index */
+  char name[128];          /* "NVIDIA H200", "host memory" */
+  char uuid[WD_UUID_MAX];  /* "GPU-8f0e...", "host-<machine id>" */
+  uint64_t memory_total;
+  uint64_t memory_free;
+};
+
+enum wd_handle_kind {
+  WD_HANDLE_FD,       /* a file descriptor the client maps (host backend) */
+  WD_HANDLE_CUDA_IPC, /* a cudaIpcMemHandle_t the client opens (cuda backend) */
+};
+
+struct wd_handle {
+  enum wd_handle_kind kind;
+  int fd; /* WD_HANDLE_FD: a new descriptor owned by the caller */
+  unsigned char ipc[WD_IPC_HANDLE_BYTES];
+  uint64_t bytes;
+};
+
+/* One device allocation holding a resident set's tensors. */
+struct wd_slab {
+  int device;
+  uint64_t bytes;
+  void *host_view; /* a writable host mapping while filling (host backend), else NULL */
+  void *impl;      /* backend-private */
+};
+
+struct wd_stream;
+struct wd_event;
+
+struct wd_backend_ops {
+  const char *name;
+
+  /* Devices. */
+  int (*device_count)(void *ctx);
+  int (*device_info)(void *ctx, int device, struct wd_device_info *out, struct wd_error *err);
+
+  /* Slabs: allocate, make read-only once filled (NULL: nothing to do), export, read back, free. */
+  int (*slab_alloc)(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err);
+  int (*slab_seal)(void *ctx, struct wd_slab *slab, struct wd_error *err);
+  int (*slab_export)(void *ctx, struct wd_slab *slab, struct wd_handle *out, struct wd_error *err);
+  int (*slab_read)(void *ctx, struct wd_slab *slab, uint64_t offset, void *dst, size_t len,
+                   struct wd_error *err);
+  void (*slab_free)(void *ctx, struct wd_slab *slab);
+
+  /* Pinned (page-locked) host buffers for the staging pipeline. */
+  int (*pinned_alloc)(void *ctx, int device, size_t bytes, void **out, struct wd_error *err);
+  void (*pinned_free)(void *ctx, int device, void *p);
+
+  /*
+   * Registers an existing host range (a shard mapping) so that copies from it
+   * need no staging: the pinned-resident tier. NULL: the backend reads any
+   * host memory directly (host) and needs no registration.
+   */
+  int (*host_register)(void *ctx, void *p, size_t len, struct wd_error *err);
+  void (*host_unregister)(void *ctx, void *p, size_t len);
+
+  /* Streams and events: copies are asynchronous on a stream; an event marks completion. */
+  int (*stream_create)(void *ctx, int device, struct wd_stream **out, struct wd_error *err);
+  void (*stream_destroy)(void *ctx, struct wd_stream *s);
+  int (*event_create)(void *ctx, int device, struct wd_event **out, struct wd_error *err);
+  void (*event_destroy)(void *ctx, struct wd_event *e);
+  int (*event_record)(void *ctx, struct wd_event *e, struct wd_stream *s, struct wd_error *err);
+  int (*event_wait)(void *ctx, struct wd_event *e, struct wd_error *err);
+
+  /*
+   * Copies host memory into a slab: `height` rows of `width` bytes, rows
+   * src_pitch apart in the source and dst_pitch apart in the slab (height 1
+   * for a plain copy). Asynchronous on stream s: src must stay valid and
+   * unchanged until an event recorded after it has completed.
+   */
+  int (*copy_h2d)(void *ctx, struct wd_slab *dst, uint64_t dst_offset, size_t dst_pitch,
+                  const void *src, size_t src_pitch, size_t width, size_t height,
+                  struct wd_stream *s, struct wd_error *err);
+
+  void (*destroy)(void *ctx);
+};
+
+struct wd_backend {
+  const struct wd_backend_ops *ops;
+  void *ctx;
+};
+
+/* Creates the host backend. */
+int backend_host_create(struct wd_backend *out, struct wd_error *err);
+
+/*
+ * Creates the cuda backend: WEIGHTD_E_UNSUPPORTED when weightd was built
+ * without CUDA, WEIGHTD_E_DEVICE when no usable GPU is present.
+ */
+int backend_cuda_create(struct wd_backend *out, struct wd_error *err);
+
+/* Frees a backend created by one of the above (NULL-safe on an empty struct). */
+void backend_destroy(struct wd_backend *b);
+
+#endif

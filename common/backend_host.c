@@ -1,0 +1,273 @@
+/*
+ * backend_host.c - the host backend: "device" memory is a memfd.
+ *
+ * A slab is a memfd mapped writable in the daemon while it is filled; once
+ * filled, the writable mapping goes away and the memfd is sealed against
+ * writes, growth and shrinking, so that clients (which map it read-only) can
+ * never change shared weights. A copy is a memcpy on the calling thread, so
+ * streams and events are trivially complete.
+ *
+ * Threads: no shared mutable state; each slab is used by one thread at a time.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "backend.h"
+
+struct host_slab {
+  int fd;
+  size_t map_len;
+};
+
+struct wd_stream {
+  int unused;
+};
+
+struct wd_event {
+  int unused;
+};
+
+static int host_device_count(void *ctx) {
+  (void)ctx;
+  return 1;
+}
+
+/* Reads "Key:   123 kB" from /proc/meminfo; 0 when absent. */
+static uint64_t meminfo_bytes(const char *key) {
+  FILE *f = fopen("/proc/meminfo", "re");
+  if (f == NULL) return 0;
+  char line[256];
+  uint64_t v = 0;
+  size_t kl = strlen(key);
+  while (fgets(line, sizeof line, f) != NULL) {
+    if (strncmp(line, key, kl) == 0 && line[kl] == ':') {
+      v = strtoull(line + kl + 1, NULL, 10) * 1024;
+      break;
+    }
+  }
+  fclose(f);
+  return v;
+}
+
+static int host_device_info(void *ctx, int device, struct wd_device_info *out, struct wd_error *err) {
+  (void)ctx;
+  if (device != 0) return err_set(err, WEIGHTD_E_NOT_FOUND, "host backend has one device (0), not %d", device);
+  memset(out, 0, sizeof *out);
+  out->index = 0;
+  snprintf(out->name, sizeof out->name, "host memory");
+  char id[64] = "";
+  FILE *f = fopen("/etc/machine-id", "re");
+  if (f != NULL) {
+    if (fgets(id, sizeof id, f) == NULL) id[0] = '\0';
+    fclose(f);
+  }
+  id[strcspn(id, "\r\n")] = '\0';
+  if (strlen(id) > 32) id[32] = '\0';
+  snprintf(out->uuid, sizeof out->uuid, "host-%.32s", id[0] ? id : "0");
+  out->memory_total = meminfo_bytes("MemTotal");
+  out->memory_free = meminfo_bytes("MemAvailable");
+  return 0;
+}
+
+static int host_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out,
+                           struct wd_error *err) {
+  (void)ctx;
+  *out = NULL;
+  int rc = 0;
+  struct wd_slab *s = calloc(1, sizeof *s);
+  struct host_slab *h = calloc(1, sizeof *h);
+  if (s == NULL || h == NULL) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    goto fail;
+  }
+  h->fd = -1;
+  /* A mapping cannot be empty: a set of zero-size tensors still gets one page. */
+  long page = sysconf(_SC_PAGESIZE);
+  h->map_len = bytes ? (size_t)bytes : (size_t)page;
+  h->fd = memfd_create("weightd-slab", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (h->fd < 0) {
+    rc = err_set(err, WEIGHTD_E_DEVICE, "memfd_create: %s", strerror(errno));
+    goto fail;
+  }
+  if (ftruncate(h->fd, (off_t)h->map_len) != 0) {
+    rc = err_set(err, errno == ENOSPC || errno == ENOMEM ? WEIGHTD_E_DEVICE_NOMEM : WEIGHTD_E_DEVICE,
+                 "memfd of %llu bytes: %s", (unsigned long long)bytes, strerror(errno));
+    goto fail;
+  }
+  void *p = mmap(NULL, h->map_len, PROT_READ | PROT_WRITE, MAP_SHARED, h->fd, 0);
+  if (p == MAP_FAILED) {
+    rc = err_set(err, errno == ENOMEM ? WEIGHTD_E_DEVICE_NOMEM : WEIGHTD_E_DEVICE,
+                 "mapping a slab of %llu bytes: %s", (unsigned long long)bytes, strerror(errno));
+    goto fail;
+  }
+  s->device = device;
+  s->bytes = bytes;
+  s->host_view = p;
+  s->impl = h;
+  *out = s;
+  return 0;
+fail:
+  if (h != NULL && h->fd >= 0) close(h->fd);
+  free(h);
+  free(s);
+  return rc;
+}
+
+static int host_slab_seal(void *ctx, struct wd_slab *s, struct wd_error *err) {
+  (void)ctx;
+  struct host_slab *h = s->impl;
+  if (s->host_view != NULL) {
+    munmap(s->host_view, h->map_len);
+    s->host_view = NULL;
+  }
+  if (fcntl(h->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0)
+    return err_set(err, WEIGHTD_E_DEVICE, "sealing the slab: %s", strerror(errno));
+  return 0;
+}
+
+static int host_slab_export(void *ctx, struct wd_slab *s, struct wd_handle *out, struct wd_error *err) {
+  (void)ctx;
+  struct host_slab *h = s->impl;
+  memset(out, 0, sizeof *out);
+  out->kind = WD_HANDLE_FD;
+  out->bytes = s->bytes;
+  out->fd = fcntl(h->fd, F_DUPFD_CLOEXEC, 0);
+  if (out->fd < 0) return err_set(err, WEIGHTD_E_DEVICE, "dup of slab fd: %s", strerror(errno));
+  return 0;
+}
+
+static int host_slab_read(void *ctx, struct wd_slab *s, uint64_t offset, void *dst, size_t len,
+                          struct wd_error *err) {
+  (void)ctx;
+  struct host_slab *h = s->impl;
+  if (offset > s->bytes || len > s->bytes - offset)
+    return err_set(err, WEIGHTD_E_INVALID, "read past the end of the slab");
+  size_t got = 0;
+  while (got < len) {
+    ssize_t r = pread(h->fd, (char *)dst + got, len - got, (off_t)(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return err_set(err, WEIGHTD_E_DEVICE, "reading the slab: %s", r < 0 ? strerror(errno) : "short read");
+    got += (size_t)r;
+  }
+  return 0;
+}
+
+static void host_slab_free(void *ctx, struct wd_slab *s) {
+  (void)ctx;
+  if (s == NULL) return;
+  struct host_slab *h = s->impl;
+  if (s->host_view != NULL) munmap(s->host_view, h->map_len);
+  close(h->fd);
+  free(h);
+  free(s);
+}
+
+static int host_pinned_alloc(void *ctx, int device, size_t bytes, void **out, struct wd_error *err) {
+  (void)ctx;
+  (void)device;
+  *out = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+  if (*out == NULL) return err_set(err, WEIGHTD_E_NOMEM, "staging buffer of %zu bytes", bytes);
+  return 0;
+}
+
+static void host_pinned_free(void *ctx, int device, void *p) {
+  (void)ctx;
+  (void)device;
+  free(p);
+}
+
+static int host_stream_create(void *ctx, int device, struct wd_stream **out, struct wd_error *err) {
+  (void)ctx;
+  (void)device;
+  *out = calloc(1, sizeof **out);
+  return *out ? 0 : err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+}
+
+static void host_stream_destroy(void *ctx, struct wd_stream *s) {
+  (void)ctx;
+  free(s);
+}
+
+static int host_event_create(void *ctx, int device, struct wd_event **out, struct wd_error *err) {
+  (void)ctx;
+  (void)device;
+  *out = calloc(1, sizeof **out);
+  return *out ? 0 : err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+}
+
+static void host_event_destroy(void *ctx, struct wd_event *e) {
+  (void)ctx;
+  free(e);
+}
+
+/* Copies complete before copy_h2d returns, so an event is complete when recorded. */
+static int host_event_record(void *ctx, struct wd_event *e, struct wd_stream *s, struct wd_error *err) {
+  (void)ctx;
+  (void)e;
+  (void)s;
+  (void)err;
+  return 0;
+}
+
+static int host_event_wait(void *ctx, struct wd_event *e, struct wd_error *err) {
+  (void)ctx;
+  (void)e;
+  (void)err;
+  return 0;
+}
+
+static int host_copy_h2d(void *ctx, struct wd_slab *dst, uint64_t dst_offset, size_t dst_pitch,
+                         const void *src, size_t src_pitch, size_t width, size_t height,
+                         struct wd_stream *s, struct wd_error *err) {
+  (void)ctx;
+  (void)s;
+  if (dst->host_view == NULL) return err_set(err, WEIGHTD_E_INTERNAL, "copy into a sealed slab");
+  uint64_t span = height ? (uint64_t)(height - 1) * dst_pitch + width : 0;
+  if (dst_offset > dst->bytes || span > dst->bytes - dst_offset)
+    return err_set(err, WEIGHTD_E_INTERNAL, "copy past the end of the slab");
+  char *d = (char *)dst->host_view + dst_offset;
+  const char *p = src;
+  if (height == 1 || (dst_pitch == width && src_pitch == width)) {
+    memcpy(d, p, width * height);
+    return 0;
+  }
+  for (size_t r = 0; r < height; r++) memcpy(d + r * dst_pitch, p + r * src_pitch, width);
+  return 0;
+}
+
+static void host_destroy(void *ctx) { (void)ctx; }
+
+static const struct wd_backend_ops host_ops = {
+    .name = "host",
+    .device_count = host_device_count,
+    .device_info = host_device_info,
+    .slab_alloc = host_slab_alloc,
+    .slab_seal = host_slab_seal,
+    .slab_export = host_slab_export,
+    .slab_read = host_slab_read,
+    .slab_free = host_slab_free,
+    .pinned_alloc = host_pinned_alloc,
+    .pinned_free = host_pinned_free,
+    .host_register = NULL, /* the CPU reads any host memory: no registration */
+    .host_unregister = NULL,
+    .stream_create = host_stream_create,
+    .stream_destroy = host_stream_destroy,
+    .event_create = host_event_create,
+    .event_destroy = host_event_destroy,
+    .event_record = host_event_record,
+    .event_wait = host_event_wait,
+    .copy_h2d = host_copy_h2d,
+    .destroy = host_destroy,
+};
+
+int backend_host_create(struct wd_backend *out, struct wd_error *err) {
+  (void)err;
+  out->ops = &host_ops;
+  out->ctx = NULL;
+  return 0;
+}

@@ -1,0 +1,61 @@
+/*
+ * plan.h - a plan: the output tensors one rank needs and where their bytes
+ * come from.
+ *
+ * Each output is a concatenation, in order, of pieces; a piece is `height`
+ * rows of `width` bytes read from a source tensor starting at `src_offset`,
+ * rows `src_pitch` apart (a whole tensor is one row; a column slice is many
+ * short rows), or zeros when it has no source (padding). Outputs sit in one
+ * slab at offsets aligned to PLAN_ALIGN. A plan is built from a spec (a JSON
+ * object: {"preset": "whole"} today) and keeps pointers into the checkpoint
+ * it was built for, which must outlive it. Its key is the canonical text of
+ * the spec: a resident set's identity includes it.
+ */
+#ifndef WD_PLAN_H
+#define WD_PLAN_H
+
+#include <cjson/cJSON.h>
+#include <stdint.h>
+
+#include "checkpoint.h"
+#include "dtype.h"
+#include "error.h"
+
+#define PLAN_ALIGN 256u
+
+struct plan_piece {
+  const struct ckpt_ref *src; /* NULL: zeros */
+  uint64_t src_offset;        /* bytes into the source tensor's data */
+  uint64_t width;             /* bytes per row */
+  uint64_t src_pitch;         /* bytes between source rows */
+  uint64_t height;            /* rows */
+};
+
+struct plan_output {
+  char *name;
+  enum wd_dtype dtype;
+  unsigned ndim;
+  uint64_t *shape;
+  uint64_t nbytes;
+  uint64_t offset; /* in the slab */
+  size_t npieces;
+  struct plan_piece *pieces;
+};
+
+struct plan {
+  char *key; /* canonical spec text */
+  size_t noutputs;
+  struct plan_output *outputs;
+  uint64_t payload_bytes; /* sum of the outputs' bytes */
+  uint64_t slab_bytes;    /* with alignment */
+};
+
+/*
+ * Builds the plan `spec` describes for checkpoint c (spec NULL means
+ * {"preset": "whole"}). Errors are WEIGHTD_E_BAD_PLAN naming what does not fit.
+ */
+int plan_build(const struct ckpt *c, const cJSON *spec, struct plan **out, struct wd_error *err);
+
+void plan_free(struct plan *p);
+
+#endif

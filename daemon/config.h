@@ -1,0 +1,54 @@
+/*
+ * config.h - the daemon's configuration: one table of keys (name, type,
+ * bounds, default, help), read from a JSON file and overridden by flags.
+ */
+#ifndef WD_CONFIG_H
+#define WD_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+#include "error.h"
+
+struct wd_config {
+  char *socket;         /* "" = the default for this uid */
+  char *socket_group;   /* group of the socket file */
+  uint64_t socket_mode; /* permission bits of the socket file */
+  char **model_roots;   /* as configured; resolved at start */
+  size_t n_model_roots;
+  uint64_t *allowed_uids;
+  size_t n_allowed_uids;
+  uint64_t *allowed_gids;
+  size_t n_allowed_gids;
+  char *backend;               /* auto | cuda | host */
+  uint64_t device_memory_budget; /* bytes per device for resident sets; 0 = no limit */
+  uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier */
+  uint64_t fill_threads;       /* 0 = one per online CPU */
+  uint64_t job_threads;
+  uint64_t staging_slots;
+  uint64_t staging_slot_bytes;
+  uint64_t frame_timeout_ms;
+  uint64_t max_connections;
+  uint64_t max_queued_output; /* bytes queued for a slow client before it is dropped */
+  char *log_level;
+};
+
+/* Fills cfg with the defaults. */
+int config_defaults(struct wd_config *cfg, struct wd_error *err);
+
+/* Applies a JSON config file on top of cfg; unknown keys and bad values are errors. */
+int config_load_file(struct wd_config *cfg, const char *path, struct wd_error *err);
+
+/* Sets one key from text (a flag or an environment override). */
+int config_set(struct wd_config *cfg, const char *key, const char *value, struct wd_error *err);
+
+/* Appends a model root. */
+int config_add_model_root(struct wd_config *cfg, const char *dir, struct wd_error *err);
+
+/* Writes every key with its help and default as a commented example. */
+void config_print_help(FILE *f);
+
+void config_free(struct wd_config *cfg);
+
+#endif

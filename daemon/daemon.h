@@ -1,0 +1,231 @@
+/*
+ * daemon.h - the daemon's shared state and the interfaces between its files.
+ *
+ * DESIGN: one libuv loop thread owns everything here: connections, the
+ * checkpoint registry, resident sets and leases. File and device work runs on
+ * job threads (jobs.h) and fill threads (fillpool.h); a job reads only what
+ * its owner handed it (an open checkpoint is immutable; a loading set's slab
+ * belongs to its load job until the job is done) and reports back through
+ * its done() callback on the loop thread. Objects a job uses are reference
+ * counted so that a client that vanishes mid-request frees nothing under it.
+ */
+#ifndef WD_DAEMON_H
+#define WD_DAEMON_H
+
+#include <cjson/cJSON.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "checkpoint.h"
+#include "config.h"
+#include "error.h"
+#include "fillpool.h"
+#include "jobs.h"
+#include "plan.h"
+#include "wire.h"
+
+struct conn;
+struct request;
+
+/* ---- checkpoints (registry.c) --------------------------------------------- */
+
+enum reg_state { REG_OPENING, REG_OPEN, REG_FAILED };
+
+struct reg_ckpt {
+  char *path; /* resolved; the registry key */
+  uint64_t generation;
+  enum reg_state state;
+  struct ckpt *ck;    /* immutable once open */
+  void **maps;        /* per shard: the read-only MAP_SHARED mapping (NULL for an empty file) */
+  int refs;           /* the registry's own, sets, jobs and waiters */
+  bool detached;      /* no longer in the registry (closed or replaced) */
+  bool prefetching;
+  bool pinned;        /* in the pinned-resident tier */
+  uint64_t pinned_bytes;
+  uint64_t last_used_ms;
+  struct reg_waiter *waiters; /* requests waiting for REG_OPENING */
+  struct wd_error open_err;
+  struct reg_ckpt *next;
+};
+
+/* Called on the loop when a checkpoint is ready (ck != NULL) or failed (err set). */
+typedef void (*reg_ready_fn)(struct request *req, struct reg_ckpt *ck, const struct wd_error *err);
+
+struct reg_waiter {
+  struct request *req;
+  reg_ready_fn cb;
+  struct reg_waiter *next;
+};
+
+/*
+ * Resolves path, checks it against the model roots, and calls cb with the
+ * open checkpoint (opening it, or reopening a replaced one, on a job thread).
+ * cb receives a reference it must drop with reg_unref.
+ */
+void reg_acquire(struct request *req, const char *path, reg_ready_fn cb);
+void reg_ref(struct reg_ckpt *ck);
+void reg_unref(struct reg_ckpt *ck);
+/* Finds an open checkpoint by resolved path (no I/O), or NULL. */
+struct reg_ckpt *reg_find(const char *resolved);
+/* Removes a checkpoint that nothing uses: 0, or WEIGHTD_E_BUSY / NOT_FOUND. */
+int reg_close(const char *resolved, struct wd_error *err);
+/* Shard bytes in the page cache (mincore); runs on a job thread. */
+uint64_t reg_resident_bytes(const struct reg_ckpt *ck);
+/* Starts a background read of every shard; reply when done if req is not NULL. */
+void reg_prefetch(struct reg_ckpt *ck, struct request *wait_req);
+void reg_shutdown(void);
+
+/* ---- resident sets and leases (residency.c) ------------------------------ */
+
+enum set_state { SET_LOADING, SET_READY, SET_FAILED };
+
+struct set_waiter {
+  struct request *req;
+  struct set_waiter *next;
+};
+
+struct res_set {
+  char id[24];
+  char *key; /* checkpoint path + generation + device + plan key */
+  struct reg_ckpt *ck;
+  int device;
+  struct plan *plan;
+  struct wd_slab *slab;
+  enum set_state state;
+  int leases;
+  uint64_t last_used_ms;
+  atomic_uint_fast64_t bytes_done; /* written by the load job */
+  atomic_bool cancel;
+  double seconds;
+  const char *method;
+  struct set_waiter *waiters; /* load/attach requests waiting for SET_LOADING */
+  uv_timer_t progress_timer;
+  bool timer_active;
+  struct res_set *next;
+};
+
+struct lease {
+  char id[24];
+  struct res_set *set;
+  struct conn *owner;
+  struct lease *next;
+};
+
+/* ---- connections and requests (server.c) ---------------------------------- */
+
+struct conn {
+  int fd;
+  uv_poll_t poll;
+  uv_timer_t frame_timer;
+  struct wire_reader reader;
+  struct wire_writer writer;
+  pid_t pid;
+  uid_t uid;
+  gid_t gid;
+  bool hello_done;
+  bool closing;
+  bool closed;
+  int refs; /* the server's, plus one per outstanding request */
+  int handles_open;
+  struct request *requests; /* outstanding asynchronous requests */
+  struct conn *next;
+};
+
+struct request {
+  struct conn *conn;
+  cJSON *root;  /* the request object */
+  cJSON *id;    /* a detached copy of "id", or NULL */
+  int op;       /* enum msg_op */
+  bool done;    /* the final reply was sent */
+  bool canceled;
+  struct res_set *waiting_on; /* a set this request waits for, if any */
+  void *op_state;             /* op-specific */
+  struct request *next_in_conn;
+};
+
+/* Replies: each consumes `reply` (a cJSON object with "id" already set by msg). */
+void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds);
+void req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds);
+void req_fail(struct request *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void req_fail_err(struct request *r, const struct wd_error *err);
+void req_progress(struct request *r, uint64_t done, uint64_t total);
+/* Frees a request after its final reply. */
+void req_finish(struct request *r);
+
+/* ---- the daemon ------------------------------------------------------------- */
+
+struct device_state {
+  struct wd_device_info info;
+  uint64_t used; /* bytes of resident sets */
+};
+
+struct daemon {
+  uv_loop_t *loop;
+  struct wd_config cfg;
+  struct wd_backend backend;
+  const char *backend_name;
+  int ndevices;
+  struct device_state *devices;
+  char **roots; /* resolved model roots */
+  size_t nroots;
+  struct jobs *jobs;
+  struct fillpool *fill;
+  char *socket_path;
+  int listen_fd;
+  uv_poll_t listen_poll;
+  uv_signal_t sigterm, sigint;
+  struct conn *conns;
+  size_t nconns;
+  struct reg_ckpt *ckpts;
+  struct res_set *sets;
+  struct lease *leases;
+  uint64_t next_id;
+  uint64_t started_ms;
+  bool stopping;
+  int exit_code;
+};
+
+extern struct daemon *wd;
+
+uint64_t now_ms(void);
+double now_s(void);
+
+/* Residency operations (residency.c). */
+void res_load(struct request *req, struct reg_ckpt *ck, int device, const cJSON *plan_spec);
+struct res_set *res_find_set(const char *id);
+void res_attach_ready(struct request *req, struct res_set *s);
+int res_release(struct conn *c, const char *lease_id, bool privileged, struct wd_error *err);
+void res_release_conn(struct conn *c);
+int res_evict_set(struct res_set *s, struct wd_error *err);
+size_t res_evict_device(int device, cJSON *evicted);
+void res_request_gone(struct request *req);
+int res_cancel_request(struct request *target);
+void res_cancel_all(void);
+void res_shutdown(void);
+cJSON *res_set_json(const struct res_set *s);
+
+/* The device named by a request field: an index (number or text) or a UUID. */
+int dev_resolve(const cJSON *v, int *device, struct wd_error *err);
+
+/* The load job (loader.c): fills s->slab from the checkpoint per s->plan. */
+int ld_fill(struct res_set *s, struct wd_error *err);
+
+/* The op handlers (ops.c). */
+void ops_dispatch(struct request *req);
+/* A checkpoint as replies describe it; resident is its page-cache bytes. */
+cJSON *ops_checkpoint_json(const struct reg_ckpt *ck, uint64_t resident);
+
+/* The server (server.c). */
+int server_start(struct wd_error *err);
+void server_stop(void);
+void server_close_all(void);
+bool conn_privileged(const struct conn *c);
+
+/* Starts an orderly stop (main.c): cancel loads, tell clients, exit when jobs are done. */
+void daemon_request_stop(void);
+
+#endif

@@ -1,0 +1,384 @@
+/*
+ * registry.c - open checkpoints: resolution, validation, mappings, prefetch.
+ *
+ * DESIGN: the registry (a list in struct daemon) is loop-owned. Resolving a
+ * path, validating shards, mapping, checking that shards are unchanged and
+ * prefetching all run on job threads; their done() callbacks update the
+ * registry. An entry is reference counted: the registry holds one reference
+ * while the entry is listed, each resident set and each running job another.
+ * A replaced shard detaches the old entry (sets built from it keep it alive)
+ * and a fresh one is opened. Jobs read an entry's ckpt and maps, which never
+ * change once the entry is open.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "fault.h"
+#include "log.h"
+#include "msg.h"
+#include "pathutil.h"
+
+/* ---- references -------------------------------------------------------------- */
+
+void reg_ref(struct reg_ckpt *ck) { ck->refs++; }
+
+static void entry_free(struct reg_ckpt *ck) {
+  if (ck->ck != NULL) {
+    for (size_t i = 0; i < ck->ck->nshards; i++) {
+      if (ck->maps != NULL && ck->maps[i] != NULL) {
+        if (ck->pinned && wd->backend.ops->host_unregister)
+          wd->backend.ops->host_unregister(wd->backend.ctx, ck->maps[i], ck->ck->shards[i].size);
+        munmap(ck->maps[i], ck->ck->shards[i].size);
+      }
+    }
+  }
+  free(ck->maps);
+  ckpt_free(ck->ck);
+  free(ck->path);
+  free(ck);
+}
+
+void reg_unref(struct reg_ckpt *ck) {
+  if (ck == NULL) return;
+  if (--ck->refs == 0) entry_free(ck);
+}
+
+static void detach(struct reg_ckpt *ck) {
+  if (ck->detached) return;
+  struct reg_ckpt **pp = &wd->ckpts;
+  while (*pp != NULL && *pp != ck) pp = &(*pp)->next;
+  if (*pp == ck) *pp = ck->next;
+  ck->detached = true;
+  reg_unref(ck); /* the registry's reference */
+}
+
+struct reg_ckpt *reg_find(const char *resolved) {
+  for (struct reg_ckpt *ck = wd->ckpts; ck != NULL; ck = ck->next)
+    if (ck->state == REG_OPEN && strcmp(ck->path, resolved) == 0) return ck;
+  return NULL;
+}
+
+/* ---- acquiring: resolve, then verify or open ---------------------------------- */
+
+enum acq_stage { ACQ_RESOLVE, ACQ_VERIFY, ACQ_OPEN };
+
+struct acquire {
+  struct job job;
+  enum acq_stage stage;
+  struct request *req;
+  reg_ready_fn cb;
+  char *path;
+  char *resolved;
+  struct reg_ckpt *entry; /* ACQ_VERIFY / ACQ_OPEN: referenced */
+  int rc;
+  struct wd_error err;
+};
+
+static void acquire_done(struct job *j);
+
+static void acquire_free(struct acquire *a) {
+  free(a->path);
+  free(a->resolved);
+  free(a);
+}
+
+static int map_shards(struct reg_ckpt *e, struct wd_error *err) {
+  const struct ckpt *c = e->ck;
+  e->maps = calloc(c->nshards ? c->nshards : 1, sizeof *e->maps);
+  if (e->maps == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < c->nshards; i++) {
+    if (c->shards[i].size == 0) continue;
+    void *p = mmap(NULL, c->shards[i].size, PROT_READ, MAP_SHARED, c->shards[i].fd, 0);
+    if (p == MAP_FAILED)
+      return err_set(err, WEIGHTD_E_IO, "%s: mmap: %s", c->shards[i].rel, strerror(errno));
+    e->maps[i] = p;
+  }
+  /* The mappings keep the files; the descriptors are no longer needed. */
+  for (size_t i = 0; i < c->nshards; i++) {
+    close(c->shards[i].fd);
+    c->shards[i].fd = -1;
+  }
+  return 0;
+}
+
+static void acquire_work(struct job *j) {
+  struct acquire *a = (struct acquire *)j;
+  switch (a->stage) {
+  case ACQ_RESOLVE: {
+    a->resolved = realpath(a->path, NULL);
+    if (a->resolved == NULL) {
+      a->rc = err_set(&a->err, errno == ENOENT || errno == ENOTDIR ? WEIGHTD_E_NOT_FOUND : WEIGHTD_E_IO,
+                      "%s: %s", a->path, strerror(errno));
+      return;
+    }
+    if (wd->nroots > 0 && !path_under_roots(a->resolved, (const char *const *)wd->roots, wd->nroots))
+      a->rc = err_set(&a->err, WEIGHTD_E_PATH_DENIED, "%s: resolves to %s, outside the model roots",
+                      a->path, a->resolved);
+    return;
+  }
+  case ACQ_VERIFY:
+    a->rc = ckpt_check_unchanged(a->entry->ck, &a->err);
+    return;
+  case ACQ_OPEN: {
+    struct ckpt_opts opts = {(const char *const *)wd->roots, wd->nroots};
+    struct ckpt *c = NULL;
+    a->rc = ckpt_open(a->resolved, &opts, &c, &a->err);
+    if (a->rc != 0) return;
+    a->entry->ck = c; /* the entry is OPENING: nobody else reads it yet */
+    a->rc = map_shards(a->entry, &a->err);
+    return;
+  }
+  }
+}
+
+static void notify_waiters(struct reg_ckpt *e, const struct wd_error *err) {
+  struct reg_waiter *w = e->waiters;
+  e->waiters = NULL;
+  while (w != NULL) {
+    struct reg_waiter *next = w->next;
+    if (err == NULL) reg_ref(e);
+    w->cb(w->req, err == NULL ? e : NULL, err);
+    free(w);
+    w = next;
+  }
+}
+
+static int add_waiter(struct reg_ckpt *e, struct request *req, reg_ready_fn cb) {
+  struct reg_waiter *w = calloc(1, sizeof *w);
+  if (w == NULL) return -1;
+  w->req = req;
+  w->cb = cb;
+  w->next = e->waiters;
+  e->waiters = w;
+  return 0;
+}
+
+/* Starts opening `resolved` (or joins an open already under way). */
+static void start_open(struct acquire *a) {
+  for (struct reg_ckpt *e = wd->ckpts; e != NULL; e = e->next) {
+    if (e->state == REG_OPENING && strcmp(e->path, a->resolved) == 0) {
+      if (add_waiter(e, a->req, a->cb) != 0) {
+        struct wd_error err;
+        err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
+        a->cb(a->req, NULL, &err);
+      }
+      acquire_free(a);
+      return;
+    }
+  }
+  struct reg_ckpt *e = calloc(1, sizeof *e);
+  if (e == NULL || (e->path = strdup(a->resolved)) == NULL || add_waiter(e, a->req, a->cb) != 0) {
+    if (e) free(e->path);
+    free(e);
+    struct wd_error err;
+    err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
+    a->cb(a->req, NULL, &err);
+    acquire_free(a);
+    return;
+  }
+  e->state = REG_OPENING;
+  e->generation = ++wd->next_id;
+  e->refs = 2; /* the registry's, and the open job's */
+  e->next = wd->ckpts;
+  wd->ckpts = e;
+  a->stage = ACQ_OPEN;
+  a->entry = e;
+  a->rc = 0;
+  jobs_submit(wd->jobs, &a->job);
+}
+
+static void acquire_done(struct job *j) {
+  struct acquire *a = (struct acquire *)j;
+  switch (a->stage) {
+  case ACQ_RESOLVE: {
+    if (a->rc != 0) {
+      a->cb(a->req, NULL, &a->err);
+      acquire_free(a);
+      return;
+    }
+    struct reg_ckpt *e = reg_find(a->resolved);
+    if (e == NULL) {
+      start_open(a);
+      return;
+    }
+    reg_ref(e);
+    a->entry = e;
+    a->stage = ACQ_VERIFY;
+    jobs_submit(wd->jobs, &a->job);
+    return;
+  }
+  case ACQ_VERIFY: {
+    struct reg_ckpt *e = a->entry;
+    a->entry = NULL;
+    if (a->rc == 0 && !e->detached) {
+      e->last_used_ms = now_ms();
+      a->cb(a->req, e, NULL); /* passes our reference on */
+      acquire_free(a);
+      return;
+    }
+    if (a->rc == WEIGHTD_E_STALE && !e->detached) {
+      log_msg(LOG_INFO, "%s: %s; reopening", e->path, a->err.msg);
+      detach(e);
+    }
+    reg_unref(e);
+    a->rc = 0;
+    start_open(a);
+    return;
+  }
+  case ACQ_OPEN: {
+    struct reg_ckpt *e = a->entry;
+    if (a->rc == 0) {
+      e->state = REG_OPEN;
+      e->last_used_ms = now_ms();
+      log_msg(LOG_INFO, "opened %s: %zu shards, %zu tensors, %llu bytes", e->path, e->ck->nshards,
+              e->ck->ntensors, (unsigned long long)e->ck->total_bytes);
+      notify_waiters(e, NULL);
+    } else {
+      e->state = REG_FAILED;
+      e->open_err = a->err;
+      log_msg(LOG_WARN, "cannot open %s: %s", e->path, a->err.msg);
+      detach(e);
+      notify_waiters(e, &a->err);
+    }
+    reg_unref(e); /* the job's reference */
+    acquire_free(a);
+    return;
+  }
+  }
+}
+
+void reg_acquire(struct request *req, const char *path, reg_ready_fn cb) {
+  struct acquire *a = calloc(1, sizeof *a);
+  if (a == NULL || (a->path = strdup(path)) == NULL) {
+    free(a);
+    struct wd_error err;
+    err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
+    cb(req, NULL, &err);
+    return;
+  }
+  a->job.work = acquire_work;
+  a->job.done = acquire_done;
+  a->req = req;
+  a->cb = cb;
+  a->stage = ACQ_RESOLVE;
+  jobs_submit(wd->jobs, &a->job);
+}
+
+int reg_close(const char *resolved, struct wd_error *err) {
+  struct reg_ckpt *e = reg_find(resolved);
+  if (e == NULL) return err_set(err, WEIGHTD_E_NOT_FOUND, "%s is not open", resolved);
+  if (e->refs > 1)
+    return err_set(err, WEIGHTD_E_BUSY, "%s is in use by %d resident set(s) or running operation(s)",
+                   resolved, e->refs - 1);
+  log_msg(LOG_INFO, "closed %s", e->path);
+  detach(e);
+  return 0;
+}
+
+void reg_shutdown(void) {
+  while (wd->ckpts != NULL) detach(wd->ckpts);
+}
+
+/* ---- page cache: residency and prefetch ---------------------------------------- */
+
+uint64_t reg_resident_bytes(const struct reg_ckpt *ck) {
+  long page = sysconf(_SC_PAGESIZE);
+  enum { CHUNK_PAGES = 1 << 16 };
+  unsigned char vec[CHUNK_PAGES];
+  uint64_t resident = 0;
+  for (size_t i = 0; i < ck->ck->nshards; i++) {
+    const unsigned char *base = ck->maps[i];
+    uint64_t size = ck->ck->shards[i].size;
+    for (uint64_t off = 0; base != NULL && off < size; off += (uint64_t)CHUNK_PAGES * (uint64_t)page) {
+      size_t len = size - off < (uint64_t)CHUNK_PAGES * (uint64_t)page ? (size_t)(size - off)
+                                                                       : (size_t)CHUNK_PAGES * (size_t)page;
+      if (mincore((void *)(base + off), len, vec) != 0) break;
+      size_t pages = (len + (size_t)page - 1) / (size_t)page;
+      for (size_t k = 0; k < pages; k++)
+        if (vec[k] & 1) resident += (uint64_t)page;
+    }
+  }
+  return resident;
+}
+
+struct prefetch {
+  struct job job;
+  struct reg_ckpt *ck;
+  struct request *req; /* replied to when done, if set */
+  uint64_t chunk;
+  atomic_int failed;
+  uint64_t resident; /* measured at the end, on the job thread */
+};
+
+#define PREFETCH_CHUNK (32ull << 20)
+
+/* Reads one chunk of one shard with pread: page cache filled, no SIGBUS possible. */
+static void prefetch_chunk(void *arg, size_t i) {
+  struct prefetch *p = arg;
+  const struct ckpt *c = p->ck->ck;
+  uint64_t k = i;
+  size_t s = 0;
+  for (; s < c->nshards; s++) {
+    uint64_t n = (c->shards[s].size + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK;
+    if (k < n) break;
+    k -= n;
+  }
+  if (s == c->nshards) return;
+  uint64_t off = k * PREFETCH_CHUNK, end = off + PREFETCH_CHUNK;
+  if (end > c->shards[s].size) end = c->shards[s].size;
+  /* Touch the mapping page by page: the same pages the loads will read. */
+  if (fault_touch((const char *)p->ck->maps[s] + off, (size_t)(end - off)) != 0)
+    atomic_store(&p->failed, 1);
+}
+
+static void prefetch_work(struct job *j) {
+  struct prefetch *p = (struct prefetch *)j;
+  const struct ckpt *c = p->ck->ck;
+  size_t n = 0;
+  for (size_t s = 0; s < c->nshards; s++) {
+    if (p->ck->maps[s] == NULL) continue;
+    madvise(p->ck->maps[s], c->shards[s].size, MADV_WILLNEED);
+    n += (size_t)((c->shards[s].size + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK);
+  }
+  fill_run(wd->fill, n, prefetch_chunk, p);
+  p->resident = reg_resident_bytes(p->ck);
+}
+
+static void prefetch_done(struct job *j) {
+  struct prefetch *p = (struct prefetch *)j;
+  p->ck->prefetching = false;
+  int failed = atomic_load(&p->failed);
+  if (failed) log_msg(LOG_WARN, "%s: prefetch hit a truncated shard", p->ck->path);
+  else log_msg(LOG_INFO, "prefetched %s", p->ck->path);
+  if (p->req != NULL) {
+    if (failed) {
+      req_fail(p->req, WEIGHTD_E_FAULT, "%s: a shard was truncated while it was read", p->ck->path);
+    } else {
+      cJSON *reply = msg_reply_ok(p->req->id);
+      cJSON_AddItemToObject(reply, "checkpoint", ops_checkpoint_json(p->ck, p->resident));
+      req_reply(p->req, reply, NULL, 0);
+    }
+  }
+  reg_unref(p->ck);
+  free(p);
+}
+
+void reg_prefetch(struct reg_ckpt *ck, struct request *wait_req) {
+  struct prefetch *p = calloc(1, sizeof *p);
+  if (p == NULL) {
+    if (wait_req) req_fail(wait_req, WEIGHTD_E_NOMEM, "out of memory");
+    return;
+  }
+  p->job.work = prefetch_work;
+  p->job.done = prefetch_done;
+  p->ck = ck;
+  p->req = wait_req;
+  reg_ref(ck);
+  ck->prefetching = true;
+  jobs_submit(wd->jobs, &p->job);
+}

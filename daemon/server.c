@@ -1,0 +1,427 @@
+/*
+ * server.c - the Unix socket: accepting, peer checks, framing, replies.
+ *
+ * DESIGN: runs entirely on the loop thread. The listening socket and every
+ * connection are nonblocking descriptors watched with uv_poll; reads and
+ * writes go through proto/wire.h (which passes descriptors with SCM_RIGHTS).
+ * A connection is reference counted: the server holds one reference until the
+ * connection closes, and each request still in flight holds one, so a client
+ * that vanishes mid-load leaves its requests something valid to finish on.
+ * A frame not completed within frame_timeout_ms, a protocol error, or more
+ * than max_queued_output bytes of unread replies closes the connection.
+ */
+#include <errno.h>
+#include <grp.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "daemon.h"
+#include "log.h"
+#include "msg.h"
+
+static void conn_close(struct conn *c);
+
+/* ---- references --------------------------------------------------------------- */
+
+static void conn_handle_closed(uv_handle_t *h) {
+  struct conn *c = h->data;
+  if (--c->handles_open == 0 && c->refs == 0) free(c);
+}
+
+static void conn_unref(struct conn *c) {
+  if (--c->refs > 0) return;
+  if (c->handles_open == 0) free(c);
+}
+
+/* ---- sending -------------------------------------------------------------------- */
+
+static void on_poll(uv_poll_t *p, int status, int events);
+
+static void update_poll(struct conn *c) {
+  if (c->closed) return;
+  int ev = UV_READABLE | UV_DISCONNECT;
+  if (wire_writer_bytes(&c->writer) > 0) ev |= UV_WRITABLE;
+  uv_poll_start(&c->poll, ev, on_poll);
+}
+
+static void flush(struct conn *c) {
+  int rc = wire_writer_flush(&c->writer, c->fd);
+  if (rc < 0) {
+    log_msg(LOG_DEBUG, "connection of pid %d: send failed: %s", (int)c->pid, weightd_strerror(rc));
+    conn_close(c);
+    return;
+  }
+  if (c->closing && rc == 0) {
+    conn_close(c);
+    return;
+  }
+  update_poll(c);
+}
+
+void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
+  char *text = reply ? msg_serialize(reply) : NULL;
+  cJSON_Delete(reply);
+  if (c->closed) {
+    for (size_t i = 0; i < nfds; i++) close(fds[i]);
+    free(text);
+    return;
+  }
+  if (text == NULL) {
+    for (size_t i = 0; i < nfds; i++) close(fds[i]);
+    log_msg(LOG_ERROR, "out of memory serialising a reply: closing connection of pid %d", (int)c->pid);
+    conn_close(c);
+    return;
+  }
+  int rc = wire_writer_push(&c->writer, text, strlen(text), fds, nfds);
+  free(text);
+  if (rc != 0) {
+    log_msg(LOG_ERROR, "cannot queue a reply for pid %d: %s", (int)c->pid, weightd_strerror(rc));
+    conn_close(c);
+    return;
+  }
+  if (wire_writer_bytes(&c->writer) > wd->cfg.max_queued_output) {
+    log_msg(LOG_WARN, "pid %d does not read its replies (%zu bytes queued): disconnecting", (int)c->pid,
+            wire_writer_bytes(&c->writer));
+    conn_close(c);
+    return;
+  }
+  flush(c);
+}
+
+/* A final protocol error: reply, then close once it is sent. */
+static void conn_fail(struct conn *c, const cJSON *id, int code, const char *msg) {
+  if (c->closed || c->closing) return;
+  log_msg(LOG_DEBUG, "connection of pid %d: %s", (int)c->pid, msg);
+  conn_send(c, msg_reply_error(id, code, msg), NULL, 0);
+  if (!c->closed) {
+    c->closing = true;
+    uv_timer_stop(&c->frame_timer);
+    flush(c);
+  }
+}
+
+/* ---- requests -------------------------------------------------------------------- */
+
+static void req_unlink(struct request *r) {
+  struct request **pp = &r->conn->requests;
+  while (*pp != NULL && *pp != r) pp = &(*pp)->next_in_conn;
+  if (*pp == r) *pp = r->next_in_conn;
+}
+
+void req_finish(struct request *r) {
+  struct conn *c = r->conn;
+  req_unlink(r);
+  cJSON_Delete(r->root);
+  cJSON_Delete(r->id);
+  free(r);
+  conn_unref(c);
+}
+
+void req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds) {
+  r->done = true;
+  conn_send(r->conn, reply, fds, nfds);
+  req_finish(r);
+}
+
+void req_fail(struct request *r, int code, const char *fmt, ...) {
+  char msg[WD_ERROR_MSG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  req_reply(r, msg_reply_error(r->id, code, msg), NULL, 0);
+}
+
+void req_fail_err(struct request *r, const struct wd_error *err) {
+  req_reply(r, msg_reply_error(r->id, err->code ? err->code : WEIGHTD_E_INTERNAL, err->msg), NULL, 0);
+}
+
+void req_progress(struct request *r, uint64_t done, uint64_t total) {
+  if (r->conn->closed) return;
+  conn_send(r->conn, msg_event_progress(r->id, done, total), NULL, 0);
+}
+
+static void handle_frame(struct conn *c, struct wire_frame *f) {
+  if (f->nfds > 0) {
+    conn_fail(c, NULL, WEIGHTD_E_PROTOCOL, "the daemon accepts no file descriptors");
+    return;
+  }
+  struct msg_request m = {0};
+  struct wd_error err = {0};
+  int rc = msg_request_parse(f->json, f->len, &m, &err);
+  if (rc != 0) {
+    if (!c->hello_done) conn_fail(c, m.id, rc, err.msg);
+    else conn_send(c, msg_reply_error(m.id, rc, err.msg), NULL, 0);
+    msg_request_free(&m);
+    return;
+  }
+  if (!c->hello_done && m.op != MSG_OP_HELLO) {
+    conn_fail(c, m.id, WEIGHTD_E_PROTOCOL, "the first request on a connection must be 'hello'");
+    msg_request_free(&m);
+    return;
+  }
+  if (wd->stopping && m.op != MSG_OP_STATUS) {
+    conn_send(c, msg_reply_error(m.id, WEIGHTD_E_SHUTDOWN, "the daemon is shutting down"), NULL, 0);
+    msg_request_free(&m);
+    return;
+  }
+  struct request *r = calloc(1, sizeof *r);
+  if (r == NULL) {
+    conn_send(c, msg_reply_error(m.id, WEIGHTD_E_NOMEM, "out of memory"), NULL, 0);
+    msg_request_free(&m);
+    return;
+  }
+  r->conn = c;
+  r->root = m.root;
+  r->id = m.id;
+  r->op = m.op;
+  m.root = NULL;
+  m.id = NULL;
+  msg_request_free(&m);
+  c->refs++;
+  r->next_in_conn = c->requests;
+  c->requests = r;
+  ops_dispatch(r);
+}
+
+/* ---- reading ------------------------------------------------------------------------ */
+
+static void on_frame_timeout(uv_timer_t *t) {
+  struct conn *c = t->data;
+  conn_fail(c, NULL, WEIGHTD_E_TIMEOUT, "a request frame did not arrive whole in time");
+}
+
+static void do_read(struct conn *c) {
+  for (int rounds = 0; rounds < 16 && !c->closed && !c->closing; rounds++) {
+    int rc = wire_reader_fill(&c->reader, c->fd);
+    if (rc == WIRE_AGAIN) break;
+    if (rc == 0) {
+      conn_close(c);
+      return;
+    }
+    if (rc < 0 && rc != WEIGHTD_E_BUSY) {
+      conn_fail(c, NULL, rc, c->reader.err.msg);
+      return;
+    }
+    for (;;) {
+      struct wire_frame f = {0};
+      struct wd_error err = {0};
+      int n = wire_reader_next(&c->reader, &f, &err);
+      if (n == 0) break;
+      if (n < 0) {
+        conn_fail(c, NULL, n, err.msg);
+        return;
+      }
+      handle_frame(c, &f);
+      wire_frame_clear(&f);
+      if (c->closed || c->closing) return;
+    }
+  }
+  if (c->closed || c->closing) return;
+  if (wire_reader_pending(&c->reader)) {
+    if (!uv_is_active((uv_handle_t *)&c->frame_timer))
+      uv_timer_start(&c->frame_timer, on_frame_timeout, wd->cfg.frame_timeout_ms, 0);
+  } else {
+    uv_timer_stop(&c->frame_timer);
+  }
+}
+
+static void on_poll(uv_poll_t *p, int status, int events) {
+  struct conn *c = p->data;
+  if (c->closed) return;
+  if (status < 0) {
+    conn_close(c);
+    return;
+  }
+  c->refs++; /* hold the connection while handlers run */
+  if (events & UV_WRITABLE) flush(c);
+  if (!c->closed && !c->closing && (events & (UV_READABLE | UV_DISCONNECT))) do_read(c);
+  if (!c->closed && c->closing && (events & UV_DISCONNECT)) conn_close(c);
+  conn_unref(c);
+}
+
+/* ---- connection lifetime --------------------------------------------------------------- */
+
+static void conn_close(struct conn *c) {
+  if (c->closed) return;
+  c->closed = true;
+  struct conn **pp = &wd->conns;
+  while (*pp != NULL && *pp != c) pp = &(*pp)->next;
+  if (*pp == c) *pp = c->next;
+  wd->nconns--;
+  res_release_conn(c);
+  /* Requests waiting for a set stop waiting; the others finish on their own. */
+  struct request *r = c->requests;
+  while (r != NULL) {
+    struct request *next = r->next_in_conn;
+    res_request_gone(r);
+    r = next;
+  }
+  uv_poll_stop(&c->poll);
+  uv_timer_stop(&c->frame_timer);
+  wire_reader_free(&c->reader);
+  wire_writer_free(&c->writer);
+  close(c->fd);
+  c->fd = -1;
+  uv_close((uv_handle_t *)&c->poll, conn_handle_closed);
+  uv_close((uv_handle_t *)&c->frame_timer, conn_handle_closed);
+  log_msg(LOG_DEBUG, "connection of pid %d closed", (int)c->pid);
+  conn_unref(c);
+}
+
+bool conn_privileged(const struct conn *c) { return c->uid == 0 || c->uid == geteuid(); }
+
+static bool peer_allowed(const struct conn *c) {
+  if (conn_privileged(c)) return true;
+  if (wd->cfg.n_allowed_uids == 0 && wd->cfg.n_allowed_gids == 0) return true;
+  for (size_t i = 0; i < wd->cfg.n_allowed_uids; i++)
+    if (wd->cfg.allowed_uids[i] == (uint64_t)c->uid) return true;
+  for (size_t i = 0; i < wd->cfg.n_allowed_gids; i++)
+    if (wd->cfg.allowed_gids[i] == (uint64_t)c->gid) return true;
+  return false;
+}
+
+static void on_accept(uv_poll_t *p, int status, int events) {
+  (void)p;
+  (void)events;
+  if (status < 0) return;
+  for (int n = 0; n < 64; n++) {
+    int fd = accept4(wd->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+        log_msg(LOG_WARN, "accept: %s", strerror(errno));
+      return;
+    }
+    struct ucred cred;
+    socklen_t len = sizeof cred;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      close(fd);
+      continue;
+    }
+    struct conn *c = calloc(1, sizeof *c);
+    if (c == NULL || wd->stopping || wd->nconns >= wd->cfg.max_connections) {
+      static const char refused[] = "{\"error\":{\"code\":\"LIMIT\",\"message\":\"too many connections\"}}";
+      unsigned char hdr[4] = {sizeof refused - 1, 0, 0, 0};
+      if (c != NULL && !wd->stopping) {
+        if (write(fd, hdr, 4) == 4 && write(fd, refused, sizeof refused - 1) < 0) {
+        }
+      }
+      free(c);
+      close(fd);
+      continue;
+    }
+    c->fd = fd;
+    c->pid = cred.pid;
+    c->uid = cred.uid;
+    c->gid = cred.gid;
+    c->refs = 1;
+    wire_reader_init(&c->reader);
+    wire_writer_init(&c->writer);
+    uv_poll_init(wd->loop, &c->poll, fd);
+    uv_timer_init(wd->loop, &c->frame_timer);
+    c->poll.data = c;
+    c->frame_timer.data = c;
+    c->handles_open = 2;
+    c->next = wd->conns;
+    wd->conns = c;
+    wd->nconns++;
+    if (!peer_allowed(c)) {
+      log_msg(LOG_WARN, "refused pid %d uid %d gid %d: not in allowed_uids/allowed_gids", (int)c->pid,
+              (int)c->uid, (int)c->gid);
+      conn_fail(c, NULL, WEIGHTD_E_PERMISSION, "this uid/gid may not use the daemon");
+      continue;
+    }
+    log_msg(LOG_DEBUG, "connection from pid %d uid %d", (int)c->pid, (int)c->uid);
+    update_poll(c);
+  }
+}
+
+/* ---- the listening socket ---------------------------------------------------------------- */
+
+int server_start(struct wd_error *err) {
+  const char *path = wd->socket_path;
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  if (strlen(path) >= sizeof addr.sun_path)
+    return err_set(err, WEIGHTD_E_INVALID, "socket path too long: %s", path);
+  strcpy(addr.sun_path, path);
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return err_set(err, WEIGHTD_E_IO, "socket: %s", strerror(errno));
+  /* A stale socket from a daemon that died is replaced; a live one is not. */
+  struct stat sb;
+  if (lstat(path, &sb) == 0 && S_ISSOCK(sb.st_mode)) {
+    int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (probe >= 0 && connect(probe, (struct sockaddr *)&addr, sizeof addr) == 0) {
+      close(probe);
+      close(fd);
+      return err_set(err, WEIGHTD_E_BUSY, "another weightd is listening on %s", path);
+    }
+    if (probe >= 0) close(probe);
+    unlink(path);
+  }
+  mode_t old = umask(0177);
+  int rc = bind(fd, (struct sockaddr *)&addr, sizeof addr);
+  umask(old);
+  if (rc != 0) {
+    rc = err_set(err, WEIGHTD_E_IO, "bind %s: %s", path, strerror(errno));
+    close(fd);
+    return rc;
+  }
+  if (wd->cfg.socket_group != NULL && wd->cfg.socket_group[0] != '\0') {
+    struct group *g = getgrnam(wd->cfg.socket_group);
+    if (g == NULL) {
+      log_msg(LOG_INFO, "group '%s' does not exist: socket keeps group %d", wd->cfg.socket_group, (int)getegid());
+    } else if (chown(path, (uid_t)-1, g->gr_gid) != 0) {
+      log_msg(LOG_WARN, "cannot give %s to group '%s': %s", path, wd->cfg.socket_group, strerror(errno));
+    }
+  }
+  if (chmod(path, (mode_t)wd->cfg.socket_mode) != 0)
+    log_msg(LOG_WARN, "chmod %s: %s", path, strerror(errno));
+  if (listen(fd, 512) != 0) {
+    rc = err_set(err, WEIGHTD_E_IO, "listen %s: %s", path, strerror(errno));
+    close(fd);
+    unlink(path);
+    return rc;
+  }
+  wd->listen_fd = fd;
+  uv_poll_init(wd->loop, &wd->listen_poll, fd);
+  uv_poll_start(&wd->listen_poll, UV_READABLE, on_accept);
+  return 0;
+}
+
+static void listen_closed(uv_handle_t *h) { (void)h; }
+
+/* Stops accepting, tells every client, and closes connections once their replies are out. */
+void server_stop(void) {
+  if (wd->listen_fd >= 0) {
+    uv_poll_stop(&wd->listen_poll);
+    uv_close((uv_handle_t *)&wd->listen_poll, listen_closed);
+    close(wd->listen_fd);
+    wd->listen_fd = -1;
+    unlink(wd->socket_path);
+  }
+  struct conn *c = wd->conns;
+  while (c != NULL) {
+    struct conn *next = c->next;
+    cJSON *ev = cJSON_CreateObject();
+    msg_add_string(ev, "event", "shutdown");
+    msg_add_string(ev, "message", "the daemon is shutting down");
+    conn_send(c, ev, NULL, 0);
+    if (!c->closed) {
+      c->closing = true;
+      flush(c);
+    }
+    c = next;
+  }
+}
+
+/* Closes whatever is left; the loop then runs until the handles are closed. */
+void server_close_all(void) {
+  while (wd->conns != NULL) conn_close(wd->conns);
+}

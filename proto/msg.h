@@ -1,0 +1,164 @@
+/*
+ * msg.h - the message catalogue: ops, request parsing, reply builders.
+ *
+ * A request is one JSON object per frame:
+ *   {"op": "load", "id": 7, ...op fields...}
+ * "op" names an entry of MSG_OP_MAP. "id" is optional, a string of at most
+ * MSG_ID_MAX bytes or an integer of magnitude below 2^53; every reply and
+ * event for the request echoes it. Replies are
+ *   {"id": 7, "ok": true, ...result fields...}
+ *   {"id": 7, "error": {"code": "BAD_REQUEST", "message": "..."}}
+ * and a long operation may send events before its reply:
+ *   {"id": 7, "event": "progress", "bytes_done": N, "bytes_total": M}
+ * A request without "id" gets replies without one.
+ *
+ * Parsing is strict before cJSON sees the text: the frame must be UTF-8 and
+ * RFC 8259 JSON (json_strict), with no duplicate member names and no NUL
+ * character (\u0000) in any string, since cJSON would silently cut such a
+ * string short. The accessors then read typed fields and name the field in
+ * every error ("field 'plan.tp_rank' must be ...").
+ */
+#ifndef WD_MSG_H
+#define WD_MSG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cjson/cJSON.h>
+
+#include "error.h"
+
+/* The ops: XX(ENUM, "wire name", "what it does"). */
+#define MSG_OP_MAP(XX)                                                    \
+  XX(HELLO, "hello", "agree on the protocol version")                     \
+  XX(OPEN, "open", "validate and map a checkpoint directory")             \
+  XX(CLOSE, "close", "drop a checkpoint the daemon keeps open")           \
+  XX(PREFETCH, "prefetch", "warm a checkpoint's pages in the page cache") \
+  XX(LOAD, "load", "load one rank's tensors into device memory")          \
+  XX(CANCEL, "cancel", "cancel a running request by its id")              \
+  XX(ATTACH, "attach", "lease a resident set and receive its handles")    \
+  XX(RELEASE, "release", "end a lease")                                   \
+  XX(EVICT, "evict", "free an unleased resident set")                     \
+  XX(STATUS, "status", "report checkpoints, resident sets and leases")    \
+  XX(SHUTDOWN, "shutdown", "stop the daemon")
+
+enum msg_op {
+  MSG_OP_UNKNOWN = -1,
+#define MSG_XX_(e, name, help) MSG_OP_##e,
+  MSG_OP_MAP(MSG_XX_)
+#undef MSG_XX_
+  MSG_OP_COUNT
+};
+
+/* The op called name, or MSG_OP_UNKNOWN. */
+enum msg_op msg_op_from_name(const char *name);
+/* The wire name of op, or NULL outside the catalogue. */
+const char *msg_op_name(enum msg_op op);
+/* A one-line description of op, or NULL outside the catalogue. */
+const char *msg_op_help(enum msg_op op);
+
+/* The longest string id, in bytes. */
+#define MSG_ID_MAX 128
+/* The largest integer read from or echoed into JSON: 2^53 - 1, exact in a double. */
+#define MSG_INT_MAX ((UINT64_C(1) << 53) - 1)
+/* Room for a field path in messages ("plan.shards"). */
+#define MSG_PATH_MAX 128
+
+/* A JSON object and its path from the request root ("" at the root). */
+struct msg_obj {
+  const cJSON *json; /* NULL for an optional object that was absent */
+  char path[MSG_PATH_MAX];
+};
+
+struct msg_request {
+  enum msg_op op;
+  cJSON *root;         /* the whole request */
+  cJSON *id;           /* a detached copy of "id" (string or number), or NULL */
+  struct msg_obj args; /* the root object, for the accessors */
+};
+
+/*
+ * Parses one request frame. Returns 0, WEIGHTD_E_BAD_REQUEST with a message
+ * that names the problem (and the field), or WEIGHTD_E_NOMEM. Even on failure
+ * out->id holds the request's id when it was read before the failure, so the
+ * error reply can echo it; call msg_request_free in every case.
+ */
+int msg_request_parse(const char *json, size_t len, struct msg_request *out, struct wd_error *err);
+
+/* Frees what msg_request_parse allocated; safe on a zeroed or freed request. */
+void msg_request_free(struct msg_request *req);
+
+/*
+ * Typed field accessors. Each returns 1 when the field is present and valid,
+ * 0 when it is absent and optional (the default is stored), or
+ * WEIGHTD_E_BAD_REQUEST naming the field. JSON null counts as present (and
+ * of the wrong type).
+ */
+
+/* A string; *out points into the request (no NUL inside; absent: NULL). */
+int msg_get_string(const struct msg_obj *o, const char *name, bool required, const char **out,
+                   struct wd_error *err);
+
+/*
+ * A non-negative integer no larger than max and MSG_INT_MAX (cJSON keeps a
+ * double, which is exact only up to there). Negatives and fractions are
+ * refused; a number whose fraction a double cannot hold (1.0,
+ * 2.0000000000000001) reads as the integer it rounds to.
+ */
+int msg_get_u64(const struct msg_obj *o, const char *name, bool required, uint64_t def,
+                uint64_t max, uint64_t *out, struct wd_error *err);
+
+/* true or false. */
+int msg_get_bool(const struct msg_obj *o, const char *name, bool required, bool def, bool *out,
+                 struct wd_error *err);
+
+/* A nested object; out->path becomes "<parent>.<name>" for later messages. */
+int msg_get_object(const struct msg_obj *o, const char *name, bool required, struct msg_obj *out,
+                   struct wd_error *err);
+
+/* An array (elements unchecked); absent: NULL. */
+int msg_get_array(const struct msg_obj *o, const char *name, bool required, const cJSON **out,
+                  struct wd_error *err);
+
+/*
+ * Refuses members of o not in allowed (a NULL-terminated list), naming the
+ * first such member. Returns 0 or WEIGHTD_E_BAD_REQUEST.
+ */
+int msg_check_fields(const struct msg_obj *o, const char *const *allowed, struct wd_error *err);
+
+/* Writes id for logs: the string in quotes, the integer, or "-" when NULL. */
+void msg_id_format(const cJSON *id, char *buf, size_t buflen);
+
+/*
+ * Reply builders. Each returns a new object (free it with cJSON_Delete) or
+ * NULL when memory ran out. id is the request's id or NULL.
+ */
+
+/* {"id": ..., "ok": true}; add result fields to it. */
+cJSON *msg_reply_ok(const cJSON *id);
+/* {"id": ..., "error": {"code": "<weightd_err_name(code)>", "message": "..."}} */
+cJSON *msg_reply_error(const cJSON *id, int code, const char *message);
+/* {"id": ..., "event": "<name>"}; add the event's fields to it (id NULL: unsolicited). */
+cJSON *msg_event(const cJSON *id, const char *name);
+/* {"id": ..., "event": "progress", "bytes_done": done, "bytes_total": total} */
+cJSON *msg_event_progress(const cJSON *id, uint64_t done, uint64_t total);
+
+/* Adds name: v as an exact decimal integer (cJSON alone would round above 2^53). */
+int msg_add_u64(cJSON *obj, const char *name, uint64_t v);
+/* Adds name: s, with bytes that are not valid UTF-8 replaced by '?'. */
+int msg_add_string(cJSON *obj, const char *name, const char *s);
+
+/* The unformatted JSON text of j (malloc'd), or NULL when memory ran out. */
+char *msg_serialize(const cJSON *j);
+
+/* Writes 2n lowercase hex digits and a NUL to out (room for 2n + 1). */
+void msg_hex_encode(const void *bytes, size_t n, char *out);
+/*
+ * Decodes exactly 2n lowercase hex digits from the NUL-terminated hex into
+ * out[0..n). Returns 0 or WEIGHTD_E_INVALID (wrong length, uppercase or other
+ * characters); out may be partly written on failure.
+ */
+int msg_hex_decode(const char *hex, void *out, size_t n);
+
+#endif

@@ -1,0 +1,242 @@
+/*
+ * test_client_daemon.c - libweightd against the real weightd on a private
+ * socket: load, attach (twice by set, once by path: one mapping), every byte
+ * of every tensor against the file, evict of a leased set, leases ended by
+ * close, path confinement, and a clean shutdown.
+ *
+ * The backend comes from argv[1] ("host" by default, "cuda" for the GPU run,
+ * which reads device memory back through the dlopen'd driver). The test skips
+ * (77) when $WEIGHTD does not name the daemon, or for cuda when this machine
+ * has no CUDA driver or device.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda_import.h"
+#include "fixture.h"
+#include "safetensors.h"
+#include "testutil.h"
+#include "weightd.h"
+
+static const char *backend = "host";
+static char dir[PATH_MAX], ckpt[PATH_MAX], sock[PATH_MAX], logpath[PATH_MAX];
+static pid_t daemon_pid = -1;
+
+static const struct fx_tensor tensors[] = {
+    {"model.embed_tokens.weight", "BF16", 2, 512, 1024},
+    {"model.layers.0.input_layernorm.weight", "F32", 4, 256, 0},
+    {"model.layers.0.odd", "U8", 1, 1001, 0},
+    {"lm_head.weight", "BF16", 2, 64, 128},
+};
+#define NTENSORS (sizeof tensors / sizeof tensors[0])
+
+static void sleep_ms(long ms) {
+  struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static void show_log(void) {
+  FILE *f = fopen(logpath, "r");
+  char line[512];
+  while (f && fgets(line, sizeof line, f)) fprintf(stderr, "  weightd| %s", line);
+  if (f) fclose(f);
+}
+
+/* Starts the daemon; 0 when it answers, -1 when it exited first or never answered. */
+static int daemon_start(const char *exe) {
+  daemon_pid = fork();
+  if (daemon_pid == 0) {
+    int fd = open(logpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, STDOUT_FILENO);
+    dup2(fd, STDERR_FILENO);
+    execl(exe, exe, "--foreground", "--backend", backend, "--socket", sock, "--model-root", dir, (char *)NULL);
+    _exit(127);
+  }
+  for (int i = 0; i < 400; i++) {
+    weightd_client *c = NULL;
+    int rc = weightd_connect(sock, &c);
+    weightd_close(c);
+    if (rc == 0) return 0;
+    if (waitpid(daemon_pid, NULL, WNOHANG) == daemon_pid) {
+      daemon_pid = -1;
+      return -1;
+    }
+    sleep_ms(50);
+  }
+  return -1;
+}
+
+/* Compares every tensor of s with the file, byte for byte. */
+static int set_matches_file(const weightd_set *s) {
+  struct st_header *h = NULL;
+  struct wd_error err;
+  char file[PATH_MAX + 32];
+  snprintf(file, sizeof file, "%s/model.safetensors", ckpt);
+  if (st_header_read_path(file, "model", &h, &err) != 0) return 0;
+  int fd = open(file, O_RDONLY);
+  int ok = fd >= 0 && weightd_set_tensor_count(s) == NTENSORS;
+  for (size_t i = 0; ok && i < h->ntensors; i++) {
+    const struct st_tensor *t = &h->tensors[i];
+    weightd_tensor wt;
+    if (weightd_set_find(s, t->name, &wt) != 0 || wt.nbytes != t->end - t->begin) {
+      ok = 0;
+      break;
+    }
+    unsigned char *want = malloc(wt.nbytes), *got = malloc(wt.nbytes);
+    ok = pread(fd, want, wt.nbytes, (off_t)(h->data_start + t->begin)) == (ssize_t)wt.nbytes;
+    if (ok && weightd_set_memory_kind(s) == WEIGHTD_MEMORY_CUDA) {
+      ok = cuimp_copy_to_host_uuid(weightd_set_device(s), got, (uint64_t)(uintptr_t)wt.data, wt.nbytes, &err) == 0;
+      if (!ok) fprintf(stderr, "device read: %s\n", err.msg);
+    } else if (ok) {
+      memcpy(got, wt.data, wt.nbytes);
+    }
+    ok = ok && memcmp(want, got, wt.nbytes) == 0;
+    if (!ok) fprintf(stderr, "tensor %s differs from the file\n", t->name);
+    free(want);
+    free(got);
+  }
+  if (fd >= 0) close(fd);
+  st_header_free(h);
+  return ok;
+}
+
+/* Leases the daemon's status reports for set_id, or -1. */
+static int set_leases(weightd_client *c, const char *set_id) {
+  char *reply = NULL, pat[64];
+  if (weightd_request(c, "{\"op\":\"status\"}", &reply, NULL, NULL) != 0) return -1;
+  snprintf(pat, sizeof pat, "\"set\":\"%s\"", set_id);
+  const char *p = strstr(reply, pat);
+  const char *l = p ? strstr(p, "\"leases\":") : NULL;
+  int n = l ? atoi(l + 9) : -1;
+  weightd_free(reply);
+  return n;
+}
+
+static void test_load_attach_verify(void) {
+  weightd_client *c = NULL, *c2 = NULL;
+  CHECK_EQ_INT(weightd_connect(sock, &c), 0);
+  CHECK_EQ_INT(weightd_connect(sock, &c2), 0);
+  CHECK(strcmp(weightd_backend(c), backend) == 0);
+  char set_id[32];
+  CHECK_EQ_INT(weightd_load(c, ckpt, NULL, set_id, sizeof set_id), 0);
+  printf("  loaded %s on the %s backend\n", set_id, weightd_backend(c));
+
+  weightd_set *a = NULL, *b = NULL, *p = NULL;
+  CHECK_EQ_INT(weightd_attach(c, set_id, &a), 0);
+  CHECK_EQ_INT(weightd_attach(c2, set_id, &b), 0);
+  struct weightd_load_options o = {.struct_size = sizeof o};
+  CHECK_EQ_INT(weightd_attach_path(c, ckpt, &o, &p), 0);
+  if (a && b && p) {
+    CHECK_EQ_INT(weightd_set_memory_kind(a),
+                 strcmp(backend, "cuda") == 0 ? WEIGHTD_MEMORY_CUDA : WEIGHTD_MEMORY_HOST);
+    CHECK(strcmp(weightd_set_id(p), set_id) == 0);
+    CHECK(weightd_set_base(a) != NULL);
+    CHECK(weightd_set_base(b) == weightd_set_base(a));
+    CHECK(weightd_set_base(p) == weightd_set_base(a));
+    CHECK(strcmp(weightd_set_lease(a), weightd_set_lease(b)) != 0);
+    CHECK(set_matches_file(a));
+    CHECK_EQ_INT(set_leases(c, set_id), 3);
+    CHECK_EQ_INT(weightd_evict(c, set_id), WEIGHTD_E_BUSY);
+    CHECK_EQ_INT(weightd_release(a), 0);
+    CHECK_EQ_INT(weightd_release(p), 0);
+    CHECK_EQ_INT(set_leases(c, set_id), 1);
+    CHECK(set_matches_file(b));
+    /* Closing c2 ends its lease in the daemon; the set stays readable here until released. */
+    weightd_close(c2);
+    c2 = NULL;
+    int leases = -1;
+    for (int i = 0; i < 100 && (leases = set_leases(c, set_id)) != 0; i++) sleep_ms(20);
+    CHECK_EQ_INT(leases, 0);
+    CHECK(set_matches_file(b));
+    CHECK_EQ_INT(weightd_release(b), 0);
+    CHECK_EQ_INT(weightd_evict(c, set_id), 0);
+    CHECK_EQ_INT(weightd_attach(c, set_id, &a), WEIGHTD_E_NOT_FOUND);
+  } else {
+    fprintf(stderr, "attach failed: %s\n", weightd_last_error(c));
+    weightd_release(a);
+    weightd_release(b);
+    weightd_release(p);
+  }
+  weightd_close(c2);
+  weightd_close(c);
+}
+
+static void test_errors(void) {
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(sock, &c), 0);
+  CHECK_EQ_INT(weightd_open(c, "/etc"), WEIGHTD_E_PATH_DENIED);
+  CHECK(weightd_last_error(c)[0] != '\0');
+  CHECK_EQ_INT(weightd_attach(c, "s999999", &(weightd_set *){NULL}), WEIGHTD_E_NOT_FOUND);
+  char *reply = NULL;
+  CHECK_EQ_INT(weightd_request(c, "{\"op\":\"load\",\"path\":42}", &reply, NULL, NULL), WEIGHTD_E_BAD_REQUEST);
+  CHECK_STR_CONTAINS(reply, "BAD_REQUEST");
+  weightd_free(reply);
+  weightd_close(c);
+}
+
+static void test_shutdown(void) {
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(sock, &c), 0);
+  int rc = weightd_request(c, "{\"op\":\"shutdown\"}", NULL, NULL, NULL);
+  CHECK(rc == 0 || rc == WEIGHTD_E_SHUTDOWN);
+  weightd_close(c);
+  int status = -1;
+  for (int i = 0; i < 400 && waitpid(daemon_pid, &status, WNOHANG) == 0; i++) sleep_ms(50);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  if (!(WIFEXITED(status))) {
+    kill(daemon_pid, SIGKILL);
+    waitpid(daemon_pid, NULL, 0);
+  }
+  daemon_pid = -1;
+}
+
+int main(int argc, char **argv) {
+  signal(SIGPIPE, SIG_IGN);
+  if (argc > 1) backend = argv[1];
+  const char *exe = getenv("WEIGHTD");
+  if (exe == NULL || access(exe, X_OK) != 0) SKIP_ALL("$WEIGHTD does not name the weightd binary");
+  if (strcmp(backend, "cuda") == 0) {
+    struct cuimp_device d;
+    struct wd_error err;
+    int rc = cuimp_device_find("GPU-00000000-0000-0000-0000-000000000000", &d, &err);
+    if (rc == WEIGHTD_E_UNSUPPORTED || (rc != 0 && strstr(err.msg, "sees 0 CUDA devices") != NULL))
+      SKIP_ALL("no CUDA driver or device here");
+  }
+  char *d = fx_tmpdir("client-daemon");
+  snprintf(dir, sizeof dir, "%s", d);
+  free(d);
+  snprintf(ckpt, sizeof ckpt, "%s/tiny", dir);
+  snprintf(sock, sizeof sock, "%s/weightd.sock", dir);
+  snprintf(logpath, sizeof logpath, "%s/weightd.log", dir);
+  mkdir(ckpt, 0755);
+  char file[PATH_MAX + 32];
+  snprintf(file, sizeof file, "%s/model.safetensors", ckpt);
+  if (fx_write_st(file, tensors, NTENSORS) != 0) {
+    fprintf(stderr, "cannot write %s\n", file);
+    return 1;
+  }
+  if (daemon_start(exe) != 0) {
+    fprintf(stderr, "weightd did not start on the %s backend\n", backend);
+    show_log();
+    if (daemon_pid > 0) kill(daemon_pid, SIGKILL);
+    fx_rmtree(dir);
+    return 1;
+  }
+  RUN(test_load_attach_verify);
+  RUN(test_errors);
+  RUN(test_shutdown);
+  if (tu_tests_failed) show_log();
+  if (daemon_pid > 0) {
+    kill(daemon_pid, SIGKILL);
+    waitpid(daemon_pid, NULL, 0);
+  }
+  fx_rmtree(dir);
+  return tu_finish();
+}
