@@ -134,6 +134,9 @@ static int uuid_digits(const char *s, char out[33]) {
 
 int cuimp_device_find(const char *uuid, struct cuimp_device *out, struct wd_error *err) {
   int rc = driver_get(err);
+  if (rc == WEIGHTD_E_DEVICE)
+    return err_set(err, rc, "cannot reach device %s: %s; check CUDA_VISIBLE_DEVICES", uuid ? uuid : "(null)",
+                   drv.why);
   if (rc != 0) return rc;
   char want[33];
   if (uuid == NULL || !uuid_digits(uuid, want))

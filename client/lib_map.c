@@ -6,8 +6,9 @@
  * memfd's st_dev/st_ino; cuda: the IPC handle's bytes), so one set is mapped
  * once and every weightd_set of it sees the same base address. Entries are
  * reference-counted; the last weightd_release unmaps. One mutex guards the
- * list and is held across mmap/munmap and cuIpcOpen/CloseMemHandle, so two
- * threads attaching the same set never map it twice.
+ * list and is held across mmap and cuIpcOpenMemHandle, so two threads
+ * attaching the same set never map it twice; the last reference is unlinked
+ * under the lock and unmapped after it.
  */
 #include <errno.h>
 #include <fcntl.h>

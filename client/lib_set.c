@@ -109,7 +109,7 @@ static int map_handle(weightd_client *c, weightd_set *s, const cJSON *reply, str
   } else {
     return lib_fail(c, WEIGHTD_E_UNSUPPORTED, "attach: unknown handle kind '%s'", kind ? kind : "(none)");
   }
-  if (rc != 0) return lib_fail(c, rc, "attach %s: %s", s->id, e.msg);
+  if (rc != 0) return lib_fail(c, rc, "set %s: %s", s->id, e.msg);
   return 0;
 }
 

@@ -86,11 +86,21 @@ const char *weightd_version_string(void);
 /* ---- connections ----------------------------------------------------------
  *
  * Thread safety: a weightd_client may be used by one thread at a time (calls
- * on one handle from several threads must be serialised by the caller);
+ * on one handle from several threads must be serialised by the caller, and
+ * weightd_release of a set counts as a call on the handle that attached it);
  * separate handles are independent. Sets attached through a handle may be
- * read from any thread. After fork() the child must not use the parent's
- * handles (they share the parent's socket and leases): it makes its own with
- * weightd_connect. All I/O is blocking; no event loop is needed.
+ * read from any thread. The table of mappings shared by all handles of the
+ * process (see weightd_attach) has its own lock.
+ *
+ * fork(): the child must not use the parent's handles (they share the
+ * parent's socket and leases); calls on them fail with WEIGHTD_E_INVALID and
+ * it makes its own with weightd_connect. The child may read host sets it
+ * inherited; weightd_release there only unmaps them and sends nothing (the
+ * parent's lease stays); CUDA mappings are not inherited at all.
+ *
+ * All I/O is blocking; no event loop is needed. Checkpoint paths that are
+ * relative are made absolute against the caller's working directory before
+ * they are sent, since the daemon resolves paths in its own.
  */
 
 typedef struct weightd_client weightd_client;
@@ -102,13 +112,22 @@ typedef struct weightd_set weightd_set;
 /*
  * Connects and performs the hello exchange. socket_path NULL means: try
  * $WEIGHTD_SOCKET, then /run/weightd/weightd.sock, then the per-user socket
- * ($XDG_RUNTIME_DIR/weightd.sock, else /tmp/weightd-$UID.sock).
+ * ($XDG_RUNTIME_DIR/weightd.sock, else /tmp/weightd-$UID.sock); the first
+ * that accepts wins, and WEIGHTD_E_CONNECT's message names every path tried.
+ * A daemon that does not speak this protocol gives WEIGHTD_E_VERSION, one
+ * that refuses this user WEIGHTD_E_PERMISSION; hello waits at most 30 s.
  * On failure *out is still set when memory allowed, so that
  * weightd_last_error() can say why; close it with weightd_close().
  */
 int weightd_connect(const char *socket_path, weightd_client **out);
 
-/* Closes the connection; the daemon ends its leases. NULL-safe. */
+/*
+ * Closes the connection; the daemon ends its leases. NULL-safe. Sets still
+ * attached through c are detached, not freed: call weightd_release on each,
+ * which then only unmaps it and frees its memory. Until then a host set stays
+ * readable (its mapping keeps the memory alive), but a CUDA set's memory may
+ * be freed by the daemon as soon as it is unleased: do not touch it.
+ */
 void weightd_close(weightd_client *c);
 
 /* The last error's detail on this handle ("" when none). NULL-safe. */
@@ -117,7 +136,13 @@ const char *weightd_last_error(const weightd_client *c);
 /* The daemon's backend ("host" or "cuda") as reported by hello. */
 const char *weightd_backend(const weightd_client *c);
 
-/* Sets the timeout for each reply, in milliseconds (default: wait forever). */
+/*
+ * Sets how long a call waits for the daemon's next frame, in milliseconds;
+ * each progress event starts the wait again. 0 or less waits forever (the
+ * default). A call that times out returns WEIGHTD_E_TIMEOUT and the handle
+ * stays usable: the late reply is recognised by its id and dropped (a lease
+ * it grants is released, a timed-out load is canceled).
+ */
 void weightd_set_timeout(weightd_client *c, int timeout_ms);
 
 /* Progress of a load: bytes done of bytes total. */
@@ -149,14 +174,27 @@ int weightd_prefetch(weightd_client *c, const char *path, int pin, int wait);
 int weightd_load(weightd_client *c, const char *path, const struct weightd_load_options *opts,
                  char *set_id, size_t set_id_len);
 
-/* Attaches a resident set by id: maps its memory and takes a lease. */
+/*
+ * Attaches a resident set by id: takes a lease and maps its memory (host: the
+ * sealed memfd, read-only; cuda: cuIpcOpenMemHandle on the device whose UUID
+ * the daemon names, found among this process's devices whatever its
+ * CUDA_VISIBLE_DEVICES; the CUDA driver is loaded on first use, so the library
+ * runs on machines without one). Every attach of the same set in this process,
+ * through any handle, shares one mapping, so weightd_set_base is the same for
+ * all of them. A set that cannot be mapped gives its lease back at once.
+ */
 int weightd_attach(weightd_client *c, const char *set_id, weightd_set **out);
 
 /* Loads if needed, then attaches: one call for an engine starting up. */
 int weightd_attach_path(weightd_client *c, const char *path,
                         const struct weightd_load_options *opts, weightd_set **out);
 
-/* Releases the lease and unmaps the set (once no other attach in this process uses it). NULL-safe. */
+/*
+ * Releases the lease and unmaps the set (once no other attach in this process
+ * uses it), then frees s, also when the daemon's answer is an error (which is
+ * returned). A set whose handle was closed or whose connection died only
+ * unmaps. NULL-safe.
+ */
 int weightd_release(weightd_set *s);
 
 /* Evicts a set that no one leases. */
@@ -165,8 +203,10 @@ int weightd_evict(weightd_client *c, const char *set_id);
 /*
  * Sends one request (a JSON object without "id"; one is added) and returns the
  * final reply as JSON text in *reply (free it with weightd_free), also when
- * the reply is an error; the return value is 0 or the reply's error code.
- * Progress events are passed to progress when given.
+ * the reply is an error; the return value is 0 or the reply's error code
+ * (*reply is NULL when no reply came). Progress events are passed to progress
+ * when given. Descriptors that come with a reply are closed: use
+ * weightd_attach to map a set.
  */
 int weightd_request(weightd_client *c, const char *request_json, char **reply,
                     weightd_progress_fn progress, void *progress_arg);

@@ -44,7 +44,8 @@ static const struct cfg_key keys[] = {
     {"device_memory_budget", CFG_BYTES, OFF(device_memory_budget), 0, 0, UINT64_MAX, "0",
      "bytes of resident sets per device before unleased sets are evicted (0 = the device's memory)"},
     {"host_pin_budget", CFG_BYTES, OFF(host_pin_budget), 0, 0, UINT64_MAX, "0",
-     "bytes of checkpoints kept in the pinned-resident tier (0 = none)"},
+     "bytes of checkpoint files kept registered for direct DMA (prefetch --pin; 0 = half of "
+     "physical memory)"},
     {"fill_threads", CFG_UINT, OFF(fill_threads), 0, 0, 1024, "0",
      "threads copying from the page cache (0 = one per online CPU)"},
     {"job_threads", CFG_UINT, OFF(job_threads), 0, 1, 256, "4",

@@ -44,8 +44,8 @@ struct reg_ckpt {
   int refs;           /* the registry's own, sets, jobs and waiters */
   bool detached;      /* no longer in the registry (closed or replaced) */
   bool prefetching;
-  bool pinned;        /* in the pinned-resident tier */
-  uint64_t pinned_bytes;
+  atomic_bool pinned; /* in the pinned-resident tier (read by load jobs) */
+  uint64_t pinned_bytes; /* bytes registered, counted against host_pin_budget */
   uint64_t last_used_ms;
   struct reg_waiter *waiters; /* requests waiting for REG_OPENING */
   struct wd_error open_err;
@@ -75,8 +75,12 @@ struct reg_ckpt *reg_find(const char *resolved);
 int reg_close(const char *resolved, struct wd_error *err);
 /* Shard bytes in the page cache (mincore); runs on a job thread. */
 uint64_t reg_resident_bytes(const struct reg_ckpt *ck);
-/* Starts a background read of every shard; reply when done if req is not NULL. */
-void reg_prefetch(struct reg_ckpt *ck, struct request *wait_req);
+/*
+ * Starts a background read of every shard, and with pin its registration for
+ * direct DMA within host_pin_budget; replies to wait_req when done (if set).
+ * Returns 0, or an error (pin over budget) without starting anything.
+ */
+int reg_prefetch(struct reg_ckpt *ck, bool pin, struct request *wait_req, struct wd_error *err);
 void reg_shutdown(void);
 
 /* ---- resident sets and leases (residency.c) ------------------------------ */
@@ -183,6 +187,8 @@ struct daemon {
   struct reg_ckpt *ckpts;
   struct res_set *sets;
   struct lease *leases;
+  uint64_t pinned_bytes; /* the pinned-resident tier's total */
+  uint64_t pin_budget;   /* its limit (config, or half of physical memory) */
   uint64_t next_id;
   uint64_t started_ms;
   bool stopping;
@@ -211,7 +217,10 @@ cJSON *res_set_json(const struct res_set *s);
 /* The device named by a request field: an index (number or text) or a UUID. */
 int dev_resolve(const cJSON *v, int *device, struct wd_error *err);
 
-/* The load job (loader.c): fills s->slab from the checkpoint per s->plan. */
+/* The loader (loader.c): staging resources per GPU, and the load job's work. */
+int ld_init(struct wd_error *err);
+void ld_shutdown(void);
+/* Allocates s->slab and fills it from the checkpoint per s->plan (a job thread). */
 int ld_fill(struct res_set *s, struct wd_error *err);
 
 /* The op handlers (ops.c). */

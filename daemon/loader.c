@@ -1,15 +1,28 @@
 /*
  * loader.c - moving a plan's bytes from the shard mappings into a slab.
  *
- * DESIGN: ld_fill runs on a job thread and owns the set's slab until it
- * returns. It splits the plan into copy tasks of about LD_CHUNK bytes and runs
- * them on the fill threads (fillpool.h): for the host backend each task is a
- * memcpy from the mapping straight into the slab, guarded against SIGBUS
- * (fault.h) in case a shard is truncated under us. Tasks only read the
- * immutable checkpoint and plan and write disjoint slab ranges; the first
- * error wins under `lock`. Progress goes to the set's atomic bytes_done,
- * which the loop reports; cancellation is the set's atomic cancel flag,
- * checked before each task.
+ * Three ways, chosen per load:
+ *   memcpy  the backend's slab is host memory (host backend): fill threads
+ *           gather slab windows straight from the mappings into the slab.
+ *   staged  a GPU slab, checkpoint in the page cache only: fill threads
+ *           gather each window of the slab image into a pinned staging slot,
+ *           a stream copies the slot to the GPU while the next slot fills;
+ *           the only wait is for a slot's previous transfer (its event).
+ *   direct  a GPU slab, checkpoint registered with the GPU (the
+ *           pinned-resident tier): the copy engines read the mappings
+ *           themselves, 2D copies for strided pieces; no CPU copy at all.
+ *
+ * Gathering is one routine: gather() writes the slab image of [lo, hi), which
+ * is each output's pieces in order (rows of strided pieces one after another)
+ * and zeros in the alignment gaps, reading the mappings under the SIGBUS
+ * guard (fault.h) so that a truncated shard fails the load, not the daemon.
+ *
+ * DESIGN (threads): ld_fill runs on a job thread and owns the set's slab until
+ * it returns. Fill tasks run on the fill pool and write disjoint byte ranges;
+ * the first error wins under `lock`. Each GPU's staging slots, streams and
+ * events belong to one load at a time (`staging.lock`). Progress is the set's
+ * atomic bytes_done; cancellation is its atomic cancel flag, checked between
+ * windows.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -19,164 +32,322 @@
 #include "fault.h"
 #include "log.h"
 
-#define LD_CHUNK (16ull << 20)
+/* Bytes one fill task gathers. */
+#define LD_TASK (8ull << 20)
+/* Bytes one direct copy moves at most (keeps progress and cancellation responsive). */
+#define LD_DIRECT_CHUNK (256ull << 20)
 
-struct ld_task {
-  const struct plan_piece *piece;
-  uint64_t dst;       /* slab offset of the task's first byte */
-  uint64_t row0;      /* first row of the piece */
-  uint64_t rows;      /* rows of the piece (height 1 pieces: 1) */
-  uint64_t byte0;     /* height-1 pieces: first byte within the row */
-  uint64_t bytes;     /* bytes this task writes */
+struct staging {
+  pthread_mutex_t lock;
+  size_t nslots;
+  size_t slot_bytes;
+  void **slots;
+  struct wd_stream **streams;
+  struct wd_event **events;
 };
 
-struct ld_run {
+static struct staging *stagings; /* one per device, for backends without host-visible slabs */
+static int nstagings;
+
+/* ---- gathering ---------------------------------------------------------------- */
+
+static const struct plan_output *first_output_at(const struct plan *p, uint64_t lo) {
+  size_t a = 0, b = p->noutputs;
+  while (a < b) { /* the first output that ends after lo */
+    size_t m = a + (b - a) / 2;
+    if (p->outputs[m].offset + p->outputs[m].nbytes <= lo) a = m + 1;
+    else b = m;
+  }
+  return a < p->noutputs ? &p->outputs[a] : NULL;
+}
+
+struct gather_args {
+  const struct res_set *set;
+  uint64_t lo, hi;
+  unsigned char *dst; /* receives slab bytes [lo, hi) */
+};
+
+static const unsigned char *piece_src(const struct res_set *s, const struct plan_piece *pc) {
+  const struct ckpt *c = s->ck->ck;
+  const struct ckpt_shard *sh = &c->shards[pc->src->shard];
+  return (const unsigned char *)s->ck->maps[pc->src->shard] + sh->hdr->data_start + pc->src->t->begin +
+         pc->src_offset;
+}
+
+/* Copies the part [a, b) of a piece's bytes (in output order) to out. */
+static void gather_piece(const struct res_set *s, const struct plan_piece *pc, uint64_t a, uint64_t b,
+                         unsigned char *out) {
+  if (pc->src == NULL) {
+    memset(out, 0, (size_t)(b - a));
+    return;
+  }
+  const unsigned char *src = piece_src(s, pc);
+  if (pc->height <= 1 || pc->src_pitch == pc->width) {
+    memcpy(out, src + a, (size_t)(b - a));
+    return;
+  }
+  while (a < b) {
+    uint64_t row = a / pc->width, col = a % pc->width;
+    uint64_t n = pc->width - col < b - a ? pc->width - col : b - a;
+    memcpy(out, src + row * pc->src_pitch + col, (size_t)n);
+    out += n;
+    a += n;
+  }
+}
+
+static int gather_range(void *arg) {
+  struct gather_args *g = arg;
+  const struct plan *p = g->set->plan;
+  uint64_t pos = g->lo;
+  for (const struct plan_output *o = first_output_at(p, g->lo); o != NULL && o < p->outputs + p->noutputs && pos < g->hi;
+       o++) {
+    if (o->offset > pos) { /* an alignment gap */
+      uint64_t gap_end = o->offset < g->hi ? o->offset : g->hi;
+      memset(g->dst + (pos - g->lo), 0, (size_t)(gap_end - pos));
+      pos = gap_end;
+      if (pos >= g->hi) break;
+    }
+    uint64_t piece_start = o->offset;
+    for (size_t k = 0; k < o->npieces && pos < g->hi; k++) {
+      const struct plan_piece *pc = &o->pieces[k];
+      uint64_t len = pc->width * pc->height, piece_end = piece_start + len;
+      if (piece_end > pos) {
+        uint64_t a = pos - piece_start, b = (piece_end < g->hi ? piece_end : g->hi) - piece_start;
+        gather_piece(g->set, pc, a, b, g->dst + (pos - g->lo));
+        pos = piece_start + b;
+      }
+      piece_start = piece_end;
+    }
+  }
+  if (pos < g->hi) memset(g->dst + (pos - g->lo), 0, (size_t)(g->hi - pos)); /* the tail gap */
+  return 0;
+}
+
+/* Names the tensor at slab offset off, for a FAULT message. */
+static int fault_error(const struct res_set *s, uint64_t off, struct wd_error *err) {
+  const struct plan_output *o = first_output_at(s->plan, off);
+  const char *shard = "?", *name = o ? o->name : "?";
+  if (o != NULL && o->npieces > 0 && o->pieces[0].src != NULL)
+    shard = s->ck->ck->shards[o->pieces[0].src->shard].rel;
+  return err_set(err, WEIGHTD_E_FAULT,
+                 "%s: tensor '%s': the shard was truncated or became unreadable while it was read", shard,
+                 name);
+}
+
+/* ---- a run of fill tasks ---------------------------------------------------------- */
+
+struct fill_run {
   struct res_set *set;
-  struct ld_task *tasks;
+  uint64_t lo, hi; /* the window being gathered */
+  unsigned char *dst;
   size_t ntasks;
+  bool count_progress;
   pthread_mutex_t lock;
   int rc;
   struct wd_error err;
 };
 
-/* Splits every piece of every output into tasks of at most about LD_CHUNK bytes. */
-static int make_tasks(struct ld_run *run, struct wd_error *err) {
-  const struct plan *p = run->set->plan;
-  size_t cap = 64, n = 0;
-  struct ld_task *t = malloc(cap * sizeof *t);
-  if (t == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  for (size_t o = 0; o < p->noutputs; o++) {
-    uint64_t dst = p->outputs[o].offset;
-    for (size_t k = 0; k < p->outputs[o].npieces; k++) {
-      const struct plan_piece *pc = &p->outputs[o].pieces[k];
-      uint64_t total = pc->width * pc->height;
-      uint64_t rows_per = pc->height > 1 ? (pc->width >= LD_CHUNK ? 1 : LD_CHUNK / pc->width) : 1;
-      for (uint64_t done = 0; done < total;) {
-        if (n == cap) {
-          cap *= 2;
-          struct ld_task *nt = realloc(t, cap * sizeof *t);
-          if (nt == NULL) {
-            free(t);
-            return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-          }
-          t = nt;
-        }
-        struct ld_task *x = &t[n++];
-        x->piece = pc;
-        x->dst = dst + done;
-        if (pc->height <= 1) {
-          x->row0 = 0;
-          x->rows = 1;
-          x->byte0 = done;
-          x->bytes = total - done < LD_CHUNK ? total - done : LD_CHUNK;
-        } else {
-          x->row0 = done / pc->width;
-          x->rows = pc->height - x->row0 < rows_per ? pc->height - x->row0 : rows_per;
-          x->byte0 = 0;
-          x->bytes = x->rows * pc->width;
-        }
-        done += x->bytes;
-      }
-      dst += total;
-    }
+static void fill_task(void *arg, size_t i) {
+  struct fill_run *r = arg;
+  pthread_mutex_lock(&r->lock);
+  int failed = r->rc != 0;
+  pthread_mutex_unlock(&r->lock);
+  if (failed) return;
+  uint64_t a = r->lo + (uint64_t)i * LD_TASK;
+  uint64_t b = a + LD_TASK < r->hi ? a + LD_TASK : r->hi;
+  struct gather_args g = {r->set, a, b, r->dst + (a - r->lo)};
+  if (fault_call(gather_range, &g) != 0) {
+    pthread_mutex_lock(&r->lock);
+    if (r->rc == 0) r->rc = fault_error(r->set, a, &r->err);
+    pthread_mutex_unlock(&r->lock);
+    return;
   }
-  run->tasks = t;
-  run->ntasks = n;
+  if (r->count_progress) atomic_fetch_add(&r->set->bytes_done, b - a);
+}
+
+/* Gathers slab bytes [lo, hi) into dst on the fill threads. */
+static int fill_window(struct res_set *s, uint64_t lo, uint64_t hi, unsigned char *dst, bool count_progress,
+                       struct wd_error *err) {
+  struct fill_run r = {.set = s, .lo = lo, .hi = hi, .dst = dst, .count_progress = count_progress};
+  r.ntasks = (size_t)((hi - lo + LD_TASK - 1) / LD_TASK);
+  pthread_mutex_init(&r.lock, NULL);
+  fill_run(wd->fill, r.ntasks, fill_task, &r);
+  pthread_mutex_destroy(&r.lock);
+  if (r.rc != 0) *err = r.err;
+  return r.rc;
+}
+
+static int check_cancel(struct res_set *s, struct wd_error *err) {
+  if (!atomic_load(&s->cancel)) return 0;
+  return err_set(err, WEIGHTD_E_CANCELED, "load of %s canceled", s->ck->path);
+}
+
+/* ---- memcpy: the slab is host memory ------------------------------------------------ */
+
+static int fill_memcpy(struct res_set *s, struct wd_error *err) {
+  const uint64_t window = 256ull << 20; /* cancellation is checked between windows */
+  for (uint64_t lo = 0; lo < s->plan->slab_bytes; lo += window) {
+    int rc = check_cancel(s, err);
+    if (rc != 0) return rc;
+    uint64_t hi = lo + window < s->plan->slab_bytes ? lo + window : s->plan->slab_bytes;
+    rc = fill_window(s, lo, hi, (unsigned char *)s->slab->host_view + lo, true, err);
+    if (rc != 0) return rc;
+  }
   return 0;
 }
 
-static const unsigned char zeros[1u << 16];
+/* ---- staged: pinned slots and a stream per slot -------------------------------------- */
 
-struct copy_args {
-  struct ld_run *run;
-  const struct ld_task *task;
-  struct wd_stream *stream;
-  struct wd_error *err;
-};
-
-/* One task's copy; runs under fault_call, so a SIGBUS returns WEIGHTD_E_FAULT. */
-static int copy_task(void *arg) {
-  struct copy_args *a = arg;
-  const struct ld_task *t = a->task;
-  const struct plan_piece *pc = t->piece;
-  struct res_set *s = a->run->set;
+static int fill_staged(struct res_set *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = wd->backend.ops;
-  if (pc->src == NULL) {
-    for (uint64_t off = 0; off < t->bytes; off += sizeof zeros) {
-      size_t n = t->bytes - off < sizeof zeros ? (size_t)(t->bytes - off) : sizeof zeros;
-      int rc = ops->copy_h2d(wd->backend.ctx, s->slab, t->dst + off, n, zeros, n, n, 1, a->stream, a->err);
-      if (rc != 0) return rc;
-    }
-    return 0;
+  struct staging *st = &stagings[s->device];
+  pthread_mutex_lock(&st->lock);
+  int rc = 0;
+  size_t w = 0;
+  uint64_t total = s->plan->slab_bytes;
+  for (uint64_t lo = 0; lo < total; lo += st->slot_bytes, w++) {
+    if ((rc = check_cancel(s, err)) != 0) break;
+    size_t k = w % st->nslots;
+    uint64_t hi = lo + st->slot_bytes < total ? lo + st->slot_bytes : total;
+    /* The slot's previous transfer must be done before it is refilled. */
+    if (w >= st->nslots && (rc = ops->event_wait(wd->backend.ctx, st->events[k], err)) != 0) break;
+    if (w >= st->nslots) atomic_fetch_add(&s->bytes_done, st->slot_bytes);
+    if ((rc = fill_window(s, lo, hi, st->slots[k], false, err)) != 0) break;
+    if ((rc = ops->copy_h2d(wd->backend.ctx, s->slab, lo, (size_t)(hi - lo), st->slots[k], (size_t)(hi - lo),
+                            (size_t)(hi - lo), 1, st->streams[k], err)) != 0)
+      break;
+    if ((rc = ops->event_record(wd->backend.ctx, st->events[k], st->streams[k], err)) != 0) break;
   }
-  const struct ckpt *c = s->ck->ck;
-  const struct ckpt_shard *sh = &c->shards[pc->src->shard];
-  const unsigned char *src = (const unsigned char *)s->ck->maps[pc->src->shard] + sh->hdr->data_start +
-                             pc->src->t->begin + pc->src_offset;
-  if (pc->height <= 1)
-    return ops->copy_h2d(wd->backend.ctx, s->slab, t->dst, (size_t)t->bytes, src + t->byte0,
-                         (size_t)t->bytes, (size_t)t->bytes, 1, a->stream, a->err);
-  return ops->copy_h2d(wd->backend.ctx, s->slab, t->dst, (size_t)pc->width, src + t->row0 * pc->src_pitch,
-                       (size_t)pc->src_pitch, (size_t)pc->width, (size_t)t->rows, a->stream, a->err);
+  /* Drain every slot, also after an error: the slots must be idle for the next load. */
+  for (size_t k = 0; k < st->nslots && k < w; k++) {
+    struct wd_error e2 = {0};
+    int r2 = ops->event_wait(wd->backend.ctx, st->events[k], &e2);
+    if (rc == 0 && r2 != 0) {
+      rc = r2;
+      *err = e2;
+    }
+  }
+  pthread_mutex_unlock(&st->lock);
+  if (rc == 0) atomic_store(&s->bytes_done, s->plan->payload_bytes);
+  return rc;
 }
 
-static void run_task(void *arg, size_t i) {
-  struct ld_run *run = arg;
-  struct res_set *s = run->set;
-  pthread_mutex_lock(&run->lock);
-  int failed = run->rc != 0;
-  pthread_mutex_unlock(&run->lock);
-  if (failed) return;
-  if (atomic_load(&s->cancel)) {
-    pthread_mutex_lock(&run->lock);
-    if (run->rc == 0) run->rc = err_set(&run->err, WEIGHTD_E_CANCELED, "load of %s canceled", s->ck->path);
-    pthread_mutex_unlock(&run->lock);
-    return;
-  }
-  struct wd_error err = {0};
-  struct copy_args a = {run, &run->tasks[i], NULL, &err};
-  int rc = fault_call(copy_task, &a);
-  if (rc == WEIGHTD_E_FAULT) {
-    const struct plan_piece *pc = run->tasks[i].piece;
-    err_set(&err, WEIGHTD_E_FAULT,
-            "%s: tensor '%s': the shard was truncated or became unreadable while it was read",
-            pc->src ? s->ck->ck->shards[pc->src->shard].rel : "?", pc->src ? pc->src->t->name : "?");
-  }
-  if (rc != 0) {
-    pthread_mutex_lock(&run->lock);
-    if (run->rc == 0) {
-      run->rc = rc;
-      run->err = err;
+/* ---- direct: the copy engines read the registered mappings ---------------------------- */
+
+static int fill_direct(struct res_set *s, struct wd_error *err) {
+  const struct wd_backend_ops *ops = wd->backend.ops;
+  struct staging *st = &stagings[s->device];
+  static const unsigned char zeros[1u << 16];
+  pthread_mutex_lock(&st->lock);
+  int rc = 0;
+  size_t n = 0;
+  const struct plan *p = s->plan;
+  for (size_t o = 0; o < p->noutputs && rc == 0; o++) {
+    uint64_t dst = p->outputs[o].offset;
+    for (size_t k = 0; k < p->outputs[o].npieces && rc == 0; k++) {
+      const struct plan_piece *pc = &p->outputs[o].pieces[k];
+      uint64_t len = pc->width * pc->height;
+      if ((rc = check_cancel(s, err)) != 0) break;
+      struct wd_stream *stream = st->streams[n++ % st->nslots];
+      if (pc->src == NULL) {
+        for (uint64_t off = 0; off < len && rc == 0; off += sizeof zeros) {
+          size_t m = len - off < sizeof zeros ? (size_t)(len - off) : sizeof zeros;
+          rc = ops->copy_h2d(wd->backend.ctx, s->slab, dst + off, m, zeros, m, m, 1, NULL, err);
+        }
+      } else if (pc->height <= 1 || pc->src_pitch == pc->width) {
+        for (uint64_t off = 0; off < len && rc == 0; off += LD_DIRECT_CHUNK) {
+          size_t m = len - off < LD_DIRECT_CHUNK ? (size_t)(len - off) : (size_t)LD_DIRECT_CHUNK;
+          rc = ops->copy_h2d(wd->backend.ctx, s->slab, dst + off, m, piece_src(s, pc) + off, m, m, 1, stream, err);
+        }
+      } else {
+        rc = ops->copy_h2d(wd->backend.ctx, s->slab, dst, (size_t)pc->width, piece_src(s, pc),
+                           (size_t)pc->src_pitch, (size_t)pc->width, (size_t)pc->height, stream, err);
+      }
+      dst += len;
+      atomic_fetch_add(&s->bytes_done, len);
     }
-    pthread_mutex_unlock(&run->lock);
-    return;
   }
-  atomic_fetch_add(&s->bytes_done, run->tasks[i].bytes);
+  for (size_t k = 0; k < st->nslots; k++) {
+    struct wd_error e2 = {0};
+    int r2 = ops->event_record(wd->backend.ctx, st->events[k], st->streams[k], &e2);
+    if (r2 == 0) r2 = ops->event_wait(wd->backend.ctx, st->events[k], &e2);
+    if (rc == 0 && r2 != 0) {
+      rc = r2;
+      *err = e2;
+    }
+  }
+  pthread_mutex_unlock(&st->lock);
+  return rc;
 }
+
+/* ---- entry points ------------------------------------------------------------------------ */
 
 int ld_fill(struct res_set *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = wd->backend.ops;
   int rc = ops->slab_alloc(wd->backend.ctx, s->device, s->plan->slab_bytes, &s->slab, err);
   if (rc != 0) return rc;
-  struct ld_run run = {.set = s};
-  pthread_mutex_init(&run.lock, NULL);
-  if ((rc = make_tasks(&run, err)) != 0) goto fail;
-  fill_run(wd->fill, run.ntasks, run_task, &run);
-  if (run.rc != 0) {
-    rc = run.rc;
-    *err = run.err;
-    goto fail;
+  if (s->slab->host_view != NULL) {
+    s->method = "memcpy";
+    rc = fill_memcpy(s, err);
+  } else if (s->ck->pinned) {
+    s->method = "direct";
+    rc = fill_direct(s, err);
+  } else {
+    s->method = "staged";
+    rc = fill_staged(s, err);
   }
-  /* A shard rewritten while we copied would have given us a mix of old and new bytes. */
-  if ((rc = ckpt_check_unchanged(s->ck->ck, err)) != 0) goto fail;
-  if (ops->slab_seal != NULL && (rc = ops->slab_seal(wd->backend.ctx, s->slab, err)) != 0) goto fail;
-  free(run.tasks);
-  pthread_mutex_destroy(&run.lock);
-  return 0;
-fail:
-  free(run.tasks);
-  pthread_mutex_destroy(&run.lock);
-  ops->slab_free(wd->backend.ctx, s->slab);
-  s->slab = NULL;
+  /* A shard rewritten while we copied would have given a mix of old and new bytes. */
+  if (rc == 0) rc = ckpt_check_unchanged(s->ck->ck, err);
+  if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(wd->backend.ctx, s->slab, err);
+  if (rc != 0) {
+    ops->slab_free(wd->backend.ctx, s->slab);
+    s->slab = NULL;
+  }
   return rc;
+}
+
+int ld_init(struct wd_error *err) {
+  const struct wd_backend_ops *ops = wd->backend.ops;
+  if (ops->host_register == NULL) return 0; /* host slabs: no staging needed */
+  stagings = calloc((size_t)wd->ndevices, sizeof *stagings);
+  if (stagings == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  nstagings = wd->ndevices;
+  for (int d = 0; d < wd->ndevices; d++) {
+    struct staging *st = &stagings[d];
+    pthread_mutex_init(&st->lock, NULL);
+    st->nslots = (size_t)wd->cfg.staging_slots;
+    st->slot_bytes = (size_t)wd->cfg.staging_slot_bytes;
+    st->slots = calloc(st->nslots, sizeof *st->slots);
+    st->streams = calloc(st->nslots, sizeof *st->streams);
+    st->events = calloc(st->nslots, sizeof *st->events);
+    if (st->slots == NULL || st->streams == NULL || st->events == NULL)
+      return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    for (size_t k = 0; k < st->nslots; k++) {
+      int rc = ops->pinned_alloc(wd->backend.ctx, d, st->slot_bytes, &st->slots[k], err);
+      if (rc == 0) rc = ops->stream_create(wd->backend.ctx, d, &st->streams[k], err);
+      if (rc == 0) rc = ops->event_create(wd->backend.ctx, d, &st->events[k], err);
+      if (rc != 0) return err_prefix(err, "staging slot %zu of GPU %d", k, d);
+    }
+    log_msg(LOG_INFO, "GPU %d: %zu pinned staging slots of %zu MiB", d, st->nslots, st->slot_bytes >> 20);
+  }
+  return 0;
+}
+
+void ld_shutdown(void) {
+  const struct wd_backend_ops *ops = wd->backend.ops;
+  for (int d = 0; d < nstagings; d++) {
+    struct staging *st = &stagings[d];
+    for (size_t k = 0; k < st->nslots; k++) {
+      if (st->events && st->events[k]) ops->event_destroy(wd->backend.ctx, st->events[k]);
+      if (st->streams && st->streams[k]) ops->stream_destroy(wd->backend.ctx, st->streams[k]);
+      if (st->slots && st->slots[k]) ops->pinned_free(wd->backend.ctx, d, st->slots[k]);
+    }
+    free(st->slots);
+    free(st->streams);
+    free(st->events);
+    pthread_mutex_destroy(&st->lock);
+  }
+  free(stagings);
+  stagings = NULL;
+  nstagings = 0;
 }

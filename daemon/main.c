@@ -169,6 +169,7 @@ static void tell_parent(int ok) {
 }
 
 static void daemon_free(void) {
+  if (wd->backend.ops != NULL) ld_shutdown();
   backend_destroy(&wd->backend);
   fill_stop(wd->fill);
   for (size_t i = 0; i < wd->nroots; i++) free(wd->roots[i]);
@@ -250,7 +251,10 @@ int main(int argc, char **argv) {
     err_set(&err, WEIGHTD_E_INTERNAL, "cannot install the SIGBUS handler");
     goto fail;
   }
-  if (resolve_roots(&err) != 0 || pick_backend(&err) != 0 || setup_devices(&err) != 0) goto fail;
+  if (resolve_roots(&err) != 0 || pick_backend(&err) != 0 || setup_devices(&err) != 0 || ld_init(&err) != 0)
+    goto fail;
+  d.pin_budget = d.cfg.host_pin_budget;
+  if (d.pin_budget == 0) d.pin_budget = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE) / 2;
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   unsigned fill = d.cfg.fill_threads ? (unsigned)d.cfg.fill_threads : (unsigned)(ncpu > 0 ? ncpu : 1);
   /* fill_run's caller helps, so the pool has one thread fewer than asked. */

@@ -29,7 +29,8 @@ cJSON *ops_checkpoint_json(const struct reg_ckpt *ck, uint64_t resident) {
   msg_add_u64(o, "tensors", ck->ck->ntensors);
   msg_add_u64(o, "bytes", ck->ck->total_bytes);
   msg_add_u64(o, "resident_bytes", resident);
-  cJSON_AddBoolToObject(o, "pinned", ck->pinned);
+  cJSON_AddBoolToObject(o, "pinned", atomic_load(&ck->pinned));
+  msg_add_u64(o, "pinned_bytes", ck->pinned_bytes);
   cJSON_AddBoolToObject(o, "prefetching", ck->prefetching);
   int sets = 0;
   for (struct res_set *s = wd->sets; s != NULL; s = s->next)
@@ -279,17 +280,17 @@ static void prefetch_ready(struct request *r, struct reg_ckpt *ck, const struct 
   if (pin && wd->backend.ops->host_register == NULL)
     log_msg(LOG_DEBUG, "%s: the %s backend reads host memory directly; nothing to pin", ck->path,
             wd->backend_name);
-  if (ck->prefetching && !wait) {
+  if (ck->prefetching && !wait && !(pin && !atomic_load(&ck->pinned))) {
     reply_checkpoint(r, ck);
     return;
   }
-  if (wait) {
-    reg_prefetch(ck, r);
+  if (reg_prefetch(ck, pin, wait ? r : NULL, &e) != 0) {
     reg_unref(ck);
+    req_fail_err(r, &e);
     return;
   }
-  reg_prefetch(ck, NULL);
-  reply_checkpoint(r, ck);
+  if (wait) reg_unref(ck);
+  else reply_checkpoint(r, ck);
 }
 
 static void op_prefetch(struct request *r) {

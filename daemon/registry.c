@@ -31,12 +31,13 @@ static void entry_free(struct reg_ckpt *ck) {
   if (ck->ck != NULL) {
     for (size_t i = 0; i < ck->ck->nshards; i++) {
       if (ck->maps != NULL && ck->maps[i] != NULL) {
-        if (ck->pinned && wd->backend.ops->host_unregister)
+        if (atomic_load(&ck->pinned) && wd->backend.ops->host_unregister)
           wd->backend.ops->host_unregister(wd->backend.ctx, ck->maps[i], ck->ck->shards[i].size);
         munmap(ck->maps[i], ck->ck->shards[i].size);
       }
     }
   }
+  wd->pinned_bytes -= ck->pinned_bytes;
   free(ck->maps);
   ckpt_free(ck->ck);
   free(ck->path);
@@ -310,14 +311,18 @@ struct prefetch {
   struct job job;
   struct reg_ckpt *ck;
   struct request *req; /* replied to when done, if set */
-  uint64_t chunk;
+  bool pin;
+  struct reg_ckpt **unpin; /* pinned checkpoints to unregister first, referenced */
+  size_t nunpin;
   atomic_int failed;
+  int pin_rc;
+  struct wd_error pin_err;
   uint64_t resident; /* measured at the end, on the job thread */
 };
 
 #define PREFETCH_CHUNK (32ull << 20)
 
-/* Reads one chunk of one shard with pread: page cache filled, no SIGBUS possible. */
+/* Touches one chunk of one shard through the mapping: the pages loads will read. */
 static void prefetch_chunk(void *arg, size_t i) {
   struct prefetch *p = arg;
   const struct ckpt *c = p->ck->ck;
@@ -331,14 +336,19 @@ static void prefetch_chunk(void *arg, size_t i) {
   if (s == c->nshards) return;
   uint64_t off = k * PREFETCH_CHUNK, end = off + PREFETCH_CHUNK;
   if (end > c->shards[s].size) end = c->shards[s].size;
-  /* Touch the mapping page by page: the same pages the loads will read. */
   if (fault_touch((const char *)p->ck->maps[s] + off, (size_t)(end - off)) != 0)
     atomic_store(&p->failed, 1);
+}
+
+static void unregister_all(struct reg_ckpt *ck) {
+  for (size_t i = 0; i < ck->ck->nshards; i++)
+    if (ck->maps[i] != NULL) wd->backend.ops->host_unregister(wd->backend.ctx, ck->maps[i], ck->ck->shards[i].size);
 }
 
 static void prefetch_work(struct job *j) {
   struct prefetch *p = (struct prefetch *)j;
   const struct ckpt *c = p->ck->ck;
+  for (size_t i = 0; i < p->nunpin; i++) unregister_all(p->unpin[i]);
   size_t n = 0;
   for (size_t s = 0; s < c->nshards; s++) {
     if (p->ck->maps[s] == NULL) continue;
@@ -346,18 +356,51 @@ static void prefetch_work(struct job *j) {
     n += (size_t)((c->shards[s].size + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK);
   }
   fill_run(wd->fill, n, prefetch_chunk, p);
+  if (p->pin && !atomic_load(&p->failed)) {
+    double t0 = now_s();
+    size_t s = 0;
+    for (; s < c->nshards; s++) {
+      if (p->ck->maps[s] == NULL) continue;
+      p->pin_rc = wd->backend.ops->host_register(wd->backend.ctx, p->ck->maps[s], c->shards[s].size, &p->pin_err);
+      if (p->pin_rc != 0) break;
+    }
+    if (p->pin_rc != 0) {
+      err_prefix(&p->pin_err, "%s: pinning %s", p->ck->path, c->shards[s].rel);
+      for (size_t u = 0; u < s; u++)
+        if (p->ck->maps[u] != NULL) wd->backend.ops->host_unregister(wd->backend.ctx, p->ck->maps[u], c->shards[u].size);
+    } else {
+      log_msg(LOG_INFO, "%s: registered %llu bytes for direct DMA in %.0f ms", p->ck->path,
+              (unsigned long long)p->ck->pinned_bytes, (now_s() - t0) * 1000);
+    }
+  }
   p->resident = reg_resident_bytes(p->ck);
 }
 
 static void prefetch_done(struct job *j) {
   struct prefetch *p = (struct prefetch *)j;
   p->ck->prefetching = false;
+  for (size_t i = 0; i < p->nunpin; i++) {
+    log_msg(LOG_INFO, "%s: unpinned to make room in host_pin_budget", p->unpin[i]->path);
+    reg_unref(p->unpin[i]);
+  }
+  free(p->unpin);
   int failed = atomic_load(&p->failed);
+  if (p->pin) {
+    if (failed || p->pin_rc != 0) {
+      wd->pinned_bytes -= p->ck->pinned_bytes;
+      p->ck->pinned_bytes = 0;
+    } else {
+      atomic_store(&p->ck->pinned, true);
+    }
+  }
   if (failed) log_msg(LOG_WARN, "%s: prefetch hit a truncated shard", p->ck->path);
+  else if (p->pin_rc != 0) log_msg(LOG_WARN, "%s", p->pin_err.msg);
   else log_msg(LOG_INFO, "prefetched %s", p->ck->path);
   if (p->req != NULL) {
     if (failed) {
       req_fail(p->req, WEIGHTD_E_FAULT, "%s: a shard was truncated while it was read", p->ck->path);
+    } else if (p->pin_rc != 0) {
+      req_fail_err(p->req, &p->pin_err);
     } else {
       cJSON *reply = msg_reply_ok(p->req->id);
       cJSON_AddItemToObject(reply, "checkpoint", ops_checkpoint_json(p->ck, p->resident));
@@ -368,17 +411,73 @@ static void prefetch_done(struct job *j) {
   free(p);
 }
 
-void reg_prefetch(struct reg_ckpt *ck, struct request *wait_req) {
-  struct prefetch *p = calloc(1, sizeof *p);
-  if (p == NULL) {
-    if (wait_req) req_fail(wait_req, WEIGHTD_E_NOMEM, "out of memory");
-    return;
+static bool has_running_load(const struct reg_ckpt *ck) {
+  for (struct res_set *s = wd->sets; s != NULL; s = s->next)
+    if (s->ck == ck && s->state == SET_LOADING) return true;
+  return false;
+}
+
+static uint64_t shard_bytes(const struct reg_ckpt *ck) {
+  uint64_t n = 0;
+  for (size_t i = 0; i < ck->ck->nshards; i++) n += ck->ck->shards[i].size;
+  return n;
+}
+
+/* Chooses pinned checkpoints to unpin, least recently used first, so that need fits. */
+static int choose_unpin(struct prefetch *p, uint64_t need, struct wd_error *err) {
+  uint64_t freed = 0;
+  while (wd->pinned_bytes - freed + need > wd->pin_budget) {
+    struct reg_ckpt *victim = NULL;
+    for (struct reg_ckpt *c = wd->ckpts; c != NULL; c = c->next) {
+      bool chosen = false;
+      for (size_t i = 0; i < p->nunpin; i++) chosen |= p->unpin[i] == c;
+      if (c != p->ck && !chosen && atomic_load(&c->pinned) && !has_running_load(c) &&
+          (victim == NULL || c->last_used_ms < victim->last_used_ms))
+        victim = c;
+    }
+    if (victim == NULL)
+      return err_set(err, WEIGHTD_E_LIMIT,
+                     "%s: pinning %llu bytes exceeds host_pin_budget (%llu bytes, %llu in use by "
+                     "checkpoints that are loading)",
+                     p->ck->path, (unsigned long long)need, (unsigned long long)wd->pin_budget,
+                     (unsigned long long)wd->pinned_bytes);
+    struct reg_ckpt **nu = realloc(p->unpin, (p->nunpin + 1) * sizeof *nu);
+    if (nu == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    p->unpin = nu;
+    p->unpin[p->nunpin++] = victim;
+    freed += victim->pinned_bytes;
   }
+  return 0;
+}
+
+int reg_prefetch(struct reg_ckpt *ck, bool pin, struct request *wait_req, struct wd_error *err) {
+  struct prefetch *p = calloc(1, sizeof *p);
+  if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   p->job.work = prefetch_work;
   p->job.done = prefetch_done;
   p->ck = ck;
   p->req = wait_req;
+  p->pin = pin && wd->backend.ops->host_register != NULL && !atomic_load(&ck->pinned) && ck->pinned_bytes == 0;
+  if (p->pin) {
+    uint64_t need = shard_bytes(ck);
+    int rc = choose_unpin(p, need, err);
+    if (rc != 0) {
+      free(p->unpin);
+      free(p);
+      return rc;
+    }
+    for (size_t i = 0; i < p->nunpin; i++) {
+      struct reg_ckpt *v = p->unpin[i];
+      atomic_store(&v->pinned, false); /* new loads of it stage from now on */
+      wd->pinned_bytes -= v->pinned_bytes;
+      v->pinned_bytes = 0;
+      reg_ref(v);
+    }
+    ck->pinned_bytes = need;
+    wd->pinned_bytes += need;
+  }
   reg_ref(ck);
   ck->prefetching = true;
   jobs_submit(wd->jobs, &p->job);
+  return 0;
 }

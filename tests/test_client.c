@@ -194,6 +194,9 @@ static int handle(struct fake *f, int fd, const cJSON *req) {
       cJSON_AddObjectToObject(o, "checkpoint");
       send_json(fd, o, NULL, 0);
     }
+  } else if (strcmp(op, "load") == 0 && cJSON_IsString(path) && strcmp(path->valuestring, "/slow") == 0) {
+    sleep_ms(400);
+    send_json(fd, reply_err(req, "CANCELED", "canceled"), NULL, 0);
   } else if (strcmp(op, "load") == 0) {
     /* Among the progress events: a stray reply to another id and an unsolicited event. */
     const cJSON *id = cJSON_GetObjectItemCaseSensitive(req, "id");
@@ -230,6 +233,7 @@ static int handle(struct fake *f, int fd, const cJSON *req) {
       cJSON_AddNumberToObject(ev, "bytes_total", 5);
       send_json(fd, ev, NULL, 0);
     }
+    if (strcmp(name, "s_slow") == 0) sleep_ms(300);
     if (strcmp(name, "missing") == 0) {
       send_json(fd, reply_err(req, "NOT_FOUND", "no set 'missing'"), NULL, 0);
     } else if (strcmp(name, "s_cuda") == 0) {
@@ -625,17 +629,29 @@ static void test_bad_handles_release_lease(void) {
   CHECK_EQ_INT(weightd_attach(c, "s_nofd", &s), WEIGHTD_E_PROTOCOL);
   CHECK_STR_CONTAINS(weightd_last_error(c), "carried 0 descriptors");
   CHECK_EQ_INT(f->releases, 2);
-  /* A CUDA handle: no driver here (UNSUPPORTED), or no such GPU (DEVICE). */
-  int rc = weightd_attach(c, "s_cuda", &s);
-  CHECK(rc == WEIGHTD_E_UNSUPPORTED || rc == WEIGHTD_E_DEVICE);
-  if (rc == WEIGHTD_E_UNSUPPORTED) CHECK_STR_CONTAINS(weightd_last_error(c), "libcuda.so.1");
-  else printf("  (CUDA present) %s\n", weightd_last_error(c));
-  CHECK_EQ_INT(f->releases, 3);
   CHECK_EQ_INT(slab_mappings(), 0);
   CHECK_EQ_INT(count_open_fds(), fds_connected);
   weightd_close(c);
   fake_stop(f);
   CHECK_EQ_INT(count_open_fds(), fds_before);
+}
+
+/* Last of all: a CUDA driver, once loaded, keeps descriptors open for the process's life. */
+static void test_cuda_handle_unknown_device(void) {
+  struct fake *f = fake_start(FAKE_NORMAL);
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(f->sock_path, &c), 0);
+  weightd_set *s = NULL;
+  /* No driver here (UNSUPPORTED), or no GPU with the reply's UUID (DEVICE); the lease goes back. */
+  int rc = weightd_attach(c, "s_cuda", &s);
+  CHECK(rc == WEIGHTD_E_UNSUPPORTED || rc == WEIGHTD_E_DEVICE);
+  CHECK(s == NULL);
+  if (rc == WEIGHTD_E_UNSUPPORTED) CHECK_STR_CONTAINS(weightd_last_error(c), "libcuda.so.1");
+  else CHECK_STR_CONTAINS(weightd_last_error(c), "GPU-00000000-1111-2222-3333-444444444444");
+  printf("  %s\n", weightd_last_error(c));
+  CHECK_EQ_INT(f->releases, 1);
+  weightd_close(c);
+  fake_stop(f);
 }
 
 static long now_ms(void) {
@@ -659,6 +675,28 @@ static void test_timeout(void) {
   /* The late reply is told apart by its id: the next request gets its own answer. */
   weightd_set_timeout(c, 0);
   CHECK_EQ_INT(weightd_open(c, "/denied"), WEIGHTD_E_PATH_DENIED);
+
+  /* A load nobody waits for any more is canceled. */
+  weightd_set_timeout(c, 100);
+  char set[32];
+  CHECK_EQ_INT(weightd_load(c, "/slow", NULL, set, sizeof set), WEIGHTD_E_TIMEOUT);
+  weightd_set_timeout(c, 0);
+  CHECK_EQ_INT(weightd_open(c, "/models/ok"), 0);
+  CHECK_EQ_INT(f->cancels, 1);
+
+  /* A late attach reply: its descriptor is closed and its lease released. */
+  int fds = count_open_fds();
+  weightd_set_timeout(c, 100);
+  weightd_set *s = NULL;
+  CHECK_EQ_INT(weightd_attach(c, "s_slow", &s), WEIGHTD_E_TIMEOUT);
+  CHECK(s == NULL);
+  weightd_set_timeout(c, 0);
+  CHECK_EQ_INT(weightd_open(c, "/models/ok"), 0);
+  CHECK_EQ_INT(weightd_open(c, "/models/ok"), 0);
+  CHECK_EQ_INT(f->releases, 1);
+  CHECK(strcmp(f->last_released, "l1") == 0);
+  CHECK_EQ_INT(count_open_fds(), fds);
+  CHECK_EQ_INT(slab_mappings(), 0);
   weightd_close(c);
   fake_stop(f);
 }
@@ -745,5 +783,6 @@ int main(void) {
   RUN(test_shutdown_event);
   RUN(test_close_detaches_sets);
   RUN(test_fork_child);
+  RUN(test_cuda_handle_unknown_device);
   return tu_finish();
 }
