@@ -60,6 +60,9 @@ static const struct cfg_key keys[] = {
     {"max_queued_output", CFG_BYTES, OFF(max_queued_output), 0, 1 * MiB, 16 * GiB, "64MiB",
      "replies queued for a client that does not read before it is disconnected"},
     {"log_level", CFG_STRING, OFF(log_level), 0, 0, 0, "info", "error | warn | info | debug"},
+    {"load_method", CFG_STRING, OFF(load_method), 0, 0, 0, "auto",
+     "auto | staged: staged sends every load through the pinned staging slots, also on the host "
+     "backend and for pinned checkpoints (for tests and comparisons)"},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])

@@ -32,6 +32,7 @@ struct wd_config {
   uint64_t max_connections;
   uint64_t max_queued_output; /* bytes queued for a slow client before it is dropped */
   char *log_level;
+  char *load_method; /* auto | staged: force the staging pipeline (tests, comparisons) */
 };
 
 /* Fills cfg with the defaults. */

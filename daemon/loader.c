@@ -286,7 +286,11 @@ int ld_fill(struct res_set *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = wd->backend.ops;
   int rc = ops->slab_alloc(wd->backend.ctx, s->device, s->plan->slab_bytes, &s->slab, err);
   if (rc != 0) return rc;
-  if (s->slab->host_view != NULL) {
+  bool force_staged = strcmp(wd->cfg.load_method, "staged") == 0;
+  if (force_staged) {
+    s->method = "staged";
+    rc = fill_staged(s, err);
+  } else if (s->slab->host_view != NULL) {
     s->method = "memcpy";
     rc = fill_memcpy(s, err);
   } else if (s->ck->pinned) {
@@ -308,7 +312,10 @@ int ld_fill(struct res_set *s, struct wd_error *err) {
 
 int ld_init(struct wd_error *err) {
   const struct wd_backend_ops *ops = wd->backend.ops;
-  if (ops->host_register == NULL) return 0; /* host slabs: no staging needed */
+  if (strcmp(wd->cfg.load_method, "staged") != 0 && strcmp(wd->cfg.load_method, "auto") != 0)
+    return err_set(err, WEIGHTD_E_INVALID, "load_method must be auto or staged, not '%s'", wd->cfg.load_method);
+  /* Host slabs are filled in place and need no staging, unless staging is forced. */
+  if (ops->host_register == NULL && strcmp(wd->cfg.load_method, "staged") != 0) return 0;
   stagings = calloc((size_t)wd->ndevices, sizeof *stagings);
   if (stagings == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   nstagings = wd->ndevices;
@@ -328,7 +335,7 @@ int ld_init(struct wd_error *err) {
       if (rc == 0) rc = ops->event_create(wd->backend.ctx, d, &st->events[k], err);
       if (rc != 0) return err_prefix(err, "staging slot %zu of GPU %d", k, d);
     }
-    log_msg(LOG_INFO, "GPU %d: %zu pinned staging slots of %zu MiB", d, st->nslots, st->slot_bytes >> 20);
+    log_msg(LOG_INFO, "device %d: %zu pinned staging slots of %zu MiB", d, st->nslots, st->slot_bytes >> 20);
   }
   return 0;
 }

@@ -1,0 +1,351 @@
+/*
+ * bench.c - weightd-bench: how close a running weightd gets to the hardware.
+ *
+ * In one run it measures the ceilings (pinned-source host-to-device copies on
+ * the chosen GPU; page cache -> pinned memory fill rate with the daemon's
+ * fill thread count), then loads a checkpoint through the daemon, staged and
+ * pinned-resident, several times each (evicting in between so that each timed
+ * load starts with no resident set and includes slab allocation), times a
+ * fresh process attaching the resident set (CUDA context creation reported
+ * apart from the attach), and reads the daemon's anonymous RSS. Each figure
+ * is printed with its ratio to the ceiling measured in this same run.
+ *
+ * weightd-bench --checkpoint DIR [--socket PATH] [--device N] [--runs N]
+ *               [--fill-threads N] [--json]
+ * weightd-bench --attach-probe SET --socket PATH   (the fresh process)
+ */
+#include <cuda_runtime.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "weightd.h"
+
+#define GiB (1024.0 * 1024.0 * 1024.0)
+#define SLOT (64u << 20)
+
+static double now(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+static void die(const char *what, const char *detail) {
+  fprintf(stderr, "weightd-bench: %s: %s\n", what, detail);
+  exit(1);
+}
+
+#define CUDA_OK(call)                                           \
+  do {                                                          \
+    cudaError_t e_ = (call);                                    \
+    if (e_ != cudaSuccess) die(#call, cudaGetErrorString(e_));  \
+  } while (0)
+
+/* ---- ceilings ------------------------------------------------------------------ */
+
+/* Pinned-source H2D: `bytes` in 64 MiB copies from two pinned buffers on two streams. */
+static double h2d_ceiling(int device, uint64_t bytes) {
+  CUDA_OK(cudaSetDevice(device));
+  void *src[2], *dst;
+  cudaStream_t st[2];
+  size_t dst_bytes = 2ull << 30;
+  for (int i = 0; i < 2; i++) {
+    CUDA_OK(cudaHostAlloc(&src[i], SLOT, cudaHostAllocPortable));
+    memset(src[i], 0x5a, SLOT);
+    CUDA_OK(cudaStreamCreateWithFlags(&st[i], cudaStreamNonBlocking));
+  }
+  CUDA_OK(cudaMalloc(&dst, dst_bytes));
+  for (int i = 0; i < 4; i++) /* warm up */
+    CUDA_OK(cudaMemcpyAsync((char *)dst + (size_t)i * SLOT, src[i & 1], SLOT, cudaMemcpyHostToDevice, st[i & 1]));
+  CUDA_OK(cudaDeviceSynchronize());
+  double t0 = now();
+  uint64_t k = 0;
+  for (uint64_t off = 0; off < bytes; off += SLOT, k++) {
+    size_t n = bytes - off < SLOT ? (size_t)(bytes - off) : SLOT;
+    size_t d = (size_t)((k * SLOT) % (dst_bytes - SLOT));
+    CUDA_OK(cudaMemcpyAsync((char *)dst + d, src[k & 1], n, cudaMemcpyHostToDevice, st[k & 1]));
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  double t = now() - t0;
+  for (int i = 0; i < 2; i++) {
+    cudaFreeHost(src[i]);
+    cudaStreamDestroy(st[i]);
+  }
+  cudaFree(dst);
+  return t;
+}
+
+struct fill_arg {
+  const struct ckpt *c;
+  void **maps;
+  unsigned char *pinned; /* nthreads slots of SLOT bytes */
+  unsigned nthreads;
+  atomic_uint_fast64_t next; /* chunk counter over all shards */
+};
+
+static void *fill_thread(void *arg) {
+  struct fill_arg *f = arg;
+  static _Atomic unsigned ids;
+  unsigned me = atomic_fetch_add(&ids, 1) % f->nthreads;
+  unsigned char *dst = f->pinned + (size_t)me * SLOT;
+  const uint64_t chunk = 8u << 20;
+  for (;;) {
+    uint64_t k = atomic_fetch_add(&f->next, 1), base = 0;
+    size_t s = 0;
+    for (; s < f->c->nshards; s++) {
+      uint64_t data = f->c->shards[s].hdr->data_len;
+      uint64_t n = (data + chunk - 1) / chunk;
+      if (k < base + n) break;
+      base += n;
+    }
+    if (s == f->c->nshards) return NULL;
+    const struct ckpt_shard *sh = &f->c->shards[s];
+    uint64_t off = (k - base) * chunk, len = sh->hdr->data_len - off < chunk ? sh->hdr->data_len - off : chunk;
+    memcpy(dst + off % SLOT, (const char *)f->maps[s] + sh->hdr->data_start + off, len);
+  }
+}
+
+/* Page cache -> pinned memory with nthreads memcpy threads, over every tensor byte. */
+static double fill_ceiling(const struct ckpt *c, unsigned nthreads) {
+  void **maps = calloc(c->nshards, sizeof *maps);
+  for (size_t i = 0; i < c->nshards; i++) {
+    maps[i] = mmap(NULL, c->shards[i].size, PROT_READ, MAP_SHARED, c->shards[i].fd, 0);
+    if (maps[i] == MAP_FAILED) die("mmap", strerror(errno));
+    for (uint64_t o = 0; o < c->shards[i].size; o += 4096) (void)((volatile char *)maps[i])[o];
+  }
+  unsigned char *pinned;
+  CUDA_OK(cudaHostAlloc((void **)&pinned, (size_t)nthreads * SLOT, cudaHostAllocPortable));
+  memset(pinned, 0, (size_t)nthreads * SLOT);
+  struct fill_arg f = {.c = c, .maps = maps, .pinned = pinned, .nthreads = nthreads};
+  atomic_init(&f.next, 0);
+  pthread_t *t = calloc(nthreads, sizeof *t);
+  double t0 = now();
+  for (unsigned i = 0; i < nthreads; i++) pthread_create(&t[i], NULL, fill_thread, &f);
+  for (unsigned i = 0; i < nthreads; i++) pthread_join(t[i], NULL);
+  double dt = now() - t0;
+  free(t);
+  cudaFreeHost(pinned);
+  for (size_t i = 0; i < c->nshards; i++) munmap(maps[i], c->shards[i].size);
+  free(maps);
+  return dt;
+}
+
+/* ---- through the daemon ----------------------------------------------------------- */
+
+static weightd_client *connect_or_die(const char *sock) {
+  weightd_client *c = NULL;
+  if (weightd_connect(sock, &c) != 0) die("connect", weightd_last_error(c));
+  return c;
+}
+
+static void request_or_die(weightd_client *c, const char *json, char **reply) {
+  char *r = NULL;
+  if (weightd_request(c, json, &r, NULL, NULL) != 0) die(json, r ? r : weightd_last_error(c));
+  if (reply) *reply = r;
+  else weightd_free(r);
+}
+
+/* One timed load from request to result, slab allocation included; evicts it after. */
+static double timed_load(weightd_client *c, const char *path, int device, char *method, size_t mlen) {
+  char dev[16], set[32];
+  snprintf(dev, sizeof dev, "%d", device);
+  struct weightd_load_options o = {sizeof o, dev, NULL, NULL, NULL};
+  char req[PATH_MAX + 128];
+  snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":%d}", device);
+  request_or_die(c, req, NULL);
+  double t0 = now();
+  if (weightd_load(c, path, &o, set, sizeof set) != 0) die("load", weightd_last_error(c));
+  double dt = now() - t0;
+  char *reply = NULL;
+  request_or_die(c, "{\"op\":\"status\"}", &reply);
+  const char *m = strstr(reply, "\"method\":\"");
+  if (m != NULL && method != NULL) snprintf(method, mlen, "%.*s", (int)strcspn(m + 10, "\""), m + 10);
+  weightd_free(reply);
+  return dt;
+}
+
+static uint64_t daemon_rss_anon(weightd_client *c) {
+  char *reply = NULL;
+  request_or_die(c, "{\"op\":\"status\"}", &reply);
+  const char *p = strstr(reply, "\"pid\":");
+  int pid = p ? atoi(p + 6) : 0;
+  weightd_free(reply);
+  char path[64], line[256];
+  snprintf(path, sizeof path, "/proc/%d/smaps_rollup", pid);
+  FILE *f = fopen(path, "r");
+  uint64_t kb = 0;
+  while (f != NULL && fgets(line, sizeof line, f) != NULL)
+    if (strncmp(line, "Anonymous:", 10) == 0) kb = strtoull(line + 10, NULL, 10);
+  if (f) fclose(f);
+  return kb * 1024;
+}
+
+/* The fresh process: context creation, then attach, each timed; prints "ctx_s attach_s". */
+static int attach_probe(const char *set, const char *sock, int device) {
+  double t0 = now();
+  CUDA_OK(cudaSetDevice(device));
+  CUDA_OK(cudaFree(0));
+  double t_ctx = now() - t0;
+  weightd_client *c = connect_or_die(sock);
+  weightd_set *s = NULL;
+  t0 = now();
+  if (weightd_attach(c, set, &s) != 0) die("attach", weightd_last_error(c));
+  weightd_tensor t;
+  if (weightd_set_tensor(s, 0, &t) != 0 || t.data == NULL) die("attach", "no usable pointer");
+  double t_attach = now() - t0;
+  /* Touch the memory through the pointer to show it is usable. */
+  unsigned char b;
+  CUDA_OK(cudaMemcpy(&b, t.data, 1, cudaMemcpyDeviceToHost));
+  printf("%.6f %.6f\n", t_ctx, t_attach);
+  weightd_release(s);
+  weightd_close(c);
+  return 0;
+}
+
+static void probe_attach(const char *self, const char *sock, const char *set, int device, double *ctx,
+                         double *att) {
+  int p[2];
+  if (pipe(p) != 0) die("pipe", strerror(errno));
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(p[1], 1);
+    char dev[16];
+    snprintf(dev, sizeof dev, "%d", device);
+    execl(self, self, "--attach-probe", set, "--socket", sock, "--device", dev, (char *)NULL);
+    _exit(127);
+  }
+  close(p[1]);
+  char buf[128] = "";
+  ssize_t n = read(p[0], buf, sizeof buf - 1);
+  close(p[0]);
+  int st;
+  waitpid(pid, &st, 0);
+  if (n <= 0 || sscanf(buf, "%lf %lf", ctx, att) != 2) die("attach probe", "no result");
+}
+
+int main(int argc, char **argv) {
+  const char *path = NULL, *sock = NULL, *probe = NULL;
+  int device = 0, runs = 5, json = 0;
+  unsigned fill_threads = (unsigned)sysconf(_SC_NPROCESSORS_ONLN);
+  for (int i = 1; i < argc; i++) {
+    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+    if (strcmp(argv[i], "--json") == 0) json = 1;
+    else if (v && strcmp(argv[i], "--checkpoint") == 0) path = argv[++i];
+    else if (v && strcmp(argv[i], "--socket") == 0) sock = argv[++i];
+    else if (v && strcmp(argv[i], "--device") == 0) device = atoi(argv[++i]);
+    else if (v && strcmp(argv[i], "--runs") == 0) runs = atoi(argv[++i]);
+    else if (v && strcmp(argv[i], "--fill-threads") == 0) fill_threads = (unsigned)atoi(argv[++i]);
+    else if (v && strcmp(argv[i], "--attach-probe") == 0) probe = argv[++i];
+    else {
+      fprintf(stderr,
+              "usage: weightd-bench --checkpoint DIR [--socket PATH] [--device N] [--runs N]\n"
+              "                     [--fill-threads N] [--json]\n");
+      return 2;
+    }
+  }
+  if (probe) return attach_probe(probe, sock, device);
+  if (path == NULL || runs < 1 || fill_threads < 1) {
+    fprintf(stderr, "weightd-bench: --checkpoint DIR is required\n");
+    return 2;
+  }
+  char *abs = realpath(path, NULL);
+  if (abs == NULL) die(path, strerror(errno));
+  struct ckpt *c = NULL;
+  struct wd_error err = {0};
+  if (ckpt_open(abs, NULL, &c, &err) != 0) die("checkpoint", err.msg);
+  uint64_t bytes = c->total_bytes;
+
+  weightd_client *cl = connect_or_die(sock);
+  if (strcmp(weightd_backend(cl), "cuda") != 0) die("daemon", "the daemon does not use the cuda backend");
+  char req[PATH_MAX + 128];
+  snprintf(req, sizeof req, "{\"op\":\"prefetch\",\"path\":\"%s\",\"wait\":true}", abs);
+  request_or_die(cl, req, NULL); /* page cache warm */
+
+  double *v = calloc((size_t)runs, sizeof *v);
+  double t_ceiling[3], t_fill[3];
+  for (int i = 0; i < 3; i++) t_ceiling[i] = h2d_ceiling(device, bytes);
+  for (int i = 0; i < 3; i++) t_fill[i] = fill_ceiling(c, fill_threads);
+  double ceiling = median(t_ceiling, 3), fill = median(t_fill, 3);
+
+  char m_staged[16] = "?", m_direct[16] = "?";
+  double staged_all[64], direct_all[64];
+  for (int i = 0; i < runs && i < 64; i++) staged_all[i] = timed_load(cl, abs, device, m_staged, sizeof m_staged);
+  double t0 = now();
+  snprintf(req, sizeof req, "{\"op\":\"prefetch\",\"path\":\"%s\",\"pin\":true,\"wait\":true}", abs);
+  request_or_die(cl, req, NULL);
+  double t_pin = now() - t0;
+  for (int i = 0; i < runs && i < 64; i++) direct_all[i] = timed_load(cl, abs, device, m_direct, sizeof m_direct);
+  memcpy(v, staged_all, sizeof(double) * (size_t)runs);
+  double staged = median(v, runs);
+  memcpy(v, direct_all, sizeof(double) * (size_t)runs);
+  double direct = median(v, runs);
+
+  /* A resident set for the attach probes. */
+  char dev[16], set[32];
+  snprintf(dev, sizeof dev, "%d", device);
+  struct weightd_load_options o = {sizeof o, dev, NULL, NULL, NULL};
+  if (weightd_load(cl, abs, &o, set, sizeof set) != 0) die("load", weightd_last_error(cl));
+  double ctx_all[16], att_all[16];
+  int probes = runs < 16 ? runs : 16;
+  for (int i = 0; i < probes; i++) probe_attach(argv[0], sock, set, device, &ctx_all[i], &att_all[i]);
+  double t_ctx = median(ctx_all, probes), t_att = median(att_all, probes);
+  uint64_t rss = daemon_rss_anon(cl);
+
+  struct cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, device);
+  double gb = (double)bytes / GiB;
+  if (json) {
+    printf("{\"gpu\":\"%s\",\"checkpoint\":\"%s\",\"bytes\":%" PRIu64 ",\"runs\":%d,\"fill_threads\":%u,"
+           "\"ceiling_h2d_s\":%.6f,\"fill_rate_s\":%.6f,\"staged_s\":%.6f,\"staged_method\":\"%s\","
+           "\"pinned_s\":%.6f,\"pinned_method\":\"%s\",\"pin_once_s\":%.6f,\"attach_context_s\":%.6f,"
+           "\"attach_s\":%.6f,\"daemon_rss_anon_bytes\":%" PRIu64 ",\"staged_runs_s\":[",
+           prop.name, abs, bytes, runs, fill_threads, ceiling, fill, staged, m_staged, direct, m_direct, t_pin,
+           t_ctx, t_att, rss);
+    for (int i = 0; i < runs; i++) printf("%s%.6f", i ? "," : "", staged_all[i]);
+    printf("],\"pinned_runs_s\":[");
+    for (int i = 0; i < runs; i++) printf("%s%.6f", i ? "," : "", direct_all[i]);
+    printf("]}\n");
+  } else {
+    printf("weightd-bench: %s, %s, %.2f GiB (%" PRIu64 " bytes), %d runs each, medians\n", prop.name, abs, gb,
+           bytes, runs);
+    printf("%-44s %10s %9s %9s\n", "", "time", "GiB/s", "ceiling");
+    printf("%-44s %8.1f ms %9.1f %8.0f%%\n", "H2D ceiling (pinned source, 64 MiB copies)", ceiling * 1e3,
+           gb / ceiling, 100.0);
+    char label[64];
+    snprintf(label, sizeof label, "host fill (page cache -> pinned, %u thr)", fill_threads);
+    printf("%-44s %8.1f ms %9.1f %8.0f%%\n", label, fill * 1e3, gb / fill, 100 * ceiling / fill);
+    snprintf(label, sizeof label, "load, staged (%s)", m_staged);
+    printf("%-44s %8.1f ms %9.1f %8.0f%%   (%.0f%% of fill)\n", label, staged * 1e3, gb / staged,
+           100 * ceiling / staged, 100 * fill / staged);
+    snprintf(label, sizeof label, "load, pinned-resident (%s)", m_direct);
+    printf("%-44s %8.1f ms %9.1f %8.0f%%\n", label, direct * 1e3, gb / direct, 100 * ceiling / direct);
+    printf("%-44s %8.1f ms   (one-time)\n", "pinning the checkpoint (prefetch --pin)", t_pin * 1e3);
+    printf("%-44s %8.2f ms   (one-time per process)\n", "fresh process: CUDA context", t_ctx * 1e3);
+    printf("%-44s %8.3f ms\n", "fresh process: attach to usable pointers", t_att * 1e3);
+    printf("%-44s %8.1f MiB\n", "daemon RssAnon (smaps_rollup Anonymous)", (double)rss / (1 << 20));
+  }
+  free(v);
+  free(abs);
+  weightd_close(cl);
+  ckpt_free(c);
+  return 0;
+}

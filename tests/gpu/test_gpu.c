@@ -1,0 +1,250 @@
+/*
+ * test_gpu.c - the cuda backend end to end, on a real GPU.
+ *
+ * Starts a weightd with --backend cuda on a private socket, generates a
+ * checkpoint, and checks: every byte of every tensor after a staged load and
+ * after a direct (pinned-resident) load, read back from the device pointers
+ * libweightd hands out; attach from a second process (weightctl attach
+ * --verify); two processes sharing one set; lease release when an attached
+ * process is killed with SIGKILL; and a clear DEVICE_NOMEM when the GPU is
+ * full, after which the daemon keeps serving. Exits 77 (skipped) without a GPU.
+ */
+#include <cuda_runtime.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "checkpoint.h"
+#include "fixture.h"
+#include "testutil.h"
+#include "weightd.h"
+
+static char *dir, sock[PATH_MAX], ckpt[PATH_MAX];
+static const char *weightd_bin, *weightctl_bin;
+static pid_t daemon_pid = -1;
+static weightd_client *g_c;
+static struct ckpt *g_ck;
+
+static int run_cmd(char *const argv[]) {
+  pid_t p = fork();
+  if (p == 0) {
+    execv(argv[0], argv);
+    _exit(127);
+  }
+  int st = 0;
+  waitpid(p, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static pid_t spawn(char *const argv[]) {
+  pid_t p = fork();
+  if (p == 0) {
+    execv(argv[0], argv);
+    _exit(127);
+  }
+  return p;
+}
+
+static void start_daemon(void) {
+  char log[PATH_MAX];
+  snprintf(sock, sizeof sock, "%s/wd.sock", dir);
+  snprintf(log, sizeof log, "%s/weightd.log", dir);
+  daemon_pid = fork();
+  if (daemon_pid == 0) {
+    int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 2);
+    execl(weightd_bin, weightd_bin, "--foreground", "--backend", "cuda", "--socket", sock, "--model-root", dir,
+          "--log-level", "debug", (char *)NULL);
+    _exit(127);
+  }
+  for (int i = 0; i < 300; i++) {
+    struct stat sb;
+    if (stat(sock, &sb) == 0) return;
+    usleep(20000);
+  }
+}
+
+static void stop_daemon(void) {
+  if (daemon_pid <= 0) return;
+  kill(daemon_pid, SIGTERM);
+  int st = 0;
+  waitpid(daemon_pid, &st, 0);
+  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  daemon_pid = -1;
+}
+
+/* Compares every tensor of an attached set with the checkpoint's files. */
+static void verify_set(weightd_set *s, const struct ckpt *c) {
+  CHECK_EQ_INT(weightd_set_memory_kind(s), WEIGHTD_MEMORY_CUDA);
+  size_t n = weightd_set_tensor_count(s);
+  CHECK_EQ_INT(n, c->ntensors);
+  size_t cap = 64u << 20;
+  unsigned char *dev = malloc(cap), *file = malloc(cap);
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    weightd_tensor t;
+    CHECK_EQ_INT(weightd_set_tensor(s, i, &t), 0);
+    const struct ckpt_ref *r = ckpt_tensor_find(c, t.name);
+    CHECK(r != NULL);
+    if (r == NULL) continue;
+    CHECK_EQ_INT(t.nbytes, r->t->end - r->t->begin);
+    CHECK_EQ_INT(t.offset % 256, 0);
+    const struct ckpt_shard *sh = &c->shards[r->shard];
+    int fd = open(sh->path, O_RDONLY);
+    for (uint64_t off = 0; off < t.nbytes; off += cap) {
+      size_t len = t.nbytes - off < cap ? (size_t)(t.nbytes - off) : cap;
+      if (cudaMemcpy(dev, (char *)t.data + off, len, cudaMemcpyDeviceToHost) != cudaSuccess) {
+        bad++;
+        break;
+      }
+      if (pread(fd, file, len, (off_t)(sh->hdr->data_start + r->t->begin + off)) != (ssize_t)len ||
+          memcmp(dev, file, len) != 0) {
+        fprintf(stderr, "tensor %s differs in [%llu, +%zu)\n", t.name, (unsigned long long)off, len);
+        bad++;
+        break;
+      }
+    }
+    close(fd);
+  }
+  CHECK_EQ_INT(bad, 0);
+  free(dev);
+  free(file);
+}
+
+static int count_leases(weightd_client *c) {
+  char *reply = NULL;
+  int leases = -1;
+  if (weightd_request(c, "{\"op\":\"status\"}", &reply, NULL, NULL) == 0) {
+    const char *p = strstr(reply, "\"leases\":");
+    if (p) leases = atoi(p + 9);
+  }
+  weightd_free(reply);
+  return leases;
+}
+
+static void test_load_attach_every_byte(void) {
+  weightd_client *c = g_c;
+  const struct ckpt *ck = g_ck;
+  weightd_set *s = NULL;
+  int rc = weightd_attach_path(c, ckpt, NULL, &s);
+  CHECK_EQ_INT(rc, 0);
+  if (rc != 0) {
+    fprintf(stderr, "attach: %s\n", weightd_last_error(c));
+    return;
+  }
+  verify_set(s, ck);
+  /* A second process attaches the same set and checks every byte itself. */
+  char *argv[] = {(char *)weightctl_bin, "--socket", sock, "attach", (char *)weightd_set_id(s), "--verify", NULL};
+  CHECK_EQ_INT(run_cmd(argv), 0);
+  /* Two processes share the set: the other holds a lease until it is killed. */
+  char *hold[] = {(char *)weightctl_bin, "--socket", sock, "attach", (char *)weightd_set_id(s), "--hold", NULL};
+  pid_t p = spawn(hold);
+  int leases = 0;
+  for (int i = 0; i < 500 && leases < 2; i++) {
+    usleep(20000);
+    leases = count_leases(c);
+  }
+  CHECK_EQ_INT(leases, 2);
+  kill(p, SIGKILL);
+  waitpid(p, NULL, 0);
+  for (int i = 0; i < 500 && leases != 1; i++) {
+    usleep(20000);
+    leases = count_leases(c);
+  }
+  CHECK_EQ_INT(leases, 1);
+  char set_id[32];
+  snprintf(set_id, sizeof set_id, "%s", weightd_set_id(s));
+  CHECK_EQ_INT(weightd_release(s), 0);
+  CHECK_EQ_INT(count_leases(c), 0);
+  CHECK_EQ_INT(weightd_evict(c, set_id), 0);
+}
+
+static void test_pinned_direct(void) {
+  weightd_client *c = g_c;
+  const struct ckpt *ck = g_ck;
+  CHECK_EQ_INT(weightd_prefetch(c, ckpt, 1, 1), 0);
+  char *reply = NULL;
+  CHECK_EQ_INT(weightd_request(c, "{\"op\":\"status\"}", &reply, NULL, NULL), 0);
+  CHECK_STR_CONTAINS(reply, "\"pinned\":true");
+  weightd_free(reply);
+  weightd_set *s = NULL;
+  char req[PATH_MAX + 64];
+  snprintf(req, sizeof req, "{\"op\":\"load\",\"path\":\"%s\"}", ckpt);
+  reply = NULL;
+  CHECK_EQ_INT(weightd_request(c, req, &reply, NULL, NULL), 0);
+  CHECK_STR_CONTAINS(reply, "\"method\":\"direct\"");
+  weightd_free(reply);
+  CHECK_EQ_INT(weightd_attach_path(c, ckpt, NULL, &s), 0);
+  if (s != NULL) {
+    verify_set(s, ck);
+    char id[32];
+    snprintf(id, sizeof id, "%s", weightd_set_id(s));
+    weightd_release(s);
+    CHECK_EQ_INT(weightd_evict(c, id), 0);
+  }
+}
+
+static void test_out_of_memory(void) {
+  weightd_client *c = g_c;
+  size_t free_b = 0, total_b = 0;
+  cudaMemGetInfo(&free_b, &total_b);
+  /* Leave less free than the set needs (but enough for the daemon's own work). */
+  void *hog = NULL;
+  size_t take = free_b > (96u << 20) ? free_b - (96u << 20) : 0;
+  if (cudaMalloc(&hog, take) != cudaSuccess) {
+    fprintf(stderr, "could not fill the GPU; skipping the OOM check\n");
+    return;
+  }
+  char set_id[32];
+  int rc = weightd_load(c, ckpt, NULL, set_id, sizeof set_id);
+  CHECK_EQ_INT(rc, WEIGHTD_E_DEVICE_NOMEM);
+  CHECK_STR_CONTAINS(weightd_last_error(c), "cudaMalloc");
+  cudaFree(hog);
+  rc = weightd_load(c, ckpt, NULL, set_id, sizeof set_id);
+  CHECK_EQ_INT(rc, 0);
+  if (rc == 0) CHECK_EQ_INT(weightd_evict(c, set_id), 0);
+}
+
+int main(void) {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) SKIP_ALL("no GPU");
+  weightd_bin = getenv("WEIGHTD");
+  weightctl_bin = getenv("WEIGHTCTL");
+  if (weightd_bin == NULL || weightctl_bin == NULL) SKIP_ALL("WEIGHTD and WEIGHTCTL must name the binaries");
+  dir = fx_tmpdir("gpu");
+  snprintf(ckpt, sizeof ckpt, "%s/qwen3-4b-3l", dir);
+  char *gen[] = {(char *)weightctl_bin, "mkcheckpoint", "--preset", "qwen3-4b", "--layers", "3",
+                 "--seed", "7", "--out", ckpt, NULL};
+  if (run_cmd(gen) != 0) {
+    fprintf(stderr, "mkcheckpoint failed\n");
+    return 1;
+  }
+  struct ckpt *ck = NULL;
+  struct wd_error err = {0};
+  if (ckpt_open(ckpt, NULL, &ck, &err) != 0) {
+    fprintf(stderr, "%s\n", err.msg);
+    return 1;
+  }
+  start_daemon();
+  weightd_client *c = NULL;
+  if (weightd_connect(sock, &c) != 0) {
+    fprintf(stderr, "connect: %s\n", weightd_last_error(c));
+    stop_daemon();
+    return 1;
+  }
+  CHECK(strcmp(weightd_backend(c), "cuda") == 0);
+  g_c = c;
+  g_ck = ck;
+  RUN(test_load_attach_every_byte);
+  RUN(test_out_of_memory);
+  RUN(test_pinned_direct);
+  weightd_close(c);
+  stop_daemon();
+  ckpt_free(ck);
+  fx_rmtree(dir);
+  return tu_finish();
+}
