@@ -15,11 +15,16 @@
  *    DeepSeek-V3 was split by its own tool; 4,160,000,000 gives its
  *    published 163 shards for the tensors generated here (any limit from
  *    4,140,752,608 to 4,170,119,903 does).
- *  - A model cut with --layers keeps the published shard count (but never
- *    more shards than tensors) and splits the tensors in order into shards
- *    of about equal bytes: shard k ends with the first tensor whose end
- *    reaches (k+1)/S of the payload, taking at least one tensor and leaving
- *    at least one for every later shard.
+ *  - A model cut with --layers, --experts or both keeps the published
+ *    shard count (but never more shards than tensors) and splits the
+ *    tensors in order into shards of about equal bytes: shard k ends with
+ *    the first tensor whose end reaches (k+1)/S of the payload, taking at
+ *    least one tensor and leaving at least one for every later shard.
+ *
+ * A variant with fewer routed experts keeps experts 0 to N-1 of every MoE
+ * layer, a router (mlp.gate) of N rows and, for DeepSeek, an
+ * e_score_correction_bias of N; its config.json says N and fits the
+ * router settings to it (see router_fit()).
  */
 #include "ckpt_presets.h"
 
@@ -317,8 +322,9 @@ static uint32_t shard_greedy(struct ckpt_layout *l, uint64_t max) {
 }
 
 /*
- * The rule for a model cut with --layers: `want` shards of about equal
- * bytes, as described at the top of this file. Returns the shard count.
+ * The rule for a model cut with --layers or --experts: `want` shards of
+ * about equal bytes, as described at the top of this file. Returns the
+ * shard count.
  */
 static uint32_t shard_even(struct ckpt_layout *l, uint32_t want) {
   size_t n = l->count;
@@ -338,10 +344,10 @@ static uint32_t shard_even(struct ckpt_layout *l, uint32_t want) {
   return want;
 }
 
-/* Cuts l into shards by the rule for its layer count and sets every tensor's offset. */
+/* Cuts l into shards by the rule for its variant and sets every tensor's offset. */
 static int layout_shard(struct ckpt_layout *l, struct wd_error *err) {
   const struct ckpt_preset *p = l->preset;
-  bool full = l->layers == p->num_layers;
+  bool full = l->layers == p->num_layers && l->model.num_experts == p->num_experts;
   l->shards = full ? shard_greedy(l, p->max_shard_size) : shard_even(l, p->shards);
   if (full && l->shards != p->shards)
     return err_set(err, WEIGHTD_E_INTERNAL, "preset %s: the shard rule gives %u shards, published %u",
@@ -355,18 +361,49 @@ static int layout_shard(struct ckpt_layout *l, struct wd_error *err) {
   return 0;
 }
 
-int ckpt_layout_build(const struct ckpt_preset *p, uint32_t layers, struct ckpt_layout *out,
+/*
+ * Fits the router settings of m to its num_experts routed experts. Each
+ * token goes to experts_per_tok experts, so there can be no more of those
+ * than experts. DeepSeek's grouped router splits the experts into n_group
+ * equal groups, scores each group by the sum of its two best experts,
+ * keeps the topk_group best groups and picks the token's experts inside
+ * them; the published grouping stays while it still works, else there is
+ * one group (n_group = topk_group = 1). A single expert still leaves a
+ * group of one, which that router cannot score: such a model is a layout
+ * to load, not one to run.
+ */
+static void router_fit(struct ckpt_preset *m) {
+  (void)0;
+  if (m->n_group == 0) return;
+  uint32_t per_group = m->num_experts / m->n_group;
+  bool works = m->num_experts % m->n_group == 0 && per_group >= 2 &&
+               (uint64_t)m->topk_group * per_group >= m->experts_per_tok;
+  if (!works) {
+    m->n_group = 1;
+    m->topk_group = 1;
+  }
+}
+
+int ckpt_layout_build(const struct ckpt_preset *p, const struct ckpt_variant *v, struct ckpt_layout *out,
                       struct wd_error *err) {
   memset(out, 0, sizeof *out);
-  if (p == NULL || layers < 1 || layers > p->num_layers)
-    return err_set(err, WEIGHTD_E_INVALID, "layers must be 1 to %u", p ? p->num_layers : 0);
+  if (p == NULL || v == NULL) return err_set(err, WEIGHTD_E_INVALID, "no preset or variant");
+  if (v->layers < 1 || v->layers > p->num_layers)
+    return err_set(err, WEIGHTD_E_INVALID, "preset %s: layers must be 1 to %u", p->name, p->num_layers);
+  if (v->experts != 0 && p->num_experts == 0)
+    return err_set(err, WEIGHTD_E_INVALID, "preset %s is dense: it has no routed experts", p->name);
+  if (v->experts > p->num_experts)
+    return err_set(err, WEIGHTD_E_INVALID, "preset %s: experts must be 1 to %u", p->name, p->num_experts);
   out->preset = p;
-  out->layers = layers;
-  struct builder b = {.l = out, .p = p, .rc = 0};
+  out->model = *p;
+  if (v->experts != 0) out->model.num_experts = v->experts;
+  router_fit(&out->model);
+  out->layers = v->layers;
+  struct builder b = {.l = out, .p = &out->model, .rc = 0};
   int rc;
 
   add(&b, WD_DTYPE_BF16, 2, p->vocab_size, p->hidden_size, "model.embed_tokens.weight");
-  for (uint32_t i = 0; i < layers && b.rc == 0; i++) family_layer[p->family](&b, i);
+  for (uint32_t i = 0; i < out->layers && b.rc == 0; i++) family_layer[p->family](&b, i);
   add(&b, WD_DTYPE_BF16, 1, p->hidden_size, 0, "model.norm.weight");
   if (p->stores_lm_head) add(&b, WD_DTYPE_BF16, 2, p->vocab_size, p->hidden_size, "lm_head.weight");
   rc = b.rc;
@@ -495,7 +532,7 @@ static const struct cfg_row cfg_rows[] = {
 
 #undef M
 
-/* Prints one row's value for preset p. */
+/* Prints one row's value for model p with `layers` layers. */
 static void cfg_value(const struct cfg_row *r, const struct ckpt_preset *p, uint32_t layers, FILE *f) {
   const char *base = (const char *)p;
   const char *text;
@@ -522,14 +559,15 @@ static void cfg_value(const struct cfg_row *r, const struct ckpt_preset *p, uint
   }
 }
 
-int ckpt_config_write(const struct ckpt_preset *p, uint32_t layers, FILE *f) {
+int ckpt_config_write(const struct ckpt_layout *l, FILE *f) {
+  const struct ckpt_preset *p = &l->model;
   bool first = true;
   fputs("{\n", f);
   for (size_t i = 0; i < sizeof cfg_rows / sizeof cfg_rows[0]; i++) {
     const struct cfg_row *r = &cfg_rows[i];
     if (!(r->families & FAM(p->family))) continue;
     fprintf(f, "%s  \"%s\": ", first ? "" : ",\n", r->key);
-    cfg_value(r, p, layers, f);
+    cfg_value(r, p, l->layers, f);
     first = false;
   }
   fputs("\n}\n", f);

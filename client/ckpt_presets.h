@@ -4,7 +4,8 @@
  *
  * A preset is one row of a table: the model's architecture parameters, the
  * config.json values that differ between models, and the rule that cuts its
- * tensors into shard files. From a preset and a layer count,
+ * tensors into shard files. From a preset and a variant (how many layers
+ * and, for a mixture of experts, how many routed experts to keep),
  * ckpt_layout_build() produces the tensor list in the PyTorch state-dict
  * order that Hugging Face uses (names, dtypes, shapes, sizes), assigns each
  * tensor to a shard and gives it its offset inside that shard's data.
@@ -97,9 +98,26 @@ struct ckpt_tensor {
   uint64_t offset;
 };
 
-/* A generated layout: tensors in state-dict order, shard by shard. */
+/*
+ * Which part of a preset to generate: its first `layers` layers (1 to
+ * num_layers) and, in every MoE layer, its first `experts` routed experts
+ * (1 to num_experts; 0 keeps the published count, the only value a dense
+ * preset takes). Shared experts are always kept.
+ */
+struct ckpt_variant {
+  uint32_t layers;
+  uint32_t experts;
+};
+
+/*
+ * A generated layout: tensors in state-dict order, shard by shard. `model`
+ * is the preset as generated: num_experts is the variant's expert count,
+ * and experts_per_tok, n_group and topk_group are fitted to it (see
+ * ckpt_layout_build()); every other field equals the preset's.
+ */
 struct ckpt_layout {
   const struct ckpt_preset *preset;
+  struct ckpt_preset model;
   uint32_t layers;
   struct ckpt_tensor *tensors;
   size_t count;
@@ -118,13 +136,19 @@ const struct ckpt_preset *ckpt_preset_at(size_t i);
 const struct ckpt_preset *ckpt_preset_find(const char *name);
 
 /*
- * Builds the layout of preset p cut to its first `layers` layers (1 to
- * p->num_layers) and assigns shards. Returns 0, WEIGHTD_E_INVALID for a bad
- * layer count, WEIGHTD_E_NOMEM, or WEIGHTD_E_INTERNAL when the full model
- * does not come out with the published shard count. On failure *out is
- * empty and needs no ckpt_layout_free().
+ * Builds the layout of variant v of preset p and assigns shards. With fewer
+ * experts than published, the router settings of the generated config
+ * follow: num_experts_per_tok becomes min(published, experts), and a
+ * DeepSeek model keeps its n_group and topk_group only while the grouped
+ * router still works with them (n_group divides the experts, every group
+ * holds at least 2, the topk_group chosen groups hold at least
+ * num_experts_per_tok); otherwise both become 1. Returns 0,
+ * WEIGHTD_E_INVALID for a layer or expert count out of range,
+ * WEIGHTD_E_NOMEM, or WEIGHTD_E_INTERNAL when the full model does not come
+ * out with the published shard count. On failure *out is empty and needs no
+ * ckpt_layout_free().
  */
-int ckpt_layout_build(const struct ckpt_preset *p, uint32_t layers, struct ckpt_layout *out,
+int ckpt_layout_build(const struct ckpt_preset *p, const struct ckpt_variant *v, struct ckpt_layout *out,
                       struct wd_error *err);
 
 /* Frees what a layout holds and empties it; NULL-safe. */
@@ -138,10 +162,11 @@ void ckpt_layout_free(struct ckpt_layout *l);
 int ckpt_shard_name(const struct ckpt_layout *l, uint32_t shard, char *buf, size_t buflen);
 
 /*
- * Prints the config.json of preset p with num_hidden_layers = layers, in
- * the layout transformers writes (sorted keys, two-space indent, final
- * newline). Returns 0, or WEIGHTD_E_IO when the stream reports an error.
+ * Prints the config.json of layout l (its model's values, with
+ * num_hidden_layers = l->layers) in the layout transformers writes (sorted
+ * keys, two-space indent, final newline). Returns 0, or WEIGHTD_E_IO when
+ * the stream reports an error.
  */
-int ckpt_config_write(const struct ckpt_preset *p, uint32_t layers, FILE *f);
+int ckpt_config_write(const struct ckpt_layout *l, FILE *f);
 
 #endif

@@ -15,6 +15,52 @@ static cJSON *json_u64(uint64_t v) {
   return cJSON_CreateRaw(buf);
 }
 
+/* A JSON string of exactly len bytes: names may hold U+0000, which C strings cannot. */
+static cJSON *json_bytes(const char *s, size_t len) {
+  char *buf = malloc(len * 6 + 3);
+  if (buf == NULL) return NULL;
+  size_t o = 0;
+  buf[o++] = '"';
+  for (size_t i = 0; i < len; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c == '"' || c == '\\') {
+      buf[o++] = '\\';
+      buf[o++] = (char)c;
+    } else if (c < 0x20) {
+      o += (size_t)snprintf(buf + o, 7, "\\u%04x", c);
+    } else {
+      buf[o++] = (char)c;
+    }
+  }
+  buf[o++] = '"';
+  buf[o] = '\0';
+  cJSON *r = cJSON_CreateRaw(buf);
+  free(buf);
+  return r;
+}
+
+/* __metadata__ as raw JSON: keys and values may hold U+0000 too. */
+static cJSON *json_meta(const struct st_header *h) {
+  size_t cap = 3, o = 0;
+  for (size_t k = 0; k < h->nmeta; k++) cap += 6 * (h->meta[k].key_len + h->meta[k].value_len) + 8;
+  char *buf = malloc(cap);
+  if (buf == NULL) return NULL;
+  buf[o++] = '{';
+  for (size_t k = 0; k < h->nmeta; k++) {
+    cJSON *kj = json_bytes(h->meta[k].key, h->meta[k].key_len);
+    cJSON *vj = json_bytes(h->meta[k].value, h->meta[k].value_len);
+    if (kj != NULL && vj != NULL)
+      o += (size_t)snprintf(buf + o, cap - o, "%s%s:%s", k ? "," : "", kj->valuestring, vj->valuestring);
+    cJSON_Delete(kj);
+    cJSON_Delete(vj);
+  }
+  buf[o++] = '}';
+  buf[o] = '\0';
+  cJSON *r = cJSON_CreateRaw(buf);
+  free(buf);
+  return r;
+}
+
 static cJSON *json_shape(const struct st_tensor *t) {
   cJSON *a = cJSON_CreateArray();
   for (unsigned d = 0; a != NULL && d < t->ndim; d++) cJSON_AddItemToArray(a, json_u64(t->shape[d]));
@@ -70,8 +116,7 @@ static int print_json(const struct ckpt *c) {
     cJSON_AddItemToObject(so, "data_bytes", json_u64(h->data_len));
     cJSON_AddItemToObject(so, "file_bytes", json_u64(s->size));
     if (h->has_metadata) {
-      cJSON *md = cJSON_AddObjectToObject(so, "metadata");
-      for (size_t k = 0; md && k < h->nmeta; k++) cJSON_AddStringToObject(md, h->meta[k].key, h->meta[k].value);
+      cJSON_AddItemToObject(so, "metadata", json_meta(h));
     } else {
       cJSON_AddNullToObject(so, "metadata");
     }
@@ -79,7 +124,7 @@ static int print_json(const struct ckpt *c) {
     for (size_t k = 0; k < h->ntensors; k++) {
       const struct st_tensor *t = &h->tensors[k];
       cJSON *to = cJSON_CreateObject();
-      cJSON_AddStringToObject(to, "name", t->name);
+      cJSON_AddItemToObject(to, "name", json_bytes(t->name, t->name_len));
       cJSON_AddStringToObject(to, "dtype", dtype_name(t->dtype));
       cJSON_AddItemToObject(to, "shape", json_shape(t));
       cJSON_AddItemToObject(to, "shard", json_u64(i));

@@ -530,7 +530,7 @@ static int meta_write(const struct writer *w, struct wd_error *err) {
   int rc;
   FILE *f = open_memstream(&cfg, &cfglen);
   if (f == NULL) return err_set(err, WEIGHTD_E_NOMEM, "cannot build config.json");
-  rc = ckpt_config_write(w->l->preset, w->l->layers, f);
+  rc = ckpt_config_write(w->l, f);
   if (fclose(f) != 0 && rc == 0) rc = WEIGHTD_E_NOMEM;
   if (rc < 0) {
     err_set(err, rc, "cannot build config.json");
@@ -674,7 +674,7 @@ fail:
 
 /* ---- the command ------------------------------------------------------------------ */
 
-enum opt_id { OPT_PRESET, OPT_OUT, OPT_LAYERS, OPT_SEED, OPT_LIST, OPT_COUNT };
+enum opt_id { OPT_PRESET, OPT_OUT, OPT_LAYERS, OPT_EXPERTS, OPT_SEED, OPT_LIST, OPT_COUNT };
 enum opt_kind { OPT_KIND_STRING, OPT_KIND_U64, OPT_KIND_FLAG };
 
 /* The options, one row each. */
@@ -685,6 +685,7 @@ static const struct {
     [OPT_PRESET] = {"--preset", OPT_KIND_STRING},
     [OPT_OUT] = {"--out", OPT_KIND_STRING},
     [OPT_LAYERS] = {"--layers", OPT_KIND_U64},
+    [OPT_EXPERTS] = {"--experts", OPT_KIND_U64},
     [OPT_SEED] = {"--seed", OPT_KIND_U64},
     [OPT_LIST] = {"--list", OPT_KIND_FLAG},
 };
@@ -733,25 +734,61 @@ static int options_parse(int argc, char **argv, struct options *o) {
   return 0;
 }
 
-/* Prints the presets (or the one named) with their tensor count, payload bytes and shards. */
+/* The variant of preset p that the options ask for (they were checked against p). */
+static struct ckpt_variant variant_of(const struct options *o, const struct ckpt_preset *p) {
+  return (struct ckpt_variant){
+      .layers = o->given[OPT_LAYERS] ? (uint32_t)o->num[OPT_LAYERS] : p->num_layers,
+      .experts = o->given[OPT_EXPERTS] ? (uint32_t)o->num[OPT_EXPERTS] : 0,
+  };
+}
+
+/*
+ * Prints the presets (or the one named, as the options cut it) with their
+ * layers, routed experts per MoE layer ("-" for a dense model), tensor
+ * count, payload bytes and shards.
+ */
 static int list_presets(const struct options *o) {
   struct wd_error err = {0};
-  printf("%-14s %-22s %6s %8s %15s %10s %6s\n", "PRESET", "ARCHITECTURE", "LAYERS", "TENSORS", "PAYLOAD_BYTES",
-         "PAYLOAD_GB", "SHARDS");
+  printf("%-14s %-22s %6s %7s %8s %15s %10s %6s\n", "PRESET", "ARCHITECTURE", "LAYERS", "EXPERTS", "TENSORS",
+         "PAYLOAD_BYTES", "PAYLOAD_GB", "SHARDS");
   for (size_t i = 0; i < ckpt_preset_count(); i++) {
     const struct ckpt_preset *p = ckpt_preset_at(i);
     if (o->given[OPT_PRESET] && strcmp(p->name, o->text[OPT_PRESET]) != 0) continue;
-    uint32_t layers = o->given[OPT_LAYERS] ? (uint32_t)o->num[OPT_LAYERS] : p->num_layers;
+    struct ckpt_variant v = variant_of(o, p);
     struct ckpt_layout l;
-    if (ckpt_layout_build(p, layers, &l, &err) < 0) {
+    if (ckpt_layout_build(p, &v, &l, &err) < 0) {
       ctl_errorf("%s", err.msg);
       return CTL_EXIT_FAIL;
     }
-    printf("%-14s %-22s %6u %8zu %15llu %10.2f %6u\n", p->name, p->architecture, layers, l.count,
+    char experts[16] = "-";
+    if (l.model.num_experts > 0) snprintf(experts, sizeof experts, "%u", l.model.num_experts);
+    printf("%-14s %-22s %6u %7s %8zu %15llu %10.2f %6u\n", p->name, p->architecture, l.layers, experts, l.count,
            (unsigned long long)l.total_bytes, (double)l.total_bytes / 1e9, l.shards);
     ckpt_layout_free(&l);
   }
   return CTL_EXIT_OK;
+}
+
+/*
+ * Checks --experts against preset p (NULL when none was named). Returns 0,
+ * or -1 after printing one line that says why.
+ */
+static int experts_check(const struct options *o, const struct ckpt_preset *p) {
+  unsigned long long n = o->num[OPT_EXPERTS];
+  if (!o->given[OPT_EXPERTS]) return 0;
+  if (p == NULL) {
+    ctl_errorf("mkcheckpoint: --experts needs --preset");
+    return -1;
+  }
+  if (p->num_experts == 0) {
+    ctl_errorf("mkcheckpoint: --experts: %s is a dense model without routed experts", p->name);
+    return -1;
+  }
+  if (n < 1 || n > p->num_experts) {
+    ctl_errorf("mkcheckpoint: --experts must be 1 to %u for %s, not %llu", p->num_experts, p->name, n);
+    return -1;
+  }
+  return 0;
 }
 
 int cmd_mkcheckpoint(int argc, char **argv) {
@@ -774,22 +811,25 @@ int cmd_mkcheckpoint(int argc, char **argv) {
     else ctl_errorf("mkcheckpoint: --layers must be 1 to %u for %s", p->num_layers, p->name);
     return ctl_usage("mkcheckpoint");
   }
+  if (experts_check(&o, p) < 0) return CTL_EXIT_USAGE;
   if (o.given[OPT_LIST]) return list_presets(&o);
   if (p == NULL || !o.given[OPT_OUT]) {
     ctl_errorf("mkcheckpoint: needs --preset and --out");
     return ctl_usage("mkcheckpoint");
   }
 
-  uint32_t layers = o.given[OPT_LAYERS] ? (uint32_t)o.num[OPT_LAYERS] : p->num_layers;
+  struct ckpt_variant v = variant_of(&o, p);
   unsigned nthreads = usable_cpus();
   if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
-  if (ckpt_layout_build(p, layers, &l, &err) < 0) goto fail;
+  if (ckpt_layout_build(p, &v, &l, &err) < 0) goto fail;
   if (checkpoint_write(&l, o.text[OPT_OUT], o.num[OPT_SEED], nthreads, &seconds, &err) < 0) goto fail;
-  printf("wrote %s (%u of %u layers): %zu tensors, %llu payload bytes, %u shard%s in %s; %.2f s, %.2f GB/s, "
+  char experts[48] = "";
+  if (p->num_experts > 0) snprintf(experts, sizeof experts, ", %u of %u experts", l.model.num_experts, p->num_experts);
+  printf("wrote %s (%u of %u layers%s): %zu tensors, %llu payload bytes, %u shard%s in %s; %.2f s, %.2f GB/s, "
          "%u thread%s\n",
-         p->name, layers, p->num_layers, l.count, (unsigned long long)l.total_bytes, l.shards, l.shards == 1 ? "" : "s",
-         o.text[OPT_OUT], seconds, seconds > 0 ? (double)l.total_bytes / 1e9 / seconds : 0.0, nthreads,
-         nthreads == 1 ? "" : "s");
+         p->name, l.layers, p->num_layers, experts, l.count, (unsigned long long)l.total_bytes, l.shards,
+         l.shards == 1 ? "" : "s", o.text[OPT_OUT], seconds, seconds > 0 ? (double)l.total_bytes / 1e9 / seconds : 0.0,
+         nthreads, nthreads == 1 ? "" : "s");
   ckpt_layout_free(&l);
   return CTL_EXIT_OK;
 

@@ -27,7 +27,7 @@ static const struct ctl_cmd commands[] = {
     {"inspect", "validate a safetensors file or checkpoint directory and summarise it",
      "inspect PATH [--json]", cmd_inspect},
     {"mkcheckpoint", "write a synthetic checkpoint with a published model's exact layout",
-     "mkcheckpoint --preset NAME --out DIR [--layers N] [--seed S] [--list]", cmd_mkcheckpoint},
+     "mkcheckpoint --preset NAME --out DIR [--layers N] [--experts N] [--seed S] [--list]", cmd_mkcheckpoint},
     {"demo", "start a private daemon, then load, attach and verify a small checkpoint (a guided tour)",
      "demo [--dir DIR] [--keep]", cmd_demo},
 };

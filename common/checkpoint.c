@@ -85,9 +85,17 @@ static int shard_open(struct ckpt *c, struct ckpt_shard *s, const struct ckpt_op
   return st_header_read_fd(s->fd, s->rel, &s->hdr, err);
 }
 
+/* Names compare by all their bytes: JSON lets a name hold U+0000. */
+static int cmp_name(const struct st_tensor *x, const char *name, size_t len) {
+  size_t n = x->name_len < len ? x->name_len : len;
+  int c = memcmp(x->name, name, n);
+  if (c != 0) return c;
+  return x->name_len < len ? -1 : x->name_len > len;
+}
+
 static int cmp_refs(const void *a, const void *b) {
   const struct ckpt_ref *x = a, *y = b;
-  int c = strcmp(x->t->name, y->t->name);
+  int c = cmp_name(x->t, y->t->name, y->t->name_len);
   if (c != 0) return c;
   return x->shard < y->shard ? -1 : x->shard > y->shard;
 }
@@ -108,7 +116,7 @@ static int build_name_index(struct ckpt *c, struct wd_error *err) {
   c->ntensors = n;
   qsort(c->by_name, n, sizeof *c->by_name, cmp_refs);
   for (size_t i = 0; i + 1 < n; i++)
-    if (strcmp(c->by_name[i].t->name, c->by_name[i + 1].t->name) == 0)
+    if (cmp_name(c->by_name[i].t, c->by_name[i + 1].t->name, c->by_name[i + 1].t->name_len) == 0)
       return err_set(err, WEIGHTD_E_BAD_INDEX, "tensor '%s' appears in two shards: %s and %s",
                      c->by_name[i].t->name, c->shards[c->by_name[i].shard].rel,
                      c->shards[c->by_name[i + 1].shard].rel);
@@ -116,10 +124,10 @@ static int build_name_index(struct ckpt *c, struct wd_error *err) {
 }
 
 const struct ckpt_ref *ckpt_tensor_find(const struct ckpt *c, const char *name) {
-  size_t lo = 0, hi = c->ntensors;
+  size_t lo = 0, hi = c->ntensors, len = strlen(name);
   while (lo < hi) {
     size_t mid = lo + (hi - lo) / 2;
-    int r = strcmp(c->by_name[mid].t->name, name);
+    int r = cmp_name(c->by_name[mid].t, name, len);
     if (r == 0) return &c->by_name[mid];
     if (r < 0) lo = mid + 1;
     else hi = mid;
@@ -268,16 +276,20 @@ int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
     goto fail;
   }
   if (S_ISREG(sb.st_mode)) {
+    /* The file keeps the name it was given (a Hugging Face cache link, say); its
+     * directory is resolved, and shard_open resolves the file itself. */
     c->layout = CKPT_FILE;
-    c->dir = path_dirname(resolved);
+    char *given_dir = path_dirname(path);
+    c->dir = given_dir ? realpath(given_dir, NULL) : NULL;
+    free(given_dir);
     c->shards = calloc(1, sizeof *c->shards);
     if (c->dir == NULL || c->shards == NULL) {
-      rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+      rc = err_set(err, c->shards ? WEIGHTD_E_IO : WEIGHTD_E_NOMEM, "%s: cannot resolve its directory", path);
       goto fail;
     }
-    const char *base = strrchr(resolved, '/');
+    const char *base = strrchr(path, '/');
     c->shards[0].fd = -1;
-    c->shards[0].rel = strdup(base ? base + 1 : resolved);
+    c->shards[0].rel = strdup(base ? base + 1 : path);
     c->nshards = 1;
     if (c->shards[0].rel == NULL) {
       rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");

@@ -37,6 +37,11 @@ static int build_whole(const struct ckpt *c, struct plan *p, struct wd_error *er
   uint64_t off = 0;
   for (size_t i = 0; i < c->ntensors; i++) {
     const struct st_tensor *t = order[i]->t;
+    if (strlen(t->name) != t->name_len) {
+      free(order);
+      return err_set(err, WEIGHTD_E_BAD_PLAN,
+                     "tensor '%s...' has U+0000 in its name, which the protocol cannot carry", t->name);
+    }
     struct plan_output *o = &p->outputs[i];
     p->noutputs = i + 1;
     o->name = strdup(t->name);

@@ -186,6 +186,7 @@ static int parse_metadata(struct builder *b, const struct sj_node *v) {
     size_t slot = h->nmeta++;
     h->meta[slot].key = k;
     h->meta[slot].key_len = c->key_len;
+    h->meta[slot].value_len = c->len;
     h->meta[slot].value = val;
   }
   if (drop_duplicate_meta(h) != 0) return err_set(b->err, WEIGHTD_E_NOMEM, "%s: out of memory", b->label);

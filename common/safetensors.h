@@ -27,7 +27,7 @@
 #define ST_PREFIX_LEN 8ull
 
 struct st_tensor {
-  char *name; /* NUL-terminated; a name with an embedded NUL is cut there */
+  char *name; /* NUL-terminated; name_len counts any embedded NUL (JSON allows \u0000) */
   size_t name_len;
   enum wd_dtype dtype;
   unsigned ndim;
@@ -36,9 +36,10 @@ struct st_tensor {
 };
 
 struct st_meta {
-  char *key; /* NUL-terminated; key_len counts any embedded NUL */
+  char *key; /* NUL-terminated; the lengths count any embedded NUL */
   size_t key_len;
   char *value;
+  size_t value_len;
 };
 
 struct st_header {

@@ -382,3 +382,90 @@ def wait_until(pred, timeout=10.0, interval=0.02, what="condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+# ---- checking an attached set -------------------------------------------------------
+
+SEALS_EXPECTED = None
+
+
+def expected_seals():
+    import fcntl
+
+    return fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def check_tensor_table(reply, ckpt, whole=True):
+    """Checks an attach reply's tensor table against the files' headers.
+
+    Returns {name: entry}. Offsets must be 256-aligned, inside the slab and
+    non-overlapping; names, dtypes, shapes and byte counts must match.
+    """
+    slab = reply["bytes"]
+    assert reply["handles"][0]["bytes"] == slab, reply["handles"]
+    table = {}
+    for t in reply["tensors"]:
+        assert t["name"] not in table, f"tensor {t['name']} listed twice"
+        table[t["name"]] = t
+        h = ckpt.header(t["name"])
+        assert t["dtype"] == h["dtype"], (t, h)
+        assert t["shape"] == h["shape"], (t, h)
+        b, e = h["data_offsets"]
+        assert t["nbytes"] == e - b, (t, h)
+        assert isinstance(t["offset"], int) and t["offset"] % ALIGN == 0, t
+        assert 0 <= t["offset"] and t["offset"] + t["nbytes"] <= slab, (t, slab)
+    if whole:
+        assert set(table) == set(ckpt.where), set(ckpt.where) ^ set(table)
+    spans = sorted((t["offset"], t["offset"] + t["nbytes"], t["name"]) for t in table.values())
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        assert e0 <= b1, f"{n0} [{b0},{e0}) overlaps {n1} [{b1},{e1})"
+    return table
+
+
+def check_sealed(fd, size):
+    """The memfd is sealed against writes, growth and shrinking, and cannot be mapped writable."""
+    import errno
+    import fcntl
+
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    want = expected_seals()
+    assert seals & want == want, f"seals {seals:#x}, want at least {want:#x}"
+    try:
+        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        assert e.errno in (errno.EPERM, errno.EACCES), e
+    else:
+        m.close()
+        raise AssertionError("a sealed memfd was mapped PROT_WRITE, MAP_SHARED")
+    for bad in (lambda: os.pwrite(fd, b"x", 0), lambda: os.ftruncate(fd, size + 4096),
+                lambda: os.ftruncate(fd, 0), lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, 0)):
+        try:
+            bad()
+        except OSError as e:
+            assert e.errno in (errno.EPERM, errno.EBADF, errno.EACCES), e
+        else:
+            raise AssertionError("a write, resize or seal change of the memfd succeeded")
+    assert os.fstat(fd).st_size == size or os.fstat(fd).st_size >= size
+
+
+def verify_attached(reply, fd, ckpt, names=None, whole=True):
+    """Compares tensors of an attached set with the files byte for byte.
+
+    names: the tensors to compare (default: all). Returns the bytes compared.
+    """
+    table = check_tensor_table(reply, ckpt, whole=whole)
+    m, size = map_readonly(fd)
+    try:
+        assert size >= reply["bytes"], (size, reply["bytes"])
+        total = 0
+        for name in names if names is not None else sorted(table):
+            t = table[name]
+            src, b, e = ckpt.tensor_bytes(name)
+            if not ranges_equal(m, t["offset"], src, b, e - b):
+                d = first_difference(m, t["offset"], src, b, e - b)
+                raise AssertionError(f"tensor {name}: byte {d} of {e - b} differs from the file "
+                                     f"(slab offset {t['offset']})")
+            total += e - b
+        return total
+    finally:
+        m.close()

@@ -1,0 +1,382 @@
+"""Fixtures for the integration tests: a real weightd on a private socket.
+
+The binaries come from $WEIGHTD and $WEIGHTCTL (ctest sets them; by hand,
+the defaults are build/weightd and build/weightctl). Temporary files go under
+$WD_TEST_TMP when it is set. Each test that asks for a daemon gets its own,
+started with `--foreground --backend host` on a socket in a fresh directory;
+at the end of the test it is stopped with SIGTERM and must exit with status 0
+within a few seconds and without a sanitizer report in its log (an ASan build
+is detected and run with detect_leaks=1). A failing test prints the log.
+"""
+import faulthandler
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import wdclient  # noqa: E402
+
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+SANITIZER_MARKS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "LeakSanitizer",
+                   "runtime error:", "ERROR: ThreadSanitizer", "AddressSanitizer:DEADLYSIGNAL")
+
+
+def _binary(env, default):
+    path = os.environ.get(env) or os.path.join(REPO, "build", default)
+    return os.path.abspath(path)
+
+
+WEIGHTD = _binary("WEIGHTD", "weightd")
+WEIGHTCTL = _binary("WEIGHTCTL", "weightctl")
+
+
+def _is_sanitized(path):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    return b"__asan_init" in data or b"libasan.so" in data
+
+
+ASAN = _is_sanitized(WEIGHTD)
+# Time allowances grow under the sanitizer build (about 3x slower).
+SLOW = 3.0 if ASAN else 1.0
+# A stopped daemon must be gone within this many seconds (leak checking at
+# exit takes a moment under ASan).
+STOP_SECONDS = 5.0 * SLOW
+TEST_TIMEOUT = int(os.environ.get("WD_TEST_TIMEOUT", str(int(180 * SLOW))))
+
+
+# ---- reporting -----------------------------------------------------------------
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
+def _failed(request):
+    rep = getattr(request.node, "rep_call", None)
+    return rep is None or rep.failed
+
+
+# ---- a per-test time limit -----------------------------------------------------
+
+
+class TimeLimitExceeded(Exception):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _time_limit(request):
+    """Fails a test that runs longer than TEST_TIMEOUT seconds (and dumps stacks)."""
+
+    def on_alarm(signum, frame):
+        raise TimeLimitExceeded(f"{request.node.name} ran longer than {TEST_TIMEOUT} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(TEST_TIMEOUT)
+    faulthandler.dump_traceback_later(TEST_TIMEOUT + 30, exit=True)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, old)
+
+
+# ---- binaries and directories ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def binaries():
+    for p in (WEIGHTD, WEIGHTCTL):
+        if not (os.path.isfile(p) and os.access(p, os.X_OK)):
+            pytest.fail(f"{p} is missing (set WEIGHTD and WEIGHTCTL to the built binaries)")
+    return {"weightd": WEIGHTD, "weightctl": WEIGHTCTL, "asan": ASAN}
+
+
+@pytest.fixture(scope="session")
+def workdir():
+    """A private directory for the session, removed at the end."""
+    base = os.environ.get("WD_TEST_TMP") or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    d = tempfile.mkdtemp(prefix="wdi-", dir=base)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def model_root(workdir):
+    """The daemons' model root; checkpoints live below it."""
+    d = os.path.join(workdir, "models")
+    os.makedirs(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def outside_dir(workdir):
+    """A directory outside the model root that holds a valid checkpoint."""
+    d = os.path.join(workdir, "outside")
+    os.makedirs(d)
+    wdclient.write_safetensors(os.path.join(d, "secret.safetensors"),
+                               [("w", "F32", [64, 64])], seed=99)
+    return d
+
+
+def mkcheckpoint(out, preset="qwen3-0.6b", layers=1, seed=None):
+    """Runs weightctl mkcheckpoint; returns out."""
+    cmd = [WEIGHTCTL, "mkcheckpoint", "--preset", preset, "--layers", str(layers), "--out", out]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout}{r.stderr}"
+    return out
+
+
+@pytest.fixture(scope="session")
+def ckpt_small(model_root, binaries):
+    """qwen3-0.6b, one layer: a directory with model.safetensors (~650 MB)."""
+    return mkcheckpoint(os.path.join(model_root, "qwen3-0.6b-l1"), "qwen3-0.6b", 1)
+
+
+@pytest.fixture(scope="session")
+def ckpt_sharded(model_root, binaries):
+    """qwen3-4b, one layer: three shards and an index (~980 MB)."""
+    return mkcheckpoint(os.path.join(model_root, "qwen3-4b-l1"), "qwen3-4b", 1)
+
+
+TINY_TENSORS = [
+    ("embed.weight", "BF16", [1000, 256]),
+    ("layers.0.norm.weight", "F32", [256]),
+    ("layers.0.odd", "U8", [1001]),
+    ("layers.0.attn.q.weight", "F16", [256, 300]),
+    ("layers.0.bias", "I64", [3, 5]),
+    ("head.weight", "BF16", [513, 256]),
+]
+
+
+@pytest.fixture(scope="session")
+def tiny(model_root):
+    """Small single-file checkpoints under the root: {name: path}. About 1 MB each."""
+    d = os.path.join(model_root, "tiny")
+    os.makedirs(d)
+    out = {}
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+        p = os.path.join(d, f"tiny_{name}.safetensors")
+        wdclient.write_safetensors(p, TINY_TENSORS, seed=seed)
+        out[name] = p
+    # Many small tensors: a large tensor table, so that a leaked reply shows in RSS.
+    many = [(f"layers.{i}.w", "F16", [16, 8 + i % 7]) for i in range(400)]
+    p = os.path.join(d, "many.safetensors")
+    wdclient.write_safetensors(p, many, seed=4)
+    out["many"] = p
+    return out
+
+
+# ---- the daemon -------------------------------------------------------------------
+
+
+class Daemon:
+    """One weightd process on a private socket."""
+
+    def __init__(self, workdir, model_root, settings=None, roots=None, log_level="info"):
+        self.dir = tempfile.mkdtemp(prefix="d-", dir=workdir)
+        self.socket = os.path.join(self.dir, "weightd.sock")
+        if len(self.socket) > 100:  # sun_path holds 108 bytes
+            self.dir = tempfile.mkdtemp(prefix="wdi-")
+            self.socket = os.path.join(self.dir, "weightd.sock")
+        self.log_path = os.path.join(self.dir, "weightd.log")
+        self.model_root = model_root
+        self.settings = dict(settings or {})
+        self.roots = roots if roots is not None else [model_root]
+        self.log_level = log_level
+        self.proc = None
+        self.exit_code = None
+        self.stopped = False
+
+    def argv(self):
+        a = [WEIGHTD, "--foreground", "--socket", self.socket, "--backend", "host",
+             "--log-level", self.log_level]
+        for r in self.roots:
+            a += ["--model-root", r]
+        for k, v in self.settings.items():
+            a += ["--set", f"{k}={v}"]
+        return a
+
+    def start(self, timeout=None):
+        timeout = timeout or 20 * SLOW
+        env = dict(os.environ)
+        asan = env.get("ASAN_OPTIONS", "")
+        if "detect_leaks" not in asan:
+            asan = (asan + ":" if asan else "") + "detect_leaks=1"
+        env["ASAN_OPTIONS"] = asan
+        env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
+        env.pop("WEIGHTD_SOCKET", None)
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while "weightd: listening on " + self.socket not in self.log_text():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"weightd exited with {self.proc.returncode} before listening:\n"
+                                     + self.log_text())
+            if time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"weightd did not listen within {timeout} s:\n" + self.log_text())
+            time.sleep(0.01)
+        return self
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def log_text(self):
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, n=80):
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def sanitizer_report(self):
+        text = self.log_text()
+        return [m for m in SANITIZER_MARKS if m in text]
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def assert_alive(self):
+        assert self.alive(), f"weightd died (status {self.proc.returncode}):\n{self.log_tail()}"
+        assert not self.sanitizer_report(), f"sanitizer report:\n{self.log_tail(200)}"
+
+    # ---- clients ----
+
+    def connect(self, hello=True, timeout=60.0):
+        return wdclient.Conn(self.socket, hello=hello, timeout=timeout)
+
+    def status(self):
+        with self.connect() as c:
+            return c.status()
+
+    def check_serving(self):
+        """A fresh connection gets hello and status answered; returns the status."""
+        self.assert_alive()
+        st = self.status()
+        assert st["daemon"]["pid"] == self.pid
+        return st
+
+    # ---- /proc views ----
+
+    def fd_count(self):
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def fd_targets(self):
+        out = {}
+        d = f"/proc/{self.pid}/fd"
+        for n in os.listdir(d):
+            try:
+                out[int(n)] = os.readlink(os.path.join(d, n))
+            except OSError:
+                pass
+        return out
+
+    def rss_kib(self):
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+    def threads(self):
+        return len(os.listdir(f"/proc/{self.pid}/task"))
+
+    # ---- stopping ----
+
+    def wait_exit(self, timeout):
+        try:
+            self.exit_code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self.stopped = True
+        self.log.close()
+        return self.exit_code
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stopped = True
+        if not self.log.closed:
+            self.log.close()
+
+    def stop(self, sig=signal.SIGTERM, timeout=None):
+        """Signals the daemon and checks a clean exit: status 0, in time, no sanitizer report."""
+        timeout = timeout or STOP_SECONDS
+        if not self.stopped:
+            if self.proc.poll() is None:
+                t0 = time.monotonic()
+                self.proc.send_signal(sig)
+                rc = self.wait_exit(timeout)
+                if rc is None:
+                    self.kill()
+                    raise AssertionError(f"weightd did not exit within {timeout} s of signal {sig}:\n"
+                                         + self.log_tail(200))
+                self.stop_seconds = time.monotonic() - t0
+            else:
+                self.wait_exit(1)
+        self.check_exit()
+
+    def check_exit(self, expect=0):
+        rc = self.proc.returncode
+        assert rc == expect, f"weightd exited with status {rc}, expected {expect}:\n{self.log_tail(200)}"
+        rep = self.sanitizer_report()
+        assert not rep, f"sanitizer report ({rep}):\n{self.log_tail(300)}"
+
+
+@pytest.fixture
+def start_daemon(workdir, model_root, binaries, request):
+    """A factory: start_daemon(settings={...}) -> a started Daemon, checked and stopped at the end."""
+    started = []
+
+    def start(settings=None, **kw):
+        d = Daemon(workdir, model_root, settings=settings, **kw)
+        started.append(d)
+        return d.start()
+
+    yield start
+    errors = []
+    for d in started:
+        try:
+            d.stop()
+        except AssertionError as e:
+            errors.append(str(e))
+        finally:
+            d.kill()
+    if _failed(request) and not errors:
+        for d in started:
+            print(f"---- log of weightd (pid {d.pid}) ----\n{d.log_tail(150)}")
+    for d in started:
+        if not errors:
+            shutil.rmtree(d.dir, ignore_errors=True)
+    if errors:
+        pytest.fail("\n\n".join(errors), pytrace=False)
+
+
+@pytest.fixture
+def daemon(start_daemon):
+    """A weightd with the default configuration."""
+    return start_daemon()

@@ -1,0 +1,120 @@
+"""Clients sharing one resident set: identical loads, concurrent loads, 64 attachers."""
+import os
+import threading
+
+from conftest import SLOW
+from wdclient import Checkpoint, check_sealed, verify_attached, wait_until
+
+
+def test_two_clients_share_one_set(daemon, tiny):
+    ckpt = Checkpoint(tiny["a"])
+    with daemon.connect() as a, daemon.connect() as b:
+        ra = a.call("load", path=tiny["a"], device=0)
+        rb = b.call("load", path=tiny["a"], device=0, plan={"preset": "whole"})
+        assert ra["shared"] is False and rb["shared"] is True
+        assert ra["set"] == rb["set"] and ra["bytes"] == rb["bytes"]
+        att_a, fa = a.attach(set=ra["set"])
+        att_b, fb = b.attach(path=tiny["a"], device=0)
+        try:
+            assert att_a["set"] == att_b["set"] == ra["set"]
+            assert att_a["lease"] != att_b["lease"]
+            # Both descriptors name the same memory: same inode.
+            assert os.fstat(fa).st_ino == os.fstat(fb).st_ino
+            verify_attached(att_a, fa, ckpt)
+            verify_attached(att_b, fb, ckpt)
+        finally:
+            os.close(fa)
+            os.close(fb)
+        st = a.status()
+        assert len(st["sets"]) == 1 and st["sets"][0]["leases"] == 2
+        assert st["daemon"]["leases"] == 2
+        assert b.call("release", lease=att_b["lease"])["released"] is True
+        assert b.error("release", lease=att_b["lease"]) == "NOT_FOUND"
+        assert a.status()["sets"][0]["leases"] == 1
+    assert daemon.status()["sets"][0]["leases"] == 0
+    assert daemon.log_text().count("loaded set ") == 1
+
+
+def test_concurrent_identical_loads_load_once(start_daemon, ckpt_small):
+    """Two loads sent at once (one still loading when the other arrives) make one set."""
+    d = start_daemon({"fill_threads": 1})
+    ckpt = Checkpoint(ckpt_small)
+    with d.connect() as a, d.connect() as b, d.connect() as c:
+        ia = a.start("load", path=ckpt_small, device=0)
+        ib = b.start("load", path=ckpt_small, device="0")
+        # A third joins by attaching while it is (probably) still loading.
+        ic = c.start("attach", path=ckpt_small, device=0)
+        ra, _ = a.wait(ia)
+        rb, _ = b.wait(ib)
+        rc, fds = c.wait(ic)
+        assert ra.get("ok") and rb.get("ok") and rc.get("ok"), (ra, rb, rc)
+        assert ra["set"] == rb["set"] == rc["set"]
+        assert sorted([ra["shared"], rb["shared"]]) == [False, True], (ra, rb)
+        assert len(fds) == 1
+        try:
+            verify_attached(rc, fds[0], ckpt, names=["model.norm.weight", "lm_head.weight"])
+        finally:
+            os.close(fds[0])
+        st = a.status()
+        assert len(st["sets"]) == 1, st["sets"]
+        assert st["sets"][0]["leases"] == 1
+        assert st["devices"][0]["used"] == ra["bytes"]
+    assert d.log_text().count("loaded set ") == 1, d.log_tail()
+
+
+def test_64_concurrent_attachers(daemon, tiny):
+    n = 64
+    ckpt = Checkpoint(tiny["b"])
+    with daemon.connect() as ctl:
+        set_id = ctl.call("load", path=tiny["b"])["set"]
+        base_fds = daemon.fd_count()
+        attached = threading.Barrier(n + 1, timeout=60 * SLOW)
+        counted = threading.Barrier(n + 1, timeout=60 * SLOW)
+        released = threading.Barrier(n + 1, timeout=60 * SLOW)
+        errors = []
+        compared = []
+
+        def client(i):
+            try:
+                with daemon.connect() as c:
+                    if i % 2:
+                        att, fd = c.attach(set=set_id)
+                    else:
+                        att, fd = c.attach(path=tiny["b"], device=0)
+                    try:
+                        attached.wait()
+                        counted.wait()
+                        check_sealed(fd, att["bytes"])
+                        compared.append(verify_attached(att, fd, ckpt, names=["embed.weight", "layers.0.odd"]))
+                    finally:
+                        os.close(fd)
+                    c.call("release", lease=att["lease"])
+                    released.wait()
+            except BaseException as e:  # report every thread's failure
+                errors.append(f"client {i}: {e!r}")
+                for b in (attached, counted, released):
+                    b.abort()
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        try:
+            attached.wait()
+            st = ctl.status()
+            assert st["sets"][0]["leases"] == n, st["sets"]
+            assert st["daemon"]["leases"] == n
+            assert st["daemon"]["connections"] == n + 1
+            assert daemon.fd_count() == base_fds + n  # one socket per client
+            counted.wait()
+            released.wait()
+            st = ctl.status()
+            assert st["sets"][0]["leases"] == 0, st["sets"]
+        finally:
+            for t in threads:
+                t.join(60 * SLOW)
+        assert not errors, "\n".join(errors)
+        assert len(compared) == n and len(set(compared)) == 1 and compared[0] > 0
+        wait_until(lambda: ctl.status()["daemon"]["connections"] == 1, what="connections back to 1")
+        assert ctl.status()["sets"][0]["leases"] == 0
+        wait_until(lambda: daemon.fd_count() == base_fds, what="daemon descriptors back to the start")
+    ckpt.close()
