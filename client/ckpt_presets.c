@@ -373,7 +373,7 @@ static int layout_shard(struct ckpt_layout *l, struct wd_error *err) {
  * to load, not one to run.
  */
 static void router_fit(struct ckpt_preset *m) {
-  (void)0;
+  if (m->experts_per_tok > m->num_experts) m->experts_per_tok = m->num_experts;
   if (m->n_group == 0) return;
   uint32_t per_group = m->num_experts / m->n_group;
   bool works = m->num_experts % m->n_group == 0 && per_group >= 2 &&

@@ -147,6 +147,12 @@ static int cu_host_register(void *ctx, void *p, size_t len, struct wd_error *err
   for (size_t off = 0; off < len; off += CUDA_REGISTER_CHUNK) {
     size_t n = len - off < CUDA_REGISTER_CHUNK ? len - off : CUDA_REGISTER_CHUNK;
     cudaError_t e = cudaHostRegister((char *)p + off, n, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+    if (e == cudaErrorNotSupported || e == cudaErrorInvalidValue) {
+      /* A driver without read-only registration: the mapping is PROT_READ, so plain
+       * registration may still work where the kernel allows pinning it. */
+      cudaGetLastError();
+      e = cudaHostRegister((char *)p + off, n, cudaHostRegisterPortable);
+    }
     if (e != cudaSuccess) {
       cudaGetLastError();
       for (size_t undo = 0; undo < off; undo += CUDA_REGISTER_CHUNK) cudaHostUnregister((char *)p + undo);

@@ -32,8 +32,9 @@
 #include "fault.h"
 #include "log.h"
 
-/* Bytes one fill task gathers. */
-#define LD_TASK (8ull << 20)
+/* Bytes one fill task gathers: enough tasks per window to keep every fill thread busy. */
+#define LD_TASK_MIN (1ull << 20)
+#define LD_TASK_MAX (8ull << 20)
 /* Bytes one direct copy moves at most (keeps progress and cancellation responsive). */
 #define LD_DIRECT_CHUNK (256ull << 20)
 
@@ -141,6 +142,7 @@ struct fill_run {
   uint64_t lo, hi; /* the window being gathered */
   unsigned char *dst;
   size_t ntasks;
+  uint64_t task;
   bool count_progress;
   pthread_mutex_t lock;
   int rc;
@@ -153,8 +155,8 @@ static void fill_task(void *arg, size_t i) {
   int failed = r->rc != 0;
   pthread_mutex_unlock(&r->lock);
   if (failed) return;
-  uint64_t a = r->lo + (uint64_t)i * LD_TASK;
-  uint64_t b = a + LD_TASK < r->hi ? a + LD_TASK : r->hi;
+  uint64_t a = r->lo + (uint64_t)i * r->task;
+  uint64_t b = a + r->task < r->hi ? a + r->task : r->hi;
   struct gather_args g = {r->set, a, b, r->dst + (a - r->lo)};
   if (fault_call(gather_range, &g) != 0) {
     pthread_mutex_lock(&r->lock);
@@ -169,7 +171,11 @@ static void fill_task(void *arg, size_t i) {
 static int fill_window(struct res_set *s, uint64_t lo, uint64_t hi, unsigned char *dst, bool count_progress,
                        struct wd_error *err) {
   struct fill_run r = {.set = s, .lo = lo, .hi = hi, .dst = dst, .count_progress = count_progress};
-  r.ntasks = (size_t)((hi - lo + LD_TASK - 1) / LD_TASK);
+  /* Two tasks per fill thread, 1 to 8 MiB each, in 64 KiB multiples. */
+  uint64_t task = (hi - lo) / (2 * (uint64_t)fill_threads(wd->fill));
+  task = task < LD_TASK_MIN ? LD_TASK_MIN : task > LD_TASK_MAX ? LD_TASK_MAX : task;
+  r.task = (task + 65535) / 65536 * 65536;
+  r.ntasks = (size_t)((hi - lo + r.task - 1) / r.task);
   pthread_mutex_init(&r.lock, NULL);
   fill_run(wd->fill, r.ntasks, fill_task, &r);
   pthread_mutex_destroy(&r.lock);
