@@ -199,13 +199,41 @@ static uint64_t daemon_rss_anon(weightd_client *c) {
   return kb * 1024;
 }
 
-/* The fresh process: context creation, then attach, each timed; prints "ctx_s attach_s". */
+/*
+ * The fresh process: context creation, then attach, each timed; prints
+ * "ctx_s attach_s roundtrip_s ipc_open_s": the last two split the attach into
+ * a bare request/reply round trip and cudaIpcOpenMemHandle alone.
+ */
 static int attach_probe(const char *set, const char *sock, int device) {
   double t0 = now();
   CUDA_OK(cudaSetDevice(device));
   CUDA_OK(cudaFree(0));
   double t_ctx = now() - t0;
   weightd_client *c = connect_or_die(sock);
+  /* The parts: one raw attach (reply only), then opening its handle alone. */
+  char req[96], *reply = NULL;
+  snprintf(req, sizeof req, "{\"op\":\"attach\",\"set\":\"%s\"}", set);
+  t0 = now();
+  request_or_die(c, req, &reply);
+  double t_rt = now() - t0;
+  const char *h = strstr(reply, "\"handle\":\"");
+  const char *l = strstr(reply, "\"lease\":\"");
+  double t_ipc = -1;
+  if (h != NULL) {
+    cudaIpcMemHandle_t ih;
+    unsigned char *b = (unsigned char *)&ih;
+    for (int i = 0; i < 64; i++) sscanf(h + 10 + 2 * i, "%2hhx", &b[i]);
+    void *p = NULL;
+    t0 = now();
+    CUDA_OK(cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess));
+    t_ipc = now() - t0;
+    CUDA_OK(cudaIpcCloseMemHandle(p));
+  }
+  if (l != NULL) {
+    snprintf(req, sizeof req, "{\"op\":\"release\",\"lease\":\"%.*s\"}", (int)strcspn(l + 9, "\""), l + 9);
+    request_or_die(c, req, NULL);
+  }
+  weightd_free(reply);
   weightd_set *s = NULL;
   t0 = now();
   if (weightd_attach(c, set, &s) != 0) die("attach", weightd_last_error(c));
@@ -213,16 +241,16 @@ static int attach_probe(const char *set, const char *sock, int device) {
   if (weightd_set_tensor(s, 0, &t) != 0 || t.data == NULL) die("attach", "no usable pointer");
   double t_attach = now() - t0;
   /* Touch the memory through the pointer to show it is usable. */
-  unsigned char b;
-  CUDA_OK(cudaMemcpy(&b, t.data, 1, cudaMemcpyDeviceToHost));
-  printf("%.6f %.6f\n", t_ctx, t_attach);
+  unsigned char byte;
+  CUDA_OK(cudaMemcpy(&byte, t.data, 1, cudaMemcpyDeviceToHost));
+  printf("%.6f %.6f %.6f %.6f\n", t_ctx, t_attach, t_rt, t_ipc);
   weightd_release(s);
   weightd_close(c);
   return 0;
 }
 
 static void probe_attach(const char *self, const char *sock, const char *set, int device, double *ctx,
-                         double *att) {
+                         double *att, double *rt, double *ipc) {
   int p[2];
   if (pipe(p) != 0) die("pipe", strerror(errno));
   pid_t pid = fork();
@@ -239,7 +267,7 @@ static void probe_attach(const char *self, const char *sock, const char *set, in
   close(p[0]);
   int st;
   waitpid(pid, &st, 0);
-  if (n <= 0 || sscanf(buf, "%lf %lf", ctx, att) != 2) die("attach probe", "no result");
+  if (n <= 0 || sscanf(buf, "%lf %lf %lf %lf", ctx, att, rt, ipc) != 4) die("attach probe", "no result");
 }
 
 int main(int argc, char **argv) {
@@ -304,10 +332,12 @@ int main(int argc, char **argv) {
   snprintf(dev, sizeof dev, "%d", device);
   struct weightd_load_options o = {sizeof o, dev, NULL, NULL, NULL};
   if (weightd_load(cl, abs, &o, set, sizeof set) != 0) die("load", weightd_last_error(cl));
-  double ctx_all[16], att_all[16];
+  double ctx_all[16], att_all[16], rt_all[16], ipc_all[16];
   int probes = runs < 16 ? runs : 16;
-  for (int i = 0; i < probes; i++) probe_attach(argv[0], sock, set, device, &ctx_all[i], &att_all[i]);
+  for (int i = 0; i < probes; i++)
+    probe_attach(argv[0], sock, set, device, &ctx_all[i], &att_all[i], &rt_all[i], &ipc_all[i]);
   double t_ctx = median(ctx_all, probes), t_att = median(att_all, probes);
+  double t_rt = median(rt_all, probes), t_ipc = median(ipc_all, probes);
   uint64_t rss = daemon_rss_anon(cl);
 
   struct cudaDeviceProp prop;
@@ -317,9 +347,10 @@ int main(int argc, char **argv) {
     printf("{\"gpu\":\"%s\",\"checkpoint\":\"%s\",\"bytes\":%" PRIu64 ",\"runs\":%d,\"fill_threads\":%u,"
            "\"ceiling_h2d_s\":%.6f,\"fill_rate_s\":%.6f,\"staged_s\":%.6f,\"staged_method\":\"%s\","
            "\"pinned_s\":%.6f,\"pinned_method\":\"%s\",\"pin_once_s\":%.6f,\"attach_context_s\":%.6f,"
-           "\"attach_s\":%.6f,\"daemon_rss_anon_bytes\":%" PRIu64 ",\"staged_runs_s\":[",
+           "\"attach_s\":%.6f,\"attach_roundtrip_s\":%.6f,\"attach_ipc_open_s\":%.6f,"
+           "\"daemon_rss_anon_bytes\":%" PRIu64 ",\"staged_runs_s\":[",
            prop.name, abs, bytes, runs, fill_threads, ceiling, fill, staged, m_staged, direct, m_direct, t_pin,
-           t_ctx, t_att, rss);
+           t_ctx, t_att, t_rt, t_ipc, rss);
     for (int i = 0; i < runs; i++) printf("%s%.6f", i ? "," : "", staged_all[i]);
     printf("],\"pinned_runs_s\":[");
     for (int i = 0; i < runs; i++) printf("%s%.6f", i ? "," : "", direct_all[i]);
@@ -341,6 +372,8 @@ int main(int argc, char **argv) {
     printf("%-44s %8.1f ms   (one-time)\n", "pinning the checkpoint (prefetch --pin)", t_pin * 1e3);
     printf("%-44s %8.2f ms   (one-time per process)\n", "fresh process: CUDA context", t_ctx * 1e3);
     printf("%-44s %8.3f ms\n", "fresh process: attach to usable pointers", t_att * 1e3);
+    printf("%-44s %8.3f ms\n", "  of which: request/reply round trip", t_rt * 1e3);
+    printf("%-44s %8.3f ms\n", "  of which: cudaIpcOpenMemHandle", t_ipc * 1e3);
     printf("%-44s %8.1f MiB\n", "daemon RssAnon (smaps_rollup Anonymous)", (double)rss / (1 << 20));
   }
   free(v);

@@ -1,4 +1,5 @@
 /* weightctl.c - the weightctl entry point: global options and the command table. */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,8 +53,9 @@ int ctl_usage(const char *cmd) {
 int ctl_parse_u64(const char *s, unsigned long long *out) {
   if (s == NULL || *s < '0' || *s > '9') return -1;
   char *end;
+  errno = 0;
   unsigned long long v = strtoull(s, &end, 10);
-  if (*end != '\0') return -1;
+  if (*end != '\0' || errno == ERANGE) return -1;
   *out = v;
   return 0;
 }

@@ -104,7 +104,8 @@ struct res_set {
   uint64_t last_used_ms;
   atomic_uint_fast64_t bytes_done; /* written by the load job */
   atomic_bool cancel;
-  double seconds;
+  double seconds;       /* the whole load job */
+  double alloc_seconds; /* of which: allocating the slab */
   const char *method;
   struct set_waiter *waiters; /* load/attach requests waiting for SET_LOADING */
   uv_timer_t progress_timer;

@@ -124,6 +124,7 @@ static void reply_loaded(struct request *req, struct res_set *s, bool shared) {
   msg_add_u64(r, "payload_bytes", s->plan->payload_bytes);
   msg_add_u64(r, "tensors", s->plan->noutputs);
   cJSON_AddNumberToObject(r, "seconds", s->seconds);
+  cJSON_AddNumberToObject(r, "alloc_seconds", s->alloc_seconds);
   cJSON_AddNumberToObject(r, "gib_per_s",
                           s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0);
   cJSON_AddBoolToObject(r, "shared", shared);
@@ -235,9 +236,10 @@ static void load_done(struct job *j) {
     s->state = SET_READY;
     s->last_used_ms = now_ms();
     double gibs = s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0;
-    log_msg(LOG_INFO, "loaded set %s: %s on %s, %zu tensors, %" PRIu64 " bytes in %.3f s (%.2f GiB/s, %s)",
-            s->id, s->ck->path, wd->devices[s->device].info.uuid, s->plan->noutputs,
-            s->plan->payload_bytes, s->seconds, gibs, s->method);
+    log_msg(LOG_INFO,
+            "loaded set %s: %s on %s, %zu tensors, %" PRIu64 " bytes in %.3f s (%.2f GiB/s, %s; slab allocation %.1f ms)",
+            s->id, s->ck->path, wd->devices[s->device].info.uuid, s->plan->noutputs, s->plan->payload_bytes,
+            s->seconds, gibs, s->method, s->alloc_seconds * 1e3);
     bool first = true;
     while (w != NULL) {
       struct set_waiter *next = w->next;
