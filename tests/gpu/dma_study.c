@@ -78,7 +78,7 @@ static void ipc_child(int rd) {
       t[i] = now() - t0;
       CK(cudaIpcCloseMemHandle(p));
     }
-    printf("ipc open %8.3f GiB: %8.3f ms, %8.3f ms, %8.3f ms\n", (double)size / (1 << 30), t[0] * 1e3,
+    printf("ipc open %12zu B (%6.3f GiB): %8.3f ms, %8.3f ms, %8.3f ms\n", size, (double)size / (1 << 30), t[0] * 1e3,
            t[1] * 1e3, t[2] * 1e3);
     fflush(stdout);
   }
@@ -146,9 +146,23 @@ int main(int argc, char **argv) {
   printf("%-58s %8.1f ms\n", "cudaMalloc of the set's size", (now() - ta) * 1e3);
   RUN3("registered mmap, 256 MiB copies, 2 streams, fresh dst", tg, copy_all(s, n, fresh, total, 256u << 20, 2, st));
   CK(cudaFree(fresh));
+  /* What the daemon does between timed loads: free the last slab, allocate the next. */
+  CK(cudaMalloc((void **)&fresh, total));
+  RUN3("registered mmap, 256 MiB copies, dst = freed + reallocated", tg,
+       (CK(cudaFree(fresh)), CK(cudaMalloc((void **)&fresh, total)),
+        copy_all(s, n, fresh, total, 256u << 20, 2, st)));
+  RUN3("  same, 200 ms pause after the reallocation", tg,
+       (CK(cudaFree(fresh)), CK(cudaMalloc((void **)&fresh, total)), usleep(200000),
+        copy_all(s, n, fresh, total, 256u << 20, 2, st)));
+  RUN3("pinned 64 MiB copies, dst = freed + reallocated", gib,
+       (CK(cudaFree(fresh)), CK(cudaMalloc((void **)&fresh, total)),
+        copy_all(pins, (int)(reps * 2), fresh, total, 64u << 20, 2, st)));
+  CK(cudaFree(fresh));
   /* IPC: export allocations of growing size to the child. */
-  size_t sizes[] = {64u << 20, 1ull << 30, 4ull << 30, total};
-  for (int i = 0; i < 4; i++) {
+  size_t two = 2u << 20;
+  size_t sizes[] = {64u << 20, (1ull << 30) + 4096, 4ull << 30, (4ull << 30) + two, (4ull << 30) + 4096,
+                    6ull << 30, 8ull << 30, (total + two - 1) / two * two, total};
+  for (int i = 0; i < (int)(sizeof sizes / sizeof sizes[0]); i++) {
     void *p;
     CK(cudaMalloc(&p, sizes[i]));
     cudaIpcMemHandle_t h;
