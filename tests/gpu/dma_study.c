@@ -54,6 +54,15 @@ static double copy_all(struct src *s, int n, char *dst, size_t dst_len, size_t c
   return now() - t0;
 }
 
+/* Frees *p, allocates len again, optionally pauses, then copies: the daemon's evict + load. */
+static double realloc_copy(char **p, size_t len, useconds_t pause, struct src *s, int n, size_t chunk,
+                           cudaStream_t *st) {
+  CK(cudaFree(*p));
+  CK(cudaMalloc((void **)p, len));
+  if (pause) usleep(pause);
+  return copy_all(s, n, *p, len, chunk, 2, st);
+}
+
 static int cmpd(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -149,14 +158,10 @@ int main(int argc, char **argv) {
   /* What the daemon does between timed loads: free the last slab, allocate the next. */
   CK(cudaMalloc((void **)&fresh, total));
   RUN3("registered mmap, 256 MiB copies, dst = freed + reallocated", tg,
-       (CK(cudaFree(fresh)), CK(cudaMalloc((void **)&fresh, total)),
-        copy_all(s, n, fresh, total, 256u << 20, 2, st)));
-  RUN3("  same, 200 ms pause after the reallocation", tg,
-       (CK(cudaFree(fresh)), CK(cudaMalloc((void **)&fresh, total)), usleep(200000),
-        copy_all(s, n, fresh, total, 256u << 20, 2, st)));
+       realloc_copy(&fresh, total, 0, s, n, 256u << 20, st));
+  RUN3("  same, 200 ms pause after the reallocation", tg, realloc_copy(&fresh, total, 200000, s, n, 256u << 20, st));
   RUN3("pinned 64 MiB copies, dst = freed + reallocated", gib,
-       (CK(cudaFree(fresh)), CK(cudaMalloc((void **)&fresh, total)),
-        copy_all(pins, (int)(reps * 2), fresh, total, 64u << 20, 2, st)));
+       realloc_copy(&fresh, total, 0, pins, (int)(reps * 2), 64u << 20, st));
   CK(cudaFree(fresh));
   /* IPC: export allocations of growing size to the child. */
   size_t two = 2u << 20;

@@ -29,7 +29,6 @@ def snapshot(d, c):
 
 
 def check_flat(before, after, what):
-    print("FLAT", what, before, after)
     for k in ("fds", "sets", "leases", "connections", "checkpoints", "used"):
         assert after[k] == before[k], f"{what}: {k} went from {before[k]} to {after[k]}"
     if not ASAN:
