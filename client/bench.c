@@ -164,14 +164,21 @@ static void request_or_die(weightd_client *c, const char *json, char **reply) {
   else weightd_free(r);
 }
 
-/* One timed load from request to result, slab allocation included; evicts it after. */
-static double timed_load(weightd_client *c, const char *path, int device, char *method, size_t mlen) {
+/*
+ * One timed load from request to result, slab allocation included, after
+ * evicting every set of the device and waiting settle_ms: the driver reclaims
+ * (scrubs) freed device memory in the background with the copy engines, which
+ * slows copies that start right after an eviction (tests/gpu/dma_study.c).
+ */
+static double timed_load(weightd_client *c, const char *path, int device, char *method, size_t mlen,
+                         int settle_ms) {
   char dev[16], set[32];
   snprintf(dev, sizeof dev, "%d", device);
   struct weightd_load_options o = {sizeof o, dev, NULL, NULL, NULL};
   char req[PATH_MAX + 128];
   snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":%d}", device);
   request_or_die(c, req, NULL);
+  if (settle_ms > 0) usleep((useconds_t)settle_ms * 1000);
   double t0 = now();
   if (weightd_load(c, path, &o, set, sizeof set) != 0) die("load", weightd_last_error(c));
   double dt = now() - t0;
@@ -272,7 +279,7 @@ static void probe_attach(const char *self, const char *sock, const char *set, in
 
 int main(int argc, char **argv) {
   const char *path = NULL, *sock = NULL, *probe = NULL;
-  int device = 0, runs = 5, json = 0;
+  int device = 0, runs = 5, json = 0, settle_ms = 500;
   unsigned fill_threads = (unsigned)sysconf(_SC_NPROCESSORS_ONLN);
   for (int i = 1; i < argc; i++) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -281,12 +288,13 @@ int main(int argc, char **argv) {
     else if (v && strcmp(argv[i], "--socket") == 0) sock = argv[++i];
     else if (v && strcmp(argv[i], "--device") == 0) device = atoi(argv[++i]);
     else if (v && strcmp(argv[i], "--runs") == 0) runs = atoi(argv[++i]);
+    else if (v && strcmp(argv[i], "--settle-ms") == 0) settle_ms = atoi(argv[++i]);
     else if (v && strcmp(argv[i], "--fill-threads") == 0) fill_threads = (unsigned)atoi(argv[++i]);
     else if (v && strcmp(argv[i], "--attach-probe") == 0) probe = argv[++i];
     else {
       fprintf(stderr,
               "usage: weightd-bench --checkpoint DIR [--socket PATH] [--device N] [--runs N]\n"
-              "                     [--fill-threads N] [--json]\n");
+              "                     [--fill-threads N] [--settle-ms MS] [--json]\n");
       return 2;
     }
   }
@@ -315,17 +323,24 @@ int main(int argc, char **argv) {
   double ceiling = median(t_ceiling, 3), fill = median(t_fill, 3);
 
   char m_staged[16] = "?", m_direct[16] = "?";
-  double staged_all[64], direct_all[64];
-  for (int i = 0; i < runs && i < 64; i++) staged_all[i] = timed_load(cl, abs, device, m_staged, sizeof m_staged);
+  double staged_all[64], direct_all[64], staged_b2b_all[64], direct_b2b_all[64];
+  if (runs > 64) runs = 64;
+  for (int i = 0; i < runs; i++) staged_all[i] = timed_load(cl, abs, device, m_staged, sizeof m_staged, settle_ms);
+  for (int i = 0; i < runs; i++) staged_b2b_all[i] = timed_load(cl, abs, device, NULL, 0, 0);
   double t0 = now();
   snprintf(req, sizeof req, "{\"op\":\"prefetch\",\"path\":\"%s\",\"pin\":true,\"wait\":true}", abs);
   request_or_die(cl, req, NULL);
   double t_pin = now() - t0;
-  for (int i = 0; i < runs && i < 64; i++) direct_all[i] = timed_load(cl, abs, device, m_direct, sizeof m_direct);
+  for (int i = 0; i < runs; i++) direct_all[i] = timed_load(cl, abs, device, m_direct, sizeof m_direct, settle_ms);
+  for (int i = 0; i < runs; i++) direct_b2b_all[i] = timed_load(cl, abs, device, NULL, 0, 0);
   memcpy(v, staged_all, sizeof(double) * (size_t)runs);
   double staged = median(v, runs);
   memcpy(v, direct_all, sizeof(double) * (size_t)runs);
   double direct = median(v, runs);
+  memcpy(v, staged_b2b_all, sizeof(double) * (size_t)runs);
+  double staged_b2b = median(v, runs);
+  memcpy(v, direct_b2b_all, sizeof(double) * (size_t)runs);
+  double direct_b2b = median(v, runs);
 
   /* A resident set for the attach probes. */
   char dev[16], set[32];
@@ -346,10 +361,12 @@ int main(int argc, char **argv) {
   if (json) {
     printf("{\"gpu\":\"%s\",\"checkpoint\":\"%s\",\"bytes\":%" PRIu64 ",\"runs\":%d,\"fill_threads\":%u,"
            "\"ceiling_h2d_s\":%.6f,\"fill_rate_s\":%.6f,\"staged_s\":%.6f,\"staged_method\":\"%s\","
-           "\"pinned_s\":%.6f,\"pinned_method\":\"%s\",\"pin_once_s\":%.6f,\"attach_context_s\":%.6f,"
+           "\"pinned_s\":%.6f,\"pinned_method\":\"%s\",\"settle_ms\":%d,\"staged_back_to_back_s\":%.6f,"
+           "\"pinned_back_to_back_s\":%.6f,\"pin_once_s\":%.6f,\"attach_context_s\":%.6f,"
            "\"attach_s\":%.6f,\"attach_roundtrip_s\":%.6f,\"attach_ipc_open_s\":%.6f,"
            "\"daemon_rss_anon_bytes\":%" PRIu64 ",\"staged_runs_s\":[",
-           prop.name, abs, bytes, runs, fill_threads, ceiling, fill, staged, m_staged, direct, m_direct, t_pin,
+           prop.name, abs, bytes, runs, fill_threads, ceiling, fill, staged, m_staged, direct, m_direct, settle_ms,
+           staged_b2b, direct_b2b, t_pin,
            t_ctx, t_att, t_rt, t_ipc, rss);
     for (int i = 0; i < runs; i++) printf("%s%.6f", i ? "," : "", staged_all[i]);
     printf("],\"pinned_runs_s\":[");
@@ -369,6 +386,11 @@ int main(int argc, char **argv) {
            100 * ceiling / staged, 100 * fill / staged);
     snprintf(label, sizeof label, "load, pinned-resident (%s)", m_direct);
     printf("%-44s %8.1f ms %9.1f %8.0f%%\n", label, direct * 1e3, gb / direct, 100 * ceiling / direct);
+    printf("  (each load %d ms after evicting the previous set; right after it:)\n", settle_ms);
+    printf("%-44s %8.1f ms %9.1f %8.0f%%\n", "load, staged, right after an evict", staged_b2b * 1e3,
+           gb / staged_b2b, 100 * ceiling / staged_b2b);
+    printf("%-44s %8.1f ms %9.1f %8.0f%%\n", "load, pinned-resident, right after an evict", direct_b2b * 1e3,
+           gb / direct_b2b, 100 * ceiling / direct_b2b);
     printf("%-44s %8.1f ms   (one-time)\n", "pinning the checkpoint (prefetch --pin)", t_pin * 1e3);
     printf("%-44s %8.2f ms   (one-time per process)\n", "fresh process: CUDA context", t_ctx * 1e3);
     printf("%-44s %8.3f ms\n", "fresh process: attach to usable pointers", t_att * 1e3);

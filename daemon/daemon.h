@@ -108,6 +108,7 @@ struct res_set {
   double alloc_seconds; /* of which: allocating the slab */
   const char *method;
   struct set_waiter *waiters; /* load/attach requests waiting for SET_LOADING */
+  char *table_json;           /* the attach reply's tensor table, built once */
   uv_timer_t progress_timer;
   bool timer_active;
   struct res_set *next;

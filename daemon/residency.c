@@ -34,6 +34,7 @@ static struct res_set *find_by_key(const char *key) {
 
 static void timer_closed(uv_handle_t *h) {
   struct res_set *s = h->data;
+  free(s->table_json);
   free(s->key);
   free(s);
 }
@@ -132,6 +133,31 @@ static void reply_loaded(struct request *req, struct res_set *s, bool shared) {
   req_reply(req, r, NULL, 0);
 }
 
+/* The tensor table as attach replies carry it, serialised once per set. */
+static char *table_json(const struct plan *p) {
+  cJSON *tensors = cJSON_CreateArray();
+  for (size_t i = 0; tensors != NULL && i < p->noutputs; i++) {
+    const struct plan_output *o = &p->outputs[i];
+    cJSON *t = cJSON_CreateObject();
+    msg_add_string(t, "name", o->name);
+    msg_add_string(t, "dtype", dtype_name(o->dtype));
+    cJSON *shape = cJSON_AddArrayToObject(t, "shape");
+    for (unsigned d = 0; d < o->ndim; d++) {
+      char buf[24];
+      snprintf(buf, sizeof buf, "%" PRIu64, o->shape[d]);
+      cJSON_AddItemToArray(shape, cJSON_CreateRaw(buf));
+    }
+    msg_add_u64(t, "offset", o->offset);
+    msg_add_u64(t, "nbytes", o->nbytes);
+    cJSON_AddItemToArray(tensors, t);
+  }
+  char *text = tensors ? cJSON_PrintUnformatted(tensors) : NULL;
+  cJSON_Delete(tensors);
+  return text;
+}
+
+static void lease_drop(struct lease **pp);
+
 void res_attach_ready(struct request *req, struct res_set *s) {
   struct wd_error err = {0};
   struct wd_handle h;
@@ -174,22 +200,15 @@ void res_attach_ready(struct request *req, struct res_set *s) {
   }
   msg_add_u64(ho, "bytes", h.bytes);
   cJSON_AddItemToArray(handles, ho);
-  cJSON *tensors = cJSON_AddArrayToObject(r, "tensors");
-  for (size_t i = 0; i < s->plan->noutputs; i++) {
-    const struct plan_output *o = &s->plan->outputs[i];
-    cJSON *t = cJSON_CreateObject();
-    msg_add_string(t, "name", o->name);
-    msg_add_string(t, "dtype", dtype_name(o->dtype));
-    cJSON *shape = cJSON_AddArrayToObject(t, "shape");
-    for (unsigned d = 0; d < o->ndim; d++) {
-      char buf[24];
-      snprintf(buf, sizeof buf, "%" PRIu64, o->shape[d]);
-      cJSON_AddItemToArray(shape, cJSON_CreateRaw(buf));
-    }
-    msg_add_u64(t, "offset", o->offset);
-    msg_add_u64(t, "nbytes", o->nbytes);
-    cJSON_AddItemToArray(tensors, t);
+  if (s->table_json == NULL) s->table_json = table_json(s->plan);
+  if (s->table_json == NULL) {
+    cJSON_Delete(r);
+    lease_drop(&wd->leases);
+    for (size_t i = 0; i < nfds; i++) close(fds[i]);
+    req_fail(req, WEIGHTD_E_NOMEM, "out of memory");
+    return;
   }
+  cJSON_AddItemToObject(r, "tensors", cJSON_CreateRaw(s->table_json));
   log_msg(LOG_DEBUG, "lease %s of set %s to pid %d", l->id, s->id, (int)req->conn->pid);
   req_reply(req, r, fds, nfds);
 }

@@ -474,6 +474,35 @@ def test_pipelining_client_that_never_reads(daemon_ok, tiny):
     assert "does not read its replies" in daemon_ok.log_text()
 
 
+def test_pipelined_burst_does_not_starve_others(start_daemon, ckpt_small):
+    """One client's burst of pipelined requests must not hold up another client's request.
+
+    The burst client reads its replies; it is not misbehaving, only busy. With a
+    real checkpoint open each status costs the daemon a mincore() walk, so a
+    daemon that runs every queued request of one connection before a request of
+    another keeps the second client waiting for the whole burst.
+    """
+    d = start_daemon()
+    n = 1500
+    with d.connect() as busy, d.connect() as other:
+        busy.call("open", path=ckpt_small)
+        t0 = time.monotonic()
+        other.call("status")
+        single = time.monotonic() - t0
+        busy.sock.sendall(frame({"op": "status", "id": 1}) * n)
+        time.sleep(0.05)
+        t1 = time.monotonic()
+        other.call("status")
+        waited = time.monotonic() - t1
+        busy.settimeout(300)
+        for _ in range(n):
+            m = busy.recv_msg()
+            assert m.get("ok") is True, m
+        burst = time.monotonic() - t0
+        assert waited < 1.5, (f"a status waited {waited:.2f} s behind another client's burst of {n} "
+                              f"(one status alone: {single * 1000:.1f} ms, the whole burst: {burst:.2f} s)")
+
+
 def test_connection_limit(start_daemon):
     d = start_daemon({"max_connections": 8})
     conns = [d.connect() for _ in range(8)]
