@@ -313,6 +313,14 @@ int main(int argc, char **argv) {
   weightd_client *cl = connect_or_die(sock);
   if (strcmp(weightd_backend(cl), "cuda") != 0) die("daemon", "the daemon does not use the cuda backend");
   char req[PATH_MAX + 128];
+  /* Start from an unpinned checkpoint: evict its sets and close it (which unpins), then warm it. */
+  snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":%d}", device);
+  request_or_die(cl, req, NULL);
+  snprintf(req, sizeof req, "{\"op\":\"close\",\"path\":\"%s\"}", abs);
+  char *closed = NULL;
+  int crc = weightd_request(cl, req, &closed, NULL, NULL);
+  if (crc != 0 && crc != WEIGHTD_E_NOT_FOUND) die("close (is another client using the checkpoint?)", closed ? closed : "");
+  weightd_free(closed);
   snprintf(req, sizeof req, "{\"op\":\"prefetch\",\"path\":\"%s\",\"wait\":true}", abs);
   request_or_die(cl, req, NULL); /* page cache warm */
 
