@@ -167,21 +167,29 @@ TINY_TENSORS = [
 ]
 
 
+def write_single(d, tensors, seed):
+    """A checkpoint directory holding model.safetensors; returns the directory."""
+    os.makedirs(d, exist_ok=True)
+    wdclient.write_safetensors(os.path.join(d, "model.safetensors"), tensors, seed=seed)
+    return d
+
+
 @pytest.fixture(scope="session")
 def tiny(model_root):
-    """Small single-file checkpoints under the root: {name: path}. About 1 MB each."""
+    """Small checkpoints under the root, {name: directory}, about 1 MB each.
+
+    Also "file": a bare .safetensors file (the "file" layout).
+    """
     d = os.path.join(model_root, "tiny")
     os.makedirs(d)
     out = {}
     for name, seed in (("a", 1), ("b", 2), ("c", 3)):
-        p = os.path.join(d, f"tiny_{name}.safetensors")
-        wdclient.write_safetensors(p, TINY_TENSORS, seed=seed)
-        out[name] = p
+        out[name] = write_single(os.path.join(d, f"tiny_{name}"), TINY_TENSORS, seed)
     # Many small tensors: a large tensor table, so that a leaked reply shows in RSS.
     many = [(f"layers.{i}.w", "F16", [16, 8 + i % 7]) for i in range(400)]
-    p = os.path.join(d, "many.safetensors")
-    wdclient.write_safetensors(p, many, seed=4)
-    out["many"] = p
+    out["many"] = write_single(os.path.join(d, "many"), many, 4)
+    out["file"] = os.path.join(d, "bare.safetensors")
+    wdclient.write_safetensors(out["file"], TINY_TENSORS, seed=5)
     return out
 
 

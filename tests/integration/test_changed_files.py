@@ -114,11 +114,13 @@ def test_replaced_middle_shard_of_an_index(daemon, scratch):
 def test_rewritten_in_place_same_size(daemon, scratch):
     """A shard rewritten in place (same inode and size, new mtime) is not served stale."""
     target, _ = scratch
-    p = os.path.join(target, "inplace.safetensors")
+    ck_dir = os.path.join(target, "inplace")
+    os.makedirs(ck_dir)
+    p = os.path.join(ck_dir, "model.safetensors")
     tensors = [("w", "F32", [256, 256]), ("b", "U8", [4000])]
     write_safetensors(p, tensors, seed=1)
     with daemon.connect() as c:
-        r1 = c.call("load", path=p)
+        r1 = c.call("load", path=ck_dir)
         tmp = p + ".new"
         write_safetensors(tmp, tensors, seed=2)
         with open(tmp, "rb") as f:
@@ -129,8 +131,8 @@ def test_rewritten_in_place_same_size(daemon, scratch):
             f.write(data)
         os.utime(p, ns=(st0.st_atime_ns, st0.st_mtime_ns + 2_000_000_000))
         assert os.stat(p).st_ino == st0.st_ino
-        new = Checkpoint(p)
-        att, fd = c.attach(path=p, device=0)
+        new = Checkpoint(ck_dir)
+        att, fd = c.attach(path=ck_dir, device=0)
         try:
             assert att["set"] != r1["set"]
             verify_attached(att, fd, new)

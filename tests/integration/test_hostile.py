@@ -298,7 +298,7 @@ def path_cases(model_root, outside_dir, tiny):
     out_ck = os.path.join(outside_dir, "secret.safetensors")
     link_out = os.path.join(d, "to-outside.safetensors")
     link_out_dir = os.path.join(d, "outside-dir")
-    link_in = os.path.join(d, "to-inside.safetensors")
+    link_in = os.path.join(d, "to-inside")
     for src, dst in ((out_ck, link_out), (outside_dir, link_out_dir), (tiny["a"], link_in)):
         if not os.path.lexists(dst):
             os.symlink(src, dst)
@@ -395,8 +395,8 @@ def test_2000_connect_close_cycles(daemon_ok):
     base = daemon_ok.fd_count()
     for i in range(2000):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(daemon_ok.socket)  # blocking: waits while the listen backlog is full
         s.settimeout(10)
-        s.connect(daemon_ok.socket)
         if i % 4 == 1:
             s.sendall(frame({"op": "hello", "id": 1, "protocol": 1}))
         elif i % 4 == 2:

@@ -85,11 +85,12 @@ def test_sharded_index_checkpoint_every_byte(daemon, ckpt_sharded):
 
 
 def test_file_path_checkpoint(daemon, tiny):
-    ckpt = Checkpoint(tiny["a"])
+    """A bare .safetensors file as the checkpoint (the "file" layout)."""
+    ckpt = Checkpoint(tiny["file"])
     with daemon.connect() as c:
-        ck = c.call("open", path=tiny["a"])["checkpoint"]
-        check_open_reply(ck, tiny["a"], ckpt, "file", 1)
-        att, fd = c.attach(path=tiny["a"])
+        ck = c.call("open", path=tiny["file"])["checkpoint"]
+        check_open_reply(ck, tiny["file"], ckpt, "file", 1)
+        att, fd = c.attach(path=tiny["file"])
         try:
             check_sealed(fd, att["bytes"])
             assert verify_attached(att, fd, ckpt) == ckpt.payload_bytes()
