@@ -463,7 +463,9 @@ def test_pipelining_client_that_never_reads(daemon_ok, tiny):
                     break  # the greedy client is gone
                 time.sleep(0.05)
             assert st["daemon"]["connections"] == 1, "the client that never reads was not disconnected"
-        assert worst < 1.0 * SLOW, f"a status took {worst:.2f} s while another client flooded"
+        # Not blocked: answered while the flood lasts (how long it may wait is
+        # test_pipelined_burst_does_not_starve_others's question).
+        assert worst < 5.0 * SLOW, f"a status took {worst:.2f} s while another client flooded"
         t.join(30 * SLOW)
         assert not t.is_alive()
         assert send_error, "the flooding client was never cut off"
