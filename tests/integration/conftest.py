@@ -199,12 +199,14 @@ def tiny(model_root):
 class Daemon:
     """One weightd process on a private socket."""
 
-    def __init__(self, workdir, model_root, settings=None, roots=None, log_level="info"):
+    def __init__(self, workdir, model_root, settings=None, roots=None, log_level="info", public=False):
         self.dir = tempfile.mkdtemp(prefix="d-", dir=workdir)
         self.socket = os.path.join(self.dir, "weightd.sock")
-        if len(self.socket) > 100:  # sun_path holds 108 bytes
+        if len(self.socket) > 100 or public:  # sun_path holds 108 bytes
             self.dir = tempfile.mkdtemp(prefix="wdi-")
             self.socket = os.path.join(self.dir, "weightd.sock")
+        if public:  # other users may reach the socket (its own mode still applies)
+            os.chmod(self.dir, 0o755)
         self.log_path = os.path.join(self.dir, "weightd.log")
         self.model_root = model_root
         self.settings = dict(settings or {})

@@ -1,0 +1,93 @@
+"""Peer credentials: who may connect, and what another user may do.
+
+These tests run clients under another uid (a forked child that drops to
+nobody), so they need root; elsewhere they skip.
+"""
+import json
+import os
+
+import pytest
+
+from wdclient import Closed, Conn
+
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+
+def as_nobody(sock, reqs):
+    """Runs reqs in a forked child under uid nobody: every frame it got, then {"eof": True} on EOF."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 0
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            out = []
+            try:
+                c = Conn(sock, hello=False, timeout=20)
+                for req in reqs:
+                    try:
+                        c.send(req)
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # refused at once: the error frame may still be there to read
+                    while True:
+                        m = c.recv_msg()
+                        out.append(m)
+                        if "event" not in m:
+                            break
+            except Closed:
+                out.append({"eof": True})
+            os.write(w, json.dumps(out).encode())
+        except BaseException as e:  # report, never raise into the parent's test
+            os.write(w, json.dumps([{"child_error": repr(e)}]).encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    data = b""
+    while True:
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        data += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    got = json.loads(data)
+    assert status == 0, got
+    return got
+
+
+HELLO = {"op": "hello", "id": 1, "protocol": 1}
+
+
+def test_peer_not_allowed_is_refused(start_daemon):
+    d = start_daemon({"allowed_uids": "4242", "socket_mode": "0666"}, public=True)
+    got = as_nobody(d.socket, [HELLO])
+    assert got[0].get("error", {}).get("code") == "PERMISSION", got
+    assert got[-1] == {"eof": True}, got
+    assert "refused pid" in d.log_text()
+    assert d.status()["daemon"]["connections"] == 1
+
+
+def test_allowed_peer_may_not_shutdown_or_release_others_leases(start_daemon, tiny):
+    d = start_daemon({"allowed_uids": str(NOBODY), "socket_mode": "0666"}, public=True)
+    with d.connect() as owner:
+        att, fd = owner.attach(path=tiny["a"], device=0)
+        os.close(fd)
+        got = as_nobody(d.socket, [HELLO, {"op": "status", "id": 2},
+                                   {"op": "release", "id": 3, "lease": att["lease"]},
+                                   {"op": "shutdown", "id": 4}])
+        by_id = {m.get("id"): m for m in got}
+        assert by_id[1].get("ok") is True and by_id[2].get("ok") is True, got
+        assert by_id[3]["error"]["code"] == "PERMISSION", got
+        assert by_id[4]["error"]["code"] == "PERMISSION", got
+        st = owner.status()
+        assert st["sets"][0]["leases"] == 1
+        d.assert_alive()
+        # The daemon's own uid may release any lease (for a client that is stuck).
+        with d.connect() as admin:
+            assert admin.call("release", lease=att["lease"])["released"] is True
+        assert owner.status()["sets"][0]["leases"] == 0
