@@ -29,6 +29,10 @@ struct plan_piece {
   uint64_t width;             /* bytes per row */
   uint64_t src_pitch;         /* bytes between source rows */
   uint64_t height;            /* rows */
+  /* What the piece is, for people: rows [start, end) of dimension dim of src
+   * (the whole tensor: dim 0, start 0, end shape[0]), or `end` rows of zeros. */
+  unsigned dim;
+  uint64_t start, end;
 };
 
 struct plan_output {
@@ -57,5 +61,21 @@ struct plan {
 int plan_build(const struct ckpt *c, const cJSON *spec, struct plan **out, struct wd_error *err);
 
 void plan_free(struct plan *p);
+
+/*
+ * The plan as JSON: {"key": canonical spec, "payload_bytes", "slab_bytes",
+ * "outputs": [{"name", "dtype", "shape", "offset", "nbytes", "pieces":
+ * [{"tensor", "dim", "start", "end"} | {"zeros": rows}]}]}.
+ */
+cJSON *plan_describe(const struct plan *p);
+
+/*
+ * Writes the slab image of bytes [lo, hi) to dst: each output's pieces in
+ * order, zeros in the alignment gaps. data[i] points at shard i's data
+ * section (its mapping + data_start). Reads mappings: a caller that fears
+ * truncated files runs it under a SIGBUS guard.
+ */
+void plan_gather(const struct plan *p, const unsigned char *const *data, uint64_t lo, uint64_t hi,
+                 unsigned char *dst);
 
 #endif

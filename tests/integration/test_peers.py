@@ -14,8 +14,11 @@ NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
 
-def as_nobody(sock, reqs):
-    """Runs reqs in a forked child under uid nobody: every frame it got, then {"eof": True} on EOF."""
+def as_nobody(sock, reqs, until_eof=False):
+    """Runs reqs in a forked child under uid nobody: every frame it got, then {"eof": True} on EOF.
+
+    until_eof: after the last reply, keep reading until the daemon closes.
+    """
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
@@ -38,6 +41,8 @@ def as_nobody(sock, reqs):
                         out.append(m)
                         if "event" not in m:
                             break
+                while until_eof:
+                    out.append(c.recv_msg())
             except Closed:
                 out.append({"eof": True})
             os.write(w, json.dumps(out).encode())
@@ -65,9 +70,9 @@ HELLO = {"op": "hello", "id": 1, "protocol": 1}
 
 def test_peer_not_allowed_is_refused(start_daemon):
     d = start_daemon({"allowed_uids": "4242", "socket_mode": "0666"}, public=True)
-    got = as_nobody(d.socket, [HELLO])
+    got = as_nobody(d.socket, [HELLO], until_eof=True)
     assert got[0].get("error", {}).get("code") == "PERMISSION", got
-    assert got[-1] == {"eof": True}, got
+    assert got[1:] == [{"eof": True}], got
     assert "refused pid" in d.log_text()
     assert d.status()["daemon"]["connections"] == 1
 

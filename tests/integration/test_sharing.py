@@ -118,3 +118,35 @@ def test_64_concurrent_attachers(daemon, tiny):
         assert ctl.status()["sets"][0]["leases"] == 0
         wait_until(lambda: daemon.fd_count() == base_fds, what="daemon descriptors back to the start")
     ckpt.close()
+
+
+def test_attach_by_set_id_while_loading(start_daemon, ckpt_sharded):
+    """attach of a set that is still loading waits for it; progress events come meanwhile."""
+    d = start_daemon({"fill_threads": 1})
+    ckpt = Checkpoint(ckpt_sharded)
+    total = ckpt.payload_bytes()
+    with d.connect() as a, d.connect() as b:
+        a.start("load", id="L", path=ckpt_sharded, device=0)
+        first, _ = a.recv()
+        assert first.get("event") == "progress" and first["bytes_total"] == total
+        (s,) = b.status()["sets"]
+        assert s["state"] == "loading" and 0 <= s["bytes_done"] <= total, s
+        rid = b.start("attach", set=s["set"])
+        att, fds = b.wait(rid)
+        assert att.get("ok") is True and len(fds) == 1, att
+        try:
+            assert att["set"] == s["set"]
+            verify_attached(att, fds[0], ckpt, names=["model.norm.weight", "model.embed_tokens.weight"])
+        finally:
+            os.close(fds[0])
+        rep, _ = a.wait("L")
+        assert rep.get("ok") is True and rep["set"] == s["set"], rep
+        events = [first] + a.events.get("L", [])
+        done = [e["bytes_done"] for e in events]
+        assert done == sorted(done) and all(e["bytes_total"] == total for e in events), events
+        if rep["seconds"] > 0.5:  # progress comes about every 100 ms while bytes move
+            assert len(events) >= 3, (rep["seconds"], events)
+            assert 0 < max(done[1:]) <= total, done
+        st = b.status()
+        assert st["sets"][0]["state"] == "ready" and st["sets"][0]["leases"] == 1
+    ckpt.close()
