@@ -62,12 +62,6 @@ static const struct plan_output *first_output_at(const struct plan *p, uint64_t 
   return a < p->noutputs ? &p->outputs[a] : NULL;
 }
 
-struct gather_args {
-  const struct res_set *set;
-  uint64_t lo, hi;
-  unsigned char *dst; /* receives slab bytes [lo, hi) */
-};
-
 static const unsigned char *piece_src(const struct res_set *s, const struct plan_piece *pc) {
   const struct ckpt *c = s->ck->ck;
   const struct ckpt_shard *sh = &c->shards[pc->src->shard];
@@ -75,52 +69,16 @@ static const unsigned char *piece_src(const struct res_set *s, const struct plan
          pc->src_offset;
 }
 
-/* Copies the part [a, b) of a piece's bytes (in output order) to out. */
-static void gather_piece(const struct res_set *s, const struct plan_piece *pc, uint64_t a, uint64_t b,
-                         unsigned char *out) {
-  if (pc->src == NULL) {
-    memset(out, 0, (size_t)(b - a));
-    return;
-  }
-  const unsigned char *src = piece_src(s, pc);
-  if (pc->height <= 1 || pc->src_pitch == pc->width) {
-    memcpy(out, src + a, (size_t)(b - a));
-    return;
-  }
-  while (a < b) {
-    uint64_t row = a / pc->width, col = a % pc->width;
-    uint64_t n = pc->width - col < b - a ? pc->width - col : b - a;
-    memcpy(out, src + row * pc->src_pitch + col, (size_t)n);
-    out += n;
-    a += n;
-  }
-}
+struct gather_args {
+  const struct res_set *set;
+  const unsigned char *const *data; /* per shard: its data section in the mapping */
+  uint64_t lo, hi;
+  unsigned char *dst; /* receives slab bytes [lo, hi) */
+};
 
 static int gather_range(void *arg) {
   struct gather_args *g = arg;
-  const struct plan *p = g->set->plan;
-  uint64_t pos = g->lo;
-  for (const struct plan_output *o = first_output_at(p, g->lo); o != NULL && o < p->outputs + p->noutputs && pos < g->hi;
-       o++) {
-    if (o->offset > pos) { /* an alignment gap */
-      uint64_t gap_end = o->offset < g->hi ? o->offset : g->hi;
-      memset(g->dst + (pos - g->lo), 0, (size_t)(gap_end - pos));
-      pos = gap_end;
-      if (pos >= g->hi) break;
-    }
-    uint64_t piece_start = o->offset;
-    for (size_t k = 0; k < o->npieces && pos < g->hi; k++) {
-      const struct plan_piece *pc = &o->pieces[k];
-      uint64_t len = pc->width * pc->height, piece_end = piece_start + len;
-      if (piece_end > pos) {
-        uint64_t a = pos - piece_start, b = (piece_end < g->hi ? piece_end : g->hi) - piece_start;
-        gather_piece(g->set, pc, a, b, g->dst + (pos - g->lo));
-        pos = piece_start + b;
-      }
-      piece_start = piece_end;
-    }
-  }
-  if (pos < g->hi) memset(g->dst + (pos - g->lo), 0, (size_t)(g->hi - pos)); /* the tail gap */
+  plan_gather(g->set->plan, g->data, g->lo, g->hi, g->dst);
   return 0;
 }
 
@@ -139,6 +97,7 @@ static int fault_error(const struct res_set *s, uint64_t off, struct wd_error *e
 
 struct fill_run {
   struct res_set *set;
+  const unsigned char **data; /* per shard: its data section in the mapping */
   uint64_t lo, hi; /* the window being gathered */
   unsigned char *dst;
   size_t ntasks;
@@ -157,7 +116,7 @@ static void fill_task(void *arg, size_t i) {
   if (failed) return;
   uint64_t a = r->lo + (uint64_t)i * r->task;
   uint64_t b = a + r->task < r->hi ? a + r->task : r->hi;
-  struct gather_args g = {r->set, a, b, r->dst + (a - r->lo)};
+  struct gather_args g = {r->set, r->data, a, b, r->dst + (a - r->lo)};
   if (fault_call(gather_range, &g) != 0) {
     pthread_mutex_lock(&r->lock);
     if (r->rc == 0) r->rc = fault_error(r->set, a, &r->err);
@@ -170,7 +129,12 @@ static void fill_task(void *arg, size_t i) {
 /* Gathers slab bytes [lo, hi) into dst on the fill threads. */
 static int fill_window(struct res_set *s, uint64_t lo, uint64_t hi, unsigned char *dst, bool count_progress,
                        struct wd_error *err) {
-  struct fill_run r = {.set = s, .lo = lo, .hi = hi, .dst = dst, .count_progress = count_progress};
+  const struct ckpt *c = s->ck->ck;
+  const unsigned char **data = malloc((c->nshards ? c->nshards : 1) * sizeof *data);
+  if (data == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < c->nshards; i++)
+    data[i] = s->ck->maps[i] ? (const unsigned char *)s->ck->maps[i] + c->shards[i].hdr->data_start : NULL;
+  struct fill_run r = {.set = s, .data = data, .lo = lo, .hi = hi, .dst = dst, .count_progress = count_progress};
   /* Two tasks per fill thread, 1 to 8 MiB each, in 64 KiB multiples. */
   uint64_t task = (hi - lo) / (2 * (uint64_t)fill_threads(wd->fill));
   task = task < LD_TASK_MIN ? LD_TASK_MIN : task > LD_TASK_MAX ? LD_TASK_MAX : task;
@@ -179,6 +143,7 @@ static int fill_window(struct res_set *s, uint64_t lo, uint64_t hi, unsigned cha
   pthread_mutex_init(&r.lock, NULL);
   fill_run(wd->fill, r.ntasks, fill_task, &r);
   pthread_mutex_destroy(&r.lock);
+  free(data);
   if (r.rc != 0) *err = r.err;
   return r.rc;
 }
