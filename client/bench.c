@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "plan.h"
 #include "weightd.h"
 
 #define GiB (1024.0 * 1024.0 * 1024.0)
@@ -95,48 +96,46 @@ static double h2d_ceiling(int device, uint64_t bytes) {
 }
 
 struct fill_arg {
-  const struct ckpt *c;
-  void **maps;
-  unsigned char *pinned; /* nthreads slots of SLOT bytes */
+  const struct plan *plan;
+  const unsigned char **data; /* per shard: its data section */
+  unsigned char *pinned;      /* nthreads slots of SLOT bytes */
   unsigned nthreads;
-  atomic_uint_fast64_t next; /* chunk counter over all shards */
+  atomic_uint_fast64_t next; /* 8 MiB task counter over the slab */
+  atomic_uint ids;
 };
 
 static void *fill_thread(void *arg) {
   struct fill_arg *f = arg;
-  static _Atomic unsigned ids;
-  unsigned me = atomic_fetch_add(&ids, 1) % f->nthreads;
+  unsigned me = atomic_fetch_add(&f->ids, 1) % f->nthreads;
   unsigned char *dst = f->pinned + (size_t)me * SLOT;
   const uint64_t chunk = 8u << 20;
   for (;;) {
-    uint64_t k = atomic_fetch_add(&f->next, 1), base = 0;
-    size_t s = 0;
-    for (; s < f->c->nshards; s++) {
-      uint64_t data = f->c->shards[s].hdr->data_len;
-      uint64_t n = (data + chunk - 1) / chunk;
-      if (k < base + n) break;
-      base += n;
-    }
-    if (s == f->c->nshards) return NULL;
-    const struct ckpt_shard *sh = &f->c->shards[s];
-    uint64_t off = (k - base) * chunk, len = sh->hdr->data_len - off < chunk ? sh->hdr->data_len - off : chunk;
-    memcpy(dst + off % SLOT, (const char *)f->maps[s] + sh->hdr->data_start + off, len);
+    uint64_t lo = atomic_fetch_add(&f->next, 1) * chunk;
+    if (lo >= f->plan->slab_bytes) return NULL;
+    uint64_t hi = lo + chunk < f->plan->slab_bytes ? lo + chunk : f->plan->slab_bytes;
+    plan_gather(f->plan, f->data, lo, hi, dst + lo % SLOT);
   }
 }
 
-/* Page cache -> pinned memory with nthreads memcpy threads, over every tensor byte. */
-static double fill_ceiling(const struct ckpt *c, unsigned nthreads) {
+/*
+ * Page cache -> pinned memory with nthreads threads: the same gathering the
+ * staging pipeline's fill threads do for this plan (row gathers included).
+ */
+static double fill_ceiling(const struct ckpt *c, const struct plan *plan, unsigned nthreads) {
   void **maps = calloc(c->nshards, sizeof *maps);
+  const unsigned char **data = calloc(c->nshards, sizeof *data);
   for (size_t i = 0; i < c->nshards; i++) {
     maps[i] = mmap(NULL, c->shards[i].size, PROT_READ, MAP_SHARED, c->shards[i].fd, 0);
     if (maps[i] == MAP_FAILED) die("mmap", strerror(errno));
     for (uint64_t o = 0; o < c->shards[i].size; o += 4096) (void)((volatile char *)maps[i])[o];
+    data[i] = (const unsigned char *)maps[i] + c->shards[i].hdr->data_start;
   }
   unsigned char *pinned;
   CUDA_OK(cudaHostAlloc((void **)&pinned, (size_t)nthreads * SLOT, cudaHostAllocPortable));
   memset(pinned, 0, (size_t)nthreads * SLOT);
-  struct fill_arg f = {.c = c, .maps = maps, .pinned = pinned, .nthreads = nthreads};
+  struct fill_arg f = {.plan = plan, .data = data, .pinned = pinned, .nthreads = nthreads};
   atomic_init(&f.next, 0);
+  atomic_init(&f.ids, 0);
   pthread_t *t = calloc(nthreads, sizeof *t);
   double t0 = now();
   for (unsigned i = 0; i < nthreads; i++) pthread_create(&t[i], NULL, fill_thread, &f);
@@ -146,6 +145,7 @@ static double fill_ceiling(const struct ckpt *c, unsigned nthreads) {
   cudaFreeHost(pinned);
   for (size_t i = 0; i < c->nshards; i++) munmap(maps[i], c->shards[i].size);
   free(maps);
+  free(data);
   return dt;
 }
 
@@ -170,11 +170,13 @@ static void request_or_die(weightd_client *c, const char *json, char **reply) {
  * (scrubs) freed device memory in the background with the copy engines, which
  * slows copies that start right after an eviction (tests/gpu/dma_study.c).
  */
+static const char *plan_json; /* --plan, or NULL for every tensor whole */
+
 static double timed_load(weightd_client *c, const char *path, int device, char *method, size_t mlen,
                          int settle_ms) {
   char dev[16], set[32];
   snprintf(dev, sizeof dev, "%d", device);
-  struct weightd_load_options o = {sizeof o, dev, NULL, NULL, NULL};
+  struct weightd_load_options o = {sizeof o, dev, plan_json, NULL, NULL};
   char req[PATH_MAX + 128];
   snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":%d}", device);
   request_or_die(c, req, NULL);
@@ -289,12 +291,13 @@ int main(int argc, char **argv) {
     else if (v && strcmp(argv[i], "--device") == 0) device = atoi(argv[++i]);
     else if (v && strcmp(argv[i], "--runs") == 0) runs = atoi(argv[++i]);
     else if (v && strcmp(argv[i], "--settle-ms") == 0) settle_ms = atoi(argv[++i]);
+    else if (v && strcmp(argv[i], "--plan") == 0) plan_json = argv[++i];
     else if (v && strcmp(argv[i], "--fill-threads") == 0) fill_threads = (unsigned)atoi(argv[++i]);
     else if (v && strcmp(argv[i], "--attach-probe") == 0) probe = argv[++i];
     else {
       fprintf(stderr,
               "usage: weightd-bench --checkpoint DIR [--socket PATH] [--device N] [--runs N]\n"
-              "                     [--fill-threads N] [--settle-ms MS] [--json]\n");
+              "                     [--fill-threads N] [--settle-ms MS] [--plan JSON] [--json]\n");
       return 2;
     }
   }
@@ -308,7 +311,12 @@ int main(int argc, char **argv) {
   struct ckpt *c = NULL;
   struct wd_error err = {0};
   if (ckpt_open(abs, NULL, &c, &err) != 0) die("checkpoint", err.msg);
-  uint64_t bytes = c->total_bytes;
+  cJSON *spec = plan_json ? cJSON_Parse(plan_json) : NULL;
+  if (plan_json != NULL && spec == NULL) die("--plan", "not valid JSON");
+  struct plan *plan = NULL;
+  if (plan_build(c, spec, &plan, &err) != 0) die("plan", err.msg);
+  cJSON_Delete(spec);
+  uint64_t bytes = plan->payload_bytes; /* what this rank moves */
 
   weightd_client *cl = connect_or_die(sock);
   if (strcmp(weightd_backend(cl), "cuda") != 0) die("daemon", "the daemon does not use the cuda backend");
@@ -327,7 +335,7 @@ int main(int argc, char **argv) {
   double *v = calloc((size_t)runs, sizeof *v);
   double t_ceiling[3], t_fill[3];
   for (int i = 0; i < 3; i++) t_ceiling[i] = h2d_ceiling(device, bytes);
-  for (int i = 0; i < 3; i++) t_fill[i] = fill_ceiling(c, fill_threads);
+  for (int i = 0; i < 3; i++) t_fill[i] = fill_ceiling(c, plan, fill_threads);
   double ceiling = median(t_ceiling, 3), fill = median(t_fill, 3);
 
   char m_staged[16] = "?", m_direct[16] = "?";
@@ -353,7 +361,7 @@ int main(int argc, char **argv) {
   /* A resident set for the attach probes. */
   char dev[16], set[32];
   snprintf(dev, sizeof dev, "%d", device);
-  struct weightd_load_options o = {sizeof o, dev, NULL, NULL, NULL};
+  struct weightd_load_options o = {sizeof o, dev, plan_json, NULL, NULL};
   if (weightd_load(cl, abs, &o, set, sizeof set) != 0) die("load", weightd_last_error(cl));
   double ctx_all[16], att_all[16], rt_all[16], ipc_all[16];
   int probes = runs < 16 ? runs : 16;
@@ -367,13 +375,13 @@ int main(int argc, char **argv) {
   cudaGetDeviceProperties(&prop, device);
   double gb = (double)bytes / GiB;
   if (json) {
-    printf("{\"gpu\":\"%s\",\"checkpoint\":\"%s\",\"bytes\":%" PRIu64 ",\"runs\":%d,\"fill_threads\":%u,"
+    printf("{\"gpu\":\"%s\",\"plan\":%s,\"checkpoint\":\"%s\",\"bytes\":%" PRIu64 ",\"runs\":%d,\"fill_threads\":%u,"
            "\"ceiling_h2d_s\":%.6f,\"fill_rate_s\":%.6f,\"staged_s\":%.6f,\"staged_method\":\"%s\","
            "\"pinned_s\":%.6f,\"pinned_method\":\"%s\",\"settle_ms\":%d,\"staged_back_to_back_s\":%.6f,"
            "\"pinned_back_to_back_s\":%.6f,\"pin_once_s\":%.6f,\"attach_context_s\":%.6f,"
            "\"attach_s\":%.6f,\"attach_roundtrip_s\":%.6f,\"attach_ipc_open_s\":%.6f,"
            "\"daemon_rss_anon_bytes\":%" PRIu64 ",\"staged_runs_s\":[",
-           prop.name, abs, bytes, runs, fill_threads, ceiling, fill, staged, m_staged, direct, m_direct, settle_ms,
+           prop.name, plan->key, abs, bytes, runs, fill_threads, ceiling, fill, staged, m_staged, direct, m_direct, settle_ms,
            staged_b2b, direct_b2b, t_pin,
            t_ctx, t_att, t_rt, t_ipc, rss);
     for (int i = 0; i < runs; i++) printf("%s%.6f", i ? "," : "", staged_all[i]);
@@ -383,6 +391,7 @@ int main(int argc, char **argv) {
   } else {
     printf("weightd-bench: %s, %s, %.2f GiB (%" PRIu64 " bytes), %d runs each, medians\n", prop.name, abs, gb,
            bytes, runs);
+    printf("plan: %s (%zu outputs)\n", plan->key, plan->noutputs);
     printf("%-44s %10s %9s %9s\n", "", "time", "GiB/s", "ceiling");
     printf("%-44s %8.1f ms %9.1f %8.0f%%\n", "H2D ceiling (pinned source, 64 MiB copies)", ceiling * 1e3,
            gb / ceiling, 100.0);
@@ -408,6 +417,7 @@ int main(int argc, char **argv) {
   }
   free(v);
   free(abs);
+  plan_free(plan);
   weightd_close(cl);
   ckpt_free(c);
   return 0;
