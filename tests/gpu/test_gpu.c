@@ -19,11 +19,13 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "plan.h"
+#include <sys/mman.h>
 #include "fixture.h"
 #include "testutil.h"
 #include "weightd.h"
 
-static char *dir, sock[PATH_MAX], ckpt[PATH_MAX];
+static char *dir, sock[PATH_MAX], ckpt[PATH_MAX], moe[PATH_MAX];
 static const char *weightd_bin, *weightctl_bin;
 static pid_t daemon_pid = -1;
 static weightd_client *g_c;
@@ -77,43 +79,61 @@ static void stop_daemon(void) {
   daemon_pid = -1;
 }
 
-/* Compares every tensor of an attached set with the checkpoint's files. */
-static void verify_set(weightd_set *s, const struct ckpt *c) {
+/*
+ * Compares every tensor of an attached set with what the plan spec says it
+ * holds, computed here from the checkpoint's files (NULL spec: whole tensors).
+ */
+static void verify_plan(weightd_set *s, const struct ckpt *c, const char *spec_json) {
   CHECK_EQ_INT(weightd_set_memory_kind(s), WEIGHTD_MEMORY_CUDA);
+  cJSON *spec = spec_json ? cJSON_Parse(spec_json) : NULL;
+  struct plan *p = NULL;
+  struct wd_error err = {0};
+  CHECK_EQ_INT(plan_build(c, spec, &p, &err), 0);
+  cJSON_Delete(spec);
+  if (p == NULL) return;
+  void **maps = calloc(c->nshards, sizeof *maps);
+  const unsigned char **data = calloc(c->nshards, sizeof *data);
+  for (size_t i = 0; i < c->nshards; i++) {
+    int fd = open(c->shards[i].path, O_RDONLY);
+    maps[i] = mmap(NULL, c->shards[i].size, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    data[i] = (const unsigned char *)maps[i] + c->shards[i].hdr->data_start;
+  }
   size_t n = weightd_set_tensor_count(s);
-  CHECK_EQ_INT(n, c->ntensors);
-  size_t cap = 64u << 20;
-  unsigned char *dev = malloc(cap), *file = malloc(cap);
-  size_t bad = 0;
+  CHECK_EQ_INT(n, p->noutputs);
+  size_t cap = 64u << 20, bad = 0;
+  unsigned char *dev = malloc(cap), *want = malloc(cap);
   for (size_t i = 0; i < n; i++) {
     weightd_tensor t;
     CHECK_EQ_INT(weightd_set_tensor(s, i, &t), 0);
-    const struct ckpt_ref *r = ckpt_tensor_find(c, t.name);
-    CHECK(r != NULL);
-    if (r == NULL) continue;
-    CHECK_EQ_INT(t.nbytes, r->t->end - r->t->begin);
+    const struct plan_output *o = NULL;
+    for (size_t k = 0; k < p->noutputs; k++)
+      if (strcmp(p->outputs[k].name, t.name) == 0) o = &p->outputs[k];
+    CHECK(o != NULL);
+    if (o == NULL) continue;
+    CHECK_EQ_INT(t.nbytes, o->nbytes);
     CHECK_EQ_INT(t.offset % 256, 0);
-    const struct ckpt_shard *sh = &c->shards[r->shard];
-    int fd = open(sh->path, O_RDONLY);
     for (uint64_t off = 0; off < t.nbytes; off += cap) {
       size_t len = t.nbytes - off < cap ? (size_t)(t.nbytes - off) : cap;
-      if (cudaMemcpy(dev, (char *)t.data + off, len, cudaMemcpyDeviceToHost) != cudaSuccess) {
-        bad++;
-        break;
-      }
-      if (pread(fd, file, len, (off_t)(sh->hdr->data_start + r->t->begin + off)) != (ssize_t)len ||
-          memcmp(dev, file, len) != 0) {
+      plan_gather(p, data, o->offset + off, o->offset + off + len, want);
+      if (cudaMemcpy(dev, (char *)t.data + off, len, cudaMemcpyDeviceToHost) != cudaSuccess ||
+          memcmp(dev, want, len) != 0) {
         fprintf(stderr, "tensor %s differs in [%llu, +%zu)\n", t.name, (unsigned long long)off, len);
         bad++;
         break;
       }
     }
-    close(fd);
   }
   CHECK_EQ_INT(bad, 0);
   free(dev);
-  free(file);
+  free(want);
+  for (size_t i = 0; i < c->nshards; i++) munmap(maps[i], c->shards[i].size);
+  free(maps);
+  free(data);
+  plan_free(p);
 }
+
+static void verify_set(weightd_set *s, const struct ckpt *c) { verify_plan(s, c, NULL); }
 
 static int count_leases(weightd_client *c) {
   char *reply = NULL;
@@ -188,6 +208,59 @@ static void test_pinned_direct(void) {
   }
 }
 
+/* Per-rank layouts on the GPU: staged and direct loads of sliced, fused and replicated outputs. */
+static void test_rank_layouts(void) {
+  static const char *const specs[] = {
+      "{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":1}",
+      "{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":0,\"fuse\":true}",
+      "{\"preset\":\"auto\",\"tp_size\":16,\"tp_rank\":5,\"fuse\":true}",
+      "{\"preset\":\"auto\",\"tp_size\":4,\"tp_rank\":3}",
+  };
+  for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++) {
+    struct weightd_load_options o = {sizeof o, NULL, specs[i], NULL, NULL};
+    weightd_set *s = NULL;
+    int rc = weightd_attach_path(g_c, ckpt, &o, &s);
+    CHECK_EQ_INT(rc, 0);
+    if (rc != 0) {
+      fprintf(stderr, "%s: %s\n", specs[i], weightd_last_error(g_c));
+      continue;
+    }
+    verify_plan(s, g_ck, specs[i]);
+    char id[32];
+    snprintf(id, sizeof id, "%s", weightd_set_id(s));
+    weightd_release(s);
+    CHECK_EQ_INT(weightd_evict(g_c, id), 0);
+  }
+}
+
+/* Experts: EP ranks, TP-sliced experts, stacked w13/w2 (2D copies of row-parallel slices). */
+static void test_moe_layouts(void) {
+  static const char *const specs[] = {
+      "{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":1,\"ep_size\":2,\"ep_rank\":1,\"fuse\":true}",
+      "{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":0,\"fuse\":true}",
+      "{\"preset\":\"auto\",\"tp_size\":4,\"tp_rank\":2}",
+  };
+  struct ckpt *mc = NULL;
+  struct wd_error err = {0};
+  CHECK_EQ_INT(ckpt_open(moe, NULL, &mc, &err), 0);
+  for (size_t i = 0; mc != NULL && i < sizeof specs / sizeof specs[0]; i++) {
+    struct weightd_load_options o = {sizeof o, NULL, specs[i], NULL, NULL};
+    weightd_set *s = NULL;
+    int rc = weightd_attach_path(g_c, moe, &o, &s);
+    CHECK_EQ_INT(rc, 0);
+    if (rc != 0) {
+      fprintf(stderr, "%s: %s\n", specs[i], weightd_last_error(g_c));
+      continue;
+    }
+    verify_plan(s, mc, specs[i]);
+    char id[32];
+    snprintf(id, sizeof id, "%s", weightd_set_id(s));
+    weightd_release(s);
+    CHECK_EQ_INT(weightd_evict(g_c, id), 0);
+  }
+  ckpt_free(mc);
+}
+
 static void test_out_of_memory(void) {
   weightd_client *c = g_c;
   size_t free_b = 0, total_b = 0;
@@ -219,7 +292,10 @@ int main(void) {
   snprintf(ckpt, sizeof ckpt, "%s/qwen3-4b-3l", dir);
   char *gen[] = {(char *)weightctl_bin, "mkcheckpoint", "--preset", "qwen3-4b", "--layers", "3",
                  "--seed", "7", "--out", ckpt, NULL};
-  if (run_cmd(gen) != 0) {
+  snprintf(moe, sizeof moe, "%s/qwen3-30b-a3b-1l-8e", dir);
+  char *gen_moe[] = {(char *)weightctl_bin, "mkcheckpoint", "--preset", "qwen3-30b-a3b", "--layers", "1",
+                     "--experts", "8", "--seed", "3", "--out", moe, NULL};
+  if (run_cmd(gen) != 0 || run_cmd(gen_moe) != 0) {
     fprintf(stderr, "mkcheckpoint failed\n");
     return 1;
   }
@@ -242,6 +318,14 @@ int main(void) {
   RUN(test_load_attach_every_byte);
   RUN(test_out_of_memory);
   RUN(test_pinned_direct);
+  RUN(test_rank_layouts); /* direct (the checkpoint is pinned now) */
+  char req[PATH_MAX + 64];
+  snprintf(req, sizeof req, "{\"op\":\"close\",\"path\":\"%s\"}", ckpt);
+  char *reply = NULL;
+  CHECK_EQ_INT(weightd_request(c, req, &reply, NULL, NULL), 0); /* unpins */
+  weightd_free(reply);
+  RUN(test_rank_layouts); /* staged */
+  RUN(test_moe_layouts);
   weightd_close(c);
   stop_daemon();
   ckpt_free(ck);
