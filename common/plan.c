@@ -918,7 +918,7 @@ cJSON *plan_describe(const struct plan *p) {
   return o;
 }
 
-static const struct plan_output *first_output_at(const struct plan *p, uint64_t lo) {
+const struct plan_output *plan_output_at(const struct plan *p, uint64_t lo) {
   size_t a = 0, b = p->noutputs;
   while (a < b) { /* the first output that ends after lo */
     size_t m = a + (b - a) / 2;
@@ -952,7 +952,7 @@ static void gather_piece(const struct plan_piece *pc, const unsigned char *const
 void plan_gather(const struct plan *p, const unsigned char *const *data, uint64_t lo, uint64_t hi,
                  unsigned char *dst) {
   uint64_t pos = lo;
-  for (const struct plan_output *o = first_output_at(p, lo); o != NULL && o < p->outputs + p->noutputs && pos < hi;
+  for (const struct plan_output *o = plan_output_at(p, lo); o != NULL && o < p->outputs + p->noutputs && pos < hi;
        o++) {
     if (o->offset > pos) { /* an alignment gap */
       uint64_t gap_end = o->offset < hi ? o->offset : hi;

@@ -52,16 +52,6 @@ static int nstagings;
 
 /* ---- gathering ---------------------------------------------------------------- */
 
-static const struct plan_output *first_output_at(const struct plan *p, uint64_t lo) {
-  size_t a = 0, b = p->noutputs;
-  while (a < b) { /* the first output that ends after lo */
-    size_t m = a + (b - a) / 2;
-    if (p->outputs[m].offset + p->outputs[m].nbytes <= lo) a = m + 1;
-    else b = m;
-  }
-  return a < p->noutputs ? &p->outputs[a] : NULL;
-}
-
 static const unsigned char *piece_src(const struct res_set *s, const struct plan_piece *pc) {
   const struct ckpt *c = s->ck->ck;
   const struct ckpt_shard *sh = &c->shards[pc->src->shard];
@@ -84,7 +74,7 @@ static int gather_range(void *arg) {
 
 /* Names the tensor at slab offset off, for a FAULT message. */
 static int fault_error(const struct res_set *s, uint64_t off, struct wd_error *err) {
-  const struct plan_output *o = first_output_at(s->plan, off);
+  const struct plan_output *o = plan_output_at(s->plan, off);
   const char *shard = "?", *name = o ? o->name : "?";
   if (o != NULL && o->npieces > 0 && o->pieces[0].src != NULL)
     shard = s->ck->ck->shards[o->pieces[0].src->shard].rel;

@@ -172,16 +172,22 @@ static void reply_checkpoint(struct request *req, struct reg_ckpt *ck) {
   reply_info(req, cks, 1, false);
 }
 
-/* A required path field; replies with the error itself. */
-static const char *path_arg(struct request *r) {
+/* Reads a string field; on a malformed one, replies with the error and returns false. */
+static bool str_arg(struct request *r, const char *name, bool required, const char **out) {
   struct msg_obj o;
   struct wd_error err = {0};
-  const char *path = NULL;
-  if (msg_get_string(args_of(r, &o), "path", true, &path, &err) < 0) {
+  *out = NULL;
+  if (msg_get_string(args_of(r, &o), name, required, out, &err) < 0) {
     req_fail_err(r, &err);
-    return NULL;
+    return false;
   }
-  return path;
+  return true;
+}
+
+/* The required path field, or NULL after replying with the error. */
+static const char *path_arg(struct request *r) {
+  const char *path;
+  return str_arg(r, "path", true, &path) ? path : NULL;
 }
 
 /* ---- handlers ----------------------------------------------------------------------- */
@@ -347,13 +353,8 @@ static void op_load(struct request *r) {
 }
 
 static void op_attach(struct request *r) {
-  struct msg_obj o;
-  struct wd_error err = {0};
-  const char *set_id = NULL;
-  if (msg_get_string(args_of(r, &o), "set", false, &set_id, &err) < 0) {
-    req_fail_err(r, &err);
-    return;
-  }
+  const char *set_id;
+  if (!str_arg(r, "set", false, &set_id)) return;
   if (set_id == NULL) {
     op_load(r);
     return;
@@ -395,11 +396,10 @@ static void op_cancel(struct request *r) {
 }
 
 static void op_release(struct request *r) {
-  struct msg_obj o;
   struct wd_error err = {0};
-  const char *lease = NULL;
-  if (msg_get_string(args_of(r, &o), "lease", true, &lease, &err) < 0 ||
-      res_release(r->conn, lease, conn_privileged(r->conn), &err) != 0) {
+  const char *lease;
+  if (!str_arg(r, "lease", true, &lease)) return;
+  if (res_release(r->conn, lease, conn_privileged(r->conn), &err) != 0) {
     req_fail_err(r, &err);
     return;
   }
@@ -409,13 +409,9 @@ static void op_release(struct request *r) {
 }
 
 static void op_evict(struct request *r) {
-  struct msg_obj o;
   struct wd_error err = {0};
-  const char *set_id = NULL;
-  if (msg_get_string(args_of(r, &o), "set", false, &set_id, &err) < 0) {
-    req_fail_err(r, &err);
-    return;
-  }
+  const char *set_id;
+  if (!str_arg(r, "set", false, &set_id)) return;
   cJSON *evicted = cJSON_CreateArray();
   if (set_id != NULL) {
     struct res_set *s = res_find_set(set_id);
