@@ -138,8 +138,18 @@ struct conn {
   int refs; /* the server's, plus one per outstanding request */
   int handles_open;
   struct request *requests; /* outstanding asynchronous requests */
+  unsigned inflight;        /* requests read and not yet finished */
+  bool paused;              /* CONN_MAX_INFLIGHT reached: frames wait unread */
+  uv_timer_t resume_timer;  /* resumes reading once requests finish */
   struct conn *next;
 };
+
+/*
+ * Requests one connection may have in progress; further frames wait in the
+ * socket until one finishes, so a client that pipelines thousands of
+ * requests cannot queue work ahead of everyone else.
+ */
+#define CONN_MAX_INFLIGHT 16
 
 struct request {
   struct conn *conn;

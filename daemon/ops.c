@@ -12,6 +12,7 @@
 #include "daemon.h"
 #include "log.h"
 #include "msg.h"
+#include "pathutil.h"
 
 static const struct msg_obj *args_of(const struct request *r, struct msg_obj *o) {
   o->json = r->root;
@@ -59,7 +60,9 @@ int dev_resolve(const cJSON *v, int *device, struct wd_error *err) {
   }
   if (cJSON_IsNumber(v)) {
     double d = v->valuedouble;
-    if (d < 0 || d != (double)(long long)d || d >= wd->ndevices)
+    if (d < 0 || d != (double)(long long)d)
+      return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'device' must be a non-negative integer index or a UUID");
+    if (d >= wd->ndevices)
       return err_set(err, WEIGHTD_E_NOT_FOUND, "no device %g (this daemon has %d)", d, wd->ndevices);
     *device = (int)d;
     return 0;
@@ -67,14 +70,17 @@ int dev_resolve(const cJSON *v, int *device, struct wd_error *err) {
   if (!cJSON_IsString(v))
     return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'device' must be a device index or UUID");
   const char *s = v->valuestring;
-  if (s[0] >= '0' && s[0] <= '9') {
+  if ((s[0] >= '0' && s[0] <= '9') || s[0] == '-' || s[0] == '+') {
+    /* An index as text: digits only. */
     char *end;
     errno = 0;
     unsigned long n = strtoul(s, &end, 10);
-    if (*end == '\0' && errno == 0 && n < (unsigned long)wd->ndevices) {
-      *device = (int)n;
-      return 0;
-    }
+    if (*end != '\0' || errno != 0 || s[0] == '-' || s[0] == '+')
+      return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'device': '%.40s' is neither an index nor a UUID", s);
+    if (n >= (unsigned long)wd->ndevices)
+      return err_set(err, WEIGHTD_E_NOT_FOUND, "no device %lu (this daemon has %d)", n, wd->ndevices);
+    *device = (int)n;
+    return 0;
   }
   for (int i = 0; i < wd->ndevices; i++)
     if (strcmp(wd->devices[i].info.uuid, s) == 0) {
@@ -248,6 +254,8 @@ static void close_done(struct job *j) {
   struct wd_error err = {0};
   if (rj->resolved == NULL) {
     req_fail(rj->req, WEIGHTD_E_NOT_FOUND, "%s", strerror(rj->err_no));
+  } else if (wd->nroots > 0 && !path_under_roots(rj->resolved, (const char *const *)wd->roots, wd->nroots)) {
+    req_fail(rj->req, WEIGHTD_E_PATH_DENIED, "%s is outside the model roots", rj->resolved);
   } else if (reg_close(rj->resolved, &err) != 0) {
     req_fail_err(rj->req, &err);
   } else {

@@ -46,7 +46,7 @@ static void on_poll(uv_poll_t *p, int status, int events);
 
 static void update_poll(struct conn *c) {
   if (c->closed) return;
-  int ev = UV_READABLE | UV_DISCONNECT;
+  int ev = UV_DISCONNECT | (c->paused ? 0 : UV_READABLE);
   if (wire_writer_bytes(&c->writer) > 0) ev |= UV_WRITABLE;
   uv_poll_start(&c->poll, ev, on_poll);
 }
@@ -115,9 +115,14 @@ static void req_unlink(struct request *r) {
   if (*pp == r) *pp = r->next_in_conn;
 }
 
+static void on_resume(uv_timer_t *t);
+
 void req_finish(struct request *r) {
   struct conn *c = r->conn;
   req_unlink(r);
+  c->inflight--;
+  if (c->paused && !c->closed && c->inflight < CONN_MAX_INFLIGHT)
+    uv_timer_start(&c->resume_timer, on_resume, 0, 0); /* not from inside a handler */
   cJSON_Delete(r->root);
   cJSON_Delete(r->id);
   free(r);
@@ -186,6 +191,7 @@ static void handle_frame(struct conn *c, struct wire_frame *f) {
   m.id = NULL;
   msg_request_free(&m);
   c->refs++;
+  c->inflight++;
   r->next_in_conn = c->requests;
   c->requests = r;
   ops_dispatch(r);
@@ -198,8 +204,39 @@ static void on_frame_timeout(uv_timer_t *t) {
   conn_fail(c, NULL, WEIGHTD_E_TIMEOUT, "a request frame did not arrive whole in time");
 }
 
+/* Handles buffered frames until none is left or the connection has too much in progress. */
+static void process_frames(struct conn *c) {
+  while (!c->closed && !c->closing) {
+    if (c->inflight >= CONN_MAX_INFLIGHT) {
+      c->paused = true;
+      return;
+    }
+    struct wire_frame f = {0};
+    struct wd_error err = {0};
+    int n = wire_reader_next(&c->reader, &f, &err);
+    if (n == 0) return;
+    if (n < 0) {
+      conn_fail(c, NULL, n, err.msg);
+      return;
+    }
+    handle_frame(c, &f);
+    wire_frame_clear(&f);
+  }
+}
+
+/* Arms the frame timer while a partial frame waits (and the connection is not paused). */
+static void watch_partial_frame(struct conn *c) {
+  if (c->closed || c->closing) return;
+  if (!c->paused && wire_reader_pending(&c->reader)) {
+    if (!uv_is_active((uv_handle_t *)&c->frame_timer))
+      uv_timer_start(&c->frame_timer, on_frame_timeout, wd->cfg.frame_timeout_ms, 0);
+  } else {
+    uv_timer_stop(&c->frame_timer);
+  }
+}
+
 static void do_read(struct conn *c) {
-  for (int rounds = 0; rounds < 16 && !c->closed && !c->closing; rounds++) {
+  for (int rounds = 0; rounds < 16 && !c->closed && !c->closing && !c->paused; rounds++) {
     int rc = wire_reader_fill(&c->reader, c->fd);
     if (rc == WIRE_AGAIN) break;
     if (rc == 0) {
@@ -210,27 +247,24 @@ static void do_read(struct conn *c) {
       conn_fail(c, NULL, rc, c->reader.err.msg);
       return;
     }
-    for (;;) {
-      struct wire_frame f = {0};
-      struct wd_error err = {0};
-      int n = wire_reader_next(&c->reader, &f, &err);
-      if (n == 0) break;
-      if (n < 0) {
-        conn_fail(c, NULL, n, err.msg);
-        return;
-      }
-      handle_frame(c, &f);
-      wire_frame_clear(&f);
-      if (c->closed || c->closing) return;
-    }
+    process_frames(c);
   }
-  if (c->closed || c->closing) return;
-  if (wire_reader_pending(&c->reader)) {
-    if (!uv_is_active((uv_handle_t *)&c->frame_timer))
-      uv_timer_start(&c->frame_timer, on_frame_timeout, wd->cfg.frame_timeout_ms, 0);
-  } else {
-    uv_timer_stop(&c->frame_timer);
+  watch_partial_frame(c);
+  update_poll(c);
+}
+
+static void on_resume(uv_timer_t *t) {
+  struct conn *c = t->data;
+  if (c->closed || !c->paused) return;
+  c->paused = false;
+  c->refs++;
+  process_frames(c); /* may pause again */
+  if (!c->closed && !c->closing && !c->paused) do_read(c);
+  else {
+    watch_partial_frame(c);
+    update_poll(c);
   }
+  conn_unref(c);
 }
 
 static void on_poll(uv_poll_t *p, int status, int events) {
@@ -242,8 +276,8 @@ static void on_poll(uv_poll_t *p, int status, int events) {
   }
   c->refs++; /* hold the connection while handlers run */
   if (events & UV_WRITABLE) flush(c);
-  if (!c->closed && !c->closing && (events & (UV_READABLE | UV_DISCONNECT))) do_read(c);
-  if (!c->closed && c->closing && (events & UV_DISCONNECT)) conn_close(c);
+  if (!c->closed && !c->closing && !c->paused && (events & (UV_READABLE | UV_DISCONNECT))) do_read(c);
+  if (!c->closed && (c->closing || c->paused) && (events & UV_DISCONNECT)) conn_close(c);
   conn_unref(c);
 }
 
@@ -266,12 +300,14 @@ static void conn_close(struct conn *c) {
   }
   uv_poll_stop(&c->poll);
   uv_timer_stop(&c->frame_timer);
+  uv_timer_stop(&c->resume_timer);
   wire_reader_free(&c->reader);
   wire_writer_free(&c->writer);
   close(c->fd);
   c->fd = -1;
   uv_close((uv_handle_t *)&c->poll, conn_handle_closed);
   uv_close((uv_handle_t *)&c->frame_timer, conn_handle_closed);
+  uv_close((uv_handle_t *)&c->resume_timer, conn_handle_closed);
   log_msg(LOG_DEBUG, "connection of pid %d closed", (int)c->pid);
   conn_unref(c);
 }
@@ -326,9 +362,11 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     wire_writer_init(&c->writer);
     uv_poll_init(wd->loop, &c->poll, fd);
     uv_timer_init(wd->loop, &c->frame_timer);
+    uv_timer_init(wd->loop, &c->resume_timer);
     c->poll.data = c;
     c->frame_timer.data = c;
-    c->handles_open = 2;
+    c->resume_timer.data = c;
+    c->handles_open = 3;
     c->next = wd->conns;
     wd->conns = c;
     wd->nconns++;
