@@ -1,6 +1,8 @@
 /*
- * cmd_attach.c - `weightctl attach (SET | PATH [--device D]) [--verify] [--hold]`:
+ * cmd_attach.c - `weightctl attach (SET | PATH [--device D] [plan flags]) [--verify] [--hold]`:
  * lease a resident set and map it in this process, as an engine would.
+ * --verify compares the set with its plan (as status reports it) rebuilt
+ * here from the checkpoint's files.
  *
  * The argument is a checkpoint PATH when it contains a '/' or names an
  * existing file or directory, else a set id. With --json the output is one
@@ -23,16 +25,19 @@ static int looks_like_path(const char *arg) {
 }
 
 /*
- * The checkpoint path and plan of a resident set, from status. *whole says
- * the plan is {"preset": "whole"}. Returns a new string or NULL after printing why.
+ * The checkpoint path and the plan of a resident set, from status. Returns 0
+ * with *path a new string and *spec the set's plan (a new object), or
+ * CTL_EXIT_FAIL after printing why.
  */
-static char *set_checkpoint(weightd_client *c, const char *set_id, int *whole) {
-  char *text = NULL, *path = NULL;
+static int set_origin(weightd_client *c, const char *set_id, char **path, cJSON **spec) {
+  char *text = NULL;
+  *path = NULL;
+  *spec = NULL;
   int rc = weightd_request(c, "{\"op\":\"status\"}", &text, NULL, NULL);
   if (rc != 0) {
     ctl_fail(c, rc, "status");
     weightd_free(text);
-    return NULL;
+    return CTL_EXIT_FAIL;
   }
   cJSON *r = cJSON_Parse(text);
   weightd_free(text);
@@ -40,14 +45,18 @@ static char *set_checkpoint(weightd_client *c, const char *set_id, int *whole) {
   cJSON_ArrayForEach(x, cJSON_GetObjectItemCaseSensitive(r, "sets")) {
     if (strcmp(ctl_str(x, "set"), set_id) != 0) continue;
     const cJSON *plan = cJSON_GetObjectItemCaseSensitive(x, "plan");
-    const char *preset = ctl_str(plan, "preset");
-    *whole = plan == NULL || strcmp(preset, "whole") == 0;
-    path = strdup(ctl_str(x, "path"));
+    *spec = cJSON_IsObject(plan) ? cJSON_Duplicate(plan, 1) : NULL;
+    *path = strdup(ctl_str(x, "path"));
     break;
   }
-  if (path == NULL) ctl_errorf("verify: the daemon's status does not list set %s", set_id);
   cJSON_Delete(r);
-  return path;
+  if (*path == NULL) {
+    ctl_errorf("verify: the daemon's status does not list set %s", set_id);
+    cJSON_Delete(*spec);
+    *spec = NULL;
+    return CTL_EXIT_FAIL;
+  }
+  return 0;
 }
 
 static void print_attached(const weightd_set *s, int verified, const struct ctl_verify_result *vr) {
@@ -78,8 +87,9 @@ static void print_attached(const weightd_set *s, int verified, const struct ctl_
          cuda ? "CUDA device" : "host", weightd_set_base(s), weightd_set_device(s));
   if (verified) {
     ctl_human_bytes(vr->bytes, b, sizeof b);
-    printf("verified %zu tensors, %" PRIu64 " bytes (%s): identical to the checkpoint's files\n", vr->tensors,
-           vr->bytes, b);
+    printf("verified %zu tensors, %" PRIu64 " bytes (%s): identical to its plan gathered from the checkpoint's "
+           "files\n",
+           vr->tensors, vr->bytes, b);
   }
 }
 
@@ -96,7 +106,11 @@ static void hold(const weightd_set *s, const sigset_t *sigs) {
 int cmd_attach(int argc, char **argv) {
   const char *target = NULL, *device = NULL;
   int verify = 0, holding = 0;
+  struct ctl_plan_args pa = {.cmd = "attach"};
   for (int i = 1; i < argc; i++) {
+    int taken = ctl_plan_arg(&pa, argc, argv, &i);
+    if (taken < 0) return CTL_EXIT_USAGE;
+    if (taken) continue;
     if (strcmp(argv[i], "--json") == 0) ctl_opts.json = 1;
     else if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) device = argv[++i];
     else if (strcmp(argv[i], "--verify") == 0) verify = 1;
@@ -106,10 +120,17 @@ int cmd_attach(int argc, char **argv) {
   }
   if (target == NULL) return ctl_usage("attach");
   int by_path = looks_like_path(target);
-  if (device != NULL && !by_path) {
-    ctl_errorf("attach: --device goes with a checkpoint PATH; '%s' is taken as a set id", target);
+  cJSON *spec = NULL;
+  int prc = ctl_plan_spec(&pa, 0, &spec);
+  if (prc != 0) return prc;
+  if (!by_path && (device != NULL || spec != NULL)) {
+    ctl_errorf("attach: --device and plan flags go with a checkpoint PATH; '%s' is taken as a set id", target);
+    cJSON_Delete(spec);
     return CTL_EXIT_USAGE;
   }
+  char *plan_json = spec != NULL ? cJSON_PrintUnformatted(spec) : NULL;
+  cJSON_Delete(spec);
+  spec = NULL;
   /* Signals that end --hold wait for sigwait, from before the lease exists. */
   sigset_t sigs, old;
   sigemptyset(&sigs);
@@ -125,7 +146,8 @@ int cmd_attach(int argc, char **argv) {
     goto done;
   }
   if (by_path) {
-    struct weightd_load_options o = {.struct_size = sizeof o, .device = device, .progress = ctl_progress};
+    struct weightd_load_options o = {
+        .struct_size = sizeof o, .device = device, .plan_json = plan_json, .progress = ctl_progress};
     rc = weightd_attach_path(c, target, &o, &s);
     ctl_progress_done();
   } else {
@@ -137,9 +159,10 @@ int cmd_attach(int argc, char **argv) {
   }
   struct ctl_verify_result vr = {0};
   if (verify) {
-    int whole = 1;
-    char *path = by_path ? strdup(target) : set_checkpoint(c, target, &whole);
-    if (path == NULL || ctl_verify_set(s, path, whole, &vr) != 0) exit_code = CTL_EXIT_FAIL;
+    char *path = NULL;
+    if (set_origin(c, weightd_set_id(s), &path, &spec) != 0 ||
+        ctl_verify_set(s, by_path ? target : path, spec, &vr) != 0)
+      exit_code = CTL_EXIT_FAIL;
     free(path);
   }
   if (exit_code == CTL_EXIT_OK) {
@@ -150,6 +173,8 @@ int cmd_attach(int argc, char **argv) {
   if (rc != 0 && exit_code == CTL_EXIT_OK) exit_code = ctl_fail(c, rc, "release");
 done:
   weightd_close(c);
+  cJSON_Delete(spec);
+  free(plan_json);
   if (holding) sigprocmask(SIG_SETMASK, &old, NULL);
   return exit_code;
 }

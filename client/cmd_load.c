@@ -1,4 +1,4 @@
-/* cmd_load.c - `weightctl load PATH [--device D] [--plan FILE]`: load a checkpoint onto a device. */
+/* cmd_load.c - `weightctl load PATH [--device D] [plan flags]`: load one rank's plan onto a device. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
@@ -6,17 +6,21 @@
 #include "ctl.h"
 
 int cmd_load(int argc, char **argv) {
-  const char *path = NULL, *device = NULL, *plan_file = NULL;
+  const char *path = NULL, *device = NULL;
+  struct ctl_plan_args pa = {.cmd = "load"};
   for (int i = 1; i < argc; i++) {
+    int taken = ctl_plan_arg(&pa, argc, argv, &i);
+    if (taken < 0) return CTL_EXIT_USAGE;
+    if (taken) continue;
     if (strcmp(argv[i], "--json") == 0) ctl_opts.json = 1;
     else if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) device = argv[++i];
-    else if (strcmp(argv[i], "--plan") == 0 && i + 1 < argc) plan_file = argv[++i];
     else if (argv[i][0] != '-' && path == NULL) path = argv[i];
     else return ctl_usage("load");
   }
   if (path == NULL) return ctl_usage("load");
   cJSON *plan = NULL;
-  if (plan_file != NULL && (plan = ctl_plan_read(plan_file)) == NULL) return CTL_EXIT_FAIL;
+  int prc = ctl_plan_spec(&pa, 0, &plan);
+  if (prc != 0) return prc;
 
   weightd_client *c;
   if (ctl_connect(&c) != 0) {

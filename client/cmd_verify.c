@@ -1,18 +1,19 @@
 /*
- * cmd_verify.c - `attach --verify`: every byte of an attached set against
- * the checkpoint's files, read with pread in large chunks (host slabs are
- * compared in place, CUDA slabs copied to the host chunk by chunk).
+ * cmd_verify.c - `attach --verify`: an attached set against the plan it was
+ * loaded with, rebuilt here from the checkpoint's files: the same outputs,
+ * and every byte equal to what plan_gather makes from read-only mappings of
+ * the shards (host slabs are compared in place, CUDA slabs copied to the
+ * host chunk by chunk). The whole plan is every tensor as its file holds it.
  */
-#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "checkpoint.h"
 #include "ctl.h"
 #include "cuda_import.h"
+#include "plan.h"
 
 #define CHUNK (16u << 20)
 
@@ -25,28 +26,25 @@ static size_t first_diff(const unsigned char *a, const unsigned char *b, size_t 
 
 struct verify_ctx {
   const weightd_set *set;
-  unsigned char *file_buf, *dev_buf; /* dev_buf: CUDA slabs only */
+  const struct ctl_local *local;
+  unsigned char *want, *dev_buf; /* dev_buf: CUDA slabs only */
   struct cuimp_device dev;
   int have_dev;
 };
 
-/* Compares one tensor's bytes; 0, or CTL_EXIT_FAIL after printing why. */
-static int verify_tensor(struct verify_ctx *v, const weightd_tensor *t, const struct ckpt *ck,
-                         const struct ckpt_ref *ref) {
-  const struct ckpt_shard *sh = &ck->shards[ref->shard];
-  uint64_t file_off = sh->hdr->data_start + ref->t->begin;
+/* Where an output's bytes come from, for a mismatch message: its first source tensor's shard. */
+static const char *output_source(const struct ctl_local *l, const struct plan_output *o) {
+  for (size_t k = 0; k < o->npieces; k++)
+    if (o->pieces[k].src != NULL) return l->ck->shards[o->pieces[k].src->shard].rel;
+  return "zeros";
+}
+
+/* Compares one tensor's bytes with its output gathered here; 0, or CTL_EXIT_FAIL after printing why. */
+static int verify_bytes(struct verify_ctx *v, const weightd_tensor *t, const struct plan_output *o) {
   int cuda = weightd_set_memory_kind(v->set) == WEIGHTD_MEMORY_CUDA;
   for (uint64_t done = 0; done < t->nbytes;) {
     size_t n = t->nbytes - done < CHUNK ? (size_t)(t->nbytes - done) : CHUNK;
-    for (size_t got = 0; got < n;) {
-      ssize_t r = pread(sh->fd, v->file_buf + got, n - got, (off_t)(file_off + done + got));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) {
-        ctl_errorf("verify: %s: read failed: %s", sh->path, r < 0 ? strerror(errno) : "file is shorter");
-        return CTL_EXIT_FAIL;
-      }
-      got += (size_t)r;
-    }
+    plan_gather(v->local->plan, v->local->data, o->offset + done, o->offset + done + n, v->want);
     const unsigned char *mem;
     if (cuda) {
       struct wd_error err;
@@ -59,11 +57,11 @@ static int verify_tensor(struct verify_ctx *v, const weightd_tensor *t, const st
     } else {
       mem = (const unsigned char *)t->data + done;
     }
-    if (memcmp(mem, v->file_buf, n) != 0) {
-      size_t at = first_diff(mem, v->file_buf, n);
+    if (memcmp(mem, v->want, n) != 0) {
+      size_t at = first_diff(mem, v->want, n);
       ctl_errorf("verify: tensor '%s' differs from %s at byte %" PRIu64 " of the tensor: 0x%02x in the set, "
-                 "0x%02x in the file",
-                 t->name, sh->rel, done + at, mem[at], v->file_buf[at]);
+                 "0x%02x expected",
+                 t->name, output_source(v->local, o), done + at, mem[at], v->want[at]);
       return CTL_EXIT_FAIL;
     }
     done += n;
@@ -71,38 +69,54 @@ static int verify_tensor(struct verify_ctx *v, const weightd_tensor *t, const st
   return 0;
 }
 
-/* Checks a tensor's description (dtype, shape, size) against the file's. */
-static int verify_header(const weightd_tensor *t, const struct ckpt_ref *ref) {
-  const struct st_tensor *f = ref->t;
-  if (strcmp(t->dtype, dtype_name(f->dtype)) != 0) {
-    ctl_errorf("verify: tensor '%s' is %s in the set but %s in the file", t->name, t->dtype, dtype_name(f->dtype));
+/* Checks a tensor's description (dtype, shape, size) against the plan's output. */
+static int verify_header(const weightd_tensor *t, const struct plan_output *o) {
+  if (strcmp(t->dtype, dtype_name(o->dtype)) != 0) {
+    ctl_errorf("verify: tensor '%s' is %s in the set but %s in the plan", t->name, t->dtype, dtype_name(o->dtype));
     return CTL_EXIT_FAIL;
   }
-  int same = (unsigned)t->ndim == f->ndim;
-  for (unsigned d = 0; same && d < f->ndim; d++) same = (uint64_t)t->shape[d] == f->shape[d];
-  if (!same || t->nbytes != f->end - f->begin) {
+  int same = (unsigned)t->ndim == o->ndim;
+  for (unsigned d = 0; same && d < o->ndim; d++) same = (uint64_t)t->shape[d] == o->shape[d];
+  if (!same || t->nbytes != o->nbytes) {
     char fs[128];
-    st_shape_format(f->shape, f->ndim, fs, sizeof fs);
+    st_shape_format(o->shape, o->ndim, fs, sizeof fs);
     ctl_errorf("verify: tensor '%s' has another shape or size in the set (%d dims, %" PRIu64
-               " bytes) than in the file (%s, %" PRIu64 " bytes)",
-               t->name, t->ndim, t->nbytes, fs, f->end - f->begin);
+               " bytes) than in the plan (%s, %" PRIu64 " bytes)",
+               t->name, t->ndim, t->nbytes, fs, o->nbytes);
     return CTL_EXIT_FAIL;
   }
   return 0;
 }
 
-int ctl_verify_set(const weightd_set *s, const char *ckpt_path, int whole, struct ctl_verify_result *res) {
+static int cmp_output_name(const void *a, const void *b) {
+  return strcmp((*(const struct plan_output *const *)a)->name, (*(const struct plan_output *const *)b)->name);
+}
+
+/* The output called name in by_name (sorted), or NULL. */
+static const struct plan_output *output_find(const struct plan_output *const *by_name, size_t n, const char *name) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) {
+    size_t m = lo + (hi - lo) / 2;
+    int c = strcmp(by_name[m]->name, name);
+    if (c == 0) return by_name[m];
+    if (c < 0) lo = m + 1;
+    else hi = m;
+  }
+  return NULL;
+}
+
+int ctl_verify_set(const weightd_set *s, const char *ckpt_path, const cJSON *spec, struct ctl_verify_result *res) {
   memset(res, 0, sizeof *res);
-  struct ckpt *ck = NULL;
+  struct ctl_local local;
+  if (ctl_local_open(ckpt_path, spec, 1, "verify", &local) != 0) return CTL_EXIT_FAIL;
+  const struct plan *p = local.plan;
+  struct verify_ctx v = {.set = s, .local = &local};
+  const struct plan_output **by_name = NULL;
+  int rc = CTL_EXIT_FAIL;
   struct wd_error err;
   err_clear(&err);
-  if (ckpt_open(ckpt_path, NULL, &ck, &err) != 0) {
-    ctl_errorf("verify: %s (%s)", err.msg, weightd_err_name(err.code));
-    return CTL_EXIT_FAIL;
-  }
-  struct verify_ctx v = {.set = s};
-  int rc = CTL_EXIT_FAIL;
-  v.file_buf = malloc(CHUNK);
+  v.want = malloc(CHUNK);
+  by_name = malloc((p->noutputs ? p->noutputs : 1) * sizeof *by_name);
   if (weightd_set_memory_kind(s) == WEIGHTD_MEMORY_CUDA) {
     v.dev_buf = malloc(CHUNK);
     if (cuimp_device_find(weightd_set_device(s), &v.dev, &err) != 0) {
@@ -111,38 +125,41 @@ int ctl_verify_set(const weightd_set *s, const char *ckpt_path, int whole, struc
     }
     v.have_dev = 1;
   }
-  if (v.file_buf == NULL || (v.dev_buf == NULL && v.have_dev)) {
+  if (v.want == NULL || by_name == NULL || (v.dev_buf == NULL && v.have_dev)) {
     ctl_errorf("verify: out of memory");
     goto done;
   }
+  for (size_t i = 0; i < p->noutputs; i++) by_name[i] = &p->outputs[i];
+  qsort(by_name, p->noutputs, sizeof *by_name, cmp_output_name);
+  ctl_sigbus_guard("verify", NULL);
   size_t n = weightd_set_tensor_count(s);
   for (size_t i = 0; i < n; i++) {
     weightd_tensor t;
     weightd_set_tensor(s, i, &t);
-    const struct ckpt_ref *ref = ckpt_tensor_find(ck, t.name);
-    if (ref == NULL) {
-      ctl_errorf("verify: tensor '%s' of set %s is not in %s", t.name, weightd_set_id(s), ckpt_path);
+    const struct plan_output *o = output_find(by_name, p->noutputs, t.name);
+    if (o == NULL) {
+      ctl_errorf("verify: tensor '%s' of set %s is not an output of plan %s for %s", t.name, weightd_set_id(s),
+                 p->key, ckpt_path);
       goto done;
     }
-    if (verify_header(&t, ref) != 0 || verify_tensor(&v, &t, ck, ref) != 0) goto done;
+    if (verify_header(&t, o) != 0 || verify_bytes(&v, &t, o) != 0) goto done;
     res->tensors++;
     res->bytes += t.nbytes;
   }
-  if (whole) {
-    for (size_t i = 0; i < ck->ntensors; i++) {
-      weightd_tensor t;
-      if (weightd_set_find(s, ck->by_name[i].t->name, &t) != 0) {
-        ctl_errorf("verify: tensor '%s' of the checkpoint is missing from set %s", ck->by_name[i].t->name,
-                   weightd_set_id(s));
-        goto done;
-      }
+  for (size_t i = 0; i < p->noutputs; i++) {
+    weightd_tensor t;
+    if (weightd_set_find(s, p->outputs[i].name, &t) != 0) {
+      ctl_errorf("verify: output '%s' of plan %s is missing from set %s", p->outputs[i].name, p->key,
+                 weightd_set_id(s));
+      goto done;
     }
   }
   rc = 0;
 done:
   if (v.have_dev) cuimp_device_put(&v.dev);
-  free(v.file_buf);
+  free(by_name);
+  free(v.want);
   free(v.dev_buf);
-  ckpt_free(ck);
+  ctl_local_close(&local);
   return rc;
 }

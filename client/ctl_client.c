@@ -1,5 +1,4 @@
 /* ctl_client.c - what weightctl's daemon commands share: connecting, requests, output. */
-#include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
@@ -8,7 +7,6 @@
 #include <unistd.h>
 
 #include "ctl.h"
-#include "pathutil.h"
 
 int ctl_connect(weightd_client **out) {
   weightd_client *c = NULL;
@@ -107,7 +105,7 @@ void ctl_print_checkpoint(const char *verb, const cJSON *ck) {
          total, resident, cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(ck, "pinned")) ? ", pinned" : "");
 }
 
-/* ---- progress and plans ---------------------------------------------------------- */
+/* ---- progress ------------------------------------------------------------------------ */
 
 static int bar_shown;
 
@@ -133,22 +131,4 @@ void ctl_progress_done(void) {
   fprintf(stderr, "\r%*s\r", 80, "");
   fflush(stderr);
   bar_shown = 0;
-}
-
-cJSON *ctl_plan_read(const char *file) {
-  char *text = NULL;
-  size_t len = 0;
-  int rc = path_read_file(file, 1 << 20, &text, &len);
-  if (rc != 0) {
-    ctl_errorf("%s: %s", file, strerror(-rc));
-    return NULL;
-  }
-  cJSON *plan = cJSON_ParseWithLength(text, len);
-  free(text);
-  if (!cJSON_IsObject(plan)) {
-    ctl_errorf("%s: a plan is one JSON object, e.g. {\"preset\": \"whole\"}", file);
-    cJSON_Delete(plan);
-    return NULL;
-  }
-  return plan;
 }

@@ -199,7 +199,7 @@ def tiny(model_root):
 class Daemon:
     """One weightd process on a private socket."""
 
-    def __init__(self, workdir, model_root, settings=None, roots=None, log_level="info", public=False):
+    def __init__(self, workdir, model_root, settings=None, roots=None, log_level=None, public=False):
         self.dir = tempfile.mkdtemp(prefix="d-", dir=workdir)
         self.socket = os.path.join(self.dir, "weightd.sock")
         if len(self.socket) > 100 or public:  # sun_path holds 108 bytes
@@ -211,7 +211,7 @@ class Daemon:
         self.model_root = model_root
         self.settings = dict(settings or {})
         self.roots = roots if roots is not None else [model_root]
-        self.log_level = log_level
+        self.log_level = log_level or os.environ.get("WD_DAEMON_LOG_LEVEL", "info")
         self.proc = None
         self.exit_code = None
         self.stopped = False
@@ -303,6 +303,18 @@ class Daemon:
             except OSError:
                 pass
         return out
+
+    def quiet_fd_count(self):
+        """The daemon's descriptors with exactly one client connected (a fresh one).
+
+        Connections that other clients closed may still be open on the daemon's
+        side for a moment; this waits until they are gone, so two calls compare
+        like with like.
+        """
+        with self.connect() as c:
+            wdclient.wait_until(lambda: c.status()["daemon"]["connections"] == 1, timeout=10 * SLOW,
+                                what="other connections to close")
+            return self.fd_count()
 
     def rss_kib(self):
         with open(f"/proc/{self.pid}/status") as f:

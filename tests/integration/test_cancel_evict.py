@@ -160,3 +160,32 @@ def test_budget_evicts_least_recently_used(start_daemon, tiny):
         c.call("load", path=tiny["b"])
         assert paths_of(c) == ["tiny_b", "tiny_c"]
         assert c.status()["devices"][0]["used"] == 2 * size
+
+
+def test_request_joining_a_canceled_load_is_not_canceled(start_daemon, ckpt_sharded):
+    """A cancel stops a load only for the requests that asked; one that joins the
+    same set right after (here an attach by set id, in the same write as the
+    cancel) must still get the set (docs/protocol.md, cancel: "The load itself
+    stops only if no other request is waiting for the same set")."""
+    d = start_daemon({"fill_threads": 1})
+    ckpt = Checkpoint(ckpt_sharded)
+    with d.connect() as c:
+        c.start("load", id="L", path=ckpt_sharded, device=0)
+        first, _ = c.recv()
+        assert first.get("event") == "progress"
+        (s,) = c.status()["sets"]
+        assert s["state"] == "loading"
+        c.send_raw(frame({"op": "cancel", "id": "C", "target": "L"}) +
+                   frame({"op": "attach", "id": "A", "set": s["set"]}))
+        rc, _ = c.wait("C")
+        assert rc.get("canceled") is True, rc
+        rl, _ = c.wait("L")
+        assert rl["error"]["code"] == "CANCELED", rl
+        ra, fds = c.wait("A")
+        try:
+            assert ra.get("ok") is True, f"attach that joined after the cancel got {ra}"
+            verify_attached(ra, fds[0], ckpt, names=SAMPLE)
+        finally:
+            for fd in fds:
+                os.close(fd)
+    ckpt.close()

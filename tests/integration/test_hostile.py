@@ -190,6 +190,22 @@ def test_malformed_request(daemon_ok, body, code, rid):
     c.close()
 
 
+IDS = [9007199254740991, -9007199254740991, 0, 12345678901234, "a\"b\\c\u00e9\U0001F600\n\t", "", "x" * 128,
+       "\u2028"]
+
+
+def test_ids_echoed_exactly(daemon_ok):
+    """Every reply echoes its request's id unchanged, on success and on error."""
+    c = daemon_ok.connect()
+    for rid in IDS:
+        for req in ({"op": "status", "id": rid}, {"op": "evict", "id": rid, "set": "nope"},
+                    {"op": "frobnicate", "id": rid}):
+            c.send(req)
+            m = c.recv_msg()
+            assert m.get("id") == rid and type(m["id"]) is type(rid), (req, m)
+    c.close()
+
+
 def wrong_fields(tiny):
     p = tiny["a"]
     return [
@@ -259,15 +275,15 @@ ABSURD_DEVICES = [
 ]
 
 
-@pytest.mark.parametrize("op", ["load", "attach", "evict"])
-def test_absurd_device(daemon_ok, tiny, op):
+def test_absurd_device(daemon_ok, tiny):
     c = daemon_ok.connect()
     failures = []
-    for device, codes in ABSURD_DEVICES:
-        fields = {"device": device} if op == "evict" else {"path": tiny["a"], "device": device}
-        code = c.error(op, **fields)
-        if code not in codes:
-            failures.append(f"{op} device={str(device)[:30]!r}: {code}, want one of {sorted(codes)}")
+    for op in ("load", "attach", "evict"):
+        for device, codes in ABSURD_DEVICES:
+            fields = {"device": device} if op == "evict" else {"path": tiny["a"], "device": device}
+            code = c.error(op, **fields)
+            if code not in codes:
+                failures.append(f"{op} device={str(device)[:30]!r}: {code}, want one of {sorted(codes)}")
     assert c.status()["sets"] == []
     c.close()
     assert not failures, "\n".join(failures)
@@ -356,9 +372,10 @@ def pipe_was_dropped(w):
 
 @pytest.mark.parametrize("where", ["hello", "after_hello", "mid_frame", "many"])
 def test_descriptors_refused_and_closed(daemon_ok, where):
-    base = daemon_ok.fd_count()
+    base = daemon_ok.quiet_fd_count()
     c = daemon_ok.connect(hello=where != "hello")
     r, w = os.pipe()
+    pipe_ino = os.fstat(r).st_ino
     extra = []
     try:
         if where == "hello":
@@ -381,7 +398,8 @@ def test_descriptors_refused_and_closed(daemon_ok, where):
         got = c.expect_closed(5 * SLOW)
         assert len(got) == 1 and got[0]["error"]["code"] == "PROTOCOL", got
         wait_until(lambda: pipe_was_dropped(w), timeout=5, what="the daemon to close the descriptor it was sent")
-        wait_until(lambda: daemon_ok.fd_count() == base, timeout=5, what="the daemon's descriptors back to the start")
+        assert f"pipe:[{pipe_ino}]" not in daemon_ok.fd_targets().values()
+        assert daemon_ok.quiet_fd_count() == base
     finally:
         for fd in [w] + ([r] if r is not None else []) + extra:
             os.close(fd)
@@ -392,7 +410,7 @@ def test_descriptors_refused_and_closed(daemon_ok, where):
 
 
 def test_2000_connect_close_cycles(daemon_ok):
-    base = daemon_ok.fd_count()
+    base = daemon_ok.quiet_fd_count()
     for i in range(2000):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(daemon_ok.socket)  # blocking: waits while the listen backlog is full
@@ -404,7 +422,7 @@ def test_2000_connect_close_cycles(daemon_ok):
         s.close()
     wait_until(lambda: daemon_ok.status()["daemon"]["connections"] == 1, timeout=20 * SLOW,
                what="connections back to 1")
-    wait_until(lambda: daemon_ok.fd_count() == base, timeout=10, what="the daemon's descriptors back to the start")
+    assert daemon_ok.quiet_fd_count() == base
 
 
 # ---- slow and greedy clients ---------------------------------------------------------
@@ -427,6 +445,35 @@ def test_half_frame_then_silence(daemon_ok):
     assert len(got) <= 1
     for m in got:
         assert m["error"]["code"] == "PROTOCOL", m
+
+
+def test_busy_stream_of_prompt_frames_is_not_timed_out(daemon_ok):
+    """The frame timeout runs from a frame's first byte (docs/protocol.md, Frames).
+
+    This client keeps a frame in flight at every moment, but finishes each one
+    within 50 ms: the second half of a frame goes out with the first half of the
+    next. It must be served for as long as it keeps this up (here 3x the
+    timeout), not cut off when the daemon has seen partial frames for
+    frame_timeout_ms in a row.
+    """
+    c = daemon_ok.connect()
+    frames = [frame({"op": "status", "id": i}) for i in range(1, 200)]
+    half = len(frames[0]) // 2
+    c.send_raw(frames[0][:half])
+    t0 = time.monotonic()
+    sent = 0
+    try:
+        while time.monotonic() - t0 < 3 * FRAME_TIMEOUT_MS / 1000:
+            time.sleep(0.05)
+            c.send_raw(frames[sent][half:] + frames[sent + 1][:half])
+            sent += 1
+            m = c.recv_msg()
+            assert m.get("id") == sent and m.get("ok") is True, m
+    except (Closed, BrokenPipeError, ConnectionResetError, AssertionError) as e:
+        raise AssertionError(f"cut off after {time.monotonic() - t0:.2f} s and {sent} prompt frames: {e}") from e
+    c.send_raw(frames[sent][half:])
+    assert c.recv_msg().get("id") == sent + 1
+    c.close()
 
 
 def test_pipelining_client_that_never_reads(daemon_ok, tiny):

@@ -36,30 +36,47 @@ def test_two_clients_share_one_set(daemon, tiny):
 
 
 def test_concurrent_identical_loads_load_once(start_daemon, ckpt_small):
-    """Two loads sent at once (one still loading when the other arrives) make one set."""
+    """Two loads sent at once (one still opening or loading when the other arrives) make one set."""
     d = start_daemon({"fill_threads": 1})
     ckpt = Checkpoint(ckpt_small)
-    with d.connect() as a, d.connect() as b, d.connect() as c:
+    with d.connect() as a, d.connect() as b:
         ia = a.start("load", path=ckpt_small, device=0)
         ib = b.start("load", path=ckpt_small, device="0")
-        # A third joins by attaching while it is (probably) still loading.
-        ic = c.start("attach", path=ckpt_small, device=0)
         ra, _ = a.wait(ia)
         rb, _ = b.wait(ib)
-        rc, fds = c.wait(ic)
-        assert ra.get("ok") and rb.get("ok") and rc.get("ok"), (ra, rb, rc)
-        assert ra["set"] == rb["set"] == rc["set"]
+        assert ra.get("ok") and rb.get("ok"), (ra, rb)
+        assert ra["set"] == rb["set"]
         assert sorted([ra["shared"], rb["shared"]]) == [False, True], (ra, rb)
-        assert len(fds) == 1
+        att, fd = a.attach(set=ra["set"])
         try:
-            verify_attached(rc, fds[0], ckpt, names=["model.norm.weight", "lm_head.weight"])
+            verify_attached(att, fd, ckpt, names=["model.norm.weight", "lm_head.weight"])
         finally:
-            os.close(fds[0])
+            os.close(fd)
         st = a.status()
         assert len(st["sets"]) == 1, st["sets"]
         assert st["sets"][0]["leases"] == 1
         assert st["devices"][0]["used"] == ra["bytes"]
     assert d.log_text().count("loaded set ") == 1, d.log_tail()
+    ckpt.close()
+
+
+def test_shared_flag_goes_to_the_joiner(start_daemon, ckpt_sharded):
+    """The request that started a load gets shared: false; one that joined it while
+    it was loading gets shared: true (docs/protocol.md, load)."""
+    d = start_daemon({"fill_threads": 1})
+    with d.connect() as a, d.connect() as b:
+        a.start("load", id="first", path=ckpt_sharded, device=0)
+        ev, _ = a.recv()
+        assert ev.get("event") == "progress"
+        assert [s["state"] for s in b.status()["sets"]] == ["loading"]
+        b.start("load", id="second", path=ckpt_sharded, device=0)
+        ev, _ = b.recv()
+        assert ev.get("event") == "progress"  # b waits for the same set
+        ra, _ = a.wait("first")
+        rb, _ = b.wait("second")
+        assert ra["set"] == rb["set"]
+        assert (ra["shared"], rb["shared"]) == (False, True), (ra, rb)
+    assert d.log_text().count("loaded set ") == 1
 
 
 def test_64_concurrent_attachers(daemon, tiny):

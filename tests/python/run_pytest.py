@@ -2,7 +2,7 @@
 """Runs the reference cross-checks under pytest, for ctest.
 
 Exit codes: pytest's own (0 when every test passed), 77 (ctest's skip code)
-when pytest or the pinned safetensors package is missing, 1 in that case too
+when pytest, numpy or the pinned safetensors package is missing, 1 in that case too
 when WD_REQUIRE_REFERENCE=1 (CI sets it, so a missing reference fails there).
 pytest's 5 ("no tests collected") is turned into 1: a run that checks
 nothing must not pass.
@@ -35,6 +35,10 @@ def main(argv):
         import safetensors
     except ImportError as e:
         return unavailable(f"cannot import safetensors: {e}")
+    try:
+        import numpy  # noqa: F401 - the plan reference's byte views
+    except ImportError as e:
+        return unavailable(f"cannot import numpy: {e}")
     version = getattr(safetensors, "__version__", None)
     if version != REFERENCE_VERSION:
         return unavailable(f"safetensors {version} is installed, the reference is {REFERENCE_VERSION}")
