@@ -111,6 +111,11 @@ static int piece_slice(struct pb *b, const struct ckpt_ref *r, unsigned dim, uin
   if (row_bits % 8 || off_bits % 8 || pitch_bits % 8)
     return fail(b, "tensor '%s' (%s): slice [%" PRIu64 ", %" PRIu64 ") of dimension %u does not cover whole bytes",
                 t->name, dtype_name(t->dtype), start, end, dim);
+  if (start == 0 && end == t->shape[dim]) { /* the whole tensor, whatever the dimension: one row */
+    uint64_t all = t->end - t->begin;
+    *out = (struct plan_piece){r, 0, all, all, all ? 1 : 0, 0, 0, t->shape[0]};
+    return 0;
+  }
   *out = (struct plan_piece){r, off_bits / 8, row_bits / 8, pitch_bits / 8, outer, dim, start, end};
   if (out->width == 0 || outer == 0) out->height = 0;
   if (out->height == 1) out->src_pitch = out->width;
@@ -286,6 +291,11 @@ static int emit_parts(struct pb *b, const char *name, const struct part *parts, 
     }
     sp[i] = (struct part){s, parts[i].dim, 0, 0};
     rc = block_range(b, parts[i].t, parts[i].dim, parts[i].a, parts[i].b, &sp[i].a, &sp[i].b);
+    /* Concatenated parts keep their scale blocks apart only if all but a group's last fill whole blocks. */
+    if (rc == 0 && group > 1 && (i + 1) % group != 0 && (parts[i].b - parts[i].a) % b->block_n != 0)
+      rc = fail(b, "output '%s': '%s' contributes %" PRIu64 " rows, not a multiple of the %" PRIu64
+                   "-row FP8 block, so the blocks of what follows would straddle it",
+                name, parts[i].t->t->name, parts[i].b - parts[i].a, b->block_n);
   }
   if (rc == 0) {
     char sname[512];
@@ -476,8 +486,15 @@ static int rank_experts(struct pb *b, uint64_t n, uint64_t **out, size_t *count)
   return 0;
 }
 
-/* The routed experts of one MoE layer. */
+/* The routed experts of one MoE layer: this rank's, and no others. */
 static int layer_experts(struct pb *b, const char *pre, uint64_t n) {
+  static const char *const projs[] = {"gate_proj", "up_proj", "down_proj"};
+  for (uint64_t e = 0; e < n; e++) /* experts other ranks hold are not left over for replication */
+    for (int k = 0; k < 3; k++) {
+      const struct ckpt_ref *w = find(b, "%smlp.experts.%" PRIu64 ".%s.weight", pre, e, projs[k]);
+      mark_used(b, w);
+      mark_used(b, scale_of(b, w));
+    }
   uint64_t *ex = NULL;
   size_t cnt = 0;
   int rc = rank_experts(b, n, &ex, &cnt);
@@ -742,14 +759,16 @@ static int read_preset(struct pb *b, const cJSON *spec, const char *preset) {
   if (rc == 0) rc = get_u64(b, spec, "ep_size", 1, &b->ep, "plan");
   if (rc == 0) rc = get_u64(b, spec, "ep_rank", 0, &b->er, "plan");
   if (rc != 0) return rc;
-  if (b->tp == 0 || b->tr >= b->tp) return fail(b, "plan: tp_rank %" PRIu64 " must be below tp_size %" PRIu64, b->tr, b->tp);
-  if (b->ep == 0 || b->er >= b->ep) return fail(b, "plan: ep_rank %" PRIu64 " must be below ep_size %" PRIu64, b->er, b->ep);
+  if (b->tp == 0) return fail(b, "tp_size must be at least 1");
+  if (b->ep == 0) return fail(b, "ep_size must be at least 1");
+  if (b->tr >= b->tp) return fail(b, "tp_rank %" PRIu64 " must be below tp_size %" PRIu64, b->tr, b->tp);
+  if (b->er >= b->ep) return fail(b, "ep_rank %" PRIu64 " must be below ep_size %" PRIu64, b->er, b->ep);
   const cJSON *fuse = cJSON_GetObjectItemCaseSensitive(spec, "fuse");
-  if (fuse != NULL && !cJSON_IsBool(fuse)) return fail(b, "plan: 'fuse' must be true or false");
+  if (fuse != NULL && !cJSON_IsBool(fuse)) return fail(b, "'fuse' must be true or false");
   b->fuse = cJSON_IsTrue(fuse);
   const cJSON *ex = cJSON_GetObjectItemCaseSensitive(spec, "experts");
   if (ex != NULL) {
-    if (!cJSON_IsArray(ex) || b->ep == 1) return fail(b, "plan: 'experts' must be a list, with ep_size > 1");
+    if (!cJSON_IsArray(ex) || b->ep == 1) return fail(b, "'experts' must be a list, with ep_size > 1");
     b->nexperts = (size_t)cJSON_GetArraySize(ex);
     b->experts = calloc(b->nexperts ? b->nexperts : 1, sizeof *b->experts);
     if (b->experts == NULL) return nomem(b);
@@ -757,12 +776,12 @@ static int read_preset(struct pb *b, const cJSON *spec, const char *preset) {
     const cJSON *e;
     cJSON_ArrayForEach(e, ex) {
       if (!cJSON_IsNumber(e) || e->valuedouble < 0 || e->valuedouble != (double)(uint64_t)e->valuedouble)
-        return fail(b, "plan: 'experts' must list non-negative integers");
+        return fail(b, "'experts' must list non-negative integers");
       b->experts[i++] = (uint64_t)e->valuedouble;
     }
     qsort(b->experts, b->nexperts, sizeof *b->experts, cmp_u64);
     for (i = 0; i + 1 < b->nexperts; i++)
-      if (b->experts[i] == b->experts[i + 1]) return fail(b, "plan: expert %" PRIu64 " is listed twice", b->experts[i]);
+      if (b->experts[i] == b->experts[i + 1]) return fail(b, "expert %" PRIu64 " is listed twice", b->experts[i]);
   }
   if (b->c->config != NULL && b->c->config->weight_block_size[0] > 0) {
     b->block_n = (uint64_t)b->c->config->weight_block_size[0];
@@ -780,7 +799,7 @@ static int read_preset(struct pb *b, const cJSON *spec, const char *preset) {
       o += (size_t)snprintf(key + o, sizeof key - o, "%s%" PRIu64, i ? "," : "", b->experts[i]);
     if (o < sizeof key) o += (size_t)snprintf(key + o, sizeof key - o, "]");
   }
-  if (o + 2 >= sizeof key) return fail(b, "plan: the expert list is too long");
+  if (o + 2 >= sizeof key) return fail(b, "the expert list is too long");
   snprintf(key + o, sizeof key - o, "}");
   b->p->key = strdup(key);
   return b->p->key ? 0 : nomem(b);
