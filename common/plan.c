@@ -253,7 +253,7 @@ static int emit_parts(struct pb *b, const char *name, const struct part *parts, 
                       bool stacked) {
   const struct st_tensor *t0 = parts[0].t->t;
   unsigned ndim = t0->ndim ? t0->ndim : 1;
-  uint64_t shape[8];
+  uint64_t shape[8] = {0};
   if (ndim + 1 > 8) return fail(b, "tensor '%s' has too many dimensions for a plan", t0->name);
   /* The first dimension adds up over one group; the others are the parts' own (after slicing). */
   uint64_t rows = 0;
@@ -339,7 +339,7 @@ static int split_range(struct pb *b, const struct ckpt_ref *t, unsigned dim, uin
 /* Column- (dim 0) or row- (dim 1) parallel over tp ranks, in units of whole heads. */
 static int emit_split(struct pb *b, const struct ckpt_ref *t, unsigned dim, uint64_t unit) {
   if (t == NULL) return 0;
-  uint64_t a, e;
+  uint64_t a = 0, e = 0;
   int rc = split_range(b, t, dim, b->tp, b->tr, unit, &a, &e);
   return rc ? rc : emit_one(b, t->t->name, t, dim, a, e);
 }
@@ -378,7 +378,7 @@ static int layer_attention(struct pb *b, const char *pre) {
   const struct ckpt_ref *q = find(b, "%sself_attn.q_proj.weight", pre), *k = find(b, "%sself_attn.k_proj.weight", pre),
                         *v = find(b, "%sself_attn.v_proj.weight", pre), *o = find(b, "%sself_attn.o_proj.weight", pre);
   if (q == NULL || k == NULL || v == NULL) return fail(b, "%s: attention needs q_proj, k_proj and v_proj", pre);
-  uint64_t heads, kv;
+  uint64_t heads = 0, kv = 0;
   int rc = cfg(b, MCFG_NUM_ATTENTION_HEADS, "the tensor-parallel attention layout", &heads);
   if (rc == 0) rc = cfg(b, MCFG_NUM_KEY_VALUE_HEADS, "the tensor-parallel attention layout", &kv);
   if (rc != 0) return rc;
@@ -411,7 +411,7 @@ static int layer_attention(struct pb *b, const char *pre) {
 
 /* Multi-head latent attention (DeepSeek): a-projections replicated, b-projections by heads, o by heads. */
 static int layer_mla(struct pb *b, const char *pre) {
-  uint64_t heads, nope, rope, vdim;
+  uint64_t heads = 0, nope = 0, rope = 0, vdim = 0;
   int rc = cfg(b, MCFG_NUM_ATTENTION_HEADS, "the MLA layout", &heads);
   if (rc == 0) rc = cfg(b, MCFG_QK_NOPE_HEAD_DIM, "the MLA layout", &nope);
   if (rc == 0) rc = cfg(b, MCFG_QK_ROPE_HEAD_DIM, "the MLA layout", &rope);
@@ -590,7 +590,7 @@ static int preset_layers(struct pb *b) {
     if (rc == 0) rc = emit_whole(b, find(b, "%spost_attention_layernorm.weight", pre));
     uint64_t ne = count_experts(b, pre);
     if (rc == 0 && ne > 0) {
-      uint64_t cfg_e;
+      uint64_t cfg_e = 0;
       if (strcmp(b->family, "dense") == 0)
         rc = fail(b, "%s has experts: use the qwen3_moe or deepseek_v3 preset", pre);
       else if (cfg(b, MCFG_NUM_EXPERTS, "the expert-parallel layout", &cfg_e) == 0 && cfg_e != ne)
@@ -669,7 +669,7 @@ static int explicit_output(struct pb *b, const cJSON *jo, size_t index) {
     return fail(b, "%s: needs 'name', 'dtype', 'shape' and 'pieces'", where);
   enum wd_dtype t = dtype_from_name(dt->valuestring, strlen(dt->valuestring));
   if (t == WD_DTYPE_INVALID) return fail(b, "output '%s': unknown dtype '%s'", name->valuestring, dt->valuestring);
-  uint64_t sh[8];
+  uint64_t sh[8] = {0};
   int nd = cJSON_GetArraySize(shape);
   if (nd > 8) return fail(b, "output '%s': more than 8 dimensions", name->valuestring);
   for (int d = 0; d < nd; d++) {
@@ -685,7 +685,7 @@ static int explicit_output(struct pb *b, const cJSON *jo, size_t index) {
     const cJSON *tn = cJSON_GetObjectItemCaseSensitive(pj, "tensor");
     const cJSON *z = cJSON_GetObjectItemCaseSensitive(pj, "zeros");
     if (z != NULL) {
-      uint64_t rows;
+      uint64_t rows = 0;
       if ((rc = get_u64(b, pj, "zeros", 0, &rows, name->valuestring)) != 0) return rc;
       if ((rc = out_zeros(b, rows)) != 0) return rc;
       continue;
@@ -693,7 +693,7 @@ static int explicit_output(struct pb *b, const cJSON *jo, size_t index) {
     if (!cJSON_IsString(tn)) return fail(b, "output '%s': a piece needs 'tensor' or 'zeros'", name->valuestring);
     const struct ckpt_ref *r = ckpt_tensor_find(b->c, tn->valuestring);
     if (r == NULL) return fail(b, "output '%s': no tensor '%s' in the checkpoint", name->valuestring, tn->valuestring);
-    uint64_t dim, a, e;
+    uint64_t dim = 0, a = 0, e = 0;
     if ((rc = get_u64(b, pj, "dim", 0, &dim, name->valuestring)) != 0) return rc;
     uint64_t full = r->t->ndim == 0 ? 1 : dim < r->t->ndim ? r->t->shape[dim] : 0;
     if ((rc = get_u64(b, pj, "start", 0, &a, name->valuestring)) != 0) return rc;
