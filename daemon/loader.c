@@ -159,38 +159,139 @@ static int fill_memcpy(struct res_set *s, struct wd_error *err) {
 
 /* ---- staged: pinned slots and a stream per slot -------------------------------------- */
 
+/*
+ * The staged pipeline without a barrier per window: the slab is cut into
+ * windows of one slot each, and every window into fill tasks; the fill
+ * threads take tasks in order. A task of window w first waits until the slot
+ * it fills (w mod S) has finished the transfer of window w - S; the thread
+ * that finishes a window's last task starts that window's transfer on the
+ * slot's stream and records the slot's event. So threads that are done with
+ * one window go on filling the next while stragglers finish, and the only
+ * wait is for a slot's previous transfer.
+ */
+struct staged_run {
+  struct res_set *set;
+  struct staging *st;
+  const unsigned char **data; /* per shard: its data section in the mapping */
+  uint64_t total;             /* slab bytes */
+  size_t windows, per_window; /* tasks per window */
+  uint64_t task;              /* bytes per task */
+  atomic_size_t *left;        /* per window: tasks not finished */
+  size_t *issued;             /* per slot: windows whose transfer has started */
+  pthread_mutex_t lock;       /* guards issued, rc, err */
+  pthread_cond_t moved;       /* a transfer started, or the run failed */
+  int rc;
+  struct wd_error err;
+};
+
+static void staged_fail(struct staged_run *r, int rc, const struct wd_error *err) {
+  pthread_mutex_lock(&r->lock);
+  if (r->rc == 0) {
+    r->rc = rc;
+    r->err = *err;
+  }
+  pthread_cond_broadcast(&r->moved);
+  pthread_mutex_unlock(&r->lock);
+}
+
+static void staged_task(void *arg, size_t i) {
+  struct staged_run *r = arg;
+  struct staging *st = r->st;
+  const struct wd_backend_ops *ops = wd->backend.ops;
+  size_t w = i / r->per_window, k = w % st->nslots;
+  struct wd_error err = {0};
+  /* Wait for the slot: window w - S must have started its transfer, then finished it. */
+  pthread_mutex_lock(&r->lock);
+  while (r->rc == 0 && w >= st->nslots && r->issued[k] <= (w - st->nslots) / st->nslots)
+    pthread_cond_wait(&r->moved, &r->lock);
+  int failed = r->rc != 0;
+  pthread_mutex_unlock(&r->lock);
+  if (failed) return;
+  if (check_cancel(r->set, &err) != 0) {
+    staged_fail(r, err.code, &err);
+    return;
+  }
+  if (w >= st->nslots && ops->event_wait(wd->backend.ctx, st->events[k], &err) != 0) {
+    staged_fail(r, err.code, &err);
+    return;
+  }
+  uint64_t wlo = (uint64_t)w * st->slot_bytes;
+  uint64_t whi = wlo + st->slot_bytes < r->total ? wlo + st->slot_bytes : r->total;
+  uint64_t lo = wlo + (uint64_t)(i % r->per_window) * r->task;
+  uint64_t hi = lo + r->task < whi ? lo + r->task : whi;
+  if (lo < hi) {
+    struct gather_args g = {r->set, r->data, lo, hi, (unsigned char *)st->slots[k] + (lo - wlo)};
+    if (fault_call(gather_range, &g) != 0) {
+      fault_error(r->set, lo, &err);
+      staged_fail(r, err.code, &err);
+      return;
+    }
+  }
+  if (atomic_fetch_sub(&r->left[w], 1) != 1) return;
+  /* The window's last task: start its transfer. */
+  size_t n = (size_t)(whi - wlo);
+  int rc = ops->copy_h2d(wd->backend.ctx, r->set->slab, wlo, n, st->slots[k], n, n, 1, st->streams[k], &err);
+  if (rc == 0) rc = ops->event_record(wd->backend.ctx, st->events[k], st->streams[k], &err);
+  if (rc != 0) {
+    staged_fail(r, rc, &err);
+    return;
+  }
+  atomic_fetch_add(&r->set->bytes_done, n);
+  pthread_mutex_lock(&r->lock);
+  r->issued[k]++;
+  pthread_cond_broadcast(&r->moved);
+  pthread_mutex_unlock(&r->lock);
+}
+
 static int fill_staged(struct res_set *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = wd->backend.ops;
   struct staging *st = &stagings[s->device];
-  pthread_mutex_lock(&st->lock);
-  int rc = 0;
-  size_t w = 0;
-  uint64_t total = s->plan->slab_bytes;
-  for (uint64_t lo = 0; lo < total; lo += st->slot_bytes, w++) {
-    if ((rc = check_cancel(s, err)) != 0) break;
-    size_t k = w % st->nslots;
-    uint64_t hi = lo + st->slot_bytes < total ? lo + st->slot_bytes : total;
-    /* The slot's previous transfer must be done before it is refilled. */
-    if (w >= st->nslots && (rc = ops->event_wait(wd->backend.ctx, st->events[k], err)) != 0) break;
-    if (w >= st->nslots) atomic_fetch_add(&s->bytes_done, st->slot_bytes);
-    if ((rc = fill_window(s, lo, hi, st->slots[k], false, err)) != 0) break;
-    if ((rc = ops->copy_h2d(wd->backend.ctx, s->slab, lo, (size_t)(hi - lo), st->slots[k], (size_t)(hi - lo),
-                            (size_t)(hi - lo), 1, st->streams[k], err)) != 0)
-      break;
-    if ((rc = ops->event_record(wd->backend.ctx, st->events[k], st->streams[k], err)) != 0) break;
+  const struct ckpt *c = s->ck->ck;
+  struct staged_run r = {.set = s, .st = st, .total = s->plan->slab_bytes};
+  r.windows = (size_t)((r.total + st->slot_bytes - 1) / st->slot_bytes);
+  /* Two tasks per fill thread per window, 1 to 8 MiB each, in 64 KiB multiples. */
+  uint64_t task = st->slot_bytes / (2 * (uint64_t)fill_threads(wd->fill));
+  task = task < LD_TASK_MIN ? LD_TASK_MIN : task > LD_TASK_MAX ? LD_TASK_MAX : task;
+  r.task = (task + 65535) / 65536 * 65536;
+  r.per_window = (size_t)((st->slot_bytes + r.task - 1) / r.task);
+  r.data = malloc((c->nshards ? c->nshards : 1) * sizeof *r.data);
+  r.left = malloc((r.windows ? r.windows : 1) * sizeof *r.left);
+  r.issued = calloc(st->nslots, sizeof *r.issued);
+  if (r.data == NULL || r.left == NULL || r.issued == NULL) {
+    free(r.data);
+    free(r.left);
+    free(r.issued);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
+  for (size_t i = 0; i < c->nshards; i++)
+    r.data[i] = s->ck->maps[i] ? (const unsigned char *)s->ck->maps[i] + c->shards[i].hdr->data_start : NULL;
+  for (size_t w = 0; w < r.windows; w++) atomic_init(&r.left[w], r.per_window);
+  pthread_mutex_init(&r.lock, NULL);
+  pthread_cond_init(&r.moved, NULL);
+  pthread_mutex_lock(&st->lock);
+  fill_run(wd->fill, r.windows * r.per_window, staged_task, &r);
   /* Drain every slot, also after an error: the slots must be idle for the next load. */
-  for (size_t k = 0; k < st->nslots && k < w; k++) {
+  for (size_t k = 0; k < st->nslots; k++) {
+    if (r.issued[k] == 0) continue;
     struct wd_error e2 = {0};
     int r2 = ops->event_wait(wd->backend.ctx, st->events[k], &e2);
-    if (rc == 0 && r2 != 0) {
-      rc = r2;
-      *err = e2;
+    if (r.rc == 0 && r2 != 0) {
+      r.rc = r2;
+      r.err = e2;
     }
   }
   pthread_mutex_unlock(&st->lock);
-  if (rc == 0) atomic_store(&s->bytes_done, s->plan->payload_bytes);
-  return rc;
+  pthread_cond_destroy(&r.moved);
+  pthread_mutex_destroy(&r.lock);
+  free(r.data);
+  free(r.left);
+  free(r.issued);
+  if (r.rc != 0) {
+    *err = r.err;
+    return r.rc;
+  }
+  atomic_store(&s->bytes_done, s->plan->payload_bytes);
+  return 0;
 }
 
 /* ---- direct: the copy engines read the registered mappings ---------------------------- */
