@@ -115,6 +115,13 @@ static int pwrite_all(int fd, const void *buf, size_t len, uint64_t off) {
 
 /* ---- the output directory ------------------------------------------------------------ */
 
+/* Advances *p past a run of decimal digits; false when there is none. */
+static int skip_digits(const char **p) {
+  const char *start = *p;
+  while (**p >= '0' && **p <= '9') (*p)++;
+  return *p > start;
+}
+
 /* True for the names export writes: config.json, model.safetensors, the index, shards; and their .tmp. */
 static int own_file_name(const char *name) {
   char base[NAME_MAX + 1];
@@ -124,9 +131,13 @@ static int own_file_name(const char *name) {
   if (len > 4 && strcmp(base + len - 4, ".tmp") == 0) base[len - 4] = '\0';
   if (strcmp(base, "config.json") == 0 || strcmp(base, "model.safetensors") == 0 || strcmp(base, INDEX_NAME) == 0)
     return 1;
-  unsigned k, n;
-  int end = 0;
-  return sscanf(base, "model-%5u-of-%5u.safetensors%n", &k, &n, &end) == 2 && end > 0 && (size_t)end == strlen(base);
+  const char *p = base;
+  if (strncmp(p, "model-", 6) != 0) return 0;
+  p += 6;
+  if (!skip_digits(&p) || strncmp(p, "-of-", 4) != 0) return 0;
+  p += 4;
+  if (!skip_digits(&p)) return 0;
+  return strcmp(p, ".safetensors") == 0;
 }
 
 /*
@@ -182,35 +193,26 @@ static void remove_stale(const char *dir, const char *const *keep, size_t n) {
 
 /*
  * Assigns outputs to files by save_pretrained's rule: a new file starts when
- * the next output would push the open one past max; an output larger than
- * max gets a file of its own. Fills x->files, x->nfiles and x->data_off.
+ * the next output would push the open one past max (so an output larger
+ * than max gets a file of its own). Fills x->files, x->nfiles and
+ * x->data_off.
  */
 static int files_assign(struct exporter *x, uint64_t max) {
   const struct plan *p = x->local->plan;
-  size_t n = p->noutputs;
+  size_t n = p->noutputs, f = 0;
   x->data_off = calloc(n ? n : 1, sizeof *x->data_off);
   x->files = calloc(n ? n : 1, sizeof *x->files);
   if (x->data_off == NULL || x->files == NULL) return -1;
-  size_t f = 0;
-  x->files[0].fd = -1;
   for (size_t i = 0; i < n; i++) {
     uint64_t b = p->outputs[i].nbytes;
-    struct out_file *o = &x->files[f];
-    if (o->count > 0 && (o->data_bytes + b > max || b > max)) {
-      o = &x->files[++f];
-      o->fd = -1;
-      o->first = i;
-    }
-    x->data_off[i] = o->data_bytes;
-    o->data_bytes += b;
-    o->count++;
-    if (b > max && i + 1 < n) {
-      x->files[++f].fd = -1;
-      x->files[f].first = i + 1;
-    }
+    if (x->files[f].count > 0 && x->files[f].data_bytes + b > max) x->files[++f].first = i;
+    x->data_off[i] = x->files[f].data_bytes;
+    x->files[f].data_bytes += b;
+    x->files[f].count++;
   }
-  x->nfiles = x->files[f].count > 0 || f == 0 ? f + 1 : f;
+  x->nfiles = f + 1;
   for (size_t k = 0; k < x->nfiles; k++) {
+    x->files[k].fd = -1;
     if (x->nfiles == 1) snprintf(x->files[k].name, sizeof x->files[k].name, "model.safetensors");
     else
       snprintf(x->files[k].name, sizeof x->files[k].name, "model-%05zu-of-%05zu.safetensors", k + 1, x->nfiles);
@@ -399,9 +401,18 @@ static int small_file_write(const char *dir, const char *name, const char *text,
   char path[PATH_MAX];
   snprintf(path, sizeof path, "%s/%s.tmp", dir, name);
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0 || pwrite_all(fd, text, len, 0) < 0 || close(fd) < 0) {
+  if (fd < 0) {
     ctl_errorf("export: %s: %s", path, strerror(errno));
-    if (fd >= 0) close(fd);
+    return CTL_EXIT_FAIL;
+  }
+  int rc = pwrite_all(fd, text, len, 0);
+  int saved = errno;
+  if (close(fd) < 0 && rc == 0) {
+    rc = -1;
+    saved = errno;
+  }
+  if (rc < 0) {
+    ctl_errorf("export: %s: %s", path, strerror(saved));
     unlink(path);
     return CTL_EXIT_FAIL;
   }
