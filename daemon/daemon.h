@@ -89,6 +89,7 @@ enum set_state { SET_LOADING, SET_READY, SET_FAILED };
 
 struct set_waiter {
   struct request *req;
+  bool joined; /* it found the set already loading (its reply says shared) */
   struct set_waiter *next;
 };
 
@@ -138,9 +139,12 @@ struct conn {
   int refs; /* the server's, plus one per outstanding request */
   int handles_open;
   struct request *requests; /* outstanding asynchronous requests */
-  unsigned inflight;        /* requests read and not yet finished */
-  bool paused;              /* CONN_MAX_INFLIGHT reached: frames wait unread */
-  uv_timer_t resume_timer;  /* resumes reading once requests finish */
+  unsigned inflight;        /* requests started and not yet finished */
+  struct request *queued;   /* read but not started (CONN_MAX_INFLIGHT reached), in order */
+  struct request **queued_tail;
+  unsigned nqueued;
+  bool paused;              /* CONN_MAX_QUEUED reached: frames wait unread in the socket */
+  uv_timer_t resume_timer;  /* starts queued requests once others finish */
   struct conn *next;
 };
 
@@ -150,6 +154,8 @@ struct conn {
  * requests cannot queue work ahead of everyone else.
  */
 #define CONN_MAX_INFLIGHT 16
+/* Requests read and held back behind those; past this the socket is not read. `cancel` skips the line. */
+#define CONN_MAX_QUEUED 64
 
 struct request {
   struct conn *conn;
@@ -158,6 +164,7 @@ struct request {
   int op;       /* enum msg_op */
   bool done;    /* the final reply was sent */
   bool canceled;
+  bool started; /* dispatched (counted in conn->inflight), not just queued */
   struct res_set *waiting_on; /* a set this request waits for, if any */
   void *op_state;             /* op-specific */
   struct request *next_in_conn;
@@ -169,6 +176,8 @@ void req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds);
 void req_fail(struct request *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void req_fail_err(struct request *r, const struct wd_error *err);
 void req_progress(struct request *r, uint64_t done, uint64_t total);
+/* Takes a queued request with this id out of its connection's queue (for cancel); NULL if none. */
+struct request *conn_unqueue(struct conn *c, const cJSON *id);
 /* Frees a request after its final reply. */
 void req_finish(struct request *r);
 

@@ -60,7 +60,7 @@ int dev_resolve(const cJSON *v, int *device, struct wd_error *err) {
   }
   if (cJSON_IsNumber(v)) {
     double d = v->valuedouble;
-    if (d < 0 || d != (double)(long long)d)
+    if (d < 0 || d > 9007199254740991.0 || d != (double)(long long)d)
       return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'device' must be a non-negative integer index or a UUID");
     if (d >= wd->ndevices)
       return err_set(err, WEIGHTD_E_NOT_FOUND, "no device %g (this daemon has %d)", d, wd->ndevices);
@@ -390,7 +390,12 @@ static void op_cancel(struct request *r) {
     return;
   }
   bool canceled = false;
-  for (struct request *t = r->conn->requests; t != NULL; t = t->next_in_conn) {
+  struct request *q = conn_unqueue(r->conn, target);
+  if (q != NULL) { /* read but not started: it never runs */
+    req_fail(q, WEIGHTD_E_CANCELED, "canceled before it started");
+    canceled = true;
+  }
+  for (struct request *t = r->conn->requests; !canceled && t != NULL; t = t->next_in_conn) {
     if (t == r || t->id == NULL || !cJSON_Compare(t->id, target, true)) continue;
     if (t->op == MSG_OP_LOAD || t->op == MSG_OP_ATTACH) {
       res_cancel_request(t);

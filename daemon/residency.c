@@ -238,6 +238,14 @@ static void load_work(struct job *j) {
 static void load_done(struct job *j) {
   struct load_job *lj = (struct load_job *)j;
   struct res_set *s = lj->set;
+  if (lj->rc == WEIGHTD_E_CANCELED && s->waiters != NULL && !wd->stopping) {
+    /* Canceled, but someone asked for the same set since: load it for them. */
+    log_msg(LOG_INFO, "set %s: canceled load restarted for a request that joined it", s->id);
+    atomic_store(&s->cancel, false);
+    atomic_store(&s->bytes_done, 0);
+    jobs_submit(wd->jobs, &lj->job);
+    return;
+  }
   if (lj->rc == WEIGHTD_E_DEVICE_NOMEM && !lj->retried && !atomic_load(&s->cancel)) {
     size_t n = res_evict_device(s->device, NULL);
     if (n > 0) {
@@ -259,12 +267,10 @@ static void load_done(struct job *j) {
             "loaded set %s: %s on %s, %zu tensors, %" PRIu64 " bytes in %.3f s (%.2f GiB/s, %s; slab allocation %.1f ms)",
             s->id, s->ck->path, wd->devices[s->device].info.uuid, s->plan->noutputs, s->plan->payload_bytes,
             s->seconds, gibs, s->method, s->alloc_seconds * 1e3);
-    bool first = true;
     while (w != NULL) {
       struct set_waiter *next = w->next;
       w->req->waiting_on = NULL;
-      reply_ready(w->req, s, !first);
-      first = false;
+      reply_ready(w->req, s, w->joined);
       free(w);
       w = next;
     }
@@ -290,9 +296,11 @@ static void on_progress_timer(uv_timer_t *t) {
     req_progress(w->req, done, s->plan->payload_bytes);
 }
 
-static int add_set_waiter(struct res_set *s, struct request *req) {
+static int add_set_waiter(struct res_set *s, struct request *req, bool joined) {
   struct set_waiter *w = calloc(1, sizeof *w);
   if (w == NULL) return -1;
+  w->joined = joined;
+  atomic_store(&s->cancel, false); /* a canceled load someone wants again goes on */
   w->req = req;
   w->next = s->waiters;
   s->waiters = w;
@@ -324,7 +332,7 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, const cJSON 
     s->last_used_ms = now_ms();
     if (s->state == SET_READY) {
       reply_ready(req, s, true);
-    } else if (add_set_waiter(s, req) != 0) {
+    } else if (add_set_waiter(s, req, true) != 0) {
       req_fail(req, WEIGHTD_E_NOMEM, "out of memory");
     }
     return;
@@ -365,7 +373,7 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, const cJSON 
   s->next = wd->sets;
   wd->sets = s;
   wd->devices[device].used += plan->slab_bytes;
-  if (add_set_waiter(s, req) != 0) req_fail(req, WEIGHTD_E_NOMEM, "out of memory");
+  if (add_set_waiter(s, req, false) != 0) req_fail(req, WEIGHTD_E_NOMEM, "out of memory");
   uv_timer_start(&s->progress_timer, on_progress_timer, 100, 100);
   lj->job.work = load_work;
   lj->job.done = load_done;

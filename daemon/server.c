@@ -120,8 +120,8 @@ static void on_resume(uv_timer_t *t);
 void req_finish(struct request *r) {
   struct conn *c = r->conn;
   req_unlink(r);
-  c->inflight--;
-  if (c->paused && !c->closed && c->inflight < CONN_MAX_INFLIGHT)
+  if (r->started) c->inflight--;
+  if ((c->nqueued > 0 || c->paused) && !c->closed && c->inflight < CONN_MAX_INFLIGHT)
     uv_timer_start(&c->resume_timer, on_resume, 0, 0); /* not from inside a handler */
   cJSON_Delete(r->root);
   cJSON_Delete(r->id);
@@ -151,6 +151,45 @@ void req_fail_err(struct request *r, const struct wd_error *err) {
 void req_progress(struct request *r, uint64_t done, uint64_t total) {
   if (r->conn->closed) return;
   conn_send(r->conn, msg_event_progress(r->id, done, total), NULL, 0);
+}
+
+/* Counts a request in progress and runs its handler. */
+static void req_start(struct request *r) {
+  struct conn *c = r->conn;
+  r->started = true;
+  c->inflight++;
+  r->next_in_conn = c->requests;
+  c->requests = r;
+  ops_dispatch(r);
+}
+
+static struct request *queue_pop(struct conn *c) {
+  struct request *r = c->queued;
+  if (r == NULL) return NULL;
+  c->queued = r->next_in_conn;
+  if (c->queued == NULL) c->queued_tail = &c->queued;
+  c->nqueued--;
+  r->next_in_conn = NULL;
+  return r;
+}
+
+struct request *conn_unqueue(struct conn *c, const cJSON *id) {
+  for (struct request **pp = &c->queued; *pp != NULL; pp = &(*pp)->next_in_conn) {
+    struct request *r = *pp;
+    if (r->id == NULL || !cJSON_Compare(r->id, id, true)) continue;
+    *pp = r->next_in_conn;
+    if (*pp == NULL) c->queued_tail = pp;
+    c->nqueued--;
+    r->next_in_conn = c->requests; /* finished as a started request would be */
+    c->requests = r;
+    return r;
+  }
+  return NULL;
+}
+
+/* Starts queued requests while there is room. */
+static void start_queued(struct conn *c) {
+  while (!c->closed && c->inflight < CONN_MAX_INFLIGHT && c->queued != NULL) req_start(queue_pop(c));
 }
 
 static void handle_frame(struct conn *c, struct wire_frame *f) {
@@ -191,23 +230,31 @@ static void handle_frame(struct conn *c, struct wire_frame *f) {
   m.id = NULL;
   msg_request_free(&m);
   c->refs++;
-  c->inflight++;
-  r->next_in_conn = c->requests;
-  c->requests = r;
-  ops_dispatch(r);
+  /* A cancel goes past the line; anything else waits its turn behind the queue. */
+  if (r->op != MSG_OP_CANCEL && (c->inflight >= CONN_MAX_INFLIGHT || c->nqueued > 0)) {
+    r->next_in_conn = NULL;
+    *c->queued_tail = r;
+    c->queued_tail = &r->next_in_conn;
+    c->nqueued++;
+    return;
+  }
+  req_start(r);
 }
 
 /* ---- reading ------------------------------------------------------------------------ */
 
 static void on_frame_timeout(uv_timer_t *t) {
   struct conn *c = t->data;
-  conn_fail(c, NULL, WEIGHTD_E_TIMEOUT, "a request frame did not arrive whole in time");
+  conn_fail(c, NULL, WEIGHTD_E_PROTOCOL, "a request frame did not arrive whole within frame_timeout_ms");
 }
 
-/* Handles buffered frames until none is left or the connection has too much in progress. */
+/*
+ * Handles buffered frames until none is left or the queue is full. Every
+ * completed frame restarts the frame timeout: it runs from a frame's first byte.
+ */
 static void process_frames(struct conn *c) {
   while (!c->closed && !c->closing) {
-    if (c->inflight >= CONN_MAX_INFLIGHT) {
+    if (c->nqueued >= CONN_MAX_QUEUED) {
       c->paused = true;
       return;
     }
@@ -219,6 +266,7 @@ static void process_frames(struct conn *c) {
       conn_fail(c, NULL, n, err.msg);
       return;
     }
+    uv_timer_stop(&c->frame_timer);
     handle_frame(c, &f);
     wire_frame_clear(&f);
   }
@@ -255,9 +303,16 @@ static void do_read(struct conn *c) {
 
 static void on_resume(uv_timer_t *t) {
   struct conn *c = t->data;
-  if (c->closed || !c->paused) return;
-  c->paused = false;
+  if (c->closed) return;
   c->refs++;
+  start_queued(c);
+  if (!c->paused || c->nqueued >= CONN_MAX_QUEUED || c->closed) {
+    watch_partial_frame(c);
+    update_poll(c);
+    conn_unref(c);
+    return;
+  }
+  c->paused = false;
   process_frames(c); /* may pause again */
   if (!c->closed && !c->closing && !c->paused) do_read(c);
   else {
@@ -291,7 +346,8 @@ static void conn_close(struct conn *c) {
   if (*pp == c) *pp = c->next;
   wd->nconns--;
   res_release_conn(c);
-  /* Requests waiting for a set stop waiting; the others finish on their own. */
+  /* Queued requests never started; requests waiting for a set stop waiting; the others finish on their own. */
+  for (struct request *q = queue_pop(c); q != NULL; q = queue_pop(c)) req_finish(q);
   struct request *r = c->requests;
   while (r != NULL) {
     struct request *next = r->next_in_conn;
@@ -358,6 +414,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     c->uid = cred.uid;
     c->gid = cred.gid;
     c->refs = 1;
+    c->queued_tail = &c->queued;
     wire_reader_init(&c->reader);
     wire_writer_init(&c->writer);
     uv_poll_init(wd->loop, &c->poll, fd);
