@@ -460,11 +460,22 @@ int server_start(struct wd_error *err) {
     if (probe >= 0) close(probe);
     unlink(path);
   }
+  /* Bind a temporary name and rename it into place once listening: whoever sees
+   * the socket file can connect to it. */
+  char tmp[sizeof addr.sun_path + 32];
+  snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
+  struct sockaddr_un taddr = {.sun_family = AF_UNIX};
+  if (strlen(tmp) >= sizeof taddr.sun_path) {
+    close(fd);
+    return err_set(err, WEIGHTD_E_INVALID, "socket path too long: %s", path);
+  }
+  strcpy(taddr.sun_path, tmp);
+  unlink(tmp);
   mode_t old = umask(0177);
-  int rc = bind(fd, (struct sockaddr *)&addr, sizeof addr);
+  int rc = bind(fd, (struct sockaddr *)&taddr, sizeof taddr);
   umask(old);
   if (rc != 0) {
-    rc = err_set(err, WEIGHTD_E_IO, "bind %s: %s", path, strerror(errno));
+    rc = err_set(err, WEIGHTD_E_IO, "bind %s: %s", tmp, strerror(errno));
     close(fd);
     return rc;
   }
@@ -472,16 +483,15 @@ int server_start(struct wd_error *err) {
     struct group *g = getgrnam(wd->cfg.socket_group);
     if (g == NULL) {
       log_msg(LOG_INFO, "group '%s' does not exist: socket keeps group %d", wd->cfg.socket_group, (int)getegid());
-    } else if (chown(path, (uid_t)-1, g->gr_gid) != 0) {
+    } else if (chown(tmp, (uid_t)-1, g->gr_gid) != 0) {
       log_msg(LOG_WARN, "cannot give %s to group '%s': %s", path, wd->cfg.socket_group, strerror(errno));
     }
   }
-  if (chmod(path, (mode_t)wd->cfg.socket_mode) != 0)
-    log_msg(LOG_WARN, "chmod %s: %s", path, strerror(errno));
-  if (listen(fd, 512) != 0) {
-    rc = err_set(err, WEIGHTD_E_IO, "listen %s: %s", path, strerror(errno));
+  if (chmod(tmp, (mode_t)wd->cfg.socket_mode) != 0) log_msg(LOG_WARN, "chmod %s: %s", path, strerror(errno));
+  if (listen(fd, 512) != 0 || rename(tmp, path) != 0) {
+    rc = err_set(err, WEIGHTD_E_IO, "listen on %s: %s", path, strerror(errno));
     close(fd);
-    unlink(path);
+    unlink(tmp);
     return rc;
   }
   wd->listen_fd = fd;

@@ -189,3 +189,23 @@ def test_request_joining_a_canceled_load_is_not_canceled(start_daemon, ckpt_shar
             for fd in fds:
                 os.close(fd)
     ckpt.close()
+
+
+def test_cancel_reaches_a_busy_connection(start_daemon, ckpt_sharded):
+    """A cancel pipelined behind the connection's in-progress requests still
+    cancels (docs/protocol.md: requests may be pipelined; cancel stops this
+    connection's load). Here 16 loads of one set are in progress when it comes."""
+    d = start_daemon({"fill_threads": 1})
+    with d.connect() as c:
+        loads = [frame({"op": "load", "id": i, "path": ckpt_sharded, "device": 0}) for i in range(1, 17)]
+        c.send_raw(b"".join(loads) + frame({"op": "cancel", "id": "C", "target": 1}))
+        rc, _ = c.wait("C")
+        assert rc.get("canceled") is True, f"the cancel came too late: {rc}"
+        r1, _ = c.wait(1)
+        assert r1.get("error", {}).get("code") == "CANCELED", r1
+        sets = set()
+        for i in range(2, 17):
+            m, _ = c.wait(i)
+            assert m.get("ok") is True, m
+            sets.add(m["set"])
+        assert len(sets) == 1
