@@ -1,6 +1,7 @@
 /* cmd_status.c - `weightctl status`: the daemon, its devices, checkpoints and resident sets. */
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ctl.h"
@@ -44,9 +45,12 @@ static void print_status(const cJSON *r) {
   cJSON_ArrayForEach(x, sets) {
     ctl_human_bytes(ctl_u64(x, "bytes"), a, sizeof a);
     const cJSON *secs = cJSON_GetObjectItemCaseSensitive(x, "seconds");
-    printf("  %-6s %-8s %10s  %" PRIu64 " lease%s  loaded in %.3f s  on %s\n         %s\n", ctl_str(x, "set"),
-           ctl_str(x, "state"), a, ctl_u64(x, "leases"), ctl_u64(x, "leases") == 1 ? " " : "s",
-           cJSON_IsNumber(secs) ? secs->valuedouble : 0.0, ctl_str(x, "device"), ctl_str(x, "path"));
+    char *plan = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(x, "plan"));
+    printf("  %-6s %-8s %10s  %" PRIu64 " lease%s  loaded in %.3f s  on %s\n         %s\n         plan %s\n",
+           ctl_str(x, "set"), ctl_str(x, "state"), a, ctl_u64(x, "leases"), ctl_u64(x, "leases") == 1 ? " " : "s",
+           cJSON_IsNumber(secs) ? secs->valuedouble : 0.0, ctl_str(x, "device"), ctl_str(x, "path"),
+           plan ? plan : "?");
+    free(plan);
   }
 }
 
