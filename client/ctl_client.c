@@ -86,7 +86,7 @@ void ctl_human_bytes(uint64_t b, char *buf, size_t len) {
 
 uint64_t ctl_u64(const cJSON *o, const char *key) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-  return cJSON_IsNumber(v) && v->valuedouble > 0 ? (uint64_t)v->valuedouble : 0;
+  return cJSON_IsNumber(v) && v->valuedouble > 0 && v->valuedouble < 18446744073709551615.0 ? (uint64_t)v->valuedouble : 0;
 }
 
 const char *ctl_str(const cJSON *o, const char *key) {

@@ -282,6 +282,8 @@ int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
     char *given_dir = path_dirname(path);
     c->dir = given_dir ? realpath(given_dir, NULL) : NULL;
     free(given_dir);
+    free(resolved);
+    resolved = NULL;
     c->shards = calloc(1, sizeof *c->shards);
     if (c->dir == NULL || c->shards == NULL) {
       rc = err_set(err, c->shards ? WEIGHTD_E_IO : WEIGHTD_E_NOMEM, "%s: cannot resolve its directory", path);

@@ -647,16 +647,22 @@ static int preset_whole(struct pb *b) {
 
 /* ---- explicit plans ------------------------------------------------------------------------- */
 
+/* A JSON number that is an integer in [0, 2^53): range first, so no cast overflows. */
+static bool json_uint(const cJSON *v, uint64_t *out) {
+  if (!cJSON_IsNumber(v) || !(v->valuedouble >= 0 && v->valuedouble <= 9007199254740991.0) ||
+      v->valuedouble != (double)(uint64_t)v->valuedouble)
+    return false;
+  *out = (uint64_t)v->valuedouble;
+  return true;
+}
+
 static int get_u64(struct pb *b, const cJSON *o, const char *key, uint64_t def, uint64_t *out, const char *where) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
   if (v == NULL) {
     *out = def;
     return 0;
   }
-  if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > 9007199254740991.0 ||
-      v->valuedouble != (double)(uint64_t)v->valuedouble)
-    return fail(b, "%s: '%s' must be a non-negative integer", where, key);
-  *out = (uint64_t)v->valuedouble;
+  if (!json_uint(v, out)) return fail(b, "%s: '%s' must be a non-negative integer", where, key);
   return 0;
 }
 
@@ -674,9 +680,7 @@ static int explicit_output(struct pb *b, const cJSON *jo, size_t index) {
   if (nd > 8) return fail(b, "output '%s': more than 8 dimensions", name->valuestring);
   for (int d = 0; d < nd; d++) {
     const cJSON *e = cJSON_GetArrayItem(shape, d);
-    if (!cJSON_IsNumber(e) || e->valuedouble < 0 || e->valuedouble != (double)(uint64_t)e->valuedouble)
-      return fail(b, "output '%s': shape entries must be non-negative integers", name->valuestring);
-    sh[d] = (uint64_t)e->valuedouble;
+    if (!json_uint(e, &sh[d])) return fail(b, "output '%s': shape entries must be non-negative integers", name->valuestring);
   }
   int rc = out_begin(b, name->valuestring, t, (unsigned)nd, sh);
   if (rc != 0) return rc;
@@ -775,9 +779,7 @@ static int read_preset(struct pb *b, const cJSON *spec, const char *preset) {
     size_t i = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, ex) {
-      if (!cJSON_IsNumber(e) || e->valuedouble < 0 || e->valuedouble != (double)(uint64_t)e->valuedouble)
-        return fail(b, "'experts' must list non-negative integers");
-      b->experts[i++] = (uint64_t)e->valuedouble;
+      if (!json_uint(e, &b->experts[i++])) return fail(b, "'experts' must list non-negative integers");
     }
     qsort(b->experts, b->nexperts, sizeof *b->experts, cmp_u64);
     for (i = 0; i + 1 < b->nexperts; i++)

@@ -5,6 +5,7 @@
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -60,7 +61,7 @@ int dev_resolve(const cJSON *v, int *device, struct wd_error *err) {
   }
   if (cJSON_IsNumber(v)) {
     double d = v->valuedouble;
-    if (d < 0 || d > 9007199254740991.0 || d != (double)(long long)d)
+    if (!(d >= 0 && d <= 9007199254740991.0) || d != floor(d)) /* range first: no out-of-range cast */
       return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'device' must be a non-negative integer index or a UUID");
     if (d >= wd->ndevices)
       return err_set(err, WEIGHTD_E_NOT_FOUND, "no device %g (this daemon has %d)", d, wd->ndevices);
