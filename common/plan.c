@@ -893,51 +893,55 @@ fail:
 
 /* ---- describing and gathering ------------------------------------------------------------------ */
 
-cJSON *plan_describe(const struct plan *p) {
-  cJSON *o = cJSON_CreateObject();
-  if (o == NULL) return NULL;
-  cJSON_AddItemToObject(o, "key", cJSON_Parse(p->key));
-  char buf[32];
-  snprintf(buf, sizeof buf, "%" PRIu64, p->payload_bytes);
-  cJSON_AddItemToObject(o, "payload_bytes", cJSON_CreateRaw(buf));
-  snprintf(buf, sizeof buf, "%" PRIu64, p->slab_bytes);
-  cJSON_AddItemToObject(o, "slab_bytes", cJSON_CreateRaw(buf));
-  cJSON *outs = cJSON_AddArrayToObject(o, "outputs");
-  for (size_t i = 0; i < p->noutputs; i++) {
+/* Adds an exact 64-bit integer (cJSON keeps doubles). */
+static void add_u64(cJSON *o, const char *key, uint64_t v) {
+  char buf[24];
+  snprintf(buf, sizeof buf, "%" PRIu64, v);
+  if (key != NULL) cJSON_AddItemToObject(o, key, cJSON_CreateRaw(buf));
+  else cJSON_AddItemToArray(o, cJSON_CreateRaw(buf));
+}
+
+static cJSON *outputs_json(const struct plan *p, bool with_pieces) {
+  cJSON *outs = cJSON_CreateArray();
+  for (size_t i = 0; outs != NULL && i < p->noutputs; i++) {
     const struct plan_output *po = &p->outputs[i];
     cJSON *jo = cJSON_CreateObject();
     cJSON_AddStringToObject(jo, "name", po->name);
     cJSON_AddStringToObject(jo, "dtype", dtype_name(po->dtype));
     cJSON *sh = cJSON_AddArrayToObject(jo, "shape");
-    for (unsigned d = 0; d < po->ndim; d++) {
-      snprintf(buf, sizeof buf, "%" PRIu64, po->shape[d]);
-      cJSON_AddItemToArray(sh, cJSON_CreateRaw(buf));
-    }
-    snprintf(buf, sizeof buf, "%" PRIu64, po->offset);
-    cJSON_AddItemToObject(jo, "offset", cJSON_CreateRaw(buf));
-    snprintf(buf, sizeof buf, "%" PRIu64, po->nbytes);
-    cJSON_AddItemToObject(jo, "nbytes", cJSON_CreateRaw(buf));
-    cJSON *pcs = cJSON_AddArrayToObject(jo, "pieces");
-    for (size_t k = 0; k < po->npieces; k++) {
+    for (unsigned d = 0; d < po->ndim; d++) add_u64(sh, NULL, po->shape[d]);
+    add_u64(jo, "offset", po->offset);
+    add_u64(jo, "nbytes", po->nbytes);
+    cJSON *pcs = with_pieces ? cJSON_AddArrayToObject(jo, "pieces") : NULL;
+    for (size_t k = 0; pcs != NULL && k < po->npieces; k++) {
       const struct plan_piece *pc = &po->pieces[k];
       cJSON *jp = cJSON_CreateObject();
       if (pc->src == NULL) {
-        snprintf(buf, sizeof buf, "%" PRIu64, pc->end);
-        cJSON_AddItemToObject(jp, "zeros", cJSON_CreateRaw(buf));
+        add_u64(jp, "zeros", pc->end);
       } else {
         cJSON_AddStringToObject(jp, "tensor", pc->src->t->name);
         cJSON_AddNumberToObject(jp, "dim", pc->dim);
-        snprintf(buf, sizeof buf, "%" PRIu64, pc->start);
-        cJSON_AddItemToObject(jp, "start", cJSON_CreateRaw(buf));
-        snprintf(buf, sizeof buf, "%" PRIu64, pc->end);
-        cJSON_AddItemToObject(jp, "end", cJSON_CreateRaw(buf));
+        add_u64(jp, "start", pc->start);
+        add_u64(jp, "end", pc->end);
       }
       cJSON_AddItemToArray(pcs, jp);
     }
     cJSON_AddItemToArray(outs, jo);
   }
+  return outs;
+}
+
+cJSON *plan_describe(const struct plan *p) {
+  cJSON *o = cJSON_CreateObject();
+  if (o == NULL) return NULL;
+  cJSON_AddItemToObject(o, "key", cJSON_Parse(p->key));
+  add_u64(o, "payload_bytes", p->payload_bytes);
+  add_u64(o, "slab_bytes", p->slab_bytes);
+  cJSON_AddItemToObject(o, "outputs", outputs_json(p, true));
   return o;
 }
+
+cJSON *plan_table(const struct plan *p) { return outputs_json(p, false); }
 
 const struct plan_output *plan_output_at(const struct plan *p, uint64_t lo) {
   size_t a = 0, b = p->noutputs;

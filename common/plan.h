@@ -69,6 +69,9 @@ void plan_free(struct plan *p);
  */
 cJSON *plan_describe(const struct plan *p);
 
+/* The outputs alone, without their pieces: the tensor table attach replies carry. */
+cJSON *plan_table(const struct plan *p);
+
 /* The first output that ends after slab offset off (the one holding it, or the next), or NULL. */
 const struct plan_output *plan_output_at(const struct plan *p, uint64_t off);
 

@@ -135,22 +135,7 @@ static void reply_loaded(struct request *req, struct res_set *s, bool shared) {
 
 /* The tensor table as attach replies carry it, serialised once per set. */
 static char *table_json(const struct plan *p) {
-  cJSON *tensors = cJSON_CreateArray();
-  for (size_t i = 0; tensors != NULL && i < p->noutputs; i++) {
-    const struct plan_output *o = &p->outputs[i];
-    cJSON *t = cJSON_CreateObject();
-    msg_add_string(t, "name", o->name);
-    msg_add_string(t, "dtype", dtype_name(o->dtype));
-    cJSON *shape = cJSON_AddArrayToObject(t, "shape");
-    for (unsigned d = 0; d < o->ndim; d++) {
-      char buf[24];
-      snprintf(buf, sizeof buf, "%" PRIu64, o->shape[d]);
-      cJSON_AddItemToArray(shape, cJSON_CreateRaw(buf));
-    }
-    msg_add_u64(t, "offset", o->offset);
-    msg_add_u64(t, "nbytes", o->nbytes);
-    cJSON_AddItemToArray(tensors, t);
-  }
+  cJSON *tensors = plan_table(p);
   char *text = tensors ? cJSON_PrintUnformatted(tensors) : NULL;
   cJSON_Delete(tensors);
   return text;
