@@ -126,9 +126,7 @@ static int piece_slice(struct pb *b, const struct ckpt_ref *r, unsigned dim, uin
 
 /* Starts an output; its pieces follow, and out_end checks their bytes add up. */
 static int out_begin(struct pb *b, const char *name, enum wd_dtype dtype, unsigned ndim, const uint64_t *shape) {
-  struct plan *p = b->p;
-  for (size_t i = 0; i < p->noutputs; i++)
-    if (strcmp(p->outputs[i].name, name) == 0) return fail(b, "plan lists output '%s' twice", name);
+  struct plan *p = b->p; /* names are checked for repeats once, at the end (check_names) */
   if (p->noutputs == b->cap) {
     size_t cap = b->cap ? b->cap * 2 : 64;
     struct plan_output *n = realloc(p->outputs, cap * sizeof *n);
@@ -175,7 +173,8 @@ static int out_add(struct pb *b, const struct plan_piece *pc) {
     b->piece_cap = cap;
   }
   o->pieces[o->npieces++] = *pc;
-  b->cur_bytes += pc->width * pc->height;
+  if (__builtin_add_overflow(b->cur_bytes, pc->width * pc->height, &b->cur_bytes) || b->cur_bytes > o->nbytes)
+    return fail(b, "output '%s': its pieces hold more bytes than its shape", o->name);
   mark_used(b, pc->src);
   return 0;
 }
@@ -190,9 +189,11 @@ static int out_slice(struct pb *b, const struct ckpt_ref *r, unsigned dim, uint6
 /* Adds `rows` rows of zeros of the output's row size (its shape without dimension 0). */
 static int out_zeros(struct pb *b, uint64_t rows) {
   struct plan_output *o = b->cur;
-  uint64_t inner = 1;
-  for (unsigned d = 1; d < o->ndim; d++) inner *= o->shape[d];
-  uint64_t bits = rows * inner * dtype_bits(o->dtype);
+  uint64_t inner = 1, bits;
+  for (unsigned d = 1; d < o->ndim; d++) inner *= o->shape[d]; /* bounded: the output's size did not overflow */
+  if (__builtin_mul_overflow(rows, inner, &bits) || __builtin_mul_overflow(bits, (uint64_t)dtype_bits(o->dtype), &bits) ||
+      bits / 8 > o->nbytes)
+    return fail(b, "output '%s': %" PRIu64 " zero rows exceed the output", o->name, rows);
   if (bits % 8) return fail(b, "output '%s': %" PRIu64 " zero rows are not whole bytes", o->name, rows);
   struct plan_piece pc = {NULL, 0, bits / 8, bits / 8, 1, 0, 0, rows};
   if (pc.width == 0) pc.height = 0;
@@ -807,6 +808,24 @@ static int read_preset(struct pb *b, const cJSON *spec, const char *preset) {
   return b->p->key ? 0 : nomem(b);
 }
 
+static int cmp_output_names(const void *a, const void *b) {
+  return strcmp((*(const struct plan_output *const *)a)->name, (*(const struct plan_output *const *)b)->name);
+}
+
+/* No output name twice: sorted once, O(n log n), however many tensors. */
+static int check_names(struct pb *b) {
+  struct plan *p = b->p;
+  const struct plan_output **v = malloc((p->noutputs ? p->noutputs : 1) * sizeof *v);
+  if (v == NULL) return nomem(b);
+  for (size_t i = 0; i < p->noutputs; i++) v[i] = &p->outputs[i];
+  qsort(v, p->noutputs, sizeof *v, cmp_output_names);
+  int rc = 0;
+  for (size_t i = 0; i + 1 < p->noutputs && rc == 0; i++)
+    if (strcmp(v[i]->name, v[i + 1]->name) == 0) rc = fail(b, "plan lists output '%s' twice", v[i]->name);
+  free(v);
+  return rc;
+}
+
 /* Places the outputs in the slab at aligned offsets. */
 static void place(struct plan *p) {
   uint64_t off = 0;
@@ -878,6 +897,7 @@ int plan_build(const struct ckpt *c, const cJSON *spec, struct plan **out, struc
     rc = read_preset(&b, spec, preset);
     if (rc == 0) rc = preset_layers(&b);
   }
+  if (rc == 0) rc = check_names(&b);
   if (rc != 0) goto fail;
   place(b.p);
   free(b.used);

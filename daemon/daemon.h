@@ -45,6 +45,7 @@ struct reg_ckpt {
   bool detached;      /* no longer in the registry (closed or replaced) */
   bool prefetching;
   atomic_bool pinned; /* in the pinned-resident tier (read by load jobs) */
+  bool unpinning;     /* a job is unregistering it: no new pin until it is done */
   uint64_t pinned_bytes; /* bytes registered, counted against host_pin_budget */
   uint64_t last_used_ms;
   struct reg_waiter *waiters; /* requests waiting for REG_OPENING */
@@ -135,6 +136,7 @@ struct conn {
   gid_t gid;
   bool hello_done;
   bool closing;
+  bool dead;   /* closing soon from the loop (conn_kill); nothing more is sent */
   bool closed;
   int refs; /* the server's, plus one per outstanding request */
   int handles_open;
@@ -213,6 +215,7 @@ struct daemon {
   uint64_t next_id;
   uint64_t started_ms;
   bool stopping;
+  atomic_bool stop_requested; /* stopping, for job threads to read */
   int exit_code;
 };
 
@@ -222,7 +225,10 @@ uint64_t now_ms(void);
 double now_s(void);
 
 /* Residency operations (residency.c). */
-void res_load(struct request *req, struct reg_ckpt *ck, int device, const cJSON *plan_spec);
+/* Finds or starts the set for (ck, device, plan); takes the references to ck and plan. */
+void res_load(struct request *req, struct reg_ckpt *ck, int device, struct plan *plan);
+/* Makes req wait for a loading set, as an identical load would. */
+void res_wait_set(struct request *req, struct res_set *s);
 struct res_set *res_find_set(const char *id);
 void res_attach_ready(struct request *req, struct res_set *s);
 int res_release(struct conn *c, const char *lease_id, bool privileged, struct wd_error *err);

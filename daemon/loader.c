@@ -290,7 +290,7 @@ static int fill_staged(struct res_set *s, struct wd_error *err) {
     *err = r.err;
     return r.rc;
   }
-  atomic_store(&s->bytes_done, s->plan->payload_bytes);
+  atomic_store(&s->bytes_done, s->plan->slab_bytes);
   return 0;
 }
 
@@ -366,6 +366,7 @@ int ld_fill(struct res_set *s, struct wd_error *err) {
   }
   /* A shard rewritten while we copied would have given a mix of old and new bytes. */
   if (rc == 0) rc = ckpt_check_unchanged(s->ck->ck, err);
+  if (rc == 0) atomic_store(&s->bytes_done, s->plan->slab_bytes);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(wd->backend.ctx, s->slab, err);
   if (rc != 0) {
     ops->slab_free(wd->backend.ctx, s->slab);

@@ -64,7 +64,8 @@ static void on_stop_tick(uv_timer_t *t) {
 void daemon_request_stop(void) {
   if (wd->stopping) return;
   wd->stopping = true;
-  log_msg(LOG_INFO, "stopping: canceling loads, closing connections");
+  atomic_store(&wd->stop_requested, true);
+  log_msg(LOG_INFO, "stopping: canceling loads and prefetches, closing connections");
   res_cancel_all();
   server_stop();
   uv_timer_init(wd->loop, &stop_timer);

@@ -321,7 +321,43 @@ static void op_prefetch(struct request *r) {
   if (path != NULL) reg_acquire(r, path, prefetch_ready);
 }
 
-/* load and attach-by-path: the checkpoint, then the set. */
+/* load and attach-by-path: the checkpoint, then the plan (on a job thread: big checkpoints), then the set. */
+struct plan_job {
+  struct job job;
+  struct request *req;
+  struct reg_ckpt *ck;
+  int device;
+  struct plan *plan;
+  int rc;
+  struct wd_error err;
+};
+
+static void plan_work(struct job *j) {
+  struct plan_job *pj = (struct plan_job *)j;
+  /* The request object and the open checkpoint do not change once made. */
+  pj->rc = plan_build(pj->ck->ck, cJSON_GetObjectItemCaseSensitive(pj->req->root, "plan"), &pj->plan, &pj->err);
+}
+
+static void plan_done(struct job *j) {
+  struct plan_job *pj = (struct plan_job *)j;
+  struct request *r = pj->req;
+  if (pj->rc != 0) {
+    reg_unref(pj->ck);
+    req_fail_err(r, &pj->err);
+  } else if (r->canceled) {
+    plan_free(pj->plan);
+    reg_unref(pj->ck);
+    req_fail(r, WEIGHTD_E_CANCELED, "canceled");
+  } else if (r->conn->closed) { /* nobody to load for */
+    plan_free(pj->plan);
+    reg_unref(pj->ck);
+    req_finish(r);
+  } else {
+    res_load(r, pj->ck, pj->device, pj->plan);
+  }
+  free(pj);
+}
+
 static void load_ready(struct request *r, struct reg_ckpt *ck, const struct wd_error *err) {
   if (ck == NULL) {
     req_fail_err(r, err);
@@ -337,10 +373,19 @@ static void load_ready(struct request *r, struct reg_ckpt *ck, const struct wd_e
     req_finish(r);
     return;
   }
-  int device = 0;
+  struct plan_job *pj = calloc(1, sizeof *pj);
+  if (pj == NULL) {
+    reg_unref(ck);
+    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+    return;
+  }
   struct wd_error e = {0};
-  dev_resolve(cJSON_GetObjectItemCaseSensitive(r->root, "device"), &device, &e);
-  res_load(r, ck, device, cJSON_GetObjectItemCaseSensitive(r->root, "plan"));
+  dev_resolve(cJSON_GetObjectItemCaseSensitive(r->root, "device"), &pj->device, &e);
+  pj->job.work = plan_work;
+  pj->job.done = plan_done;
+  pj->req = r;
+  pj->ck = ck;
+  jobs_submit(wd->jobs, &pj->job);
 }
 
 static int check_load_args(struct request *r) {
@@ -378,10 +423,7 @@ static void op_attach(struct request *r) {
     return;
   }
   /* Still loading: wait like an identical load would. */
-  cJSON *spec = cJSON_Parse(s->plan->key);
-  reg_ref(s->ck);
-  res_load(r, s->ck, s->device, spec);
-  cJSON_Delete(spec);
+  res_wait_set(r, s);
 }
 
 static void op_cancel(struct request *r) {

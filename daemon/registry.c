@@ -333,7 +333,7 @@ static void prefetch_chunk(void *arg, size_t i) {
     if (k < n) break;
     k -= n;
   }
-  if (s == c->nshards) return;
+  if (s == c->nshards || atomic_load(&wd->stop_requested)) return;
   uint64_t off = k * PREFETCH_CHUNK, end = off + PREFETCH_CHUNK;
   if (end > c->shards[s].size) end = c->shards[s].size;
   if (fault_touch((const char *)p->ck->maps[s] + off, (size_t)(end - off)) != 0)
@@ -381,6 +381,7 @@ static void prefetch_done(struct job *j) {
   p->ck->prefetching = false;
   for (size_t i = 0; i < p->nunpin; i++) {
     log_msg(LOG_INFO, "%s: unpinned to make room in host_pin_budget", p->unpin[i]->path);
+    p->unpin[i]->unpinning = false;
     reg_unref(p->unpin[i]);
   }
   free(p->unpin);
@@ -458,6 +459,10 @@ int reg_prefetch(struct reg_ckpt *ck, bool pin, struct request *wait_req, struct
   p->ck = ck;
   p->req = wait_req;
   p->pin = pin && wd->backend.ops->host_register != NULL && !atomic_load(&ck->pinned) && ck->pinned_bytes == 0;
+  if (p->pin && ck->unpinning) {
+    free(p);
+    return err_set(err, WEIGHTD_E_BUSY, "%s is being unpinned to make room; ask again", ck->path);
+  }
   if (p->pin) {
     uint64_t need = shard_bytes(ck);
     int rc = choose_unpin(p, need, err);
@@ -469,6 +474,7 @@ int reg_prefetch(struct reg_ckpt *ck, bool pin, struct request *wait_req, struct
     for (size_t i = 0; i < p->nunpin; i++) {
       struct reg_ckpt *v = p->unpin[i];
       atomic_store(&v->pinned, false); /* new loads of it stage from now on */
+      v->unpinning = true;
       wd->pinned_bytes -= v->pinned_bytes;
       v->pinned_bytes = 0;
       reg_ref(v);

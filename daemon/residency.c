@@ -40,11 +40,38 @@ static void timer_closed(uv_handle_t *h) {
 }
 
 /* Unlinks and frees a set that no lease, waiter or job uses. */
+/* Freeing a large slab takes long (host: ~57 ms per GiB to unmap): a job does it. */
+struct free_job {
+  struct job job;
+  struct wd_slab *slab;
+};
+
+static void free_work(struct job *j) {
+  struct free_job *f = (struct free_job *)j;
+  wd->backend.ops->slab_free(wd->backend.ctx, f->slab);
+}
+
+static void free_done(struct job *j) { free(j); }
+
+static void slab_release(struct wd_slab *slab) {
+  if (slab == NULL) return;
+  struct free_job *f = calloc(1, sizeof *f);
+  if (f == NULL || wd->jobs == NULL) { /* no memory, or shutting down: free it here */
+    free(f);
+    wd->backend.ops->slab_free(wd->backend.ctx, slab);
+    return;
+  }
+  f->job.work = free_work;
+  f->job.done = free_done;
+  f->slab = slab;
+  jobs_submit(wd->jobs, &f->job);
+}
+
 static void set_destroy(struct res_set *s) {
   struct res_set **pp = &wd->sets;
   while (*pp != NULL && *pp != s) pp = &(*pp)->next;
   if (*pp == s) *pp = s->next;
-  if (s->slab != NULL) wd->backend.ops->slab_free(wd->backend.ctx, s->slab);
+  slab_release(s->slab);
   s->slab = NULL;
   if (s->device >= 0 && s->device < wd->ndevices) wd->devices[s->device].used -= s->plan->slab_bytes;
   plan_free(s->plan);
@@ -100,9 +127,25 @@ size_t res_evict_device(int device, cJSON *evicted) {
 }
 
 /* Evicts unleased sets of device, least recently used first, until `need` more bytes fit. */
+/*
+ * The budget of resident sets on a device: the configured one; else, for the
+ * host backend, half of physical memory (host memory also holds the page
+ * cache the weights come from, and the engines); else none (the GPU decides).
+ */
+static uint64_t device_budget(int device) {
+  if (wd->cfg.device_memory_budget > 0) return wd->cfg.device_memory_budget;
+  if (wd->backend.ops->host_register == NULL) return wd->devices[device].info.memory_total / 2;
+  return 0;
+}
+
 static bool make_room(int device, uint64_t need) {
-  uint64_t budget = wd->cfg.device_memory_budget;
+  uint64_t budget = device_budget(device);
   if (budget == 0) return true; /* the device itself decides, at allocation */
+  /* What eviction cannot free (leased or loading sets) must leave room, or nothing is evicted. */
+  uint64_t pinned = 0;
+  for (struct res_set *s = wd->sets; s != NULL; s = s->next)
+    if (s->device == device && (s->state != SET_READY || s->leases > 0)) pinned += s->plan->slab_bytes;
+  if (need > budget || pinned > budget - need) return false;
   for (;;) {
     if (wd->devices[device].used + need <= budget) return true;
     struct res_set *victim = NULL;
@@ -278,7 +321,7 @@ static void on_progress_timer(uv_timer_t *t) {
   struct res_set *s = t->data;
   uint64_t done = atomic_load(&s->bytes_done);
   for (struct set_waiter *w = s->waiters; w != NULL; w = w->next)
-    req_progress(w->req, done, s->plan->payload_bytes);
+    req_progress(w->req, done, s->plan->slab_bytes);
 }
 
 static int add_set_waiter(struct res_set *s, struct request *req, bool joined) {
@@ -290,16 +333,15 @@ static int add_set_waiter(struct res_set *s, struct request *req, bool joined) {
   w->next = s->waiters;
   s->waiters = w;
   req->waiting_on = s;
-  req_progress(req, atomic_load(&s->bytes_done), s->plan->payload_bytes);
+  req_progress(req, atomic_load(&s->bytes_done), s->plan->slab_bytes);
   return 0;
 }
 
-void res_load(struct request *req, struct reg_ckpt *ck, int device, const cJSON *plan_spec) {
-  struct wd_error err = {0};
-  struct plan *plan = NULL;
-  if (plan_build(ck->ck, plan_spec, &plan, &err) != 0) {
+void res_load(struct request *req, struct reg_ckpt *ck, int device, struct plan *plan) {
+  if (wd->stopping) {
+    plan_free(plan);
     reg_unref(ck);
-    req_fail_err(req, &err);
+    req_fail(req, WEIGHTD_E_SHUTDOWN, "the daemon is shutting down");
     return;
   }
   char *key = NULL;
@@ -325,8 +367,8 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, const cJSON 
   if (!make_room(device, plan->slab_bytes)) {
     req_fail(req, WEIGHTD_E_DEVICE_NOMEM,
              "set of %" PRIu64 " bytes does not fit device %d's budget of %" PRIu64
-             " bytes (%" PRIu64 " held by leased or loading sets)",
-             plan->slab_bytes, device, wd->cfg.device_memory_budget, wd->devices[device].used);
+             " bytes (%" PRIu64 " in use; leased and loading sets are never evicted)",
+             plan->slab_bytes, device, device_budget(device), wd->devices[device].used);
     free(key);
     plan_free(plan);
     reg_unref(ck);
@@ -366,6 +408,11 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, const cJSON 
   log_msg(LOG_DEBUG, "loading set %s: %s, %zu tensors, %" PRIu64 " bytes", s->id, ck->path,
           plan->noutputs, plan->slab_bytes);
   jobs_submit(wd->jobs, &lj->job);
+}
+
+void res_wait_set(struct request *req, struct res_set *s) {
+  s->last_used_ms = now_ms();
+  if (add_set_waiter(s, req, true) != 0) req_fail(req, WEIGHTD_E_NOMEM, "out of memory");
 }
 
 /* ---- waiters that leave -------------------------------------------------------------- */

@@ -27,6 +27,7 @@
 #include "msg.h"
 
 static void conn_close(struct conn *c);
+static void on_resume(uv_timer_t *t);
 
 /* ---- references --------------------------------------------------------------- */
 
@@ -45,30 +46,64 @@ static void conn_unref(struct conn *c) {
 static void on_poll(uv_poll_t *p, int status, int events);
 
 static void update_poll(struct conn *c) {
-  if (c->closed) return;
-  int ev = UV_DISCONNECT | (c->paused ? 0 : UV_READABLE);
+  if (c->closed || c->dead) return;
+  /* A closing connection only drains its replies: reading it could spin forever. */
+  int ev = UV_DISCONNECT | (c->paused || c->closing ? 0 : UV_READABLE);
   if (wire_writer_bytes(&c->writer) > 0) ev |= UV_WRITABLE;
   uv_poll_start(&c->poll, ev, on_poll);
 }
 
+static void on_kill(uv_timer_t *t) { conn_close(t->data); }
+
+/*
+ * Closes the connection soon, from the loop, never from inside a send: the
+ * caller may be walking a list that closing the connection would free.
+ */
+static void conn_kill(struct conn *c) {
+  if (c->closed || c->dead) return;
+  c->dead = true;
+  uv_poll_stop(&c->poll);
+  uv_timer_stop(&c->frame_timer);
+  uv_timer_start(&c->resume_timer, on_kill, 0, 0);
+}
+
 static void flush(struct conn *c) {
+  if (c->closed || c->dead) return;
   int rc = wire_writer_flush(&c->writer, c->fd);
   if (rc < 0) {
     log_msg(LOG_DEBUG, "connection of pid %d: send failed: %s", (int)c->pid, weightd_strerror(rc));
-    conn_close(c);
+    conn_kill(c);
     return;
   }
   if (c->closing && rc == 0) {
-    conn_close(c);
+    conn_kill(c);
     return;
   }
   update_poll(c);
 }
 
+/* An error reply in place of one that cannot be sent (over the frame limit). */
+static char *replacement_error(const cJSON *reply, size_t len) {
+  char msg[128];
+  snprintf(msg, sizeof msg, "the reply (%zu bytes) exceeds the %u-byte frame limit", len, WIRE_MAX_FRAME);
+  cJSON *e = msg_reply_error(cJSON_GetObjectItemCaseSensitive(reply, "id"), WEIGHTD_E_LIMIT, msg);
+  char *text = e ? msg_serialize(e) : NULL;
+  cJSON_Delete(e);
+  return text;
+}
+
 void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
   char *text = reply ? msg_serialize(reply) : NULL;
+  if (text != NULL && strlen(text) > WIRE_MAX_FRAME) {
+    log_msg(LOG_WARN, "a reply for pid %d is over the frame limit: sending LIMIT instead", (int)c->pid);
+    size_t len = strlen(text);
+    free(text);
+    text = replacement_error(reply, len);
+    for (size_t i = 0; i < nfds; i++) close(fds[i]);
+    nfds = 0;
+  }
   cJSON_Delete(reply);
-  if (c->closed) {
+  if (c->closed || c->dead) {
     for (size_t i = 0; i < nfds; i++) close(fds[i]);
     free(text);
     return;
@@ -76,33 +111,36 @@ void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
   if (text == NULL) {
     for (size_t i = 0; i < nfds; i++) close(fds[i]);
     log_msg(LOG_ERROR, "out of memory serialising a reply: closing connection of pid %d", (int)c->pid);
-    conn_close(c);
+    conn_kill(c);
     return;
   }
   int rc = wire_writer_push(&c->writer, text, strlen(text), fds, nfds);
   free(text);
   if (rc != 0) {
     log_msg(LOG_ERROR, "cannot queue a reply for pid %d: %s", (int)c->pid, weightd_strerror(rc));
-    conn_close(c);
+    conn_kill(c);
     return;
   }
   if (wire_writer_bytes(&c->writer) > wd->cfg.max_queued_output) {
     log_msg(LOG_WARN, "pid %d does not read its replies (%zu bytes queued): disconnecting", (int)c->pid,
             wire_writer_bytes(&c->writer));
-    conn_close(c);
+    conn_kill(c);
     return;
   }
   flush(c);
 }
 
-/* A final protocol error: reply, then close once it is sent. */
+static void on_closing_deadline(uv_timer_t *t) { conn_kill(t->data); }
+
+/* A final protocol error: reply, then close once it is sent (or after frame_timeout_ms at most). */
 static void conn_fail(struct conn *c, const cJSON *id, int code, const char *msg) {
-  if (c->closed || c->closing) return;
+  if (c->closed || c->closing || c->dead) return;
   log_msg(LOG_DEBUG, "connection of pid %d: %s", (int)c->pid, msg);
   conn_send(c, msg_reply_error(id, code, msg), NULL, 0);
-  if (!c->closed) {
+  if (!c->closed && !c->dead) {
     c->closing = true;
     uv_timer_stop(&c->frame_timer);
+    uv_timer_start(&c->frame_timer, on_closing_deadline, wd->cfg.frame_timeout_ms, 0);
     flush(c);
   }
 }
@@ -121,7 +159,7 @@ void req_finish(struct request *r) {
   struct conn *c = r->conn;
   req_unlink(r);
   if (r->started) c->inflight--;
-  if ((c->nqueued > 0 || c->paused) && !c->closed && c->inflight < CONN_MAX_INFLIGHT)
+  if ((c->nqueued > 0 || c->paused) && !c->closed && !c->dead && c->inflight < CONN_MAX_INFLIGHT)
     uv_timer_start(&c->resume_timer, on_resume, 0, 0); /* not from inside a handler */
   cJSON_Delete(r->root);
   cJSON_Delete(r->id);
@@ -253,7 +291,7 @@ static void on_frame_timeout(uv_timer_t *t) {
  * completed frame restarts the frame timeout: it runs from a frame's first byte.
  */
 static void process_frames(struct conn *c) {
-  while (!c->closed && !c->closing) {
+  while (!c->closed && !c->closing && !c->dead) {
     if (c->nqueued >= CONN_MAX_QUEUED) {
       c->paused = true;
       return;
@@ -274,7 +312,7 @@ static void process_frames(struct conn *c) {
 
 /* Arms the frame timer while a partial frame waits (and the connection is not paused). */
 static void watch_partial_frame(struct conn *c) {
-  if (c->closed || c->closing) return;
+  if (c->closed || c->closing || c->dead) return;
   if (!c->paused && wire_reader_pending(&c->reader)) {
     if (!uv_is_active((uv_handle_t *)&c->frame_timer))
       uv_timer_start(&c->frame_timer, on_frame_timeout, wd->cfg.frame_timeout_ms, 0);
@@ -284,7 +322,7 @@ static void watch_partial_frame(struct conn *c) {
 }
 
 static void do_read(struct conn *c) {
-  for (int rounds = 0; rounds < 16 && !c->closed && !c->closing && !c->paused; rounds++) {
+  for (int rounds = 0; rounds < 16 && !c->closed && !c->closing && !c->dead && !c->paused; rounds++) {
     int rc = wire_reader_fill(&c->reader, c->fd);
     if (rc == WIRE_AGAIN) break;
     if (rc == 0) {
@@ -303,7 +341,7 @@ static void do_read(struct conn *c) {
 
 static void on_resume(uv_timer_t *t) {
   struct conn *c = t->data;
-  if (c->closed) return;
+  if (c->closed || c->dead) return;
   c->refs++;
   start_queued(c);
   if (!c->paused || c->nqueued >= CONN_MAX_QUEUED || c->closed) {
@@ -324,7 +362,7 @@ static void on_resume(uv_timer_t *t) {
 
 static void on_poll(uv_poll_t *p, int status, int events) {
   struct conn *c = p->data;
-  if (c->closed) return;
+  if (c->closed || c->dead) return;
   if (status < 0) {
     conn_close(c);
     return;
