@@ -42,7 +42,8 @@ static const struct cfg_key keys[] = {
      "peer primary gids allowed"},
     {"backend", CFG_STRING, OFF(backend), 0, 0, 0, "auto", "auto | cuda | host"},
     {"device_memory_budget", CFG_BYTES, OFF(device_memory_budget), 0, 0, UINT64_MAX, "0",
-     "bytes of resident sets per device before unleased sets are evicted (0 = the device's memory)"},
+     "bytes of resident sets per device before unleased sets are evicted (0 = a GPU's own memory; "
+     "for the host backend, half of physical memory)"},
     {"host_pin_budget", CFG_BYTES, OFF(host_pin_budget), 0, 0, UINT64_MAX, "0",
      "bytes of checkpoint files kept registered for direct DMA (prefetch --pin; 0 = half of "
      "physical memory)"},
