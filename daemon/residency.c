@@ -40,6 +40,30 @@ static void timer_closed(uv_handle_t *h) {
 }
 
 /* Unlinks and frees a set that no lease, waiter or job uses. */
+/*
+ * Slabs evicted to make room for a load: the load job frees them before it
+ * allocates, so that the memory is really back when it asks for it.
+ */
+struct slab_list {
+  struct wd_slab **v;
+  size_t n, cap;
+};
+
+static void slab_list_push(struct slab_list *l, struct wd_slab *slab) {
+  if (slab == NULL) return;
+  if (l->n == l->cap) {
+    size_t cap = l->cap ? 2 * l->cap : 4;
+    struct wd_slab **nv = realloc(l->v, cap * sizeof *nv);
+    if (nv == NULL) { /* no memory to defer it: free it now */
+      wd->backend.ops->slab_free(wd->backend.ctx, slab);
+      return;
+    }
+    l->v = nv;
+    l->cap = cap;
+  }
+  l->v[l->n++] = slab;
+}
+
 /* Freeing a large slab takes long (host: ~57 ms per GiB to unmap): a job does it. */
 struct free_job {
   struct job job;
@@ -67,11 +91,13 @@ static void slab_release(struct wd_slab *slab) {
   jobs_submit(wd->jobs, &f->job);
 }
 
-static void set_destroy(struct res_set *s) {
+/* Unlinks and frees a set; its slab goes to `keep` when given, else to a free job. */
+static void set_destroy(struct res_set *s, struct slab_list *keep) {
   struct res_set **pp = &wd->sets;
   while (*pp != NULL && *pp != s) pp = &(*pp)->next;
   if (*pp == s) *pp = s->next;
-  slab_release(s->slab);
+  if (keep != NULL) slab_list_push(keep, s->slab);
+  else slab_release(s->slab);
   s->slab = NULL;
   if (s->device >= 0 && s->device < wd->ndevices) wd->devices[s->device].used -= s->plan->slab_bytes;
   plan_free(s->plan);
@@ -101,30 +127,34 @@ cJSON *res_set_json(const struct res_set *s) {
 
 /* ---- eviction -------------------------------------------------------------------- */
 
-int res_evict_set(struct res_set *s, struct wd_error *err) {
+static int evict(struct res_set *s, struct slab_list *keep, struct wd_error *err) {
   if (s->state == SET_LOADING) return err_set(err, WEIGHTD_E_BUSY, "set %s is still loading", s->id);
   if (s->leases > 0)
     return err_set(err, WEIGHTD_E_BUSY, "set %s has %d lease(s)", s->id, s->leases);
   log_msg(LOG_INFO, "evicted set %s (%s, %" PRIu64 " bytes)", s->id, s->ck->path, s->plan->slab_bytes);
-  set_destroy(s);
+  set_destroy(s, keep);
   return 0;
 }
 
-/* Evicts every unleased READY set of device; appends their ids to evicted (may be NULL). */
-size_t res_evict_device(int device, cJSON *evicted) {
+int res_evict_set(struct res_set *s, struct wd_error *err) { return evict(s, NULL, err); }
+
+/* Evicts every unleased READY set of device; ids to evicted (may be NULL), slabs to keep (may be NULL). */
+static size_t evict_device(int device, cJSON *evicted, struct slab_list *keep) {
   size_t n = 0;
   struct res_set *s = wd->sets;
   while (s != NULL) {
     struct res_set *next = s->next;
     if (s->device == device && s->state == SET_READY && s->leases == 0) {
       if (evicted) cJSON_AddItemToArray(evicted, cJSON_CreateString(s->id));
-      res_evict_set(s, NULL);
+      evict(s, keep, NULL);
       n++;
     }
     s = next;
   }
   return n;
 }
+
+size_t res_evict_device(int device, cJSON *evicted) { return evict_device(device, evicted, NULL); }
 
 /* Evicts unleased sets of device, least recently used first, until `need` more bytes fit. */
 /*
@@ -138,7 +168,7 @@ static uint64_t device_budget(int device) {
   return 0;
 }
 
-static bool make_room(int device, uint64_t need) {
+static bool make_room(int device, uint64_t need, struct slab_list *keep) {
   uint64_t budget = device_budget(device);
   if (budget == 0) return true; /* the device itself decides, at allocation */
   /* What eviction cannot free (leased or loading sets) must leave room, or nothing is evicted. */
@@ -154,7 +184,7 @@ static bool make_room(int device, uint64_t need) {
           (victim == NULL || s->last_used_ms < victim->last_used_ms))
         victim = s;
     if (victim == NULL) return false;
-    res_evict_set(victim, NULL);
+    evict(victim, keep, NULL);
   }
 }
 
@@ -251,6 +281,7 @@ static void reply_ready(struct request *req, struct res_set *s, bool shared) {
 struct load_job {
   struct job job;
   struct res_set *set;
+  struct slab_list to_free; /* evicted for this load: freed before it allocates */
   bool retried;
   int rc;
   struct wd_error err;
@@ -258,6 +289,8 @@ struct load_job {
 
 static void load_work(struct job *j) {
   struct load_job *lj = (struct load_job *)j;
+  for (size_t i = 0; i < lj->to_free.n; i++) wd->backend.ops->slab_free(wd->backend.ctx, lj->to_free.v[i]);
+  lj->to_free.n = 0;
   double t0 = now_s();
   lj->rc = ld_fill(lj->set, &lj->err);
   lj->set->seconds = now_s() - t0;
@@ -275,7 +308,7 @@ static void load_done(struct job *j) {
     return;
   }
   if (lj->rc == WEIGHTD_E_DEVICE_NOMEM && !lj->retried && !atomic_load(&s->cancel)) {
-    size_t n = res_evict_device(s->device, NULL);
+    size_t n = evict_device(s->device, NULL, &lj->to_free);
     if (n > 0) {
       log_msg(LOG_INFO, "device %d full: evicted %zu unleased set(s), retrying set %s", s->device, n, s->id);
       lj->retried = true;
@@ -312,8 +345,9 @@ static void load_done(struct job *j) {
       free(w);
       w = next;
     }
-    set_destroy(s);
+    set_destroy(s, NULL);
   }
+  free(lj->to_free.v);
   free(lj);
 }
 
@@ -364,11 +398,14 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, struct plan 
     }
     return;
   }
-  if (!make_room(device, plan->slab_bytes)) {
+  struct slab_list evicted = {0};
+  if (!make_room(device, plan->slab_bytes, &evicted)) {
     req_fail(req, WEIGHTD_E_DEVICE_NOMEM,
              "set of %" PRIu64 " bytes does not fit device %d's budget of %" PRIu64
              " bytes (%" PRIu64 " in use; leased and loading sets are never evicted)",
              plan->slab_bytes, device, device_budget(device), wd->devices[device].used);
+    for (size_t i = 0; i < evicted.n; i++) slab_release(evicted.v[i]);
+    free(evicted.v);
     free(key);
     plan_free(plan);
     reg_unref(ck);
@@ -377,6 +414,8 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, struct plan 
   s = calloc(1, sizeof *s);
   struct load_job *lj = calloc(1, sizeof *lj);
   if (s == NULL || lj == NULL) {
+    for (size_t i = 0; i < evicted.n; i++) slab_release(evicted.v[i]);
+    free(evicted.v);
     free(s);
     free(lj);
     free(key);
@@ -405,6 +444,7 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, struct plan 
   lj->job.work = load_work;
   lj->job.done = load_done;
   lj->set = s;
+  lj->to_free = evicted;
   log_msg(LOG_DEBUG, "loading set %s: %s, %zu tensors, %" PRIu64 " bytes", s->id, ck->path,
           plan->noutputs, plan->slab_bytes);
   jobs_submit(wd->jobs, &lj->job);
@@ -494,5 +534,5 @@ void res_cancel_all(void) {
 
 void res_shutdown(void) {
   while (wd->leases != NULL) lease_drop(&wd->leases);
-  while (wd->sets != NULL) set_destroy(wd->sets);
+  while (wd->sets != NULL) set_destroy(wd->sets, NULL);
 }
