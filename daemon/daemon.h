@@ -233,8 +233,21 @@ struct res_set *res_find_set(const char *id);
 void res_attach_ready(struct request *req, struct res_set *s);
 int res_release(struct conn *c, const char *lease_id, bool privileged, struct wd_error *err);
 void res_release_conn(struct conn *c);
-int res_evict_set(struct res_set *s, struct wd_error *err);
-size_t res_evict_device(int device, cJSON *evicted);
+/*
+ * Slabs taken from evicted sets by someone who frees them off the loop: a load
+ * that needs the room, or an evict request that answers once the memory is back.
+ */
+struct slab_list {
+  struct wd_slab **v;
+  size_t n, cap;
+};
+void slab_list_push(struct slab_list *l, struct wd_slab *slab);
+/* Frees every slab in the list (a job thread) and empties it. */
+void slab_list_free_now(struct slab_list *l);
+/* Evicts s; its slab goes to keep (NULL: freed on a job). */
+int res_evict_set(struct res_set *s, struct slab_list *keep, struct wd_error *err);
+/* Evicts every unleased ready set of device; ids to evicted (may be NULL), slabs to keep (may be NULL). */
+size_t res_evict_device(int device, cJSON *evicted, struct slab_list *keep);
 void res_request_gone(struct request *req);
 int res_cancel_request(struct request *target);
 void res_cancel_all(void);

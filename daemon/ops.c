@@ -464,29 +464,54 @@ static void op_release(struct request *r) {
   req_reply(r, rep, NULL, 0);
 }
 
+/* evict answers once the memory is back: the slabs are freed on a job first. */
+struct evict_job {
+  struct job job;
+  struct request *req;
+  cJSON *evicted;
+  struct slab_list slabs;
+};
+
+static void evict_work(struct job *j) { slab_list_free_now(&((struct evict_job *)j)->slabs); }
+
+static void evict_done(struct job *j) {
+  struct evict_job *ej = (struct evict_job *)j;
+  cJSON *rep = msg_reply_ok(ej->req->id);
+  cJSON_AddItemToObject(rep, "evicted", ej->evicted);
+  req_reply(ej->req, rep, NULL, 0);
+  free(ej);
+}
+
 static void op_evict(struct request *r) {
   struct wd_error err = {0};
   const char *set_id;
   if (!str_arg(r, "set", false, &set_id)) return;
-  cJSON *evicted = cJSON_CreateArray();
+  struct evict_job *ej = calloc(1, sizeof *ej);
+  if (ej == NULL || (ej->evicted = cJSON_CreateArray()) == NULL) {
+    free(ej);
+    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+    return;
+  }
   if (set_id != NULL) {
     struct res_set *s = res_find_set(set_id);
     if (s == NULL) err_set(&err, WEIGHTD_E_NOT_FOUND, "no resident set '%.64s'", set_id);
-    else if (res_evict_set(s, &err) == 0) cJSON_AddItemToArray(evicted, cJSON_CreateString(set_id));
+    else if (res_evict_set(s, &ej->slabs, &err) == 0) cJSON_AddItemToArray(ej->evicted, cJSON_CreateString(set_id));
   } else {
     const cJSON *dv = cJSON_GetObjectItemCaseSensitive(r->root, "device");
     int device;
     if (dv == NULL) err_set(&err, WEIGHTD_E_BAD_REQUEST, "evict needs 'set' or 'device'");
-    else if (dev_resolve(dv, &device, &err) == 0) res_evict_device(device, evicted);
+    else if (dev_resolve(dv, &device, &err) == 0) res_evict_device(device, ej->evicted, &ej->slabs);
   }
   if (err.code != 0) {
-    cJSON_Delete(evicted);
+    cJSON_Delete(ej->evicted);
+    free(ej);
     req_fail_err(r, &err);
     return;
   }
-  cJSON *rep = msg_reply_ok(r->id);
-  cJSON_AddItemToObject(rep, "evicted", evicted);
-  req_reply(r, rep, NULL, 0);
+  ej->job.work = evict_work;
+  ej->job.done = evict_done;
+  ej->req = r;
+  jobs_submit(wd->jobs, &ej->job);
 }
 
 static void op_status(struct request *r) {

@@ -40,16 +40,7 @@ static void timer_closed(uv_handle_t *h) {
 }
 
 /* Unlinks and frees a set that no lease, waiter or job uses. */
-/*
- * Slabs evicted to make room for a load: the load job frees them before it
- * allocates, so that the memory is really back when it asks for it.
- */
-struct slab_list {
-  struct wd_slab **v;
-  size_t n, cap;
-};
-
-static void slab_list_push(struct slab_list *l, struct wd_slab *slab) {
+void slab_list_push(struct slab_list *l, struct wd_slab *slab) {
   if (slab == NULL) return;
   if (l->n == l->cap) {
     size_t cap = l->cap ? 2 * l->cap : 4;
@@ -136,7 +127,7 @@ static int evict(struct res_set *s, struct slab_list *keep, struct wd_error *err
   return 0;
 }
 
-int res_evict_set(struct res_set *s, struct wd_error *err) { return evict(s, NULL, err); }
+int res_evict_set(struct res_set *s, struct slab_list *keep, struct wd_error *err) { return evict(s, keep, err); }
 
 /* Evicts every unleased READY set of device; ids to evicted (may be NULL), slabs to keep (may be NULL). */
 static size_t evict_device(int device, cJSON *evicted, struct slab_list *keep) {
@@ -154,7 +145,15 @@ static size_t evict_device(int device, cJSON *evicted, struct slab_list *keep) {
   return n;
 }
 
-size_t res_evict_device(int device, cJSON *evicted) { return evict_device(device, evicted, NULL); }
+size_t res_evict_device(int device, cJSON *evicted, struct slab_list *keep) {
+  return evict_device(device, evicted, keep);
+}
+
+void slab_list_free_now(struct slab_list *l) {
+  for (size_t i = 0; i < l->n; i++) wd->backend.ops->slab_free(wd->backend.ctx, l->v[i]);
+  free(l->v);
+  memset(l, 0, sizeof *l);
+}
 
 /* Evicts unleased sets of device, least recently used first, until `need` more bytes fit. */
 /*
