@@ -25,7 +25,8 @@ struct wd_config {
   uint64_t device_memory_budget; /* bytes per device for resident sets; 0 = no limit */
   uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier */
   uint64_t fill_threads;       /* 0 = one per online CPU */
-  uint64_t job_threads;
+  uint64_t job_threads;      /* loads, prefetches, frees */
+  uint64_t control_threads;  /* opens, checks, plans, status: never behind loads */
   uint64_t staging_slots;
   uint64_t staging_slot_bytes;
   uint64_t frame_timeout_ms;

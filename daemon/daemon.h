@@ -199,7 +199,8 @@ struct daemon {
   struct device_state *devices;
   char **roots; /* resolved model roots */
   size_t nroots;
-  struct jobs *jobs;
+  struct jobs *jobs; /* quick work: resolving, checking and opening checkpoints, plans, status */
+  struct jobs *bulk; /* long work: loads, prefetches, freeing slabs */
   struct fillpool *fill;
   char *socket_path;
   int listen_fd;

@@ -49,12 +49,14 @@ static void handle_closed(uv_handle_t *h) { (void)h; }
 
 /* Waits for running jobs (their loads were told to stop), then frees everything. */
 static void on_stop_tick(uv_timer_t *t) {
-  if (jobs_outstanding(wd->jobs) > 0) return;
+  if (jobs_outstanding(wd->jobs) > 0 || jobs_outstanding(wd->bulk) > 0) return;
   uv_timer_stop(t);
   uv_close((uv_handle_t *)t, handle_closed);
   server_close_all();
   res_shutdown();
   reg_shutdown();
+  jobs_stop(wd->bulk); /* may still free slabs: before the quick pool, which it does not use */
+  wd->bulk = NULL;
   jobs_stop(wd->jobs);
   wd->jobs = NULL;
   uv_close((uv_handle_t *)&wd->sigterm, handle_closed);
@@ -264,7 +266,9 @@ int main(int argc, char **argv) {
     goto fail;
   }
   d.loop = uv_default_loop();
-  if (jobs_start(d.loop, (unsigned)d.cfg.job_threads, &d.jobs, &err) != 0) goto fail;
+  if (jobs_start(d.loop, (unsigned)d.cfg.control_threads, &d.jobs, &err) != 0 ||
+      jobs_start(d.loop, (unsigned)d.cfg.job_threads, &d.bulk, &err) != 0)
+    goto fail;
   if (server_start(&err) != 0) goto fail;
   uv_signal_init(d.loop, &d.sigterm);
   uv_signal_init(d.loop, &d.sigint);
@@ -284,8 +288,9 @@ int main(int argc, char **argv) {
 fail:
   fprintf(stderr, "weightd: %s\n", err.msg[0] ? err.msg : "start-up failed");
   tell_parent(0);
-  if (d.jobs != NULL) {
-    jobs_stop(d.jobs);
+  if (d.jobs != NULL || d.bulk != NULL) {
+    if (d.jobs != NULL) jobs_stop(d.jobs);
+    if (d.bulk != NULL) jobs_stop(d.bulk);
     uv_run(d.loop, UV_RUN_DEFAULT);
   }
   daemon_free();

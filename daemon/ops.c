@@ -127,7 +127,7 @@ static void info_done(struct job *j) {
     cJSON_AddNumberToObject(d, "uptime_s", (double)(now_ms() - wd->started_ms) / 1000.0);
     msg_add_u64(d, "connections", wd->nconns);
     msg_add_string(d, "socket", wd->socket_path);
-    msg_add_u64(d, "jobs", jobs_outstanding(wd->jobs));
+    msg_add_u64(d, "jobs", jobs_outstanding(wd->jobs) + jobs_outstanding(wd->bulk));
     msg_add_u64(d, "fill_threads", fill_threads(wd->fill));
     cJSON *devs = cJSON_AddArrayToObject(r, "devices");
     for (int i = 0; i < wd->ndevices; i++) cJSON_AddItemToArray(devs, device_json(i));
@@ -511,7 +511,7 @@ static void op_evict(struct request *r) {
   ej->job.work = evict_work;
   ej->job.done = evict_done;
   ej->req = r;
-  jobs_submit(wd->jobs, &ej->job);
+  jobs_submit(wd->bulk, &ej->job);
 }
 
 static void op_status(struct request *r) {

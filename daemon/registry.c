@@ -484,6 +484,6 @@ int reg_prefetch(struct reg_ckpt *ck, bool pin, struct request *wait_req, struct
   }
   reg_ref(ck);
   ck->prefetching = true;
-  jobs_submit(wd->jobs, &p->job);
+  jobs_submit(wd->bulk, &p->job);
   return 0;
 }

@@ -71,7 +71,7 @@ static void free_done(struct job *j) { free(j); }
 static void slab_release(struct wd_slab *slab) {
   if (slab == NULL) return;
   struct free_job *f = calloc(1, sizeof *f);
-  if (f == NULL || wd->jobs == NULL) { /* no memory, or shutting down: free it here */
+  if (f == NULL || wd->bulk == NULL) { /* no memory, or shutting down: free it here */
     free(f);
     wd->backend.ops->slab_free(wd->backend.ctx, slab);
     return;
@@ -79,7 +79,7 @@ static void slab_release(struct wd_slab *slab) {
   f->job.work = free_work;
   f->job.done = free_done;
   f->slab = slab;
-  jobs_submit(wd->jobs, &f->job);
+  jobs_submit(wd->bulk, &f->job);
 }
 
 /* Unlinks and frees a set; its slab goes to `keep` when given, else to a free job. */
@@ -303,7 +303,7 @@ static void load_done(struct job *j) {
     log_msg(LOG_INFO, "set %s: canceled load restarted for a request that joined it", s->id);
     atomic_store(&s->cancel, false);
     atomic_store(&s->bytes_done, 0);
-    jobs_submit(wd->jobs, &lj->job);
+    jobs_submit(wd->bulk, &lj->job);
     return;
   }
   if (lj->rc == WEIGHTD_E_DEVICE_NOMEM && !lj->retried && !atomic_load(&s->cancel)) {
@@ -312,7 +312,7 @@ static void load_done(struct job *j) {
       log_msg(LOG_INFO, "device %d full: evicted %zu unleased set(s), retrying set %s", s->device, n, s->id);
       lj->retried = true;
       atomic_store(&s->bytes_done, 0);
-      jobs_submit(wd->jobs, &lj->job);
+      jobs_submit(wd->bulk, &lj->job);
       return;
     }
   }
@@ -446,7 +446,7 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, struct plan 
   lj->to_free = evicted;
   log_msg(LOG_DEBUG, "loading set %s: %s, %zu tensors, %" PRIu64 " bytes", s->id, ck->path,
           plan->noutputs, plan->slab_bytes);
-  jobs_submit(wd->jobs, &lj->job);
+  jobs_submit(wd->bulk, &lj->job);
 }
 
 void res_wait_set(struct request *req, struct res_set *s) {
