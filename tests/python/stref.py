@@ -9,8 +9,12 @@ import ctypes
 import json
 import os
 import re
+import shutil
+import socket
 import struct
 import subprocess
+import tempfile
+import time
 from dataclasses import dataclass, field
 
 import safetensors
@@ -368,3 +372,70 @@ def hexdump_case(buf, limit=4096):
     more = "" if head_len <= limit else f" ...(+{head_len - limit} header bytes)"
     return (f"file {len(buf)} bytes; prefix+header hex: {head.hex()}{more}; "
             f"{len(buf) - head_len} bytes after the header")
+
+
+# ---- a daemon for tests that go through it -------------------------------------------------------
+
+SANITIZER_MARKS = ("ERROR: AddressSanitizer", "LeakSanitizer", "runtime error:", "ThreadSanitizer")
+
+
+def weightd_path():
+    """$WEIGHTD, else the weightd beside $WEIGHTCTL."""
+    p = os.environ.get("WEIGHTD") or os.path.join(os.path.dirname(weightctl_path()), "weightd")
+    return os.path.abspath(p)
+
+
+class Daemon:
+    """A weightd (host backend) on a private socket, serving model_root."""
+
+    def __init__(self, model_root):
+        self.dir = tempfile.mkdtemp(prefix="wdpy-")
+        self.socket = os.path.join(self.dir, "s")
+        self.log_path = os.path.join(self.dir, "log")
+        self.log = open(self.log_path, "wb")
+        env = dict(os.environ)
+        env.pop("WEIGHTD_SOCKET", None)
+        self.proc = subprocess.Popen([weightd_path(), "--foreground", "--backend", "host", "--socket", self.socket,
+                                      "--model-root", str(model_root), "--log-level", "warn"],
+                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 30
+        while not self.listening():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = self.log_text()
+                self.stop()
+                raise AssertionError("weightd did not start:\n" + log)
+            time.sleep(0.01)
+
+    def listening(self):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(self.socket)
+            return True
+        except OSError:
+            return False
+        finally:
+            s.close()
+
+    def log_text(self):
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self):
+        """Stops the daemon; returns a complaint (bad exit, sanitizer report) or None."""
+        complaint = None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                complaint = "weightd did not stop within 30 s of SIGTERM"
+        self.log.close()
+        text = self.log_text()
+        if complaint is None and self.proc.returncode != 0:
+            complaint = f"weightd exited with {self.proc.returncode}"
+        if complaint is None and any(m in text for m in SANITIZER_MARKS):
+            complaint = "sanitizer report in weightd's log"
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return complaint and complaint + ":\n" + text[-6000:]

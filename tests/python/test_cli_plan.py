@@ -23,9 +23,6 @@ import os
 import shutil
 import socket
 import struct
-import subprocess
-import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -201,68 +198,21 @@ def check_export(ck, out_dir, plan, limit=4_000_000_000):
 # ---- the daemon -------------------------------------------------------------------------------
 
 
-def weightd_path():
-    p = os.environ.get("WEIGHTD") or os.path.join(os.path.dirname(stref.weightctl_path()), "weightd")
-    return os.path.abspath(p)
+def dctl(d, *args):
+    """weightctl against the test daemon; must succeed."""
+    return ok(["--socket", d.socket, *args], timeout=120)
 
 
-class Daemon:
-    """A weightd (host backend) on a private socket, for the CLI and raw clients."""
-
-    def __init__(self, model_root):
-        self.dir = tempfile.mkdtemp(prefix="wdcp-")
-        self.socket = os.path.join(self.dir, "s")
-        self.log_path = os.path.join(self.dir, "log")
-        self.log = open(self.log_path, "wb")
-        env = dict(os.environ)
-        env.pop("WEIGHTD_SOCKET", None)
-        self.proc = subprocess.Popen([weightd_path(), "--foreground", "--backend", "host", "--socket", self.socket,
-                                      "--model-root", str(model_root), "--log-level", "warn"],
-                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        # Listening, not just bound: the socket file exists a moment before listen().
-        deadline = time.monotonic() + 30
-        while not self.listening():
-            assert self.proc.poll() is None and time.monotonic() < deadline, "weightd did not start:\n" + self.text()
-            time.sleep(0.01)
-
-    def listening(self):
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(self.socket)
-            return True
-        except OSError:
-            return False
-        finally:
-            s.close()
-
-    def text(self):
-        return read_file(self.log_path).decode(errors="replace")
-
-    def ctl(self, *args):
-        return ok(["--socket", self.socket, *args], timeout=120)
-
-    def ctl_result(self, *args):
-        return stref.run_ctl(["--socket", self.socket, *map(str, args)], timeout=120)
-
-    def stop(self):
-        self.proc.terminate()
-        try:
-            code = self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self.log.close()
-        text = self.text()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        assert code == 0, f"weightd exited with {code}:\n{text[-4000:]}"
-        assert "AddressSanitizer" not in text and "runtime error:" not in text, text[-4000:]
+def dctl_result(d, *args):
+    return stref.run_ctl(["--socket", d.socket, *map(str, args)], timeout=120)
 
 
 @pytest.fixture
 def daemon(ck):
-    d = Daemon(ck.parent)
+    d = stref.Daemon(ck.parent)
     yield d
-    d.stop()
+    complaint = d.stop()
+    assert complaint is None, complaint
 
 
 def attach_raw(sock_path, req):
@@ -537,7 +487,7 @@ def test_export_round_trip(tmp_path, ck, daemon):
             slab.close()
             conn.close()
         # And so does the CLI: attach by path with the same flags verifies every byte.
-        res = daemon.ctl("attach", ck, *flags, "--verify")
+        res = dctl(daemon, "attach", ck, *flags, "--verify")
         assert f"verified {len(plan['outputs'])} tensors, {plan['payload_bytes']} bytes" in res.stdout
 
 
@@ -584,11 +534,11 @@ def test_verify_uses_the_plan(tmp_path, ck, daemon):
     shutil.copytree(ck, copy)
     try:
         flags = ["--tp-size", "2", "--tp-rank", "1"]
-        daemon.ctl("load", copy, *flags)
-        sets = json.loads(daemon.ctl("--json", "status").stdout)["sets"]
+        dctl(daemon, "load", copy, *flags)
+        sets = json.loads(dctl(daemon, "--json", "status").stdout)["sets"]
         (s,) = [x for x in sets if x["path"] == os.path.realpath(copy)]
         assert s["plan"]["tp_rank"] == 1
-        daemon.ctl("attach", s["set"], "--verify")
+        dctl(daemon, "attach", s["set"], "--verify")
 
         src = Source(copy)
         name = "model.layers.0.mlp.down_proj.weight"
@@ -605,10 +555,10 @@ def test_verify_uses_the_plan(tmp_path, ck, daemon):
             os.rename(tmp, copy / "model.safetensors")
 
         rewrite(base + 100)  # row 0, column 50: rank 0's half of the row-parallel down_proj
-        res = daemon.ctl_result("attach", s["set"], "--verify")
+        res = dctl_result(daemon, "attach", s["set"], "--verify")
         assert res.returncode == 0, res.describe()
         rewrite(base + 2 * (INTER // 2) + 6)  # row 0, column 1539: rank 1's half
-        res = daemon.ctl_result("attach", s["set"], "--verify")
+        res = dctl_result(daemon, "attach", s["set"], "--verify")
         problem = stref.error_line_problem(res)
         assert problem is None, problem + "\n" + res.describe()
         assert f"tensor '{name}' differs" in res.stderr and "at byte 6 of the tensor" in res.stderr, res.stderr

@@ -20,9 +20,6 @@ import os
 import shutil
 import socket
 import struct
-import subprocess
-import tempfile
-import time
 
 import numpy as np
 import pytest
@@ -677,58 +674,6 @@ def test_reference_fused_is_unfused_concatenated(models):
 # ---- the daemon ---------------------------------------------------------------------------------
 
 
-SANITIZER_MARKS = ("ERROR: AddressSanitizer", "LeakSanitizer", "runtime error:", "ThreadSanitizer")
-
-
-def weightd_path():
-    p = os.environ.get("WEIGHTD") or os.path.join(os.path.dirname(stref.weightctl_path()), "weightd")
-    return os.path.abspath(p)
-
-
-class Daemon:
-    def __init__(self, model_root):
-        self.dir = tempfile.mkdtemp(prefix="wdl-")
-        self.socket = os.path.join(self.dir, "s")
-        self.log_path = os.path.join(self.dir, "log")
-        self.log = open(self.log_path, "wb")
-        env = dict(os.environ)
-        env.pop("WEIGHTD_SOCKET", None)
-        self.proc = subprocess.Popen([weightd_path(), "--foreground", "--backend", "host", "--socket", self.socket,
-                                      "--model-root", model_root, "--log-level", "warn"],
-                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 30
-        while not os.path.exists(self.socket):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                log = self.log_text()
-                self.stop()
-                raise AssertionError("weightd did not start:\n" + log)
-            time.sleep(0.01)
-
-    def log_text(self):
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def stop(self):
-        """Stops the daemon; returns a complaint (bad exit, sanitizer report) or None."""
-        complaint = None
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                complaint = "weightd did not stop within 30 s of SIGTERM"
-        self.log.close()
-        text = self.log_text()
-        if complaint is None and self.proc.returncode != 0:
-            complaint = f"weightd exited with {self.proc.returncode}"
-        if complaint is None and any(m in text for m in SANITIZER_MARKS):
-            complaint = "sanitizer report in weightd's log"
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return complaint and complaint + ":\n" + text[-6000:]
-
-
 class Client:
     """The protocol as docs/protocol.md writes it: length-prefixed JSON, fds on the first byte."""
 
@@ -773,10 +718,10 @@ class Client:
 
 @pytest.fixture(scope="module")
 def daemon(models, weightctl):
-    if not os.access(weightd_path(), os.X_OK):
-        pytest.fail(f"weightd not found at {weightd_path()} (set WEIGHTD to the built binary)")
+    if not os.access(stref.weightd_path(), os.X_OK):
+        pytest.fail(f"weightd not found at {stref.weightd_path()} (set WEIGHTD to the built binary)")
     root = os.path.dirname(models["qwen3"])
-    d = Daemon(root)
+    d = stref.Daemon(root)
     yield d
     complaint = d.stop()
     assert complaint is None, complaint
