@@ -220,12 +220,6 @@ static int files_assign(struct exporter *x, uint64_t max) {
   return 0;
 }
 
-static cJSON *json_u64(uint64_t v) {
-  char buf[24];
-  snprintf(buf, sizeof buf, "%" PRIu64, v);
-  return cJSON_CreateRaw(buf);
-}
-
 /*
  * The header of file f: the 8-byte length, then the JSON padded with spaces
  * to a multiple of 8. A new buffer of *len bytes, or NULL.
@@ -242,10 +236,10 @@ static char *header_build(const struct exporter *x, const struct out_file *f, co
     cJSON *t = cJSON_CreateObject();
     cJSON_AddStringToObject(t, "dtype", dtype_name(o->dtype));
     cJSON *shape = cJSON_AddArrayToObject(t, "shape");
-    for (unsigned d = 0; d < o->ndim; d++) cJSON_AddItemToArray(shape, json_u64(o->shape[d]));
+    for (unsigned d = 0; d < o->ndim; d++) cJSON_AddItemToArray(shape, ctl_json_u64(o->shape[d]));
     cJSON *offs = cJSON_AddArrayToObject(t, "data_offsets");
-    cJSON_AddItemToArray(offs, json_u64(x->data_off[i]));
-    cJSON_AddItemToArray(offs, json_u64(x->data_off[i] + o->nbytes));
+    cJSON_AddItemToArray(offs, ctl_json_u64(x->data_off[i]));
+    cJSON_AddItemToArray(offs, ctl_json_u64(x->data_off[i] + o->nbytes));
     cJSON_AddItemToObject(h, o->name, t);
   }
   char *text = cJSON_PrintUnformatted(h);
@@ -556,8 +550,8 @@ static void print_done(const struct exporter *x, const struct export_opts *o, in
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "out", o->out);
     cJSON_AddItemToObject(r, "plan", cJSON_Parse(p->key));
-    cJSON_AddItemToObject(r, "tensors", json_u64(p->noutputs));
-    cJSON_AddItemToObject(r, "bytes", json_u64(p->payload_bytes));
+    cJSON_AddItemToObject(r, "tensors", ctl_json_u64(p->noutputs));
+    cJSON_AddItemToObject(r, "bytes", ctl_json_u64(p->payload_bytes));
     cJSON *files = cJSON_AddArrayToObject(r, "files");
     for (size_t f = 0; f < x->nfiles; f++) cJSON_AddItemToArray(files, cJSON_CreateString(x->files[f].name));
     if (x->nfiles > 1) cJSON_AddItemToArray(files, cJSON_CreateString(INDEX_NAME));
