@@ -92,7 +92,6 @@ struct fill_run {
   unsigned char *dst;
   size_t ntasks;
   uint64_t task;
-  bool count_progress;
   pthread_mutex_t lock;
   int rc;
   struct wd_error err;
@@ -113,27 +112,34 @@ static void fill_task(void *arg, size_t i) {
     pthread_mutex_unlock(&r->lock);
     return;
   }
-  if (r->count_progress) atomic_fetch_add(&r->set->bytes_done, b - a);
+  atomic_fetch_add(&r->set->bytes_done, b - a);
 }
 
-/* Gathers slab bytes [lo, hi) into dst on the fill threads. */
-static int fill_window(struct res_set *s, uint64_t lo, uint64_t hi, unsigned char *dst, bool count_progress,
-                       struct wd_error *err) {
+/* Per shard, where its data section starts in the mapping (a new array, or NULL). */
+static const unsigned char **shard_data(const struct res_set *s) {
   const struct ckpt *c = s->ck->ck;
   const unsigned char **data = malloc((c->nshards ? c->nshards : 1) * sizeof *data);
-  if (data == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  for (size_t i = 0; i < c->nshards; i++)
+  for (size_t i = 0; data != NULL && i < c->nshards; i++)
     data[i] = s->ck->maps[i] ? (const unsigned char *)s->ck->maps[i] + c->shards[i].hdr->data_start : NULL;
-  struct fill_run r = {.set = s, .data = data, .lo = lo, .hi = hi, .dst = dst, .count_progress = count_progress};
-  /* Two tasks per fill thread, 1 to 8 MiB each, in 64 KiB multiples. */
-  uint64_t task = (hi - lo) / (2 * (uint64_t)fill_threads(wd->fill));
+  return data;
+}
+
+/* Bytes per fill task for a window: two tasks per fill thread, 1 to 8 MiB each, in 64 KiB multiples. */
+static uint64_t task_bytes(uint64_t window) {
+  uint64_t task = window / (2 * (uint64_t)fill_threads(wd->fill));
   task = task < LD_TASK_MIN ? LD_TASK_MIN : task > LD_TASK_MAX ? LD_TASK_MAX : task;
-  r.task = (task + 65535) / 65536 * 65536;
+  return (task + 65535) / 65536 * 65536;
+}
+
+/* Gathers slab bytes [lo, hi) into dst on the fill threads, counting progress. */
+static int fill_window(struct res_set *s, const unsigned char **data, uint64_t lo, uint64_t hi,
+                       unsigned char *dst, struct wd_error *err) {
+  struct fill_run r = {.set = s, .data = data, .lo = lo, .hi = hi, .dst = dst};
+  r.task = task_bytes(hi - lo);
   r.ntasks = (size_t)((hi - lo + r.task - 1) / r.task);
   pthread_mutex_init(&r.lock, NULL);
   fill_run(wd->fill, r.ntasks, fill_task, &r);
   pthread_mutex_destroy(&r.lock);
-  free(data);
   if (r.rc != 0) *err = r.err;
   return r.rc;
 }
@@ -147,14 +153,16 @@ static int check_cancel(struct res_set *s, struct wd_error *err) {
 
 static int fill_memcpy(struct res_set *s, struct wd_error *err) {
   const uint64_t window = 256ull << 20; /* cancellation is checked between windows */
-  for (uint64_t lo = 0; lo < s->plan->slab_bytes; lo += window) {
-    int rc = check_cancel(s, err);
-    if (rc != 0) return rc;
+  const unsigned char **data = shard_data(s);
+  if (data == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  int rc = 0;
+  for (uint64_t lo = 0; lo < s->plan->slab_bytes && rc == 0; lo += window) {
+    if ((rc = check_cancel(s, err)) != 0) break;
     uint64_t hi = lo + window < s->plan->slab_bytes ? lo + window : s->plan->slab_bytes;
-    rc = fill_window(s, lo, hi, (unsigned char *)s->slab->host_view + lo, true, err);
-    if (rc != 0) return rc;
+    rc = fill_window(s, data, lo, hi, (unsigned char *)s->slab->host_view + lo, err);
   }
-  return 0;
+  free(data);
+  return rc;
 }
 
 /* ---- staged: pinned slots and a stream per slot -------------------------------------- */
@@ -246,15 +254,11 @@ static void staged_task(void *arg, size_t i) {
 static int fill_staged(struct res_set *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = wd->backend.ops;
   struct staging *st = &stagings[s->device];
-  const struct ckpt *c = s->ck->ck;
   struct staged_run r = {.set = s, .st = st, .total = s->plan->slab_bytes};
   r.windows = (size_t)((r.total + st->slot_bytes - 1) / st->slot_bytes);
-  /* Two tasks per fill thread per window, 1 to 8 MiB each, in 64 KiB multiples. */
-  uint64_t task = st->slot_bytes / (2 * (uint64_t)fill_threads(wd->fill));
-  task = task < LD_TASK_MIN ? LD_TASK_MIN : task > LD_TASK_MAX ? LD_TASK_MAX : task;
-  r.task = (task + 65535) / 65536 * 65536;
+  r.task = task_bytes(st->slot_bytes);
   r.per_window = (size_t)((st->slot_bytes + r.task - 1) / r.task);
-  r.data = malloc((c->nshards ? c->nshards : 1) * sizeof *r.data);
+  r.data = shard_data(s);
   r.left = malloc((r.windows ? r.windows : 1) * sizeof *r.left);
   r.issued = calloc(st->nslots, sizeof *r.issued);
   if (r.data == NULL || r.left == NULL || r.issued == NULL) {
@@ -263,8 +267,6 @@ static int fill_staged(struct res_set *s, struct wd_error *err) {
     free(r.issued);
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
-  for (size_t i = 0; i < c->nshards; i++)
-    r.data[i] = s->ck->maps[i] ? (const unsigned char *)s->ck->maps[i] + c->shards[i].hdr->data_start : NULL;
   for (size_t w = 0; w < r.windows; w++) atomic_init(&r.left[w], r.per_window);
   pthread_mutex_init(&r.lock, NULL);
   pthread_cond_init(&r.moved, NULL);
