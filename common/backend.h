@@ -22,7 +22,7 @@
 #include "error.h"
 
 #define WD_UUID_MAX 64
-#define WD_IPC_HANDLE_BYTES 64
+#include "ipc_handle.h"
 
 struct wd_device_info {
   int index;               /* the daemon's index */

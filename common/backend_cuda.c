@@ -25,6 +25,8 @@
 /* cudaHostRegister is asked for at most this much at once. */
 #define CUDA_REGISTER_CHUNK (64ull << 30)
 
+_Static_assert(sizeof(cudaIpcMemHandle_t) == WD_IPC_HANDLE_BYTES, "the IPC handle size libweightd expects");
+
 struct cuda_ctx {
   int ndev;
 };
@@ -114,7 +116,7 @@ static int cu_slab_export(void *ctx, struct wd_slab *s, struct wd_handle *out, s
   out->kind = WD_HANDLE_CUDA_IPC;
   out->fd = -1;
   out->bytes = s->bytes;
-  memcpy(out->ipc, &h, sizeof h < WD_IPC_HANDLE_BYTES ? sizeof h : WD_IPC_HANDLE_BYTES);
+  memcpy(out->ipc, &h, sizeof h);
   return 0;
 }
 

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "jsonutil.h"
 #include "modelcfg.h"
 
 /* ---- the plan object ---------------------------------------------------------- */
@@ -913,14 +914,6 @@ fail:
 
 /* ---- describing and gathering ------------------------------------------------------------------ */
 
-/* Adds an exact 64-bit integer (cJSON keeps doubles). */
-static void add_u64(cJSON *o, const char *key, uint64_t v) {
-  char buf[24];
-  snprintf(buf, sizeof buf, "%" PRIu64, v);
-  if (key != NULL) cJSON_AddItemToObject(o, key, cJSON_CreateRaw(buf));
-  else cJSON_AddItemToArray(o, cJSON_CreateRaw(buf));
-}
-
 static cJSON *outputs_json(const struct plan *p, bool with_pieces) {
   cJSON *outs = cJSON_CreateArray();
   for (size_t i = 0; outs != NULL && i < p->noutputs; i++) {
@@ -929,20 +922,20 @@ static cJSON *outputs_json(const struct plan *p, bool with_pieces) {
     cJSON_AddStringToObject(jo, "name", po->name);
     cJSON_AddStringToObject(jo, "dtype", dtype_name(po->dtype));
     cJSON *sh = cJSON_AddArrayToObject(jo, "shape");
-    for (unsigned d = 0; d < po->ndim; d++) add_u64(sh, NULL, po->shape[d]);
-    add_u64(jo, "offset", po->offset);
-    add_u64(jo, "nbytes", po->nbytes);
+    for (unsigned d = 0; d < po->ndim; d++) json_u64_add(sh, NULL, po->shape[d]);
+    json_u64_add(jo, "offset", po->offset);
+    json_u64_add(jo, "nbytes", po->nbytes);
     cJSON *pcs = with_pieces ? cJSON_AddArrayToObject(jo, "pieces") : NULL;
     for (size_t k = 0; pcs != NULL && k < po->npieces; k++) {
       const struct plan_piece *pc = &po->pieces[k];
       cJSON *jp = cJSON_CreateObject();
       if (pc->src == NULL) {
-        add_u64(jp, "zeros", pc->end);
+        json_u64_add(jp, "zeros", pc->end);
       } else {
         cJSON_AddStringToObject(jp, "tensor", pc->src->t->name);
         cJSON_AddNumberToObject(jp, "dim", pc->dim);
-        add_u64(jp, "start", pc->start);
-        add_u64(jp, "end", pc->end);
+        json_u64_add(jp, "start", pc->start);
+        json_u64_add(jp, "end", pc->end);
       }
       cJSON_AddItemToArray(pcs, jp);
     }
@@ -955,8 +948,8 @@ cJSON *plan_describe(const struct plan *p) {
   cJSON *o = cJSON_CreateObject();
   if (o == NULL) return NULL;
   cJSON_AddItemToObject(o, "key", cJSON_Parse(p->key));
-  add_u64(o, "payload_bytes", p->payload_bytes);
-  add_u64(o, "slab_bytes", p->slab_bytes);
+  json_u64_add(o, "payload_bytes", p->payload_bytes);
+  json_u64_add(o, "slab_bytes", p->slab_bytes);
   cJSON_AddItemToObject(o, "outputs", outputs_json(p, true));
   return o;
 }

@@ -21,6 +21,7 @@
 
 #include "backend.h"
 #include "checkpoint.h"
+#include "clock.h"
 #include "config.h"
 #include "error.h"
 #include "fillpool.h"
@@ -222,8 +223,6 @@ struct daemon {
 
 extern struct daemon *wd;
 
-uint64_t now_ms(void);
-double now_s(void);
 
 /* Residency operations (residency.c). */
 /* Finds or starts the set for (ck, device, plan); takes the references to ck and plan. */

@@ -6,7 +6,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "weightd.h"
+#include "error.h"
 
 static _Thread_local sigjmp_buf *recovery;
 

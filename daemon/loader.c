@@ -348,9 +348,9 @@ static int fill_direct(struct res_set *s, struct wd_error *err) {
 
 int ld_fill(struct res_set *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = wd->backend.ops;
-  double t0 = now_s();
+  double t0 = clock_s();
   int rc = ops->slab_alloc(wd->backend.ctx, s->device, s->plan->slab_bytes, &s->slab, err);
-  s->alloc_seconds = now_s() - t0;
+  s->alloc_seconds = clock_s() - t0;
   if (rc != 0) return rc;
   bool force_staged = strcmp(wd->cfg.load_method, "staged") == 0;
   if (force_staged) {

@@ -21,18 +21,6 @@ struct daemon *wd;
 static uv_timer_t stop_timer;
 static int ready_fd = -1;
 
-uint64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 static void usage(FILE *f) {
   fprintf(f,
           "usage: weightd [--config FILE] [--socket PATH] [--backend auto|cuda|host]\n"
@@ -275,7 +263,7 @@ int main(int argc, char **argv) {
   uv_signal_start(&d.sigterm, on_signal, SIGTERM);
   uv_signal_start(&d.sigint, on_signal, SIGINT);
   signal(SIGPIPE, SIG_IGN);
-  d.started_ms = now_ms();
+  d.started_ms = clock_ms();
   log_msg(LOG_INFO, "weightd %s: %s backend, %d device(s), %u fill threads, listening on %s",
           weightd_version_string(), d.backend_name, d.ndevices, fill, d.socket_path);
   fprintf(stderr, "weightd: listening on %s\n", d.socket_path);

@@ -12,6 +12,7 @@
 
 #include "daemon.h"
 #include "log.h"
+#include "jsonutil.h"
 #include "msg.h"
 #include "pathutil.h"
 
@@ -27,30 +28,30 @@ cJSON *ops_checkpoint_json(const struct reg_ckpt *ck, uint64_t resident) {
   cJSON *o = cJSON_CreateObject();
   msg_add_string(o, "path", ck->path);
   msg_add_string(o, "layout", ckpt_layout_name(ck->ck->layout));
-  msg_add_u64(o, "shards", ck->ck->nshards);
-  msg_add_u64(o, "tensors", ck->ck->ntensors);
-  msg_add_u64(o, "bytes", ck->ck->total_bytes);
-  msg_add_u64(o, "resident_bytes", resident);
+  json_u64_add(o, "shards", ck->ck->nshards);
+  json_u64_add(o, "tensors", ck->ck->ntensors);
+  json_u64_add(o, "bytes", ck->ck->total_bytes);
+  json_u64_add(o, "resident_bytes", resident);
   cJSON_AddBoolToObject(o, "pinned", atomic_load(&ck->pinned));
-  msg_add_u64(o, "pinned_bytes", ck->pinned_bytes);
+  json_u64_add(o, "pinned_bytes", ck->pinned_bytes);
   cJSON_AddBoolToObject(o, "prefetching", ck->prefetching);
   int sets = 0;
   for (struct res_set *s = wd->sets; s != NULL; s = s->next)
     if (s->ck == ck) sets++;
-  msg_add_u64(o, "sets", (uint64_t)sets);
+  json_u64_add(o, "sets", (uint64_t)sets);
   return o;
 }
 
 static cJSON *device_json(int i) {
   const struct device_state *d = &wd->devices[i];
   cJSON *o = cJSON_CreateObject();
-  msg_add_u64(o, "index", (uint64_t)i);
+  json_u64_add(o, "index", (uint64_t)i);
   msg_add_string(o, "uuid", d->info.uuid);
   msg_add_string(o, "name", d->info.name);
-  msg_add_u64(o, "memory_total", d->info.memory_total);
-  msg_add_u64(o, "memory_free", d->info.memory_free);
-  msg_add_u64(o, "budget", wd->cfg.device_memory_budget);
-  msg_add_u64(o, "used", d->used);
+  json_u64_add(o, "memory_total", d->info.memory_total);
+  json_u64_add(o, "memory_free", d->info.memory_free);
+  json_u64_add(o, "budget", wd->cfg.device_memory_budget);
+  json_u64_add(o, "used", d->used);
   return o;
 }
 
@@ -122,13 +123,13 @@ static void info_done(struct job *j) {
   } else {
     cJSON *d = cJSON_AddObjectToObject(r, "daemon");
     msg_add_string(d, "version", weightd_version_string());
-    msg_add_u64(d, "pid", (uint64_t)getpid());
+    json_u64_add(d, "pid", (uint64_t)getpid());
     msg_add_string(d, "backend", wd->backend_name);
-    cJSON_AddNumberToObject(d, "uptime_s", (double)(now_ms() - wd->started_ms) / 1000.0);
-    msg_add_u64(d, "connections", wd->nconns);
+    cJSON_AddNumberToObject(d, "uptime_s", (double)(clock_ms() - wd->started_ms) / 1000.0);
+    json_u64_add(d, "connections", wd->nconns);
     msg_add_string(d, "socket", wd->socket_path);
-    msg_add_u64(d, "jobs", jobs_outstanding(wd->jobs) + jobs_outstanding(wd->bulk));
-    msg_add_u64(d, "fill_threads", fill_threads(wd->fill));
+    json_u64_add(d, "jobs", jobs_outstanding(wd->jobs) + jobs_outstanding(wd->bulk));
+    json_u64_add(d, "fill_threads", fill_threads(wd->fill));
     cJSON *devs = cJSON_AddArrayToObject(r, "devices");
     for (int i = 0; i < wd->ndevices; i++) cJSON_AddItemToArray(devs, device_json(i));
     cJSON *cks = cJSON_AddArrayToObject(r, "checkpoints");
@@ -138,7 +139,7 @@ static void info_done(struct job *j) {
     for (struct res_set *s = wd->sets; s != NULL; s = s->next) cJSON_AddItemToArray(sets, res_set_json(s));
     uint64_t nleases = 0;
     for (struct lease *l = wd->leases; l != NULL; l = l->next) nleases++;
-    msg_add_u64(d, "leases", nleases);
+    json_u64_add(d, "leases", nleases);
   }
   req_reply(ij->req, r, NULL, 0);
   for (size_t i = 0; i < ij->n; i++) reg_unref(ij->cks[i]);
@@ -207,16 +208,16 @@ static void op_hello(struct request *r) {
     req_fail_err(r, &err);
     return;
   }
-  if (proto != WIRE_PROTOCOL_VERSION) {
-    req_fail(r, WEIGHTD_E_VERSION, "this daemon speaks protocol %d, not %" PRIu64, WIRE_PROTOCOL_VERSION, proto);
+  if (proto != WEIGHTD_PROTOCOL_VERSION) {
+    req_fail(r, WEIGHTD_E_VERSION, "this daemon speaks protocol %d, not %" PRIu64, WEIGHTD_PROTOCOL_VERSION, proto);
     return;
   }
   r->conn->hello_done = true;
   cJSON *rep = msg_reply_ok(r->id);
-  msg_add_u64(rep, "protocol", WIRE_PROTOCOL_VERSION);
+  json_u64_add(rep, "protocol", WEIGHTD_PROTOCOL_VERSION);
   msg_add_string(rep, "version", weightd_version_string());
   msg_add_string(rep, "backend", wd->backend_name);
-  msg_add_u64(rep, "pid", (uint64_t)getpid());
+  json_u64_add(rep, "pid", (uint64_t)getpid());
   cJSON *devs = cJSON_AddArrayToObject(rep, "devices");
   for (int i = 0; i < wd->ndevices; i++) cJSON_AddItemToArray(devs, device_json(i));
   req_reply(r, rep, NULL, 0);

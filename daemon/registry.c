@@ -217,7 +217,7 @@ static void acquire_done(struct job *j) {
     struct reg_ckpt *e = a->entry;
     a->entry = NULL;
     if (a->rc == 0 && !e->detached) {
-      e->last_used_ms = now_ms();
+      e->last_used_ms = clock_ms();
       a->cb(a->req, e, NULL); /* passes our reference on */
       acquire_free(a);
       return;
@@ -235,7 +235,7 @@ static void acquire_done(struct job *j) {
     struct reg_ckpt *e = a->entry;
     if (a->rc == 0) {
       e->state = REG_OPEN;
-      e->last_used_ms = now_ms();
+      e->last_used_ms = clock_ms();
       log_msg(LOG_INFO, "opened %s: %zu shards, %zu tensors, %llu bytes", e->path, e->ck->nshards,
               e->ck->ntensors, (unsigned long long)e->ck->total_bytes);
       notify_waiters(e, NULL);
@@ -357,7 +357,7 @@ static void prefetch_work(struct job *j) {
   }
   fill_run(wd->fill, n, prefetch_chunk, p);
   if (p->pin && !atomic_load(&p->failed)) {
-    double t0 = now_s();
+    double t0 = clock_s();
     size_t s = 0;
     for (; s < c->nshards; s++) {
       if (p->ck->maps[s] == NULL) continue;
@@ -370,7 +370,7 @@ static void prefetch_work(struct job *j) {
         if (p->ck->maps[u] != NULL) wd->backend.ops->host_unregister(wd->backend.ctx, p->ck->maps[u], c->shards[u].size);
     } else {
       log_msg(LOG_INFO, "%s: registered %llu bytes for direct DMA in %.0f ms", p->ck->path,
-              (unsigned long long)p->ck->pinned_bytes, (now_s() - t0) * 1000);
+              (unsigned long long)p->ck->pinned_bytes, (clock_s() - t0) * 1000);
     }
   }
   p->resident = reg_resident_bytes(p->ck);

@@ -16,6 +16,7 @@
 
 #include "daemon.h"
 #include "log.h"
+#include "jsonutil.h"
 #include "msg.h"
 
 /* ---- lookup and bookkeeping --------------------------------------------------- */
@@ -105,10 +106,10 @@ cJSON *res_set_json(const struct res_set *s) {
   msg_add_string(o, "device", wd->devices[s->device].info.uuid);
   cJSON_AddItemToObject(o, "plan", cJSON_Parse(s->plan->key));
   msg_add_string(o, "state", states[s->state]);
-  msg_add_u64(o, "bytes", s->plan->slab_bytes);
-  msg_add_u64(o, "tensors", s->plan->noutputs);
-  msg_add_u64(o, "leases", (uint64_t)s->leases);
-  if (s->state == SET_LOADING) msg_add_u64(o, "bytes_done", atomic_load(&s->bytes_done));
+  json_u64_add(o, "bytes", s->plan->slab_bytes);
+  json_u64_add(o, "tensors", s->plan->noutputs);
+  json_u64_add(o, "leases", (uint64_t)s->leases);
+  if (s->state == SET_LOADING) json_u64_add(o, "bytes_done", atomic_load(&s->bytes_done));
   if (s->state == SET_READY) {
     cJSON_AddNumberToObject(o, "seconds", s->seconds);
     msg_add_string(o, "method", s->method);
@@ -193,9 +194,9 @@ static void reply_loaded(struct request *req, struct res_set *s, bool shared) {
   cJSON *r = msg_reply_ok(req->id);
   msg_add_string(r, "set", s->id);
   msg_add_string(r, "device", wd->devices[s->device].info.uuid);
-  msg_add_u64(r, "bytes", s->plan->slab_bytes);
-  msg_add_u64(r, "payload_bytes", s->plan->payload_bytes);
-  msg_add_u64(r, "tensors", s->plan->noutputs);
+  json_u64_add(r, "bytes", s->plan->slab_bytes);
+  json_u64_add(r, "payload_bytes", s->plan->payload_bytes);
+  json_u64_add(r, "tensors", s->plan->noutputs);
   cJSON_AddNumberToObject(r, "seconds", s->seconds);
   cJSON_AddNumberToObject(r, "alloc_seconds", s->alloc_seconds);
   cJSON_AddNumberToObject(r, "gib_per_s",
@@ -234,20 +235,20 @@ void res_attach_ready(struct request *req, struct res_set *s) {
   l->next = wd->leases;
   wd->leases = l;
   s->leases++;
-  s->last_used_ms = now_ms();
+  s->last_used_ms = clock_ms();
 
   cJSON *r = msg_reply_ok(req->id);
   msg_add_string(r, "set", s->id);
   msg_add_string(r, "lease", l->id);
   msg_add_string(r, "device", wd->devices[s->device].info.uuid);
-  msg_add_u64(r, "bytes", s->plan->slab_bytes);
+  json_u64_add(r, "bytes", s->plan->slab_bytes);
   cJSON *handles = cJSON_AddArrayToObject(r, "handles");
   cJSON *ho = cJSON_CreateObject();
   int fds[1];
   size_t nfds = 0;
   if (h.kind == WD_HANDLE_FD) {
     msg_add_string(ho, "kind", "fd");
-    msg_add_u64(ho, "fd_index", 0);
+    json_u64_add(ho, "fd_index", 0);
     fds[nfds++] = h.fd;
   } else {
     char hex[2 * WD_IPC_HANDLE_BYTES + 1];
@@ -255,7 +256,7 @@ void res_attach_ready(struct request *req, struct res_set *s) {
     msg_add_string(ho, "kind", "cuda_ipc");
     msg_add_string(ho, "handle", hex);
   }
-  msg_add_u64(ho, "bytes", h.bytes);
+  json_u64_add(ho, "bytes", h.bytes);
   cJSON_AddItemToArray(handles, ho);
   if (s->table_json == NULL) s->table_json = table_json(s->plan);
   if (s->table_json == NULL) {
@@ -290,9 +291,9 @@ static void load_work(struct job *j) {
   struct load_job *lj = (struct load_job *)j;
   for (size_t i = 0; i < lj->to_free.n; i++) wd->backend.ops->slab_free(wd->backend.ctx, lj->to_free.v[i]);
   lj->to_free.n = 0;
-  double t0 = now_s();
+  double t0 = clock_s();
   lj->rc = ld_fill(lj->set, &lj->err);
-  lj->set->seconds = now_s() - t0;
+  lj->set->seconds = clock_s() - t0;
 }
 
 static void load_done(struct job *j) {
@@ -321,7 +322,7 @@ static void load_done(struct job *j) {
   s->waiters = NULL;
   if (lj->rc == 0) {
     s->state = SET_READY;
-    s->last_used_ms = now_ms();
+    s->last_used_ms = clock_ms();
     double gibs = s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0;
     log_msg(LOG_INFO,
             "loaded set %s: %s on %s, %zu tensors, %" PRIu64 " bytes in %.3f s (%.2f GiB/s, %s; slab allocation %.1f ms)",
@@ -389,7 +390,7 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, struct plan 
     free(key);
     plan_free(plan);
     reg_unref(ck);
-    s->last_used_ms = now_ms();
+    s->last_used_ms = clock_ms();
     if (s->state == SET_READY) {
       reply_ready(req, s, true);
     } else if (add_set_waiter(s, req, true) != 0) {
@@ -430,7 +431,7 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, struct plan 
   s->plan = plan;
   s->state = SET_LOADING;
   s->method = "memcpy";
-  s->last_used_ms = now_ms();
+  s->last_used_ms = clock_ms();
   atomic_init(&s->bytes_done, 0);
   atomic_init(&s->cancel, false);
   uv_timer_init(wd->loop, &s->progress_timer);
@@ -450,7 +451,7 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, struct plan 
 }
 
 void res_wait_set(struct request *req, struct res_set *s) {
-  s->last_used_ms = now_ms();
+  s->last_used_ms = clock_ms();
   if (add_set_waiter(s, req, true) != 0) req_fail(req, WEIGHTD_E_NOMEM, "out of memory");
 }
 
@@ -499,7 +500,7 @@ static void lease_drop(struct lease **pp) {
   struct lease *l = *pp;
   *pp = l->next;
   l->set->leases--;
-  l->set->last_used_ms = now_ms();
+  l->set->last_used_ms = clock_ms();
   free(l);
 }
 

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "json_strict.h"
+#include "jsonutil.h"
 
 /* ---- the catalogue ------------------------------------------------------ */
 
@@ -378,12 +379,6 @@ static int add_raw(cJSON *obj, const char *name, const char *text) {
   return 0;
 }
 
-int msg_add_u64(cJSON *obj, const char *name, uint64_t v) {
-  char buf[24];
-  snprintf(buf, sizeof buf, "%" PRIu64, v);
-  return add_raw(obj, name, buf);
-}
-
 int msg_add_string(cJSON *obj, const char *name, const char *s) {
   size_t n = strlen(s), at = 0, bad = 0;
   char *copy = malloc(n + 1);
@@ -448,7 +443,7 @@ cJSON *msg_event(const cJSON *id, const char *name) {
 cJSON *msg_event_progress(const cJSON *id, uint64_t done, uint64_t total) {
   cJSON *r = msg_event(id, "progress");
   if (r == NULL) return NULL;
-  if (msg_add_u64(r, "bytes_done", done) < 0 || msg_add_u64(r, "bytes_total", total) < 0) goto fail;
+  if (json_u64_add(r, "bytes_done", done) < 0 || json_u64_add(r, "bytes_total", total) < 0) goto fail;
   return r;
 fail:
   cJSON_Delete(r);

@@ -144,8 +144,6 @@ cJSON *msg_event(const cJSON *id, const char *name);
 /* {"id": ..., "event": "progress", "bytes_done": done, "bytes_total": total} */
 cJSON *msg_event_progress(const cJSON *id, uint64_t done, uint64_t total);
 
-/* Adds name: v as an exact decimal integer (cJSON alone would round above 2^53). */
-int msg_add_u64(cJSON *obj, const char *name, uint64_t v);
 /* Adds name: s, with bytes that are not valid UTF-8 replaced by '?'. */
 int msg_add_string(cJSON *obj, const char *name, const char *s);
 

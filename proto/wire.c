@@ -9,6 +9,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
+
+/* WIRE_AGAIN must lie outside the error table: no code is that far down. */
+#define WIRE_XX_(name, num, msg) _Static_assert(-(num) > WIRE_AGAIN, "WIRE_AGAIN collides with WEIGHTD_E_" #name);
+WEIGHTD_ERRNO_MAP(WIRE_XX_)
+#undef WIRE_XX_
+
 /* iovecs gathered into one sendmsg() by the writer. */
 #define WRITER_IOV_MAX 64
 /*
@@ -422,18 +429,12 @@ void wire_writer_free(struct wire_writer *w) {
 
 /* ---- blocking client helpers ------------------------------------------- */
 
-static int64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* Waits for events on sock until deadline (-1: none). Returns 1 ready, 0 timed out, <0 error. */
 static int wait_for(int sock, short events, int64_t deadline, struct wd_error *err) {
   for (;;) {
     int ms = -1;
     if (deadline >= 0) {
-      int64_t left = deadline - now_ms();
+      int64_t left = deadline - (int64_t)clock_ms();
       if (left < 0) left = 0;
       ms = left > 1000000 ? 1000000 : (int)left;
     }
@@ -441,7 +442,7 @@ static int wait_for(int sock, short events, int64_t deadline, struct wd_error *e
     int rc = poll(&p, 1, ms);
     if (rc > 0) return 1;
     if (rc == 0) {
-      if (deadline >= 0 && now_ms() >= deadline) return 0;
+      if (deadline >= 0 && (int64_t)clock_ms() >= deadline) return 0;
       continue;
     }
     if (errno == EINTR) continue;
@@ -562,7 +563,7 @@ static int recv_exact(struct recv_state *s, void *p, size_t n, size_t frame_tota
 
 int wire_recv_frame(int sock, int timeout_ms, struct wire_frame *out, struct wd_error *err) {
   frame_init(out);
-  struct recv_state s = {.sock = sock, .deadline = timeout_ms < 0 ? -1 : now_ms() + timeout_ms};
+  struct recv_state s = {.sock = sock, .deadline = timeout_ms < 0 ? -1 : (int64_t)clock_ms() + timeout_ms};
   unsigned char hdr[WIRE_HEADER];
   char *body = NULL;
   int rc = recv_exact(&s, hdr, WIRE_HEADER, 0, err);

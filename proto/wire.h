@@ -39,8 +39,7 @@
 
 #include "error.h"
 
-/* The protocol version a "hello" exchange carries. */
-#define WIRE_PROTOCOL_VERSION 1
+/* The protocol version a "hello" exchange carries is WEIGHTD_PROTOCOL_VERSION (weightd.h). */
 /* The largest frame body in bytes; a longer length prefix is a protocol error. */
 #define WIRE_MAX_FRAME (16u * 1024u * 1024u)
 /* Bytes of the length prefix. */
@@ -48,10 +47,10 @@
 /* The most file descriptors one frame may carry. */
 #define WIRE_MAX_FDS 16
 /*
- * wire_reader_fill's "nothing to read now". Its value, -EAGAIN (-11), equals
- * WEIGHTD_E_BAD_REQUEST's; wire_reader_fill never returns that code.
+ * wire_reader_fill's "nothing to read now": a value outside the error table
+ * (which wire.c asserts), so that it can never be mistaken for a failure.
  */
-#define WIRE_AGAIN (-EAGAIN)
+#define WIRE_AGAIN (-1000)
 
 /* One received frame: a NUL-terminated copy of the body and its descriptors. */
 struct wire_frame {

@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "json_strict.h"
+#include "jsonutil.h"
 #include "msg.h"
 #include "testutil.h"
 
@@ -297,7 +298,7 @@ static void test_replies(void) {
   check_json(msg_reply_ok(NULL), "{\"ok\":true}");
 
   cJSON *r = msg_reply_ok(id7);
-  CHECK_EQ_INT(msg_add_u64(r, "bytes", UINT64_C(1) << 63), 0);
+  CHECK_EQ_INT(json_u64_add(r, "bytes", UINT64_C(1) << 63), 0);
   CHECK_EQ_INT(msg_add_string(r, "name", "w\xff\xfe.bin"), 0);
   check_json(r, "{\"id\":7,\"ok\":true,\"bytes\":9223372036854775808,\"name\":\"w??.bin\"}");
 
@@ -328,7 +329,7 @@ static void test_replies(void) {
                                   UINT64_MAX};
   for (size_t i = 0; i < sizeof vals / sizeof vals[0]; i++) {
     cJSON *o = cJSON_CreateObject();
-    CHECK_EQ_INT(msg_add_u64(o, "v", vals[i]), 0);
+    CHECK_EQ_INT(json_u64_add(o, "v", vals[i]), 0);
     char *text = msg_serialize(o);
     char want[64];
     snprintf(want, sizeof want, "{\"v\":%" PRIu64 "}", vals[i]);

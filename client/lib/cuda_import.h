@@ -23,8 +23,7 @@
 #include <stdint.h>
 
 #include "error.h"
-
-#define CUIMP_HANDLE_BYTES 64
+#include "ipc_handle.h"
 
 /* A device of this process, found by UUID; its primary context is retained. */
 struct cuimp_device {
@@ -47,7 +46,7 @@ void cuimp_device_put(struct cuimp_device *dev);
  * Opens a 64-byte IPC memory handle on dev (lazy peer access enabled);
  * *dptr receives the device address.
  */
-int cuimp_ipc_open(const struct cuimp_device *dev, const unsigned char handle[CUIMP_HANDLE_BYTES],
+int cuimp_ipc_open(const struct cuimp_device *dev, const unsigned char handle[WD_IPC_HANDLE_BYTES],
                    uint64_t *dptr, struct wd_error *err);
 
 /* Closes a mapping that cuimp_ipc_open returned. */

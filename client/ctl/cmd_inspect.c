@@ -56,7 +56,7 @@ static cJSON *json_meta(const struct st_header *h) {
 
 static cJSON *json_shape(const struct st_tensor *t) {
   cJSON *a = cJSON_CreateArray();
-  for (unsigned d = 0; a != NULL && d < t->ndim; d++) cJSON_AddItemToArray(a, ctl_json_u64(t->shape[d]));
+  for (unsigned d = 0; a != NULL && d < t->ndim; d++) cJSON_AddItemToArray(a, json_u64_create(t->shape[d]));
   return a;
 }
 
@@ -66,14 +66,14 @@ static cJSON *json_config(const struct mcfg *m) {
   if (m->model_type) cJSON_AddStringToObject(o, "model_type", m->model_type);
   if (m->architecture) cJSON_AddStringToObject(o, "architecture", m->architecture);
   for (int f = 0; f < MCFG_NFIELDS; f++)
-    if (m->present[f]) cJSON_AddItemToObject(o, mcfg_field_key((enum mcfg_field)f), ctl_json_u64((uint64_t)m->value[f]));
+    if (m->present[f]) cJSON_AddItemToObject(o, mcfg_field_key((enum mcfg_field)f), json_u64_create((uint64_t)m->value[f]));
   if (m->has_quant) {
     cJSON *q = cJSON_AddObjectToObject(o, "quantization_config");
     if (q && m->quant_method) cJSON_AddStringToObject(q, "quant_method", m->quant_method);
     if (q && m->weight_block_size[0]) {
       cJSON *bs = cJSON_AddArrayToObject(q, "weight_block_size");
-      cJSON_AddItemToArray(bs, ctl_json_u64((uint64_t)m->weight_block_size[0]));
-      cJSON_AddItemToArray(bs, ctl_json_u64((uint64_t)m->weight_block_size[1]));
+      cJSON_AddItemToArray(bs, json_u64_create((uint64_t)m->weight_block_size[0]));
+      cJSON_AddItemToArray(bs, json_u64_create((uint64_t)m->weight_block_size[1]));
     }
   }
   return o;
@@ -103,11 +103,11 @@ static int print_json(const struct ckpt *c) {
     const struct st_header *h = s->hdr;
     cJSON *so = cJSON_CreateObject();
     cJSON_AddStringToObject(so, "file", s->rel);
-    cJSON_AddItemToObject(so, "tensors", ctl_json_u64(h->ntensors));
-    cJSON_AddItemToObject(so, "header_bytes", ctl_json_u64(h->header_len));
-    cJSON_AddItemToObject(so, "data_start", ctl_json_u64(h->data_start));
-    cJSON_AddItemToObject(so, "data_bytes", ctl_json_u64(h->data_len));
-    cJSON_AddItemToObject(so, "file_bytes", ctl_json_u64(s->size));
+    cJSON_AddItemToObject(so, "tensors", json_u64_create(h->ntensors));
+    cJSON_AddItemToObject(so, "header_bytes", json_u64_create(h->header_len));
+    cJSON_AddItemToObject(so, "data_start", json_u64_create(h->data_start));
+    cJSON_AddItemToObject(so, "data_bytes", json_u64_create(h->data_len));
+    cJSON_AddItemToObject(so, "file_bytes", json_u64_create(s->size));
     if (h->has_metadata) {
       cJSON_AddItemToObject(so, "metadata", json_meta(h));
     } else {
@@ -120,20 +120,20 @@ static int print_json(const struct ckpt *c) {
       cJSON_AddItemToObject(to, "name", json_bytes(t->name, t->name_len));
       cJSON_AddStringToObject(to, "dtype", dtype_name(t->dtype));
       cJSON_AddItemToObject(to, "shape", json_shape(t));
-      cJSON_AddItemToObject(to, "shard", ctl_json_u64(i));
+      cJSON_AddItemToObject(to, "shard", json_u64_create(i));
       cJSON *off = cJSON_AddArrayToObject(to, "data_offsets");
-      cJSON_AddItemToArray(off, ctl_json_u64(t->begin));
-      cJSON_AddItemToArray(off, ctl_json_u64(t->end));
+      cJSON_AddItemToArray(off, json_u64_create(t->begin));
+      cJSON_AddItemToArray(off, json_u64_create(t->end));
       cJSON_AddItemToArray(tensors, to);
     }
   }
-  cJSON_AddItemToObject(o, "tensor_count", ctl_json_u64(c->ntensors));
-  cJSON_AddItemToObject(o, "total_bytes", ctl_json_u64(c->total_bytes));
+  cJSON_AddItemToObject(o, "tensor_count", json_u64_create(c->ntensors));
+  cJSON_AddItemToObject(o, "total_bytes", json_u64_create(c->total_bytes));
   cJSON *bd = cJSON_AddObjectToObject(o, "bytes_by_dtype");
   for (int t = 0; t < WD_DTYPE_COUNT; t++) {
     size_t count;
     uint64_t sum = dtype_bytes_sum(c, (enum wd_dtype)t, &count);
-    if (count > 0) cJSON_AddItemToObject(bd, dtype_name((enum wd_dtype)t), ctl_json_u64(sum));
+    if (count > 0) cJSON_AddItemToObject(bd, dtype_name((enum wd_dtype)t), json_u64_create(sum));
   }
   cJSON_AddItemToObject(o, "tensors", tensors);
   if (c->config) cJSON_AddItemToObject(o, "config", json_config(c->config));

@@ -100,10 +100,10 @@ static int map_handle(weightd_client *c, weightd_set *s, const cJSON *reply, str
     rc = lib_map_host(s->id, fd, s->bytes, &s->map, &e);
   } else if (kind != NULL && strcmp(kind, "cuda_ipc") == 0) {
     const char *hex = lib_get_str(h, "handle");
-    unsigned char raw[CUIMP_HANDLE_BYTES];
+    unsigned char raw[WD_IPC_HANDLE_BYTES];
     if (hex == NULL || msg_hex_decode(hex, raw, sizeof raw) != 0)
       return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the cuda_ipc handle is not %d hex digits",
-                      2 * CUIMP_HANDLE_BYTES);
+                      2 * WD_IPC_HANDLE_BYTES);
     s->kind = WEIGHTD_MEMORY_CUDA;
     rc = lib_map_cuda(s->id, s->device, raw, s->bytes, &s->map, &e);
   } else {

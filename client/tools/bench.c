@@ -28,17 +28,12 @@
 #include <unistd.h>
 
 #include "checkpoint.h"
+#include "clock.h"
 #include "plan.h"
 #include "weightd.h"
 
 #define GiB (1024.0 * 1024.0 * 1024.0)
 #define SLOT (64u << 20)
-
-static double now(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
 
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
@@ -50,7 +45,7 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
-static void die(const char *what, const char *detail) {
+static _Noreturn void die(const char *what, const char *detail) {
   fprintf(stderr, "weightd-bench: %s: %s\n", what, detail);
   exit(1);
 }
@@ -78,7 +73,7 @@ static double h2d_ceiling(int device, uint64_t bytes) {
   for (int i = 0; i < 4; i++) /* warm up */
     CUDA_OK(cudaMemcpyAsync((char *)dst + (size_t)i * SLOT, src[i & 1], SLOT, cudaMemcpyHostToDevice, st[i & 1]));
   CUDA_OK(cudaDeviceSynchronize());
-  double t0 = now();
+  double t0 = clock_s();
   uint64_t k = 0;
   for (uint64_t off = 0; off < bytes; off += SLOT, k++) {
     size_t n = bytes - off < SLOT ? (size_t)(bytes - off) : SLOT;
@@ -86,7 +81,7 @@ static double h2d_ceiling(int device, uint64_t bytes) {
     CUDA_OK(cudaMemcpyAsync((char *)dst + d, src[k & 1], n, cudaMemcpyHostToDevice, st[k & 1]));
   }
   CUDA_OK(cudaDeviceSynchronize());
-  double t = now() - t0;
+  double t = clock_s() - t0;
   for (int i = 0; i < 2; i++) {
     cudaFreeHost(src[i]);
     cudaStreamDestroy(st[i]);
@@ -137,10 +132,10 @@ static double fill_ceiling(const struct ckpt *c, const struct plan *plan, unsign
   atomic_init(&f.next, 0);
   atomic_init(&f.ids, 0);
   pthread_t *t = calloc(nthreads, sizeof *t);
-  double t0 = now();
+  double t0 = clock_s();
   for (unsigned i = 0; i < nthreads; i++) pthread_create(&t[i], NULL, fill_thread, &f);
   for (unsigned i = 0; i < nthreads; i++) pthread_join(t[i], NULL);
-  double dt = now() - t0;
+  double dt = clock_s() - t0;
   free(t);
   cudaFreeHost(pinned);
   for (size_t i = 0; i < c->nshards; i++) munmap(maps[i], c->shards[i].size);
@@ -157,11 +152,11 @@ static weightd_client *connect_or_die(const char *sock) {
   return c;
 }
 
-static void request_or_die(weightd_client *c, const char *json, char **reply) {
+/* Sends one request; returns the reply text (free it with weightd_free). */
+static char *request_or_die(weightd_client *c, const char *json) {
   char *r = NULL;
   if (weightd_request(c, json, &r, NULL, NULL) != 0) die(json, r ? r : weightd_last_error(c));
-  if (reply) *reply = r;
-  else weightd_free(r);
+  return r;
 }
 
 /*
@@ -179,13 +174,14 @@ static double timed_load(weightd_client *c, const char *path, int device, char *
   struct weightd_load_options o = {sizeof o, dev, plan_json, NULL, NULL};
   char req[PATH_MAX + 128];
   snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":%d}", device);
-  request_or_die(c, req, NULL);
+  weightd_free(request_or_die(c, req));
   if (settle_ms > 0) usleep((useconds_t)settle_ms * 1000);
-  double t0 = now();
+  double t0 = clock_s();
   if (weightd_load(c, path, &o, set, sizeof set) != 0) die("load", weightd_last_error(c));
-  double dt = now() - t0;
+  double dt = clock_s() - t0;
+  /* The reply is read in this function, where the pointer filled in stays alive. */
   char *reply = NULL;
-  request_or_die(c, "{\"op\":\"status\"}", &reply);
+  if (weightd_request(c, "{\"op\":\"status\"}", &reply, NULL, NULL) != 0) die("status", weightd_last_error(c));
   const char *m = strstr(reply, "\"method\":\"");
   if (m != NULL && method != NULL) snprintf(method, mlen, "%.*s", (int)strcspn(m + 10, "\""), m + 10);
   weightd_free(reply);
@@ -194,7 +190,7 @@ static double timed_load(weightd_client *c, const char *path, int device, char *
 
 static uint64_t daemon_rss_anon(weightd_client *c) {
   char *reply = NULL;
-  request_or_die(c, "{\"op\":\"status\"}", &reply);
+  reply = request_or_die(c, "{\"op\":\"status\"}");
   const char *p = strstr(reply, "\"pid\":");
   int pid = p ? atoi(p + 6) : 0;
   weightd_free(reply);
@@ -214,17 +210,17 @@ static uint64_t daemon_rss_anon(weightd_client *c) {
  * a bare request/reply round trip and cudaIpcOpenMemHandle alone.
  */
 static int attach_probe(const char *set, const char *sock, int device) {
-  double t0 = now();
+  double t0 = clock_s();
   CUDA_OK(cudaSetDevice(device));
   CUDA_OK(cudaFree(0));
-  double t_ctx = now() - t0;
+  double t_ctx = clock_s() - t0;
   weightd_client *c = connect_or_die(sock);
   /* The parts: one raw attach (reply only), then opening its handle alone. */
   char req[96], *reply = NULL;
   snprintf(req, sizeof req, "{\"op\":\"attach\",\"set\":\"%s\"}", set);
-  t0 = now();
-  request_or_die(c, req, &reply);
-  double t_rt = now() - t0;
+  t0 = clock_s();
+  reply = request_or_die(c, req);
+  double t_rt = clock_s() - t0;
   const char *h = strstr(reply, "\"handle\":\"");
   const char *l = strstr(reply, "\"lease\":\"");
   double t_ipc = -1;
@@ -233,22 +229,22 @@ static int attach_probe(const char *set, const char *sock, int device) {
     unsigned char *b = (unsigned char *)&ih;
     for (int i = 0; i < 64; i++) sscanf(h + 10 + 2 * i, "%2hhx", &b[i]);
     void *p = NULL;
-    t0 = now();
+    t0 = clock_s();
     CUDA_OK(cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess));
-    t_ipc = now() - t0;
+    t_ipc = clock_s() - t0;
     CUDA_OK(cudaIpcCloseMemHandle(p));
   }
   if (l != NULL) {
     snprintf(req, sizeof req, "{\"op\":\"release\",\"lease\":\"%.*s\"}", (int)strcspn(l + 9, "\""), l + 9);
-    request_or_die(c, req, NULL);
+    weightd_free(request_or_die(c, req));
   }
   weightd_free(reply);
   weightd_set *s = NULL;
-  t0 = now();
+  t0 = clock_s();
   if (weightd_attach(c, set, &s) != 0) die("attach", weightd_last_error(c));
   weightd_tensor t;
   if (weightd_set_tensor(s, 0, &t) != 0 || t.data == NULL) die("attach", "no usable pointer");
-  double t_attach = now() - t0;
+  double t_attach = clock_s() - t0;
   /* Touch the memory through the pointer to show it is usable. */
   unsigned char byte;
   CUDA_OK(cudaMemcpy(&byte, t.data, 1, cudaMemcpyDeviceToHost));
@@ -323,14 +319,14 @@ int main(int argc, char **argv) {
   char req[PATH_MAX + 128];
   /* Start from an unpinned checkpoint: evict its sets and close it (which unpins), then warm it. */
   snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":%d}", device);
-  request_or_die(cl, req, NULL);
+  weightd_free(request_or_die(cl, req));
   snprintf(req, sizeof req, "{\"op\":\"close\",\"path\":\"%s\"}", abs);
   char *closed = NULL;
   int crc = weightd_request(cl, req, &closed, NULL, NULL);
   if (crc != 0 && crc != WEIGHTD_E_NOT_FOUND) die("close (is another client using the checkpoint?)", closed ? closed : "");
   weightd_free(closed);
   snprintf(req, sizeof req, "{\"op\":\"prefetch\",\"path\":\"%s\",\"wait\":true}", abs);
-  request_or_die(cl, req, NULL); /* page cache warm */
+  weightd_free(request_or_die(cl, req)); /* page cache warm */
 
   double *v = calloc((size_t)runs, sizeof *v);
   double t_ceiling[3], t_fill[3];
@@ -343,10 +339,10 @@ int main(int argc, char **argv) {
   if (runs > 64) runs = 64;
   for (int i = 0; i < runs; i++) staged_all[i] = timed_load(cl, abs, device, m_staged, sizeof m_staged, settle_ms);
   for (int i = 0; i < runs; i++) staged_b2b_all[i] = timed_load(cl, abs, device, NULL, 0, 0);
-  double t0 = now();
+  double t0 = clock_s();
   snprintf(req, sizeof req, "{\"op\":\"prefetch\",\"path\":\"%s\",\"pin\":true,\"wait\":true}", abs);
-  request_or_die(cl, req, NULL);
-  double t_pin = now() - t0;
+  weightd_free(request_or_die(cl, req));
+  double t_pin = clock_s() - t0;
   for (int i = 0; i < runs; i++) direct_all[i] = timed_load(cl, abs, device, m_direct, sizeof m_direct, settle_ms);
   for (int i = 0; i < runs; i++) direct_b2b_all[i] = timed_load(cl, abs, device, NULL, 0, 0);
   memcpy(v, staged_all, sizeof(double) * (size_t)runs);

@@ -87,12 +87,6 @@ struct exporter {
   struct wd_error err; /* guarded by lock; code 0 until the first failure */
 };
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 static unsigned usable_cpus(void) {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return (unsigned)CPU_COUNT(&set);
@@ -236,10 +230,10 @@ static char *header_build(const struct exporter *x, const struct out_file *f, co
     cJSON *t = cJSON_CreateObject();
     cJSON_AddStringToObject(t, "dtype", dtype_name(o->dtype));
     cJSON *shape = cJSON_AddArrayToObject(t, "shape");
-    for (unsigned d = 0; d < o->ndim; d++) cJSON_AddItemToArray(shape, ctl_json_u64(o->shape[d]));
+    for (unsigned d = 0; d < o->ndim; d++) cJSON_AddItemToArray(shape, json_u64_create(o->shape[d]));
     cJSON *offs = cJSON_AddArrayToObject(t, "data_offsets");
-    cJSON_AddItemToArray(offs, ctl_json_u64(x->data_off[i]));
-    cJSON_AddItemToArray(offs, ctl_json_u64(x->data_off[i] + o->nbytes));
+    cJSON_AddItemToArray(offs, json_u64_create(x->data_off[i]));
+    cJSON_AddItemToArray(offs, json_u64_create(x->data_off[i] + o->nbytes));
     cJSON_AddItemToObject(h, o->name, t);
   }
   char *text = cJSON_PrintUnformatted(h);
@@ -550,8 +544,8 @@ static void print_done(const struct exporter *x, const struct export_opts *o, in
     cJSON *r = cJSON_CreateObject();
     cJSON_AddStringToObject(r, "out", o->out);
     cJSON_AddItemToObject(r, "plan", cJSON_Parse(p->key));
-    cJSON_AddItemToObject(r, "tensors", ctl_json_u64(p->noutputs));
-    cJSON_AddItemToObject(r, "bytes", ctl_json_u64(p->payload_bytes));
+    cJSON_AddItemToObject(r, "tensors", json_u64_create(p->noutputs));
+    cJSON_AddItemToObject(r, "bytes", json_u64_create(p->payload_bytes));
     cJSON *files = cJSON_AddArrayToObject(r, "files");
     for (size_t f = 0; f < x->nfiles; f++) cJSON_AddItemToArray(files, cJSON_CreateString(x->files[f].name));
     if (x->nfiles > 1) cJSON_AddItemToArray(files, cJSON_CreateString(INDEX_NAME));
@@ -583,7 +577,7 @@ static int export_run(struct exporter *x, const struct export_opts *o) {
   size_t nkeep = 0;
   char source[PATH_MAX];
   int config = 0, rc = CTL_EXIT_FAIL;
-  double t0 = now_s();
+  double t0 = clock_s();
   if (realpath(o->path, source) == NULL) snprintf(source, sizeof source, "%s", o->path);
   if ((by_name = outputs_by_name(x->local->plan)) == NULL) goto fail;
   if ((rc = prepare_dir(o->out, ck)) != 0) goto fail;
@@ -630,7 +624,7 @@ static int export_run(struct exporter *x, const struct export_opts *o) {
   }
   ctl_sigbus_guard("export", NULL);
   remove_stale(o->out, keep, nkeep);
-  print_done(x, o, config, now_s() - t0);
+  print_done(x, o, config, clock_s() - t0);
   free(keep);
   free(by_name);
   return CTL_EXIT_OK;

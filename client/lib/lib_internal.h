@@ -39,7 +39,7 @@ struct lib_mapping {
   enum weightd_memory_kind kind;
   dev_t dev; /* host: the memfd's identity */
   ino_t ino;
-  unsigned char ipc[CUIMP_HANDLE_BYTES]; /* cuda: the handle */
+  unsigned char ipc[WD_IPC_HANDLE_BYTES]; /* cuda: the handle */
   struct cuimp_device cudev;             /* cuda: the device it is open on */
   void *base;
   uint64_t bytes;
@@ -115,7 +115,7 @@ int lib_map_host(const char *set_id, int fd, uint64_t bytes, struct lib_mapping 
 
 /* Opens a CUDA IPC handle on the device with that UUID, or takes another reference. */
 int lib_map_cuda(const char *set_id, const char *device_uuid,
-                 const unsigned char handle[CUIMP_HANDLE_BYTES], uint64_t bytes,
+                 const unsigned char handle[WD_IPC_HANDLE_BYTES], uint64_t bytes,
                  struct lib_mapping **out, struct wd_error *err);
 
 /*

@@ -16,6 +16,8 @@
 #include <cjson/cJSON.h>
 #include <stdint.h>
 
+#include "clock.h"
+#include "jsonutil.h"
 #include "weightd.h"
 
 #define CTL_EXIT_OK 0
@@ -95,9 +97,6 @@ void ctl_progress_done(void);
 
 /* Formats a byte count as "7.49 GiB". */
 void ctl_human_bytes(uint64_t b, char *buf, size_t len);
-
-/* An exact 64-bit integer as JSON (cJSON keeps numbers as doubles, so it goes in as raw text). */
-cJSON *ctl_json_u64(uint64_t v);
 
 /* A member as uint64 (0 when absent or not a number). */
 uint64_t ctl_u64(const cJSON *o, const char *key);

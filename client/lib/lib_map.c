@@ -100,7 +100,7 @@ done:
   return rc;
 }
 
-int lib_map_cuda(const char *set_id, const char *device_uuid, const unsigned char handle[CUIMP_HANDLE_BYTES],
+int lib_map_cuda(const char *set_id, const char *device_uuid, const unsigned char handle[WD_IPC_HANDLE_BYTES],
                  uint64_t bytes, struct lib_mapping **out, struct wd_error *err) {
   int rc = 0;
   pthread_mutex_lock(&map_lock);

@@ -144,17 +144,17 @@ static int print_table_json(const struct ckpt *ck, const char *base_key, const s
   if (o == NULL) return CTL_EXIT_FAIL;
   cJSON_AddStringToObject(o, "path", ck->path);
   cJSON_AddItemToObject(o, "plan", spec);
-  cJSON_AddItemToObject(o, "checkpoint_bytes", ctl_json_u64(ck->total_bytes));
+  cJSON_AddItemToObject(o, "checkpoint_bytes", json_u64_create(ck->total_bytes));
   cJSON *arr = cJSON_AddArrayToObject(o, "ranks");
   for (size_t i = 0; i < n; i++) {
     cJSON *r = cJSON_CreateObject();
-    if (tp_varies) cJSON_AddItemToObject(r, "tp_rank", ctl_json_u64(rows[i].tp_rank));
-    if (ep_varies) cJSON_AddItemToObject(r, "ep_rank", ctl_json_u64(rows[i].ep_rank));
+    if (tp_varies) cJSON_AddItemToObject(r, "tp_rank", json_u64_create(rows[i].tp_rank));
+    if (ep_varies) cJSON_AddItemToObject(r, "ep_rank", json_u64_create(rows[i].ep_rank));
     cJSON_AddItemToObject(r, "key", cJSON_CreateString(rows[i].key));
-    cJSON_AddItemToObject(r, "outputs", ctl_json_u64(rows[i].outputs));
-    cJSON_AddItemToObject(r, "payload_bytes", ctl_json_u64(rows[i].payload));
-    cJSON_AddItemToObject(r, "slab_bytes", ctl_json_u64(rows[i].slab));
-    cJSON_AddItemToObject(r, "read_bytes", ctl_json_u64(rows[i].read));
+    cJSON_AddItemToObject(r, "outputs", json_u64_create(rows[i].outputs));
+    cJSON_AddItemToObject(r, "payload_bytes", json_u64_create(rows[i].payload));
+    cJSON_AddItemToObject(r, "slab_bytes", json_u64_create(rows[i].slab));
+    cJSON_AddItemToObject(r, "read_bytes", json_u64_create(rows[i].read));
     cJSON_AddItemToArray(arr, r);
   }
   char *text = cJSON_PrintUnformatted(o);

@@ -84,12 +84,6 @@ void ctl_human_bytes(uint64_t b, char *buf, size_t len) {
   else snprintf(buf, len, "%" PRIu64 " B", b);
 }
 
-cJSON *ctl_json_u64(uint64_t v) {
-  char buf[24];
-  snprintf(buf, sizeof buf, "%" PRIu64, v);
-  return cJSON_CreateRaw(buf);
-}
-
 uint64_t ctl_u64(const cJSON *o, const char *key) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
   return cJSON_IsNumber(v) && v->valuedouble > 0 && v->valuedouble < 18446744073709551615.0 ? (uint64_t)v->valuedouble : 0;

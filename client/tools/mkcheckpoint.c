@@ -203,13 +203,6 @@ static unsigned usable_cpus(void) {
   return n > 0 ? (unsigned)n : 1;
 }
 
-/* Seconds on the monotonic clock. */
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
 /* ---- the output directory ------------------------------------------------------ */
 
 /*
@@ -595,7 +588,7 @@ static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64
   atomic_init(&w.next, 0);
   atomic_init(&w.stop, false);
   pthread_mutex_init(&w.lock, NULL);
-  double t0 = now_s();
+  double t0 = clock_s();
 
   rc = prepare_dir(dir, err);
   if (rc < 0) goto fail;
@@ -654,7 +647,7 @@ static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64
     keep[nkeep++] = "model.safetensors.index.json";
   }
   remove_stale(dir, keep, nkeep);
-  *seconds = now_s() - t0;
+  *seconds = clock_s() - t0;
   free(keep);
   free(w.jobs);
   free(w.files);

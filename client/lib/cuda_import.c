@@ -24,7 +24,7 @@ typedef struct {
   char bytes[16];
 } CUuuid;
 typedef struct {
-  char reserved[CUIMP_HANDLE_BYTES];
+  char reserved[WD_IPC_HANDLE_BYTES];
 } CUipcMemHandle;
 
 #define CUDA_SUCCESS 0
@@ -191,7 +191,7 @@ static void ctx_leave(void) {
   drv.ctx_pop(&popped);
 }
 
-int cuimp_ipc_open(const struct cuimp_device *dev, const unsigned char handle[CUIMP_HANDLE_BYTES],
+int cuimp_ipc_open(const struct cuimp_device *dev, const unsigned char handle[WD_IPC_HANDLE_BYTES],
                    uint64_t *dptr, struct wd_error *err) {
   int rc = ctx_enter(dev, err);
   if (rc != 0) return rc;
