@@ -55,19 +55,28 @@ struct wd_slab {
 struct wd_stream;
 struct wd_event;
 
+/*
+ * Capabilities a backend states (wd_backend_ops.caps), so that callers ask
+ * instead of guessing from which operations are NULL.
+ *   WD_CAP_HOST_SLABS  slabs are host memory that the CPU fills in place
+ *                      (host_view while filling) and that clients map
+ *                      directly; the CPU reads any host memory, so nothing
+ *                      needs staging or registration.
+ */
+#define WD_CAP_HOST_SLABS (1u << 0)
+
 struct wd_backend_ops {
   const char *name;
+  unsigned caps; /* WD_CAP_* */
 
   /* Devices. */
   int (*device_count)(void *ctx);
   int (*device_info)(void *ctx, int device, struct wd_device_info *out, struct wd_error *err);
 
-  /* Slabs: allocate, make read-only once filled (NULL: nothing to do), export, read back, free. */
+  /* Slabs: allocate, make read-only once filled (NULL: nothing to do), export, free. */
   int (*slab_alloc)(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err);
   int (*slab_seal)(void *ctx, struct wd_slab *slab, struct wd_error *err);
   int (*slab_export)(void *ctx, struct wd_slab *slab, struct wd_handle *out, struct wd_error *err);
-  int (*slab_read)(void *ctx, struct wd_slab *slab, uint64_t offset, void *dst, size_t len,
-                   struct wd_error *err);
   void (*slab_free)(void *ctx, struct wd_slab *slab);
 
   /* Pinned (page-locked) host buffers for the staging pipeline. */

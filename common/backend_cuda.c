@@ -120,16 +120,6 @@ static int cu_slab_export(void *ctx, struct wd_slab *s, struct wd_handle *out, s
   return 0;
 }
 
-static int cu_slab_read(void *ctx, struct wd_slab *s, uint64_t offset, void *dst, size_t len,
-                        struct wd_error *err) {
-  (void)ctx;
-  if (offset > s->bytes || len > s->bytes - offset)
-    return err_set(err, WEIGHTD_E_INVALID, "read past the end of the slab");
-  CK(cudaSetDevice(s->device), "cudaSetDevice");
-  CK(cudaMemcpy(dst, (char *)s->impl + offset, len, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-  return 0;
-}
-
 static void cu_slab_free(void *ctx, struct wd_slab *s) {
   (void)ctx;
   if (s == NULL) return;
@@ -262,12 +252,12 @@ static void cu_destroy(void *ctx) { free(ctx); }
 
 static const struct wd_backend_ops cuda_ops = {
     .name = "cuda",
+    .caps = 0,
     .device_count = cu_device_count,
     .device_info = cu_device_info,
     .slab_alloc = cu_slab_alloc,
     .slab_seal = NULL, /* device memory cannot be made read-only for IPC importers */
     .slab_export = cu_slab_export,
-    .slab_read = cu_slab_read,
     .slab_free = cu_slab_free,
     .pinned_alloc = cu_pinned_alloc,
     .pinned_free = cu_pinned_free,

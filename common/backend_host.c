@@ -141,22 +141,6 @@ static int host_slab_export(void *ctx, struct wd_slab *s, struct wd_handle *out,
   return 0;
 }
 
-static int host_slab_read(void *ctx, struct wd_slab *s, uint64_t offset, void *dst, size_t len,
-                          struct wd_error *err) {
-  (void)ctx;
-  struct host_slab *h = s->impl;
-  if (offset > s->bytes || len > s->bytes - offset)
-    return err_set(err, WEIGHTD_E_INVALID, "read past the end of the slab");
-  size_t got = 0;
-  while (got < len) {
-    ssize_t r = pread(h->fd, (char *)dst + got, len - got, (off_t)(offset + got));
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) return err_set(err, WEIGHTD_E_DEVICE, "reading the slab: %s", r < 0 ? strerror(errno) : "short read");
-    got += (size_t)r;
-  }
-  return 0;
-}
-
 static void host_slab_free(void *ctx, struct wd_slab *s) {
   (void)ctx;
   if (s == NULL) return;
@@ -244,12 +228,12 @@ static void host_destroy(void *ctx) { (void)ctx; }
 
 static const struct wd_backend_ops host_ops = {
     .name = "host",
+    .caps = WD_CAP_HOST_SLABS,
     .device_count = host_device_count,
     .device_info = host_device_info,
     .slab_alloc = host_slab_alloc,
     .slab_seal = host_slab_seal,
     .slab_export = host_slab_export,
-    .slab_read = host_slab_read,
     .slab_free = host_slab_free,
     .pinned_alloc = host_pinned_alloc,
     .pinned_free = host_pinned_free,

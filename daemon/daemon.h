@@ -50,7 +50,6 @@ struct reg_ckpt {
   uint64_t pinned_bytes; /* bytes registered, counted against host_pin_budget */
   uint64_t last_used_ms;
   struct reg_waiter *waiters; /* requests waiting for REG_OPENING */
-  struct wd_error open_err;
   struct reg_ckpt *next;
 };
 
@@ -200,8 +199,8 @@ struct daemon {
   struct device_state *devices;
   char **roots; /* resolved model roots */
   size_t nroots;
-  struct jobs *jobs; /* quick work: resolving, checking and opening checkpoints, plans, status */
-  struct jobs *bulk; /* long work: loads, prefetches, freeing slabs */
+  struct jobs *control_pool; /* control_threads: resolving, checking and opening checkpoints, plans, status */
+  struct jobs *job_pool;     /* job_threads: loads, prefetches, freeing slabs */
   struct fillpool *fill;
   char *socket_path;
   int listen_fd;

@@ -85,7 +85,7 @@ static int fault_error(const struct res_set *s, uint64_t off, struct wd_error *e
 
 /* ---- a run of fill tasks ---------------------------------------------------------- */
 
-struct fill_run {
+struct window_fill {
   struct res_set *set;
   const unsigned char **data; /* per shard: its data section in the mapping */
   uint64_t lo, hi; /* the window being gathered */
@@ -98,7 +98,7 @@ struct fill_run {
 };
 
 static void fill_task(void *arg, size_t i) {
-  struct fill_run *r = arg;
+  struct window_fill *r = arg;
   pthread_mutex_lock(&r->lock);
   int failed = r->rc != 0;
   pthread_mutex_unlock(&r->lock);
@@ -134,7 +134,7 @@ static uint64_t task_bytes(uint64_t window) {
 /* Gathers slab bytes [lo, hi) into dst on the fill threads, counting progress. */
 static int fill_window(struct res_set *s, const unsigned char **data, uint64_t lo, uint64_t hi,
                        unsigned char *dst, struct wd_error *err) {
-  struct fill_run r = {.set = s, .data = data, .lo = lo, .hi = hi, .dst = dst};
+  struct window_fill r = {.set = s, .data = data, .lo = lo, .hi = hi, .dst = dst};
   r.task = task_bytes(hi - lo);
   r.ntasks = (size_t)((hi - lo + r.task - 1) / r.task);
   pthread_mutex_init(&r.lock, NULL);
@@ -382,7 +382,7 @@ int ld_init(struct wd_error *err) {
   if (strcmp(wd->cfg.load_method, "staged") != 0 && strcmp(wd->cfg.load_method, "auto") != 0)
     return err_set(err, WEIGHTD_E_INVALID, "load_method must be auto or staged, not '%s'", wd->cfg.load_method);
   /* Host slabs are filled in place and need no staging, unless staging is forced. */
-  if (ops->host_register == NULL && strcmp(wd->cfg.load_method, "staged") != 0) return 0;
+  if ((ops->caps & WD_CAP_HOST_SLABS) && strcmp(wd->cfg.load_method, "staged") != 0) return 0;
   stagings = calloc((size_t)wd->ndevices, sizeof *stagings);
   if (stagings == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   nstagings = wd->ndevices;

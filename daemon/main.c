@@ -37,16 +37,16 @@ static void handle_closed(uv_handle_t *h) { (void)h; }
 
 /* Waits for running jobs (their loads were told to stop), then frees everything. */
 static void on_stop_tick(uv_timer_t *t) {
-  if (jobs_outstanding(wd->jobs) > 0 || jobs_outstanding(wd->bulk) > 0) return;
+  if (jobs_outstanding(wd->control_pool) > 0 || jobs_outstanding(wd->job_pool) > 0) return;
   uv_timer_stop(t);
   uv_close((uv_handle_t *)t, handle_closed);
   server_close_all();
   res_shutdown();
   reg_shutdown();
-  jobs_stop(wd->bulk); /* may still free slabs: before the quick pool, which it does not use */
-  wd->bulk = NULL;
-  jobs_stop(wd->jobs);
-  wd->jobs = NULL;
+  jobs_stop(wd->job_pool); /* may still free slabs: before the quick pool, which it does not use */
+  wd->job_pool = NULL;
+  jobs_stop(wd->control_pool);
+  wd->control_pool = NULL;
   uv_close((uv_handle_t *)&wd->sigterm, handle_closed);
   uv_close((uv_handle_t *)&wd->sigint, handle_closed);
 }
@@ -254,8 +254,8 @@ int main(int argc, char **argv) {
     goto fail;
   }
   d.loop = uv_default_loop();
-  if (jobs_start(d.loop, (unsigned)d.cfg.control_threads, &d.jobs, &err) != 0 ||
-      jobs_start(d.loop, (unsigned)d.cfg.job_threads, &d.bulk, &err) != 0)
+  if (jobs_start(d.loop, (unsigned)d.cfg.control_threads, &d.control_pool, &err) != 0 ||
+      jobs_start(d.loop, (unsigned)d.cfg.job_threads, &d.job_pool, &err) != 0)
     goto fail;
   if (server_start(&err) != 0) goto fail;
   uv_signal_init(d.loop, &d.sigterm);
@@ -276,9 +276,9 @@ int main(int argc, char **argv) {
 fail:
   fprintf(stderr, "weightd: %s\n", err.msg[0] ? err.msg : "start-up failed");
   tell_parent(0);
-  if (d.jobs != NULL || d.bulk != NULL) {
-    if (d.jobs != NULL) jobs_stop(d.jobs);
-    if (d.bulk != NULL) jobs_stop(d.bulk);
+  if (d.control_pool != NULL || d.job_pool != NULL) {
+    if (d.control_pool != NULL) jobs_stop(d.control_pool);
+    if (d.job_pool != NULL) jobs_stop(d.job_pool);
     uv_run(d.loop, UV_RUN_DEFAULT);
   }
   daemon_free();

@@ -128,7 +128,7 @@ static void info_done(struct job *j) {
     cJSON_AddNumberToObject(d, "uptime_s", (double)(clock_ms() - wd->started_ms) / 1000.0);
     json_u64_add(d, "connections", wd->nconns);
     msg_add_string(d, "socket", wd->socket_path);
-    json_u64_add(d, "jobs", jobs_outstanding(wd->jobs) + jobs_outstanding(wd->bulk));
+    json_u64_add(d, "jobs", jobs_outstanding(wd->control_pool) + jobs_outstanding(wd->job_pool));
     json_u64_add(d, "fill_threads", fill_threads(wd->fill));
     cJSON *devs = cJSON_AddArrayToObject(r, "devices");
     for (int i = 0; i < wd->ndevices; i++) cJSON_AddItemToArray(devs, device_json(i));
@@ -166,7 +166,7 @@ static void reply_info(struct request *req, struct reg_ckpt **cks, size_t n, boo
   ij->cks = cks;
   ij->n = n;
   ij->status = status;
-  jobs_submit(wd->jobs, &ij->job);
+  jobs_submit(wd->control_pool, &ij->job);
 }
 
 static void reply_checkpoint(struct request *req, struct reg_ckpt *ck) {
@@ -280,7 +280,7 @@ static void op_close(struct request *r) {
   rj->job.work = resolve_work;
   rj->job.done = close_done;
   rj->req = r;
-  jobs_submit(wd->jobs, &rj->job);
+  jobs_submit(wd->control_pool, &rj->job);
 }
 
 static void prefetch_ready(struct request *r, struct reg_ckpt *ck, const struct wd_error *err) {
@@ -293,7 +293,7 @@ static void prefetch_ready(struct request *r, struct reg_ckpt *ck, const struct 
   struct wd_error e = {0};
   msg_get_bool(args_of(r, &o), "wait", false, false, &wait, &e);
   msg_get_bool(args_of(r, &o), "pin", false, false, &pin, &e);
-  if (pin && wd->backend.ops->host_register == NULL)
+  if (pin && (wd->backend.ops->caps & WD_CAP_HOST_SLABS))
     log_msg(LOG_DEBUG, "%s: the %s backend reads host memory directly; nothing to pin", ck->path,
             wd->backend_name);
   if (ck->prefetching && !wait && !(pin && !atomic_load(&ck->pinned))) {
@@ -386,7 +386,7 @@ static void load_ready(struct request *r, struct reg_ckpt *ck, const struct wd_e
   pj->job.done = plan_done;
   pj->req = r;
   pj->ck = ck;
-  jobs_submit(wd->jobs, &pj->job);
+  jobs_submit(wd->control_pool, &pj->job);
 }
 
 static int check_load_args(struct request *r) {
@@ -512,7 +512,7 @@ static void op_evict(struct request *r) {
   ej->job.work = evict_work;
   ej->job.done = evict_done;
   ej->req = r;
-  jobs_submit(wd->bulk, &ej->job);
+  jobs_submit(wd->job_pool, &ej->job);
 }
 
 static void op_status(struct request *r) {

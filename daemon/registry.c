@@ -190,7 +190,7 @@ static void start_open(struct acquire *a) {
   a->stage = ACQ_OPEN;
   a->entry = e;
   a->rc = 0;
-  jobs_submit(wd->jobs, &a->job);
+  jobs_submit(wd->control_pool, &a->job);
 }
 
 static void acquire_done(struct job *j) {
@@ -210,7 +210,7 @@ static void acquire_done(struct job *j) {
     reg_ref(e);
     a->entry = e;
     a->stage = ACQ_VERIFY;
-    jobs_submit(wd->jobs, &a->job);
+    jobs_submit(wd->control_pool, &a->job);
     return;
   }
   case ACQ_VERIFY: {
@@ -241,7 +241,6 @@ static void acquire_done(struct job *j) {
       notify_waiters(e, NULL);
     } else {
       e->state = REG_FAILED;
-      e->open_err = a->err;
       log_msg(LOG_WARN, "cannot open %s: %s", e->path, a->err.msg);
       detach(e);
       notify_waiters(e, &a->err);
@@ -267,7 +266,7 @@ void reg_acquire(struct request *req, const char *path, reg_ready_fn cb) {
   a->req = req;
   a->cb = cb;
   a->stage = ACQ_RESOLVE;
-  jobs_submit(wd->jobs, &a->job);
+  jobs_submit(wd->control_pool, &a->job);
 }
 
 int reg_close(const char *resolved, struct wd_error *err) {
@@ -458,7 +457,7 @@ int reg_prefetch(struct reg_ckpt *ck, bool pin, struct request *wait_req, struct
   p->job.done = prefetch_done;
   p->ck = ck;
   p->req = wait_req;
-  p->pin = pin && wd->backend.ops->host_register != NULL && !atomic_load(&ck->pinned) && ck->pinned_bytes == 0;
+  p->pin = pin && !(wd->backend.ops->caps & WD_CAP_HOST_SLABS) && !atomic_load(&ck->pinned) && ck->pinned_bytes == 0;
   if (p->pin && ck->unpinning) {
     free(p);
     return err_set(err, WEIGHTD_E_BUSY, "%s is being unpinned to make room; ask again", ck->path);
@@ -484,6 +483,6 @@ int reg_prefetch(struct reg_ckpt *ck, bool pin, struct request *wait_req, struct
   }
   reg_ref(ck);
   ck->prefetching = true;
-  jobs_submit(wd->bulk, &p->job);
+  jobs_submit(wd->job_pool, &p->job);
   return 0;
 }

@@ -72,7 +72,7 @@ static void free_done(struct job *j) { free(j); }
 static void slab_release(struct wd_slab *slab) {
   if (slab == NULL) return;
   struct free_job *f = calloc(1, sizeof *f);
-  if (f == NULL || wd->bulk == NULL) { /* no memory, or shutting down: free it here */
+  if (f == NULL || wd->job_pool == NULL) { /* no memory, or shutting down: free it here */
     free(f);
     wd->backend.ops->slab_free(wd->backend.ctx, slab);
     return;
@@ -80,7 +80,7 @@ static void slab_release(struct wd_slab *slab) {
   f->job.work = free_work;
   f->job.done = free_done;
   f->slab = slab;
-  jobs_submit(wd->bulk, &f->job);
+  jobs_submit(wd->job_pool, &f->job);
 }
 
 /* Unlinks and frees a set; its slab goes to `keep` when given, else to a free job. */
@@ -164,7 +164,7 @@ void slab_list_free_now(struct slab_list *l) {
  */
 static uint64_t device_budget(int device) {
   if (wd->cfg.device_memory_budget > 0) return wd->cfg.device_memory_budget;
-  if (wd->backend.ops->host_register == NULL) return wd->devices[device].info.memory_total / 2;
+  if (wd->backend.ops->caps & WD_CAP_HOST_SLABS) return wd->devices[device].info.memory_total / 2;
   return 0;
 }
 
@@ -304,7 +304,7 @@ static void load_done(struct job *j) {
     log_msg(LOG_INFO, "set %s: canceled load restarted for a request that joined it", s->id);
     atomic_store(&s->cancel, false);
     atomic_store(&s->bytes_done, 0);
-    jobs_submit(wd->bulk, &lj->job);
+    jobs_submit(wd->job_pool, &lj->job);
     return;
   }
   if (lj->rc == WEIGHTD_E_DEVICE_NOMEM && !lj->retried && !atomic_load(&s->cancel)) {
@@ -313,7 +313,7 @@ static void load_done(struct job *j) {
       log_msg(LOG_INFO, "device %d full: evicted %zu unleased set(s), retrying set %s", s->device, n, s->id);
       lj->retried = true;
       atomic_store(&s->bytes_done, 0);
-      jobs_submit(wd->bulk, &lj->job);
+      jobs_submit(wd->job_pool, &lj->job);
       return;
     }
   }
@@ -447,7 +447,7 @@ void res_load(struct request *req, struct reg_ckpt *ck, int device, struct plan 
   lj->to_free = evicted;
   log_msg(LOG_DEBUG, "loading set %s: %s, %zu tensors, %" PRIu64 " bytes", s->id, ck->path,
           plan->noutputs, plan->slab_bytes);
-  jobs_submit(wd->bulk, &lj->job);
+  jobs_submit(wd->job_pool, &lj->job);
 }
 
 void res_wait_set(struct request *req, struct res_set *s) {

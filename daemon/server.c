@@ -552,9 +552,8 @@ void server_stop(void) {
   struct conn *c = wd->conns;
   while (c != NULL) {
     struct conn *next = c->next;
-    cJSON *ev = cJSON_CreateObject();
-    msg_add_string(ev, "event", "shutdown");
-    msg_add_string(ev, "message", "the daemon is shutting down");
+    cJSON *ev = msg_event(NULL, "shutdown");
+    if (ev != NULL) msg_add_string(ev, "message", "the daemon is shutting down");
     conn_send(c, ev, NULL, 0);
     if (!c->closed) {
       c->closing = true;

@@ -33,10 +33,6 @@ const char *msg_op_name(enum msg_op op) {
   return op >= 0 && op < MSG_OP_COUNT ? op_table[op].name : NULL;
 }
 
-const char *msg_op_help(enum msg_op op) {
-  return op >= 0 && op < MSG_OP_COUNT ? op_table[op].help : NULL;
-}
-
 /* ---- message helpers ---------------------------------------------------- */
 
 /* Copies s[0..n) into buf for a message: control bytes escaped, long text cut with "...". */
@@ -325,46 +321,6 @@ int msg_get_object(const struct msg_obj *o, const char *name, bool required, str
                    cjson_type(j));
   out->json = j;
   return 1;
-}
-
-int msg_get_array(const struct msg_obj *o, const char *name, bool required, const cJSON **out,
-                  struct wd_error *err) {
-  char full[MSG_PATH_MAX];
-  const cJSON *j = member(o, name, full, sizeof full);
-  *out = NULL;
-  if (j == NULL) return required ? missing(full, err) : 0;
-  if (!cJSON_IsArray(j))
-    return err_set(err, WEIGHTD_E_BAD_REQUEST, "field '%s' must be an array, not %s", full,
-                   cjson_type(j));
-  *out = j;
-  return 1;
-}
-
-int msg_check_fields(const struct msg_obj *o, const char *const *allowed, struct wd_error *err) {
-  if (o->json == NULL) return 0;
-  for (const cJSON *c = o->json->child; c != NULL; c = c->next) {
-    const char *const *a = allowed;
-    while (*a != NULL && strcmp(*a, c->string) != 0) a++;
-    if (*a == NULL) {
-      char full[MSG_PATH_MAX];
-      join_path(full, sizeof full, o->path, c->string, strlen(c->string));
-      return err_set(err, WEIGHTD_E_BAD_REQUEST, "unknown field '%s'", full);
-    }
-  }
-  return 0;
-}
-
-void msg_id_format(const cJSON *id, char *buf, size_t buflen) {
-  if (buflen == 0) return;
-  if (cJSON_IsString(id)) {
-    char pb[MSG_ID_MAX * 4 + 8];
-    snprintf(buf, buflen, "\"%s\"",
-             printable(id->valuestring, strlen(id->valuestring), pb, sizeof pb));
-  } else if (cJSON_IsNumber(id)) {
-    snprintf(buf, buflen, "%" PRId64, (int64_t)id->valuedouble);
-  } else {
-    snprintf(buf, buflen, "-");
-  }
 }
 
 /* ---- replies ------------------------------------------------------------ */

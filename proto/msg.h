@@ -55,8 +55,6 @@ enum msg_op {
 enum msg_op msg_op_from_name(const char *name);
 /* The wire name of op, or NULL outside the catalogue. */
 const char *msg_op_name(enum msg_op op);
-/* A one-line description of op, or NULL outside the catalogue. */
-const char *msg_op_help(enum msg_op op);
 
 /* The longest string id, in bytes. */
 #define MSG_ID_MAX 128
@@ -116,19 +114,6 @@ int msg_get_bool(const struct msg_obj *o, const char *name, bool required, bool 
 /* A nested object; out->path becomes "<parent>.<name>" for later messages. */
 int msg_get_object(const struct msg_obj *o, const char *name, bool required, struct msg_obj *out,
                    struct wd_error *err);
-
-/* An array (elements unchecked); absent: NULL. */
-int msg_get_array(const struct msg_obj *o, const char *name, bool required, const cJSON **out,
-                  struct wd_error *err);
-
-/*
- * Refuses members of o not in allowed (a NULL-terminated list), naming the
- * first such member. Returns 0 or WEIGHTD_E_BAD_REQUEST.
- */
-int msg_check_fields(const struct msg_obj *o, const char *const *allowed, struct wd_error *err);
-
-/* Writes id for logs: the string in quotes, the integer, or "-" when NULL. */
-void msg_id_format(const cJSON *id, char *buf, size_t buflen);
 
 /*
  * Reply builders. Each returns a new object (free it with cJSON_Delete) or

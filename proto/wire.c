@@ -185,12 +185,17 @@ static int reader_make_room(struct wire_reader *r) {
   return 0;
 }
 
-int wire_reader_fill(struct wire_reader *r, int sock) {
-  if (r->failed) return r->failed;
-  int rc = reader_make_room(r);
-  if (rc < 0) return rc;
-
-  struct iovec iov = {.iov_base = r->buf + r->end, .iov_len = r->cap - r->end};
+/*
+ * One nonblocking recvmsg() of up to len bytes into buf, retried on EINTR,
+ * taking the descriptors that came with it into fds (room for RECV_FDS_MAX)
+ * and their count into *nfds. Returns the bytes read (0 at end of stream),
+ * WIRE_AGAIN when nothing is ready, or a negative code with detail in err:
+ * WEIGHTD_E_PROTOCOL when the descriptors did not fit (those that arrived
+ * are closed), or the recvmsg error's code.
+ */
+static ssize_t recv_with_rights(int sock, void *buf, size_t len, int *fds, size_t *nfds,
+                                struct wd_error *err) {
+  struct iovec iov = {.iov_base = buf, .iov_len = len};
   union control ctl;
   struct msghdr mh = {
       .msg_iov = &iov,
@@ -199,24 +204,36 @@ int wire_reader_fill(struct wire_reader *r, int sock) {
       .msg_controllen = sizeof ctl.buf,
   };
   ssize_t n;
+  *nfds = 0;
   do {
     n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
   } while (n < 0 && errno == EINTR);
   if (n < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK) return WIRE_AGAIN;
     int e = errno;
-    return err_set(&r->err, recv_errno_code(e), "recvmsg: %s", strerror(e));
+    return err_set(err, recv_errno_code(e), "recvmsg: %s", strerror(e));
   }
+  *nfds = take_rights(&mh, fds);
+  if (mh.msg_flags & MSG_CTRUNC) {
+    close_fds(fds, *nfds);
+    *nfds = 0;
+    return err_set(err, WEIGHTD_E_PROTOCOL,
+                   "a message carried more than %d file descriptors (control data truncated)",
+                   WIRE_MAX_FDS);
+  }
+  return n;
+}
+
+int wire_reader_fill(struct wire_reader *r, int sock) {
+  if (r->failed) return r->failed;
+  int rc = reader_make_room(r);
+  if (rc < 0) return rc;
 
   int got[RECV_FDS_MAX];
-  size_t ngot = take_rights(&mh, got);
-  if (mh.msg_flags & MSG_CTRUNC) {
-    close_fds(got, ngot);
-    err_set(&r->err, WEIGHTD_E_PROTOCOL,
-            "a message carried more than %d file descriptors (control data truncated)",
-            WIRE_MAX_FDS);
-    return reader_fail(r, WEIGHTD_E_PROTOCOL);
-  }
+  size_t ngot;
+  ssize_t n = recv_with_rights(sock, r->buf + r->end, r->cap - r->end, got, &ngot, &r->err);
+  if (n == WIRE_AGAIN) return WIRE_AGAIN;
+  if (n < 0) return n == WEIGHTD_E_PROTOCOL ? reader_fail(r, WEIGHTD_E_PROTOCOL) : (int)n;
   if (n == 0) {
     close_fds(got, ngot);
     return 0;
@@ -497,39 +514,20 @@ static int recv_exact(struct recv_state *s, void *p, size_t n, size_t frame_tota
                       struct wd_error *err) {
   size_t got = 0;
   while (got < n) {
-    struct iovec iov = {.iov_base = (char *)p + got, .iov_len = n - got};
-    union control ctl;
-    struct msghdr mh = {
-        .msg_iov = &iov,
-        .msg_iovlen = 1,
-        .msg_control = ctl.buf,
-        .msg_controllen = sizeof ctl.buf,
-    };
-    ssize_t r = recvmsg(s->sock, &mh, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) {
-        int rc = wait_for(s->sock, POLLIN, s->deadline, err);
-        if (rc < 0) return rc;
-        if (rc == 0) {
-          if (s->done == 0) return err_set(err, WEIGHTD_E_TIMEOUT, "no reply within the timeout");
-          return err_set(err, WEIGHTD_E_PROTOCOL,
-                         "timed out inside a frame after %zu bytes; the connection is out of step",
-                         s->done);
-        }
-        continue;
-      }
-      int e = errno;
-      return err_set(err, recv_errno_code(e), "recvmsg: %s", strerror(e));
-    }
     int in[RECV_FDS_MAX];
-    size_t nin = take_rights(&mh, in);
-    if (mh.msg_flags & MSG_CTRUNC) {
-      close_fds(in, nin);
-      return err_set(err, WEIGHTD_E_PROTOCOL,
-                     "a message carried more than %d file descriptors (control data truncated)",
-                     WIRE_MAX_FDS);
+    size_t nin;
+    ssize_t r = recv_with_rights(s->sock, (char *)p + got, n - got, in, &nin, err);
+    if (r == WIRE_AGAIN) {
+      int rc = wait_for(s->sock, POLLIN, s->deadline, err);
+      if (rc < 0) return rc;
+      if (rc == 0) {
+        if (s->done == 0) return err_set(err, WEIGHTD_E_TIMEOUT, "no reply within the timeout");
+        return err_set(err, WEIGHTD_E_PROTOCOL,
+                       "timed out inside a frame after %zu bytes; the connection is out of step", s->done);
+      }
+      continue;
     }
+    if (r < 0) return (int)r;
     if (nin > 0) {
       if (s->done > 0) {
         close_fds(in, nin);

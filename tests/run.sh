@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Builds weightd and runs the whole test suite twice: a normal build (with the
-# CUDA backend when the toolkit is present; GPU tests skip without a GPU), and
-# an AddressSanitizer + UndefinedBehaviorSanitizer build with CUDA off. Any
-# failure or sanitizer finding fails the run.
+# Builds weightd and runs the whole test suite twice: a Release build with GCC
+# (with the CUDA backend when the toolkit is present; GPU tests skip without a
+# GPU), and an AddressSanitizer + UndefinedBehaviorSanitizer build with clang
+# and CUDA off. Both builds treat warnings as errors (WEIGHTD_WERROR; a user's
+# build does not). Any failure or sanitizer finding fails the run.
 #
-# Needs: cmake, a C compiler, pkg-config, libuv1-dev, libcjson-dev, python3
-# with venv (the README's test command installs them). The Python reference
-# tools (tests/requirements.txt) go into ./.venv.
+# Needs: cmake, gcc, clang with its sanitizer runtime (libclang-rt-14-dev),
+# pkg-config, libuv1-dev, libcjson-dev, python3 with venv (the README's test
+# command installs them). The Python reference tools (tests/requirements.txt)
+# go into ./.venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc 2>/dev/null || echo 2)
@@ -17,14 +19,14 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
 export WD_REQUIRE_REFERENCE=1
 
-echo "== build (release) =="
-cmake -S . -B build -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWEIGHTD_PYTHON="$PWD/.venv/bin/python"
+echo "== build (release, gcc) =="
+CC=gcc cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DWEIGHTD_WERROR=ON -DWEIGHTD_PYTHON="$PWD/.venv/bin/python"
 cmake --build build -j "$jobs"
 echo "== tests (release) =="
 ctest --test-dir build --output-on-failure -j "$jobs"
 
-echo "== build (ASan + UBSan, CUDA off) =="
-cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DWEIGHTD_SANITIZE=ON -DWEIGHTD_CUDA=OFF \
+echo "== build (ASan + UBSan, clang, CUDA off) =="
+CC=clang cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DWEIGHTD_SANITIZE=ON -DWEIGHTD_CUDA=OFF -DWEIGHTD_WERROR=ON \
   -DWEIGHTD_PYTHON="$PWD/.venv/bin/python"
 cmake --build build-asan -j "$jobs"
 echo "== tests (ASan + UBSan) =="

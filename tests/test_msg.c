@@ -19,7 +19,6 @@ static void test_op_names(void) {
     const char *n = msg_op_name((enum msg_op)i);
     CHECK(n != NULL && strcmp(n, names[i]) == 0);
     CHECK_EQ_INT(msg_op_from_name(names[i]), i);
-    CHECK(msg_op_help((enum msg_op)i) != NULL && msg_op_help((enum msg_op)i)[0] != '\0');
 
     char json[64];
     snprintf(json, sizeof json, "{\"op\":\"%s\"}", names[i]);
@@ -66,9 +65,6 @@ static void test_parse_ok(void) {
   CHECK(strcmp(plan.path, "plan") == 0);
   CHECK_EQ_INT(msg_get_u64(&plan, "tp_size", true, 0, 1024, &u, &err), 1);
   CHECK_EQ_INT(u, 8);
-  const cJSON *arr = NULL;
-  CHECK_EQ_INT(msg_get_array(&plan, "names", true, &arr, &err), 1);
-  CHECK_EQ_INT(cJSON_GetArraySize(arr), 2);
 
   /* Absent optional fields give their defaults and return 0. */
   CHECK_EQ_INT(msg_get_u64(&req.args, "ep_rank", false, 5, 10, &u, &err), 0);
@@ -84,18 +80,6 @@ static void test_parse_ok(void) {
   CHECK(none.json == NULL);
   CHECK_EQ_INT(msg_get_u64(&none, "x", false, 1, 10, &u, &err), 0);
 
-  static const char *const allowed[] = {"op", "id", "path", "tp_rank", "pin", "plan", "max", NULL};
-  CHECK_EQ_INT(msg_check_fields(&req.args, allowed, &err), 0);
-  static const char *const fewer[] = {"op", "id", "path", NULL};
-  CHECK_EQ_INT(msg_check_fields(&req.args, fewer, &err), WEIGHTD_E_BAD_REQUEST);
-  CHECK_STR_CONTAINS(err.msg, "unknown field 'tp_rank'");
-  static const char *const plan_fields[] = {"tp_size", NULL};
-  CHECK_EQ_INT(msg_check_fields(&plan, plan_fields, &err), WEIGHTD_E_BAD_REQUEST);
-  CHECK_STR_CONTAINS(err.msg, "unknown field 'plan.names'");
-
-  char idbuf[64];
-  msg_id_format(req.id, idbuf, sizeof idbuf);
-  CHECK(strcmp(idbuf, "7") == 0);
   msg_request_free(&req);
   msg_request_free(&req); /* idempotent */
 
@@ -107,15 +91,11 @@ static void test_parse_ok(void) {
   snprintf(big, sizeof big, "{\"id\":\"%s\",\"op\":\"status\"}", idstr);
   CHECK_EQ_INT(msg_request_parse(big, strlen(big), &req, &err), 0);
   CHECK(cJSON_IsString(req.id) && strlen(req.id->valuestring) == 128);
-  msg_id_format(req.id, idbuf, sizeof idbuf);
-  CHECK(idbuf[0] == '"');
   msg_request_free(&req);
   j = " {\"op\":\"status\",\"id\":-42} \n";
   CHECK_EQ_INT(msg_request_parse(j, strlen(j), &req, &err), 0);
   CHECK(cJSON_IsNumber(req.id) && req.id->valuedouble == -42);
   msg_request_free(&req);
-  msg_id_format(NULL, idbuf, sizeof idbuf);
-  CHECK(strcmp(idbuf, "-") == 0);
 }
 
 /* The request is read from a buffer with no terminating NUL (ASan checks bounds). */
@@ -227,7 +207,6 @@ static void test_accessors_bad(void) {
   uint64_t u = 77;
   bool b;
   struct msg_obj sub;
-  const cJSON *arr;
 
 #define BAD(call, needle)                        \
   do {                                           \
@@ -256,8 +235,6 @@ static void test_accessors_bad(void) {
       "field 'ten' must be true or false, not a number");
   BAD(msg_get_object(o, "o", true, &sub, &err), "field 'o' must be an object, not an array");
   BAD(msg_get_object(o, "missing", true, &sub, &err), "missing field 'missing'");
-  BAD(msg_get_array(o, "a", true, &arr, &err), "field 'a' must be an array, not an object");
-  BAD(msg_get_array(o, "nul", false, &arr, &err), "field 'nul' must be an array, not null");
 
   /* Nested objects name the whole path. */
   struct msg_obj plan, inner;
