@@ -10,7 +10,7 @@
 
 #include "pathutil.h"
 
-enum cfg_type { CFG_STRING, CFG_UINT, CFG_BYTES, CFG_MODE, CFG_PATH_LIST, CFG_ID_LIST };
+enum cfg_type { CFG_STRING, CFG_UINT, CFG_BYTES, CFG_MODE, CFG_ENUM, CFG_PATH_LIST, CFG_ID_LIST };
 
 struct cfg_key {
   const char *name;
@@ -20,7 +20,17 @@ struct cfg_key {
   uint64_t min, max; /* numbers */
   const char *def;   /* default, as text */
   const char *help;
+  const char *const *choices; /* CFG_ENUM: the names, in the enum's order, NULL-terminated */
 };
+
+/* Enumerated keys are stored as int through the table's offset. */
+_Static_assert(sizeof(enum cfg_backend) == sizeof(int) && sizeof(enum log_level) == sizeof(int) &&
+                   sizeof(enum cfg_load_method) == sizeof(int),
+               "enumerated config keys are stored as int");
+
+static const char *const backend_names[] = {"auto", "cuda", "host", NULL};
+static const char *const log_level_names[] = {"error", "warn", "info", "debug", NULL};
+static const char *const load_method_names[] = {"auto", "staged", NULL};
 
 #define OFF(f) offsetof(struct wd_config, f)
 #define GiB (1ull << 30)
@@ -40,7 +50,7 @@ static const struct cfg_key keys[] = {
      "anyone who can open the socket"},
     {"allowed_gids", CFG_ID_LIST, OFF(allowed_gids), OFF(n_allowed_gids), 0, UINT32_MAX, NULL,
      "peer primary gids allowed"},
-    {"backend", CFG_STRING, OFF(backend), 0, 0, 0, "auto", "auto | cuda | host"},
+    {"backend", CFG_ENUM, OFF(backend), 0, 0, 0, "auto", "auto | cuda | host", backend_names},
     {"device_memory_budget", CFG_BYTES, OFF(device_memory_budget), 0, 0, UINT64_MAX, "0",
      "bytes of resident sets per device before unleased sets are evicted (0 = a GPU's own memory; "
      "for the host backend, half of physical memory)"},
@@ -62,10 +72,11 @@ static const struct cfg_key keys[] = {
      "connections served at once; more are refused"},
     {"max_queued_output", CFG_BYTES, OFF(max_queued_output), 0, 1 * MiB, 16 * GiB, "64MiB",
      "replies queued for a client that does not read before it is disconnected"},
-    {"log_level", CFG_STRING, OFF(log_level), 0, 0, 0, "info", "error | warn | info | debug"},
-    {"load_method", CFG_STRING, OFF(load_method), 0, 0, 0, "auto",
+    {"log_level", CFG_ENUM, OFF(log_level), 0, 0, 0, "info", "error | warn | info | debug", log_level_names},
+    {"load_method", CFG_ENUM, OFF(load_method), 0, 0, 0, "auto",
      "auto | staged: staged sends every load through the pinned staging slots, also on the host "
-     "backend and for pinned checkpoints (for tests and comparisons)"},
+     "backend and for pinned checkpoints (for tests and comparisons)",
+     load_method_names},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])
@@ -147,6 +158,18 @@ static int set_text(struct wd_config *cfg, const struct cfg_key *k, const char *
     *(uint64_t *)(base + k->offset) = v;
     return 0;
   }
+  case CFG_ENUM:
+    for (int i = 0; k->choices[i] != NULL; i++)
+      if (strcmp(k->choices[i], value) == 0) {
+        *(int *)(base + k->offset) = i;
+        return 0;
+      }
+    {
+      char list[128] = "";
+      for (int i = 0; k->choices[i] != NULL; i++)
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? ", " : "", k->choices[i]);
+      return err_set(err, WEIGHTD_E_INVALID, "config '%s': '%s' is not one of %s", k->name, value, list);
+    }
   case CFG_PATH_LIST: {
     char *dup = strdup(value);
     if (dup == NULL ||
@@ -221,7 +244,7 @@ static int set_json(struct wd_config *cfg, const struct cfg_key *k, const cJSON 
     return 0;
   }
   if (cJSON_IsString(v)) return set_text(cfg, k, v->valuestring, err);
-  if (cJSON_IsNumber(v) && k->type != CFG_STRING) {
+  if (cJSON_IsNumber(v) && k->type != CFG_STRING && k->type != CFG_ENUM) {
     if (v->valuedouble < 0 || v->valuedouble > 9007199254740992.0 || floor(v->valuedouble) != v->valuedouble)
       return err_set(err, WEIGHTD_E_INVALID, "%s: '%s' must be a non-negative integer", path, k->name);
     if (k->type == CFG_MODE) snprintf(buf, sizeof buf, "%o", (unsigned)v->valuedouble);
@@ -255,6 +278,15 @@ int config_load_file(struct wd_config *cfg, const char *path, struct wd_error *e
 out:
   cJSON_Delete(root);
   return rc;
+}
+
+const char *config_enum_name(const struct wd_config *cfg, const char *key) {
+  const struct cfg_key *k = find_key(key);
+  if (k == NULL || k->type != CFG_ENUM) return "?";
+  int v = *(const int *)((const char *)cfg + k->offset);
+  for (int i = 0; k->choices[i] != NULL; i++)
+    if (i == v) return k->choices[i];
+  return "?";
 }
 
 void config_print_help(FILE *f) {

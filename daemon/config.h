@@ -10,6 +10,11 @@
 #include <sys/types.h>
 
 #include "error.h"
+#include "log.h"
+
+/* Choices of the enumerated keys, parsed once when the config is read. */
+enum cfg_backend { CFG_BACKEND_AUTO, CFG_BACKEND_CUDA, CFG_BACKEND_HOST };
+enum cfg_load_method { CFG_LOAD_AUTO, CFG_LOAD_STAGED };
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
@@ -21,7 +26,7 @@ struct wd_config {
   size_t n_allowed_uids;
   uint64_t *allowed_gids;
   size_t n_allowed_gids;
-  char *backend;               /* auto | cuda | host */
+  enum cfg_backend backend;
   uint64_t device_memory_budget; /* bytes per device for resident sets; 0 = no limit */
   uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier */
   uint64_t fill_threads;       /* 0 = one per online CPU */
@@ -32,8 +37,8 @@ struct wd_config {
   uint64_t frame_timeout_ms;
   uint64_t max_connections;
   uint64_t max_queued_output; /* bytes queued for a slow client before it is dropped */
-  char *log_level;
-  char *load_method; /* auto | staged: force the staging pipeline (tests, comparisons) */
+  enum log_level log_level;
+  enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
 };
 
 /* Fills cfg with the defaults. */
@@ -47,6 +52,9 @@ int config_set(struct wd_config *cfg, const char *key, const char *value, struct
 
 /* Appends a model root. */
 int config_add_model_root(struct wd_config *cfg, const char *dir, struct wd_error *err);
+
+/* The text of an enumerated key's current value ("cuda", "info"), for logs and status. */
+const char *config_enum_name(const struct wd_config *cfg, const char *key);
 
 /* Writes every key with its help and default as a commented example. */
 void config_print_help(FILE *f);

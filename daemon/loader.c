@@ -17,18 +17,21 @@
  * and zeros in the alignment gaps, reading the mappings under the SIGBUS
  * guard (fault.h) so that a truncated shard fails the load, not the daemon.
  *
- * DESIGN (threads): ld_fill runs on a job thread and owns the set's slab until
- * it returns. Fill tasks run on the fill pool and write disjoint byte ranges;
- * the first error wins under `lock`. Each GPU's staging slots, streams and
- * events belong to one load at a time (`staging.lock`). Progress is the set's
- * atomic bytes_done; cancellation is its atomic cancel flag, checked between
- * windows.
+ * DESIGN (threads): ld_fill runs on a job thread and owns the target's slab
+ * until it returns; it reads only the loader (immutable after ld_create, but
+ * for the staging slots) and the target. Fill tasks run on the fill pool and
+ * write disjoint byte ranges; the first error wins under `lock`. Each GPU's
+ * staging slots, streams and events belong to one load at a time
+ * (`staging.lock`). Progress is the target's atomic bytes_done; cancellation
+ * is its atomic cancel flag, checked between windows.
  */
+#include "loader.h"
+
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "daemon.h"
+#include "clock.h"
 #include "fault.h"
 #include "log.h"
 
@@ -47,12 +50,17 @@ struct staging {
   struct wd_event **events;
 };
 
-static struct staging *stagings; /* one per device, for backends without host-visible slabs */
-static int nstagings;
+struct loader {
+  const struct wd_backend *backend;
+  struct fillpool *fill;
+  enum cfg_load_method method;
+  struct staging *stagings; /* one per device, for backends without host-visible slabs */
+  int nstagings;
+};
 
 /* ---- gathering ---------------------------------------------------------------- */
 
-static const unsigned char *piece_src(const struct res_set *s, const struct plan_piece *pc) {
+static const unsigned char *piece_src(const struct ld_target *s, const struct plan_piece *pc) {
   const struct ckpt *c = s->ck->ck;
   const struct ckpt_shard *sh = &c->shards[pc->src->shard];
   return (const unsigned char *)s->ck->maps[pc->src->shard] + sh->hdr->data_start + pc->src->t->begin +
@@ -60,7 +68,7 @@ static const unsigned char *piece_src(const struct res_set *s, const struct plan
 }
 
 struct gather_args {
-  const struct res_set *set;
+  const struct ld_target *set;
   const unsigned char *const *data; /* per shard: its data section in the mapping */
   uint64_t lo, hi;
   unsigned char *dst; /* receives slab bytes [lo, hi) */
@@ -73,7 +81,7 @@ static int gather_range(void *arg) {
 }
 
 /* Names the tensor at slab offset off, for a FAULT message. */
-static int fault_error(const struct res_set *s, uint64_t off, struct wd_error *err) {
+static int fault_error(const struct ld_target *s, uint64_t off, struct wd_error *err) {
   const struct plan_output *o = plan_output_at(s->plan, off);
   const char *shard = "?", *name = o ? o->name : "?";
   if (o != NULL && o->npieces > 0 && o->pieces[0].src != NULL)
@@ -86,7 +94,8 @@ static int fault_error(const struct res_set *s, uint64_t off, struct wd_error *e
 /* ---- a run of fill tasks ---------------------------------------------------------- */
 
 struct window_fill {
-  struct res_set *set;
+  struct loader *ld;
+  struct ld_target *set;
   const unsigned char **data; /* per shard: its data section in the mapping */
   uint64_t lo, hi; /* the window being gathered */
   unsigned char *dst;
@@ -116,7 +125,7 @@ static void fill_task(void *arg, size_t i) {
 }
 
 /* Per shard, where its data section starts in the mapping (a new array, or NULL). */
-static const unsigned char **shard_data(const struct res_set *s) {
+static const unsigned char **shard_data(const struct ld_target *s) {
   const struct ckpt *c = s->ck->ck;
   const unsigned char **data = malloc((c->nshards ? c->nshards : 1) * sizeof *data);
   for (size_t i = 0; data != NULL && i < c->nshards; i++)
@@ -125,33 +134,33 @@ static const unsigned char **shard_data(const struct res_set *s) {
 }
 
 /* Bytes per fill task for a window: two tasks per fill thread, 1 to 8 MiB each, in 64 KiB multiples. */
-static uint64_t task_bytes(uint64_t window) {
-  uint64_t task = window / (2 * (uint64_t)fill_threads(wd->fill));
+static uint64_t task_bytes(const struct loader *ld, uint64_t window) {
+  uint64_t task = window / (2 * (uint64_t)fill_threads(ld->fill));
   task = task < LD_TASK_MIN ? LD_TASK_MIN : task > LD_TASK_MAX ? LD_TASK_MAX : task;
   return (task + 65535) / 65536 * 65536;
 }
 
 /* Gathers slab bytes [lo, hi) into dst on the fill threads, counting progress. */
-static int fill_window(struct res_set *s, const unsigned char **data, uint64_t lo, uint64_t hi,
-                       unsigned char *dst, struct wd_error *err) {
-  struct window_fill r = {.set = s, .data = data, .lo = lo, .hi = hi, .dst = dst};
-  r.task = task_bytes(hi - lo);
+static int fill_window(struct loader *ld, struct ld_target *s, const unsigned char **data, uint64_t lo,
+                       uint64_t hi, unsigned char *dst, struct wd_error *err) {
+  struct window_fill r = {.ld = ld, .set = s, .data = data, .lo = lo, .hi = hi, .dst = dst};
+  r.task = task_bytes(ld, hi - lo);
   r.ntasks = (size_t)((hi - lo + r.task - 1) / r.task);
   pthread_mutex_init(&r.lock, NULL);
-  fill_run(wd->fill, r.ntasks, fill_task, &r);
+  fill_run(ld->fill, r.ntasks, fill_task, &r);
   pthread_mutex_destroy(&r.lock);
   if (r.rc != 0) *err = r.err;
   return r.rc;
 }
 
-static int check_cancel(struct res_set *s, struct wd_error *err) {
+static int check_cancel(struct ld_target *s, struct wd_error *err) {
   if (!atomic_load(&s->cancel)) return 0;
   return err_set(err, WEIGHTD_E_CANCELED, "load of %s canceled", s->ck->path);
 }
 
 /* ---- memcpy: the slab is host memory ------------------------------------------------ */
 
-static int fill_memcpy(struct res_set *s, struct wd_error *err) {
+static int fill_memcpy(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const uint64_t window = 256ull << 20; /* cancellation is checked between windows */
   const unsigned char **data = shard_data(s);
   if (data == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
@@ -159,7 +168,7 @@ static int fill_memcpy(struct res_set *s, struct wd_error *err) {
   for (uint64_t lo = 0; lo < s->plan->slab_bytes && rc == 0; lo += window) {
     if ((rc = check_cancel(s, err)) != 0) break;
     uint64_t hi = lo + window < s->plan->slab_bytes ? lo + window : s->plan->slab_bytes;
-    rc = fill_window(s, data, lo, hi, (unsigned char *)s->slab->host_view + lo, err);
+    rc = fill_window(ld, s, data, lo, hi, (unsigned char *)s->slab->host_view + lo, err);
   }
   free(data);
   return rc;
@@ -178,7 +187,8 @@ static int fill_memcpy(struct res_set *s, struct wd_error *err) {
  * wait is for a slot's previous transfer.
  */
 struct staged_run {
-  struct res_set *set;
+  struct loader *ld;
+  struct ld_target *set;
   struct staging *st;
   const unsigned char **data; /* per shard: its data section in the mapping */
   uint64_t total;             /* slab bytes */
@@ -205,7 +215,7 @@ static void staged_fail(struct staged_run *r, int rc, const struct wd_error *err
 static void staged_task(void *arg, size_t i) {
   struct staged_run *r = arg;
   struct staging *st = r->st;
-  const struct wd_backend_ops *ops = wd->backend.ops;
+  const struct wd_backend *b = r->ld->backend;
   size_t w = i / r->per_window, k = w % st->nslots;
   struct wd_error err = {0};
   /* Wait for the slot: window w - S must have started its transfer, then finished it. */
@@ -219,7 +229,7 @@ static void staged_task(void *arg, size_t i) {
     staged_fail(r, err.code, &err);
     return;
   }
-  if (w >= st->nslots && ops->event_wait(wd->backend.ctx, st->events[k], &err) != 0) {
+  if (w >= st->nslots && b->ops->event_wait(b->ctx, st->events[k], &err) != 0) {
     staged_fail(r, err.code, &err);
     return;
   }
@@ -238,8 +248,8 @@ static void staged_task(void *arg, size_t i) {
   if (atomic_fetch_sub(&r->left[w], 1) != 1) return;
   /* The window's last task: start its transfer. */
   size_t n = (size_t)(whi - wlo);
-  int rc = ops->copy_h2d(wd->backend.ctx, r->set->slab, wlo, n, st->slots[k], n, n, 1, st->streams[k], &err);
-  if (rc == 0) rc = ops->event_record(wd->backend.ctx, st->events[k], st->streams[k], &err);
+  int rc = b->ops->copy_h2d(b->ctx, r->set->slab, wlo, n, st->slots[k], n, n, 1, st->streams[k], &err);
+  if (rc == 0) rc = b->ops->event_record(b->ctx, st->events[k], st->streams[k], &err);
   if (rc != 0) {
     staged_fail(r, rc, &err);
     return;
@@ -251,12 +261,12 @@ static void staged_task(void *arg, size_t i) {
   pthread_mutex_unlock(&r->lock);
 }
 
-static int fill_staged(struct res_set *s, struct wd_error *err) {
-  const struct wd_backend_ops *ops = wd->backend.ops;
-  struct staging *st = &stagings[s->device];
-  struct staged_run r = {.set = s, .st = st, .total = s->plan->slab_bytes};
+static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *err) {
+  const struct wd_backend *b = ld->backend;
+  struct staging *st = &ld->stagings[s->device];
+  struct staged_run r = {.ld = ld, .set = s, .st = st, .total = s->plan->slab_bytes};
   r.windows = (size_t)((r.total + st->slot_bytes - 1) / st->slot_bytes);
-  r.task = task_bytes(st->slot_bytes);
+  r.task = task_bytes(ld, st->slot_bytes);
   r.per_window = (size_t)((st->slot_bytes + r.task - 1) / r.task);
   r.data = shard_data(s);
   r.left = malloc((r.windows ? r.windows : 1) * sizeof *r.left);
@@ -271,12 +281,12 @@ static int fill_staged(struct res_set *s, struct wd_error *err) {
   pthread_mutex_init(&r.lock, NULL);
   pthread_cond_init(&r.moved, NULL);
   pthread_mutex_lock(&st->lock);
-  fill_run(wd->fill, r.windows * r.per_window, staged_task, &r);
+  fill_run(ld->fill, r.windows * r.per_window, staged_task, &r);
   /* Drain every slot, also after an error: the slots must be idle for the next load. */
   for (size_t k = 0; k < st->nslots; k++) {
     if (r.issued[k] == 0) continue;
     struct wd_error e2 = {0};
-    int r2 = ops->event_wait(wd->backend.ctx, st->events[k], &e2);
+    int r2 = b->ops->event_wait(b->ctx, st->events[k], &e2);
     if (r.rc == 0 && r2 != 0) {
       r.rc = r2;
       r.err = e2;
@@ -298,9 +308,10 @@ static int fill_staged(struct res_set *s, struct wd_error *err) {
 
 /* ---- direct: the copy engines read the registered mappings ---------------------------- */
 
-static int fill_direct(struct res_set *s, struct wd_error *err) {
-  const struct wd_backend_ops *ops = wd->backend.ops;
-  struct staging *st = &stagings[s->device];
+static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *err) {
+  const struct wd_backend_ops *ops = ld->backend->ops;
+  void *ctx = ld->backend->ctx;
+  struct staging *st = &ld->stagings[s->device];
   static const unsigned char zeros[1u << 16];
   pthread_mutex_lock(&st->lock);
   int rc = 0;
@@ -316,15 +327,15 @@ static int fill_direct(struct res_set *s, struct wd_error *err) {
       if (pc->src == NULL) {
         for (uint64_t off = 0; off < len && rc == 0; off += sizeof zeros) {
           size_t m = len - off < sizeof zeros ? (size_t)(len - off) : sizeof zeros;
-          rc = ops->copy_h2d(wd->backend.ctx, s->slab, dst + off, m, zeros, m, m, 1, NULL, err);
+          rc = ops->copy_h2d(ctx, s->slab, dst + off, m, zeros, m, m, 1, NULL, err);
         }
       } else if (pc->height <= 1 || pc->src_pitch == pc->width) {
         for (uint64_t off = 0; off < len && rc == 0; off += LD_DIRECT_CHUNK) {
           size_t m = len - off < LD_DIRECT_CHUNK ? (size_t)(len - off) : (size_t)LD_DIRECT_CHUNK;
-          rc = ops->copy_h2d(wd->backend.ctx, s->slab, dst + off, m, piece_src(s, pc) + off, m, m, 1, stream, err);
+          rc = ops->copy_h2d(ctx, s->slab, dst + off, m, piece_src(s, pc) + off, m, m, 1, stream, err);
         }
       } else {
-        rc = ops->copy_h2d(wd->backend.ctx, s->slab, dst, (size_t)pc->width, piece_src(s, pc),
+        rc = ops->copy_h2d(ctx, s->slab, dst, (size_t)pc->width, piece_src(s, pc),
                            (size_t)pc->src_pitch, (size_t)pc->width, (size_t)pc->height, stream, err);
       }
       dst += len;
@@ -333,8 +344,8 @@ static int fill_direct(struct res_set *s, struct wd_error *err) {
   }
   for (size_t k = 0; k < st->nslots; k++) {
     struct wd_error e2 = {0};
-    int r2 = ops->event_record(wd->backend.ctx, st->events[k], st->streams[k], &e2);
-    if (r2 == 0) r2 = ops->event_wait(wd->backend.ctx, st->events[k], &e2);
+    int r2 = ops->event_record(ctx, st->events[k], st->streams[k], &e2);
+    if (r2 == 0) r2 = ops->event_wait(ctx, st->events[k], &e2);
     if (rc == 0 && r2 != 0) {
       rc = r2;
       *err = e2;
@@ -346,60 +357,66 @@ static int fill_direct(struct res_set *s, struct wd_error *err) {
 
 /* ---- entry points ------------------------------------------------------------------------ */
 
-int ld_fill(struct res_set *s, struct wd_error *err) {
-  const struct wd_backend_ops *ops = wd->backend.ops;
+int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
+  const struct wd_backend_ops *ops = ld->backend->ops;
+  void *ctx = ld->backend->ctx;
   double t0 = clock_s();
-  int rc = ops->slab_alloc(wd->backend.ctx, s->device, s->plan->slab_bytes, &s->slab, err);
+  s->slab = NULL;
+  int rc = ops->slab_alloc(ctx, s->device, s->plan->slab_bytes, &s->slab, err);
   s->alloc_seconds = clock_s() - t0;
   if (rc != 0) return rc;
-  bool force_staged = strcmp(wd->cfg.load_method, "staged") == 0;
-  if (force_staged) {
+  if (ld->method == CFG_LOAD_STAGED) {
     s->method = "staged";
-    rc = fill_staged(s, err);
+    rc = fill_staged(ld, s, err);
   } else if (s->slab->host_view != NULL) {
     s->method = "memcpy";
-    rc = fill_memcpy(s, err);
-  } else if (s->ck->pinned) {
+    rc = fill_memcpy(ld, s, err);
+  } else if (atomic_load(&s->ck->pinned)) {
     s->method = "direct";
-    rc = fill_direct(s, err);
+    rc = fill_direct(ld, s, err);
   } else {
     s->method = "staged";
-    rc = fill_staged(s, err);
+    rc = fill_staged(ld, s, err);
   }
   /* A shard rewritten while we copied would have given a mix of old and new bytes. */
   if (rc == 0) rc = ckpt_check_unchanged(s->ck->ck, err);
   if (rc == 0) atomic_store(&s->bytes_done, s->plan->slab_bytes);
-  if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(wd->backend.ctx, s->slab, err);
+  if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, s->slab, err);
   if (rc != 0) {
-    ops->slab_free(wd->backend.ctx, s->slab);
+    ops->slab_free(ctx, s->slab);
     s->slab = NULL;
   }
   return rc;
 }
 
-int ld_init(struct wd_error *err) {
-  const struct wd_backend_ops *ops = wd->backend.ops;
-  if (strcmp(wd->cfg.load_method, "staged") != 0 && strcmp(wd->cfg.load_method, "auto") != 0)
-    return err_set(err, WEIGHTD_E_INVALID, "load_method must be auto or staged, not '%s'", wd->cfg.load_method);
+int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *err) {
+  const struct wd_backend_ops *ops = p->backend->ops;
+  void *ctx = p->backend->ctx;
+  struct loader *ld = calloc(1, sizeof *ld);
+  if (ld == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  ld->backend = p->backend;
+  ld->fill = p->fill;
+  ld->method = p->method;
+  *out = ld;
   /* Host slabs are filled in place and need no staging, unless staging is forced. */
-  if ((ops->caps & WD_CAP_HOST_SLABS) && strcmp(wd->cfg.load_method, "staged") != 0) return 0;
-  stagings = calloc((size_t)wd->ndevices, sizeof *stagings);
-  if (stagings == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  nstagings = wd->ndevices;
-  for (int d = 0; d < wd->ndevices; d++) {
-    struct staging *st = &stagings[d];
+  if ((ops->caps & WD_CAP_HOST_SLABS) && p->method != CFG_LOAD_STAGED) return 0;
+  ld->stagings = calloc((size_t)p->ndevices, sizeof *ld->stagings);
+  if (ld->stagings == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  for (int d = 0; d < p->ndevices; d++) {
+    struct staging *st = &ld->stagings[d];
     pthread_mutex_init(&st->lock, NULL);
-    st->nslots = (size_t)wd->cfg.staging_slots;
-    st->slot_bytes = (size_t)wd->cfg.staging_slot_bytes;
+    ld->nstagings = d + 1;
+    st->nslots = p->staging_slots;
+    st->slot_bytes = p->staging_slot_bytes;
     st->slots = calloc(st->nslots, sizeof *st->slots);
     st->streams = calloc(st->nslots, sizeof *st->streams);
     st->events = calloc(st->nslots, sizeof *st->events);
     if (st->slots == NULL || st->streams == NULL || st->events == NULL)
       return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     for (size_t k = 0; k < st->nslots; k++) {
-      int rc = ops->pinned_alloc(wd->backend.ctx, d, st->slot_bytes, &st->slots[k], err);
-      if (rc == 0) rc = ops->stream_create(wd->backend.ctx, d, &st->streams[k], err);
-      if (rc == 0) rc = ops->event_create(wd->backend.ctx, d, &st->events[k], err);
+      int rc = ops->pinned_alloc(ctx, d, st->slot_bytes, &st->slots[k], err);
+      if (rc == 0) rc = ops->stream_create(ctx, d, &st->streams[k], err);
+      if (rc == 0) rc = ops->event_create(ctx, d, &st->events[k], err);
       if (rc != 0) return err_prefix(err, "staging slot %zu of GPU %d", k, d);
     }
     log_msg(LOG_INFO, "device %d: %zu pinned staging slots of %zu MiB", d, st->nslots, st->slot_bytes >> 20);
@@ -407,21 +424,22 @@ int ld_init(struct wd_error *err) {
   return 0;
 }
 
-void ld_shutdown(void) {
-  const struct wd_backend_ops *ops = wd->backend.ops;
-  for (int d = 0; d < nstagings; d++) {
-    struct staging *st = &stagings[d];
+void ld_destroy(struct loader *ld) {
+  if (ld == NULL) return;
+  const struct wd_backend_ops *ops = ld->backend->ops;
+  void *ctx = ld->backend->ctx;
+  for (int d = 0; d < ld->nstagings; d++) {
+    struct staging *st = &ld->stagings[d];
     for (size_t k = 0; k < st->nslots; k++) {
-      if (st->events && st->events[k]) ops->event_destroy(wd->backend.ctx, st->events[k]);
-      if (st->streams && st->streams[k]) ops->stream_destroy(wd->backend.ctx, st->streams[k]);
-      if (st->slots && st->slots[k]) ops->pinned_free(wd->backend.ctx, d, st->slots[k]);
+      if (st->events && st->events[k]) ops->event_destroy(ctx, st->events[k]);
+      if (st->streams && st->streams[k]) ops->stream_destroy(ctx, st->streams[k]);
+      if (st->slots && st->slots[k]) ops->pinned_free(ctx, d, st->slots[k]);
     }
     free(st->slots);
     free(st->streams);
     free(st->events);
     pthread_mutex_destroy(&st->lock);
   }
-  free(stagings);
-  stagings = NULL;
-  nstagings = 0;
+  free(ld->stagings);
+  free(ld);
 }

@@ -14,15 +14,6 @@ void log_set_level(enum log_level level) { current = level; }
 
 void log_set_timestamps(int on) { timestamps = on; }
 
-int log_level_from_name(const char *name, enum log_level *out) {
-  for (int i = 0; i <= LOG_DEBUG; i++)
-    if (strcmp(names[i], name) == 0) {
-      *out = (enum log_level)i;
-      return 0;
-    }
-  return -1;
-}
-
 void log_msg(enum log_level level, const char *fmt, ...) {
   if (level > current) return;
   char line[2048];

@@ -10,7 +10,6 @@ enum log_level { LOG_ERROR, LOG_WARN, LOG_INFO, LOG_DEBUG };
 
 void log_set_level(enum log_level level);
 void log_set_timestamps(int on);
-int log_level_from_name(const char *name, enum log_level *out);
 void log_msg(enum log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 #endif

@@ -1,15 +1,17 @@
 /*
- * registry.c - open checkpoints: resolution, validation, mappings, prefetch.
+ * registry.c - open checkpoints: resolution, validation, mappings, prefetch
+ * and the pinned tier (see registry.h).
  *
- * DESIGN: the registry (a list in struct daemon) is loop-owned. Resolving a
- * path, validating shards, mapping, checking that shards are unchanged and
- * prefetching all run on job threads; their done() callbacks update the
- * registry. An entry is reference counted: the registry holds one reference
- * while the entry is listed, each resident set and each running job another.
- * A replaced shard detaches the old entry (sets built from it keep it alive)
- * and a fresh one is opened. Jobs read an entry's ckpt and maps, which never
- * change once the entry is open.
+ * DESIGN: the registry's list and entries are loop-owned. Resolving a path,
+ * validating shards, mapping, checking that shards are unchanged, prefetching
+ * and pinning all run on job threads (prefetch chunks on the fill threads);
+ * each job reads only its own struct: the entry it was handed (immutable once
+ * open), a reference to the model roots it started with, the backend's const
+ * table and the registry's atomic stop flag. Their done() callbacks update the
+ * registry on the loop thread and run the caller's continuation.
  */
+#include "registry.h"
+
 #include <errno.h>
 #include <limits.h>
 #include <stdlib.h>
@@ -17,27 +19,114 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "daemon.h"
+#include "clock.h"
 #include "fault.h"
 #include "log.h"
-#include "msg.h"
 #include "pathutil.h"
 
-/* ---- references -------------------------------------------------------------- */
+/* The model roots, shared by reference with the jobs that started under them (loop thread counts). */
+struct reg_roots {
+  int refs;
+  size_t n;
+  char **dirs;
+};
+
+struct registry {
+  const struct wd_backend *backend;
+  struct jobs *control, *bulk;
+  struct fillpool *fill;
+  struct reg_roots *roots;
+  uint64_t pin_budget;
+  uint64_t pinned_bytes; /* the pinned-resident tier's total */
+  uint64_t next_generation;
+  atomic_bool stopping; /* read by prefetch chunks on fill threads */
+  bool destroyed;
+  struct reg_ckpt *ckpts;
+};
+
+struct reg_waiter {
+  reg_ready_fn cb;
+  void *arg;
+  struct reg_waiter *next;
+};
+
+/* ---- roots ------------------------------------------------------------------------ */
+
+static void roots_unref(struct reg_roots *rt) {
+  if (rt == NULL || --rt->refs > 0) return;
+  for (size_t i = 0; i < rt->n; i++) free(rt->dirs[i]);
+  free(rt->dirs);
+  free(rt);
+}
+
+static struct reg_roots *roots_ref(struct reg_roots *rt) {
+  rt->refs++;
+  return rt;
+}
+
+int reg_roots_set(struct registry *r, const char *const *dirs, size_t n, struct wd_error *err) {
+  struct reg_roots *rt = calloc(1, sizeof *rt);
+  if (rt == NULL || (rt->dirs = calloc(n ? n : 1, sizeof *rt->dirs)) == NULL) {
+    free(rt);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  rt->refs = 1;
+  for (; rt->n < n; rt->n++)
+    if ((rt->dirs[rt->n] = strdup(dirs[rt->n])) == NULL) {
+      roots_unref(rt);
+      return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    }
+  roots_unref(r->roots);
+  r->roots = rt;
+  return 0;
+}
+
+size_t reg_roots_count(const struct registry *r) { return r->roots->n; }
+const char *reg_root(const struct registry *r, size_t i) { return i < r->roots->n ? r->roots->dirs[i] : NULL; }
+
+/* ---- the registry ----------------------------------------------------------------- */
+
+int reg_create(const struct reg_params *p, struct registry **out, struct wd_error *err) {
+  struct registry *r = calloc(1, sizeof *r);
+  if (r == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  r->backend = p->backend;
+  r->control = p->control;
+  r->bulk = p->bulk;
+  r->fill = p->fill;
+  r->pin_budget = p->pin_budget;
+  atomic_init(&r->stopping, false);
+  if (reg_roots_set(r, NULL, 0, err) != 0) {
+    free(r);
+    return err->code;
+  }
+  *out = r;
+  return 0;
+}
+
+void reg_pin_budget_set(struct registry *r, uint64_t budget) { r->pin_budget = budget; }
+uint64_t reg_pin_budget(const struct registry *r) { return r->pin_budget; }
+uint64_t reg_pinned_bytes(const struct registry *r) { return r->pinned_bytes; }
+struct reg_ckpt *reg_first(const struct registry *r) { return r->ckpts; }
+void reg_stop(struct registry *r) { atomic_store(&r->stopping, true); }
+
+/* ---- references ------------------------------------------------------------------- */
 
 void reg_ref(struct reg_ckpt *ck) { ck->refs++; }
 
+/* Frees an entry nothing uses. The registry itself goes with its last entry once destroyed. */
 static void entry_free(struct reg_ckpt *ck) {
+  struct registry *r = ck->reg;
+  const struct wd_backend *b = r->backend;
   if (ck->ck != NULL) {
     for (size_t i = 0; i < ck->ck->nshards; i++) {
       if (ck->maps != NULL && ck->maps[i] != NULL) {
-        if (atomic_load(&ck->pinned) && wd->backend.ops->host_unregister)
-          wd->backend.ops->host_unregister(wd->backend.ctx, ck->maps[i], ck->ck->shards[i].size);
+        if (atomic_load(&ck->pinned) && b->ops->host_unregister)
+          b->ops->host_unregister(b->ctx, ck->maps[i], ck->ck->shards[i].size);
         munmap(ck->maps[i], ck->ck->shards[i].size);
       }
     }
   }
-  wd->pinned_bytes -= ck->pinned_bytes;
+  r->pinned_bytes -= ck->pinned_bytes;
   free(ck->maps);
   ckpt_free(ck->ck);
   free(ck->path);
@@ -51,28 +140,41 @@ void reg_unref(struct reg_ckpt *ck) {
 
 static void detach(struct reg_ckpt *ck) {
   if (ck->detached) return;
-  struct reg_ckpt **pp = &wd->ckpts;
+  struct reg_ckpt **pp = &ck->reg->ckpts;
   while (*pp != NULL && *pp != ck) pp = &(*pp)->next;
   if (*pp == ck) *pp = ck->next;
   ck->detached = true;
   reg_unref(ck); /* the registry's reference */
 }
 
-struct reg_ckpt *reg_find(const char *resolved) {
-  for (struct reg_ckpt *ck = wd->ckpts; ck != NULL; ck = ck->next)
+void reg_destroy(struct registry *r) {
+  if (r == NULL) return;
+  while (r->ckpts != NULL) detach(r->ckpts);
+  roots_unref(r->roots);
+  free(r);
+}
+
+struct reg_ckpt *reg_find(struct registry *r, const char *resolved) {
+  for (struct reg_ckpt *ck = r->ckpts; ck != NULL; ck = ck->next)
     if (ck->state == REG_OPEN && strcmp(ck->path, resolved) == 0) return ck;
   return NULL;
 }
 
-/* ---- acquiring: resolve, then verify or open ---------------------------------- */
+void reg_load_begin(struct reg_ckpt *ck) { ck->loads++; }
+void reg_load_end(struct reg_ckpt *ck) { ck->loads--; }
+
+/* ---- acquiring: resolve, then verify or open ---------------------------------------- */
 
 enum acq_stage { ACQ_RESOLVE, ACQ_VERIFY, ACQ_OPEN };
 
 struct acquire {
   struct job job;
+  struct registry *reg;
+  struct reg_roots *roots; /* referenced: what the job checks against */
   enum acq_stage stage;
-  struct request *req;
-  reg_ready_fn cb;
+  reg_ready_fn ready;      /* acquire */
+  reg_resolved_fn resolved_cb; /* resolve only */
+  void *arg;
   char *path;
   char *resolved;
   struct reg_ckpt *entry; /* ACQ_VERIFY / ACQ_OPEN: referenced */
@@ -80,9 +182,8 @@ struct acquire {
   struct wd_error err;
 };
 
-static void acquire_done(struct job *j);
-
 static void acquire_free(struct acquire *a) {
+  roots_unref(a->roots);
   free(a->path);
   free(a->resolved);
   free(a);
@@ -95,8 +196,7 @@ static int map_shards(struct reg_ckpt *e, struct wd_error *err) {
   for (size_t i = 0; i < c->nshards; i++) {
     if (c->shards[i].size == 0) continue;
     void *p = mmap(NULL, c->shards[i].size, PROT_READ, MAP_SHARED, c->shards[i].fd, 0);
-    if (p == MAP_FAILED)
-      return err_set(err, WEIGHTD_E_IO, "%s: mmap: %s", c->shards[i].rel, strerror(errno));
+    if (p == MAP_FAILED) return err_set(err, WEIGHTD_E_IO, "%s: mmap: %s", c->shards[i].rel, strerror(errno));
     e->maps[i] = p;
   }
   /* The mappings keep the files; the descriptors are no longer needed. */
@@ -109,24 +209,24 @@ static int map_shards(struct reg_ckpt *e, struct wd_error *err) {
 
 static void acquire_work(struct job *j) {
   struct acquire *a = (struct acquire *)j;
+  const struct reg_roots *rt = a->roots;
   switch (a->stage) {
-  case ACQ_RESOLVE: {
+  case ACQ_RESOLVE:
     a->resolved = realpath(a->path, NULL);
     if (a->resolved == NULL) {
       a->rc = err_set(&a->err, errno == ENOENT || errno == ENOTDIR ? WEIGHTD_E_NOT_FOUND : WEIGHTD_E_IO,
                       "%s: %s", a->path, strerror(errno));
       return;
     }
-    if (wd->nroots > 0 && !path_under_roots(a->resolved, (const char *const *)wd->roots, wd->nroots))
-      a->rc = err_set(&a->err, WEIGHTD_E_PATH_DENIED, "%s: resolves to %s, outside the model roots",
-                      a->path, a->resolved);
+    if (rt->n > 0 && !path_under_roots(a->resolved, (const char *const *)rt->dirs, rt->n))
+      a->rc = err_set(&a->err, WEIGHTD_E_PATH_DENIED, "%s: resolves to %s, outside the model roots", a->path,
+                      a->resolved);
     return;
-  }
   case ACQ_VERIFY:
     a->rc = ckpt_check_unchanged(a->entry->ck, &a->err);
     return;
   case ACQ_OPEN: {
-    struct ckpt_opts opts = {(const char *const *)wd->roots, wd->nroots};
+    struct ckpt_opts opts = {(const char *const *)rt->dirs, rt->n};
     struct ckpt *c = NULL;
     a->rc = ckpt_open(a->resolved, &opts, &c, &a->err);
     if (a->rc != 0) return;
@@ -143,66 +243,74 @@ static void notify_waiters(struct reg_ckpt *e, const struct wd_error *err) {
   while (w != NULL) {
     struct reg_waiter *next = w->next;
     if (err == NULL) reg_ref(e);
-    w->cb(w->req, err == NULL ? e : NULL, err);
+    w->cb(w->arg, err == NULL ? e : NULL, err);
     free(w);
     w = next;
   }
 }
 
-static int add_waiter(struct reg_ckpt *e, struct request *req, reg_ready_fn cb) {
+static int add_waiter(struct reg_ckpt *e, reg_ready_fn cb, void *arg) {
   struct reg_waiter *w = calloc(1, sizeof *w);
   if (w == NULL) return -1;
-  w->req = req;
   w->cb = cb;
+  w->arg = arg;
   w->next = e->waiters;
   e->waiters = w;
   return 0;
 }
 
-/* Starts opening `resolved` (or joins an open already under way). */
+static void fail_nomem(reg_ready_fn cb, void *arg) {
+  struct wd_error err;
+  err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
+  cb(arg, NULL, &err);
+}
+
+/* Starts opening a->resolved (or joins an open already under way). */
 static void start_open(struct acquire *a) {
-  for (struct reg_ckpt *e = wd->ckpts; e != NULL; e = e->next) {
+  struct registry *r = a->reg;
+  for (struct reg_ckpt *e = r->ckpts; e != NULL; e = e->next) {
     if (e->state == REG_OPENING && strcmp(e->path, a->resolved) == 0) {
-      if (add_waiter(e, a->req, a->cb) != 0) {
-        struct wd_error err;
-        err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
-        a->cb(a->req, NULL, &err);
-      }
+      if (add_waiter(e, a->ready, a->arg) != 0) fail_nomem(a->ready, a->arg);
       acquire_free(a);
       return;
     }
   }
   struct reg_ckpt *e = calloc(1, sizeof *e);
-  if (e == NULL || (e->path = strdup(a->resolved)) == NULL || add_waiter(e, a->req, a->cb) != 0) {
+  if (e == NULL || (e->path = strdup(a->resolved)) == NULL || add_waiter(e, a->ready, a->arg) != 0) {
     if (e) free(e->path);
     free(e);
-    struct wd_error err;
-    err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
-    a->cb(a->req, NULL, &err);
+    fail_nomem(a->ready, a->arg);
     acquire_free(a);
     return;
   }
+  e->reg = r;
   e->state = REG_OPENING;
-  e->generation = ++wd->next_id;
+  e->generation = ++r->next_generation;
   e->refs = 2; /* the registry's, and the open job's */
-  e->next = wd->ckpts;
-  wd->ckpts = e;
+  atomic_init(&e->pinned, false);
+  e->next = r->ckpts;
+  r->ckpts = e;
   a->stage = ACQ_OPEN;
   a->entry = e;
   a->rc = 0;
-  jobs_submit(wd->control_pool, &a->job);
+  jobs_submit(r->control, &a->job);
 }
 
 static void acquire_done(struct job *j) {
   struct acquire *a = (struct acquire *)j;
   switch (a->stage) {
   case ACQ_RESOLVE: {
-    if (a->rc != 0) {
-      a->cb(a->req, NULL, &a->err);
+    if (a->resolved_cb != NULL) { /* reg_resolve: that was all */
+      a->resolved_cb(a->arg, a->rc == 0 ? a->resolved : NULL, a->rc == 0 ? NULL : &a->err);
       acquire_free(a);
       return;
     }
-    struct reg_ckpt *e = reg_find(a->resolved);
+    if (a->rc != 0) {
+      a->ready(a->arg, NULL, &a->err);
+      acquire_free(a);
+      return;
+    }
+    struct reg_ckpt *e = reg_find(a->reg, a->resolved);
     if (e == NULL) {
       start_open(a);
       return;
@@ -210,7 +318,7 @@ static void acquire_done(struct job *j) {
     reg_ref(e);
     a->entry = e;
     a->stage = ACQ_VERIFY;
-    jobs_submit(wd->control_pool, &a->job);
+    jobs_submit(a->reg->control, &a->job);
     return;
   }
   case ACQ_VERIFY: {
@@ -218,7 +326,7 @@ static void acquire_done(struct job *j) {
     a->entry = NULL;
     if (a->rc == 0 && !e->detached) {
       e->last_used_ms = clock_ms();
-      a->cb(a->req, e, NULL); /* passes our reference on */
+      a->ready(a->arg, e, NULL); /* passes our reference on */
       acquire_free(a);
       return;
     }
@@ -252,39 +360,56 @@ static void acquire_done(struct job *j) {
   }
 }
 
-void reg_acquire(struct request *req, const char *path, reg_ready_fn cb) {
+static struct acquire *acquire_new(struct registry *r, const char *path) {
   struct acquire *a = calloc(1, sizeof *a);
   if (a == NULL || (a->path = strdup(path)) == NULL) {
     free(a);
-    struct wd_error err;
-    err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
-    cb(req, NULL, &err);
-    return;
+    return NULL;
   }
   a->job.work = acquire_work;
   a->job.done = acquire_done;
-  a->req = req;
-  a->cb = cb;
+  a->reg = r;
+  a->roots = roots_ref(r->roots);
   a->stage = ACQ_RESOLVE;
-  jobs_submit(wd->control_pool, &a->job);
+  return a;
 }
 
-int reg_close(const char *resolved, struct wd_error *err) {
-  struct reg_ckpt *e = reg_find(resolved);
+void reg_acquire(struct registry *r, const char *path, reg_ready_fn cb, void *arg) {
+  struct acquire *a = acquire_new(r, path);
+  if (a == NULL) {
+    fail_nomem(cb, arg);
+    return;
+  }
+  a->ready = cb;
+  a->arg = arg;
+  jobs_submit(r->control, &a->job);
+}
+
+void reg_resolve(struct registry *r, const char *path, reg_resolved_fn cb, void *arg) {
+  struct acquire *a = acquire_new(r, path);
+  if (a == NULL) {
+    struct wd_error err;
+    err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
+    cb(arg, NULL, &err);
+    return;
+  }
+  a->resolved_cb = cb;
+  a->arg = arg;
+  jobs_submit(r->control, &a->job);
+}
+
+int reg_close(struct registry *r, const char *resolved, struct wd_error *err) {
+  struct reg_ckpt *e = reg_find(r, resolved);
   if (e == NULL) return err_set(err, WEIGHTD_E_NOT_FOUND, "%s is not open", resolved);
   if (e->refs > 1)
-    return err_set(err, WEIGHTD_E_BUSY, "%s is in use by %d resident set(s) or running operation(s)",
-                   resolved, e->refs - 1);
+    return err_set(err, WEIGHTD_E_BUSY, "%s is in use by %d resident set(s) or running operation(s)", resolved,
+                   e->refs - 1);
   log_msg(LOG_INFO, "closed %s", e->path);
   detach(e);
   return 0;
 }
 
-void reg_shutdown(void) {
-  while (wd->ckpts != NULL) detach(wd->ckpts);
-}
-
-/* ---- page cache: residency and prefetch ---------------------------------------- */
+/* ---- page cache: residency and prefetch -------------------------------------------- */
 
 uint64_t reg_resident_bytes(const struct reg_ckpt *ck) {
   long page = sysconf(_SC_PAGESIZE);
@@ -308,8 +433,10 @@ uint64_t reg_resident_bytes(const struct reg_ckpt *ck) {
 
 struct prefetch {
   struct job job;
+  struct registry *reg;
   struct reg_ckpt *ck;
-  struct request *req; /* replied to when done, if set */
+  reg_prefetched_fn cb;
+  void *arg;
   bool pin;
   struct reg_ckpt **unpin; /* pinned checkpoints to unregister first, referenced */
   size_t nunpin;
@@ -332,41 +459,41 @@ static void prefetch_chunk(void *arg, size_t i) {
     if (k < n) break;
     k -= n;
   }
-  if (s == c->nshards || atomic_load(&wd->stop_requested)) return;
+  if (s == c->nshards || atomic_load(&p->reg->stopping)) return;
   uint64_t off = k * PREFETCH_CHUNK, end = off + PREFETCH_CHUNK;
   if (end > c->shards[s].size) end = c->shards[s].size;
-  if (fault_touch((const char *)p->ck->maps[s] + off, (size_t)(end - off)) != 0)
-    atomic_store(&p->failed, 1);
+  if (fault_touch((const char *)p->ck->maps[s] + off, (size_t)(end - off)) != 0) atomic_store(&p->failed, 1);
 }
 
-static void unregister_all(struct reg_ckpt *ck) {
+static void unregister_all(const struct wd_backend *b, struct reg_ckpt *ck) {
   for (size_t i = 0; i < ck->ck->nshards; i++)
-    if (ck->maps[i] != NULL) wd->backend.ops->host_unregister(wd->backend.ctx, ck->maps[i], ck->ck->shards[i].size);
+    if (ck->maps[i] != NULL) b->ops->host_unregister(b->ctx, ck->maps[i], ck->ck->shards[i].size);
 }
 
 static void prefetch_work(struct job *j) {
   struct prefetch *p = (struct prefetch *)j;
+  const struct wd_backend *b = p->reg->backend;
   const struct ckpt *c = p->ck->ck;
-  for (size_t i = 0; i < p->nunpin; i++) unregister_all(p->unpin[i]);
+  for (size_t i = 0; i < p->nunpin; i++) unregister_all(b, p->unpin[i]);
   size_t n = 0;
   for (size_t s = 0; s < c->nshards; s++) {
     if (p->ck->maps[s] == NULL) continue;
     madvise(p->ck->maps[s], c->shards[s].size, MADV_WILLNEED);
     n += (size_t)((c->shards[s].size + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK);
   }
-  fill_run(wd->fill, n, prefetch_chunk, p);
+  fill_run(p->reg->fill, n, prefetch_chunk, p);
   if (p->pin && !atomic_load(&p->failed)) {
     double t0 = clock_s();
     size_t s = 0;
     for (; s < c->nshards; s++) {
       if (p->ck->maps[s] == NULL) continue;
-      p->pin_rc = wd->backend.ops->host_register(wd->backend.ctx, p->ck->maps[s], c->shards[s].size, &p->pin_err);
+      p->pin_rc = b->ops->host_register(b->ctx, p->ck->maps[s], c->shards[s].size, &p->pin_err);
       if (p->pin_rc != 0) break;
     }
     if (p->pin_rc != 0) {
       err_prefix(&p->pin_err, "%s: pinning %s", p->ck->path, c->shards[s].rel);
       for (size_t u = 0; u < s; u++)
-        if (p->ck->maps[u] != NULL) wd->backend.ops->host_unregister(wd->backend.ctx, p->ck->maps[u], c->shards[u].size);
+        if (p->ck->maps[u] != NULL) b->ops->host_unregister(b->ctx, p->ck->maps[u], c->shards[u].size);
     } else {
       log_msg(LOG_INFO, "%s: registered %llu bytes for direct DMA in %.0f ms", p->ck->path,
               (unsigned long long)p->ck->pinned_bytes, (clock_s() - t0) * 1000);
@@ -377,6 +504,7 @@ static void prefetch_work(struct job *j) {
 
 static void prefetch_done(struct job *j) {
   struct prefetch *p = (struct prefetch *)j;
+  struct registry *r = p->reg;
   p->ck->prefetching = false;
   for (size_t i = 0; i < p->nunpin; i++) {
     log_msg(LOG_INFO, "%s: unpinned to make room in host_pin_budget", p->unpin[i]->path);
@@ -387,34 +515,25 @@ static void prefetch_done(struct job *j) {
   int failed = atomic_load(&p->failed);
   if (p->pin) {
     if (failed || p->pin_rc != 0) {
-      wd->pinned_bytes -= p->ck->pinned_bytes;
+      r->pinned_bytes -= p->ck->pinned_bytes;
       p->ck->pinned_bytes = 0;
     } else {
       atomic_store(&p->ck->pinned, true);
     }
   }
-  if (failed) log_msg(LOG_WARN, "%s: prefetch hit a truncated shard", p->ck->path);
-  else if (p->pin_rc != 0) log_msg(LOG_WARN, "%s", p->pin_err.msg);
-  else log_msg(LOG_INFO, "prefetched %s", p->ck->path);
-  if (p->req != NULL) {
-    if (failed) {
-      req_fail(p->req, WEIGHTD_E_FAULT, "%s: a shard was truncated while it was read", p->ck->path);
-    } else if (p->pin_rc != 0) {
-      req_fail_err(p->req, &p->pin_err);
-    } else {
-      cJSON *reply = msg_reply_ok(p->req->id);
-      cJSON_AddItemToObject(reply, "checkpoint", ops_checkpoint_json(p->ck, p->resident));
-      req_reply(p->req, reply, NULL, 0);
-    }
+  struct wd_error err = {0};
+  if (failed) {
+    log_msg(LOG_WARN, "%s: prefetch hit a truncated shard", p->ck->path);
+    err_set(&err, WEIGHTD_E_FAULT, "%s: a shard was truncated while it was read", p->ck->path);
+  } else if (p->pin_rc != 0) {
+    log_msg(LOG_WARN, "%s", p->pin_err.msg);
+    err = p->pin_err;
+  } else {
+    log_msg(LOG_INFO, "prefetched %s", p->ck->path);
   }
+  if (p->cb != NULL) p->cb(p->arg, p->ck, p->resident, err.code != 0 ? &err : NULL);
   reg_unref(p->ck);
   free(p);
-}
-
-static bool has_running_load(const struct reg_ckpt *ck) {
-  for (struct res_set *s = wd->sets; s != NULL; s = s->next)
-    if (s->ck == ck && s->state == SET_LOADING) return true;
-  return false;
 }
 
 static uint64_t shard_bytes(const struct reg_ckpt *ck) {
@@ -425,13 +544,14 @@ static uint64_t shard_bytes(const struct reg_ckpt *ck) {
 
 /* Chooses pinned checkpoints to unpin, least recently used first, so that need fits. */
 static int choose_unpin(struct prefetch *p, uint64_t need, struct wd_error *err) {
+  struct registry *r = p->reg;
   uint64_t freed = 0;
-  while (wd->pinned_bytes - freed + need > wd->pin_budget) {
+  while (r->pinned_bytes - freed + need > r->pin_budget) {
     struct reg_ckpt *victim = NULL;
-    for (struct reg_ckpt *c = wd->ckpts; c != NULL; c = c->next) {
+    for (struct reg_ckpt *c = r->ckpts; c != NULL; c = c->next) {
       bool chosen = false;
       for (size_t i = 0; i < p->nunpin; i++) chosen |= p->unpin[i] == c;
-      if (c != p->ck && !chosen && atomic_load(&c->pinned) && !has_running_load(c) &&
+      if (c != p->ck && !chosen && atomic_load(&c->pinned) && c->loads == 0 &&
           (victim == NULL || c->last_used_ms < victim->last_used_ms))
         victim = c;
     }
@@ -439,8 +559,8 @@ static int choose_unpin(struct prefetch *p, uint64_t need, struct wd_error *err)
       return err_set(err, WEIGHTD_E_LIMIT,
                      "%s: pinning %llu bytes exceeds host_pin_budget (%llu bytes, %llu in use by "
                      "checkpoints that are loading)",
-                     p->ck->path, (unsigned long long)need, (unsigned long long)wd->pin_budget,
-                     (unsigned long long)wd->pinned_bytes);
+                     p->ck->path, (unsigned long long)need, (unsigned long long)r->pin_budget,
+                     (unsigned long long)r->pinned_bytes);
     struct reg_ckpt **nu = realloc(p->unpin, (p->nunpin + 1) * sizeof *nu);
     if (nu == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     p->unpin = nu;
@@ -450,14 +570,19 @@ static int choose_unpin(struct prefetch *p, uint64_t need, struct wd_error *err)
   return 0;
 }
 
-int reg_prefetch(struct reg_ckpt *ck, bool pin, struct request *wait_req, struct wd_error *err) {
+int reg_prefetch(struct registry *r, struct reg_ckpt *ck, bool pin, reg_prefetched_fn cb, void *arg,
+                 struct wd_error *err) {
   struct prefetch *p = calloc(1, sizeof *p);
   if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   p->job.work = prefetch_work;
   p->job.done = prefetch_done;
+  p->reg = r;
   p->ck = ck;
-  p->req = wait_req;
-  p->pin = pin && !(wd->backend.ops->caps & WD_CAP_HOST_SLABS) && !atomic_load(&ck->pinned) && ck->pinned_bytes == 0;
+  p->cb = cb;
+  p->arg = arg;
+  atomic_init(&p->failed, 0);
+  p->pin = pin && !(r->backend->ops->caps & WD_CAP_HOST_SLABS) && !atomic_load(&ck->pinned) &&
+           ck->pinned_bytes == 0;
   if (p->pin && ck->unpinning) {
     free(p);
     return err_set(err, WEIGHTD_E_BUSY, "%s is being unpinned to make room; ask again", ck->path);
@@ -474,15 +599,15 @@ int reg_prefetch(struct reg_ckpt *ck, bool pin, struct request *wait_req, struct
       struct reg_ckpt *v = p->unpin[i];
       atomic_store(&v->pinned, false); /* new loads of it stage from now on */
       v->unpinning = true;
-      wd->pinned_bytes -= v->pinned_bytes;
+      r->pinned_bytes -= v->pinned_bytes;
       v->pinned_bytes = 0;
       reg_ref(v);
     }
     ck->pinned_bytes = need;
-    wd->pinned_bytes += need;
+    r->pinned_bytes += need;
   }
   reg_ref(ck);
   ck->prefetching = true;
-  jobs_submit(wd->job_pool, &p->job);
+  jobs_submit(r->bulk, &p->job);
   return 0;
 }

@@ -1,7 +1,10 @@
 /*
  * server.c - the Unix socket: accepting, peer checks, framing, replies.
  *
- * DESIGN: runs entirely on the loop thread. The listening socket and every
+ * DESIGN: runs entirely on the loop thread. This is the transport layer: it
+ * reads frames, checks the op table's rules (hello first, privileged, what
+ * runs while stopping, what skips the queue, descriptors) and hands each
+ * request to ops.c, the only code that builds replies. The listening socket and every
  * connection are nonblocking descriptors watched with uv_poll; reads and
  * writes go through proto/wire.h (which passes descriptors with SCM_RIGHTS).
  * A connection is reference counted: the server holds one reference until the
@@ -22,9 +25,21 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-#include "daemon.h"
+#include "server.h"
+
 #include "log.h"
 #include "msg.h"
+#include "ops.h"
+#include "request.h"
+
+struct server {
+  struct daemon *d;
+  int listen_fd;
+  uv_poll_t listen_poll;
+  bool listening;
+  struct conn *conns;
+  size_t nconns;
+};
 
 static void conn_close(struct conn *c);
 static void on_resume(uv_timer_t *t);
@@ -121,7 +136,7 @@ void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
     conn_kill(c);
     return;
   }
-  if (wire_writer_bytes(&c->writer) > wd->cfg.max_queued_output) {
+  if (wire_writer_bytes(&c->writer) > c->d->cfg.max_queued_output) {
     log_msg(LOG_WARN, "pid %d does not read its replies (%zu bytes queued): disconnecting", (int)c->pid,
             wire_writer_bytes(&c->writer));
     conn_kill(c);
@@ -140,7 +155,7 @@ static void conn_fail(struct conn *c, const cJSON *id, int code, const char *msg
   if (!c->closed && !c->dead) {
     c->closing = true;
     uv_timer_stop(&c->frame_timer);
-    uv_timer_start(&c->frame_timer, on_closing_deadline, wd->cfg.frame_timeout_ms, 0);
+    uv_timer_start(&c->frame_timer, on_closing_deadline, c->d->cfg.frame_timeout_ms, 0);
     flush(c);
   }
 }
@@ -231,25 +246,28 @@ static void start_queued(struct conn *c) {
 }
 
 static void handle_frame(struct conn *c, struct wire_frame *f) {
-  if (f->nfds > 0) {
-    conn_fail(c, NULL, WEIGHTD_E_PROTOCOL, "the daemon accepts no file descriptors");
-    return;
-  }
   struct msg_request m = {0};
   struct wd_error err = {0};
   int rc = msg_request_parse(f->json, f->len, &m, &err);
+  unsigned flags = rc == 0 ? msg_op_flags(m.op) : 0;
+  if (f->nfds > 0 && !(flags & MSG_OPF_FDS_IN)) {
+    conn_fail(c, m.id, WEIGHTD_E_PROTOCOL,
+              rc == 0 ? "this request may not carry file descriptors" : "the daemon accepts no file descriptors here");
+    msg_request_free(&m);
+    return;
+  }
   if (rc != 0) {
     if (!c->hello_done) conn_fail(c, m.id, rc, err.msg);
     else conn_send(c, msg_reply_error(m.id, rc, err.msg), NULL, 0);
     msg_request_free(&m);
     return;
   }
-  if (!c->hello_done && m.op != MSG_OP_HELLO) {
+  if (!c->hello_done && !(flags & MSG_OPF_BEFORE_HELLO)) {
     conn_fail(c, m.id, WEIGHTD_E_PROTOCOL, "the first request on a connection must be 'hello'");
     msg_request_free(&m);
     return;
   }
-  if (wd->stopping && m.op != MSG_OP_STATUS) {
+  if (c->d->stopping && !(flags & MSG_OPF_WHILE_STOPPING)) {
     conn_send(c, msg_reply_error(m.id, WEIGHTD_E_SHUTDOWN, "the daemon is shutting down"), NULL, 0);
     msg_request_free(&m);
     return;
@@ -268,8 +286,8 @@ static void handle_frame(struct conn *c, struct wire_frame *f) {
   m.id = NULL;
   msg_request_free(&m);
   c->refs++;
-  /* A cancel goes past the line; anything else waits its turn behind the queue. */
-  if (r->op != MSG_OP_CANCEL && (c->inflight >= CONN_MAX_INFLIGHT || c->nqueued > 0)) {
+  /* Some ops (cancel) go past the line; anything else waits its turn behind the queue. */
+  if (!(flags & MSG_OPF_SKIPS_QUEUE) && (c->inflight >= CONN_MAX_INFLIGHT || c->nqueued > 0)) {
     r->next_in_conn = NULL;
     *c->queued_tail = r;
     c->queued_tail = &r->next_in_conn;
@@ -315,7 +333,7 @@ static void watch_partial_frame(struct conn *c) {
   if (c->closed || c->closing || c->dead) return;
   if (!c->paused && wire_reader_pending(&c->reader)) {
     if (!uv_is_active((uv_handle_t *)&c->frame_timer))
-      uv_timer_start(&c->frame_timer, on_frame_timeout, wd->cfg.frame_timeout_ms, 0);
+      uv_timer_start(&c->frame_timer, on_frame_timeout, c->d->cfg.frame_timeout_ms, 0);
   } else {
     uv_timer_stop(&c->frame_timer);
   }
@@ -379,17 +397,18 @@ static void on_poll(uv_poll_t *p, int status, int events) {
 static void conn_close(struct conn *c) {
   if (c->closed) return;
   c->closed = true;
-  struct conn **pp = &wd->conns;
+  struct server *srv = c->srv;
+  struct conn **pp = &srv->conns;
   while (*pp != NULL && *pp != c) pp = &(*pp)->next;
   if (*pp == c) *pp = c->next;
-  wd->nconns--;
-  res_release_conn(c);
+  srv->nconns--;
+  ops_conn_gone(c);
   /* Queued requests never started; requests waiting for a set stop waiting; the others finish on their own. */
   for (struct request *q = queue_pop(c); q != NULL; q = queue_pop(c)) req_finish(q);
   struct request *r = c->requests;
   while (r != NULL) {
     struct request *next = r->next_in_conn;
-    res_request_gone(r);
+    ops_request_gone(r);
     r = next;
   }
   uv_poll_stop(&c->poll);
@@ -410,23 +429,23 @@ bool conn_privileged(const struct conn *c) { return c->uid == 0 || c->uid == get
 
 static bool peer_allowed(const struct conn *c) {
   if (conn_privileged(c)) return true;
-  if (wd->cfg.n_allowed_uids == 0 && wd->cfg.n_allowed_gids == 0) return true;
-  for (size_t i = 0; i < wd->cfg.n_allowed_uids; i++)
-    if (wd->cfg.allowed_uids[i] == (uint64_t)c->uid) return true;
-  for (size_t i = 0; i < wd->cfg.n_allowed_gids; i++)
-    if (wd->cfg.allowed_gids[i] == (uint64_t)c->gid) return true;
+  if (c->d->cfg.n_allowed_uids == 0 && c->d->cfg.n_allowed_gids == 0) return true;
+  for (size_t i = 0; i < c->d->cfg.n_allowed_uids; i++)
+    if (c->d->cfg.allowed_uids[i] == (uint64_t)c->uid) return true;
+  for (size_t i = 0; i < c->d->cfg.n_allowed_gids; i++)
+    if (c->d->cfg.allowed_gids[i] == (uint64_t)c->gid) return true;
   return false;
 }
 
 static void on_accept(uv_poll_t *p, int status, int events) {
-  (void)p;
+  struct server *srv = p->data;
+  struct daemon *d = srv->d;
   (void)events;
   if (status < 0) return;
   for (int n = 0; n < 64; n++) {
-    int fd = accept4(wd->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-        log_msg(LOG_WARN, "accept: %s", strerror(errno));
+      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) log_msg(LOG_WARN, "accept: %s", strerror(errno));
       return;
     }
     struct ucred cred;
@@ -436,10 +455,10 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       continue;
     }
     struct conn *c = calloc(1, sizeof *c);
-    if (c == NULL || wd->stopping || wd->nconns >= wd->cfg.max_connections) {
+    if (c == NULL || d->stopping || srv->nconns >= d->cfg.max_connections) {
       static const char refused[] = "{\"error\":{\"code\":\"LIMIT\",\"message\":\"too many connections\"}}";
       unsigned char hdr[4] = {sizeof refused - 1, 0, 0, 0};
-      if (c != NULL && !wd->stopping) {
+      if (c != NULL && !d->stopping) {
         if (write(fd, hdr, 4) == 4 && write(fd, refused, sizeof refused - 1) < 0) {
         }
       }
@@ -447,6 +466,8 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       close(fd);
       continue;
     }
+    c->srv = srv;
+    c->d = d;
     c->fd = fd;
     c->pid = cred.pid;
     c->uid = cred.uid;
@@ -455,19 +476,19 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     c->queued_tail = &c->queued;
     wire_reader_init(&c->reader);
     wire_writer_init(&c->writer);
-    uv_poll_init(wd->loop, &c->poll, fd);
-    uv_timer_init(wd->loop, &c->frame_timer);
-    uv_timer_init(wd->loop, &c->resume_timer);
+    uv_poll_init(d->loop, &c->poll, fd);
+    uv_timer_init(d->loop, &c->frame_timer);
+    uv_timer_init(d->loop, &c->resume_timer);
     c->poll.data = c;
     c->frame_timer.data = c;
     c->resume_timer.data = c;
     c->handles_open = 3;
-    c->next = wd->conns;
-    wd->conns = c;
-    wd->nconns++;
+    c->next = srv->conns;
+    srv->conns = c;
+    srv->nconns++;
     if (!peer_allowed(c)) {
-      log_msg(LOG_WARN, "refused pid %d uid %d gid %d: not in allowed_uids/allowed_gids", (int)c->pid,
-              (int)c->uid, (int)c->gid);
+      log_msg(LOG_WARN, "refused pid %d uid %d gid %d: not in allowed_uids/allowed_gids", (int)c->pid, (int)c->uid,
+              (int)c->gid);
       conn_fail(c, NULL, WEIGHTD_E_PERMISSION, "this uid/gid may not use the daemon");
       continue;
     }
@@ -478,22 +499,29 @@ static void on_accept(uv_poll_t *p, int status, int events) {
 
 /* ---- the listening socket ---------------------------------------------------------------- */
 
-int server_start(struct wd_error *err) {
-  const char *path = wd->socket_path;
+int server_start(struct daemon *d, struct wd_error *err) {
+  const char *path = d->socket_path;
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
-  if (strlen(path) >= sizeof addr.sun_path)
-    return err_set(err, WEIGHTD_E_INVALID, "socket path too long: %s", path);
+  if (strlen(path) >= sizeof addr.sun_path) return err_set(err, WEIGHTD_E_INVALID, "socket path too long: %s", path);
   strcpy(addr.sun_path, path);
+  struct server *srv = calloc(1, sizeof *srv);
+  if (srv == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  srv->d = d;
+  srv->listen_fd = -1;
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) return err_set(err, WEIGHTD_E_IO, "socket: %s", strerror(errno));
+  if (fd < 0) {
+    free(srv);
+    return err_set(err, WEIGHTD_E_IO, "socket: %s", strerror(errno));
+  }
+  int rc = 0;
   /* A stale socket from a daemon that died is replaced; a live one is not. */
   struct stat sb;
   if (lstat(path, &sb) == 0 && S_ISSOCK(sb.st_mode)) {
     int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (probe >= 0 && connect(probe, (struct sockaddr *)&addr, sizeof addr) == 0) {
       close(probe);
-      close(fd);
-      return err_set(err, WEIGHTD_E_BUSY, "another weightd is listening on %s", path);
+      rc = err_set(err, WEIGHTD_E_BUSY, "another weightd is listening on %s", path);
+      goto fail;
     }
     if (probe >= 0) close(probe);
     unlink(path);
@@ -504,52 +532,57 @@ int server_start(struct wd_error *err) {
   snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
   struct sockaddr_un taddr = {.sun_family = AF_UNIX};
   if (strlen(tmp) >= sizeof taddr.sun_path) {
-    close(fd);
-    return err_set(err, WEIGHTD_E_INVALID, "socket path too long: %s", path);
+    rc = err_set(err, WEIGHTD_E_INVALID, "socket path too long: %s", path);
+    goto fail;
   }
   strcpy(taddr.sun_path, tmp);
   unlink(tmp);
   mode_t old = umask(0177);
-  int rc = bind(fd, (struct sockaddr *)&taddr, sizeof taddr);
+  rc = bind(fd, (struct sockaddr *)&taddr, sizeof taddr);
   umask(old);
   if (rc != 0) {
     rc = err_set(err, WEIGHTD_E_IO, "bind %s: %s", tmp, strerror(errno));
-    close(fd);
-    return rc;
+    goto fail;
   }
-  if (wd->cfg.socket_group != NULL && wd->cfg.socket_group[0] != '\0') {
-    struct group *g = getgrnam(wd->cfg.socket_group);
+  if (d->cfg.socket_group != NULL && d->cfg.socket_group[0] != '\0') {
+    struct group *g = getgrnam(d->cfg.socket_group);
     if (g == NULL) {
-      log_msg(LOG_INFO, "group '%s' does not exist: socket keeps group %d", wd->cfg.socket_group, (int)getegid());
+      log_msg(LOG_INFO, "group '%s' does not exist: socket keeps group %d", d->cfg.socket_group, (int)getegid());
     } else if (chown(tmp, (uid_t)-1, g->gr_gid) != 0) {
-      log_msg(LOG_WARN, "cannot give %s to group '%s': %s", path, wd->cfg.socket_group, strerror(errno));
+      log_msg(LOG_WARN, "cannot give %s to group '%s': %s", path, d->cfg.socket_group, strerror(errno));
     }
   }
-  if (chmod(tmp, (mode_t)wd->cfg.socket_mode) != 0) log_msg(LOG_WARN, "chmod %s: %s", path, strerror(errno));
+  if (chmod(tmp, (mode_t)d->cfg.socket_mode) != 0) log_msg(LOG_WARN, "chmod %s: %s", path, strerror(errno));
   if (listen(fd, 512) != 0 || rename(tmp, path) != 0) {
     rc = err_set(err, WEIGHTD_E_IO, "listen on %s: %s", path, strerror(errno));
-    close(fd);
     unlink(tmp);
-    return rc;
+    goto fail;
   }
-  wd->listen_fd = fd;
-  uv_poll_init(wd->loop, &wd->listen_poll, fd);
-  uv_poll_start(&wd->listen_poll, UV_READABLE, on_accept);
+  srv->listen_fd = fd;
+  srv->listening = true;
+  uv_poll_init(d->loop, &srv->listen_poll, fd);
+  srv->listen_poll.data = srv;
+  uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
+  d->srv = srv;
   return 0;
+fail:
+  close(fd);
+  free(srv);
+  return rc;
 }
 
 static void listen_closed(uv_handle_t *h) { (void)h; }
 
-/* Stops accepting, tells every client, and closes connections once their replies are out. */
-void server_stop(void) {
-  if (wd->listen_fd >= 0) {
-    uv_poll_stop(&wd->listen_poll);
-    uv_close((uv_handle_t *)&wd->listen_poll, listen_closed);
-    close(wd->listen_fd);
-    wd->listen_fd = -1;
-    unlink(wd->socket_path);
+void server_stop(struct server *srv) {
+  if (srv->listening) {
+    uv_poll_stop(&srv->listen_poll);
+    uv_close((uv_handle_t *)&srv->listen_poll, listen_closed);
+    close(srv->listen_fd);
+    srv->listen_fd = -1;
+    srv->listening = false;
+    unlink(srv->d->socket_path);
   }
-  struct conn *c = wd->conns;
+  struct conn *c = srv->conns;
   while (c != NULL) {
     struct conn *next = c->next;
     cJSON *ev = msg_event(NULL, "shutdown");
@@ -563,7 +596,10 @@ void server_stop(void) {
   }
 }
 
-/* Closes whatever is left; the loop then runs until the handles are closed. */
-void server_close_all(void) {
-  while (wd->conns != NULL) conn_close(wd->conns);
+void server_close_all(struct server *srv) {
+  while (srv->conns != NULL) conn_close(srv->conns);
 }
+
+void server_destroy(struct server *srv) { free(srv); }
+
+size_t server_connections(const struct server *srv) { return srv->nconns; }

@@ -13,11 +13,11 @@
 
 struct op_entry {
   const char *name;
-  const char *help;
+  unsigned flags;
 };
 
 static const struct op_entry op_table[MSG_OP_COUNT] = {
-#define MSG_XX_(e, n, h) [MSG_OP_##e] = {.name = n, .help = h},
+#define MSG_XX_(e, n, f, h) [MSG_OP_##e] = {.name = n, .flags = f},
     MSG_OP_MAP(MSG_XX_)
 #undef MSG_XX_
 };
@@ -32,6 +32,8 @@ enum msg_op msg_op_from_name(const char *name) {
 const char *msg_op_name(enum msg_op op) {
   return op >= 0 && op < MSG_OP_COUNT ? op_table[op].name : NULL;
 }
+
+unsigned msg_op_flags(enum msg_op op) { return op >= 0 && op < MSG_OP_COUNT ? op_table[op].flags : 0; }
 
 /* ---- message helpers ---------------------------------------------------- */
 

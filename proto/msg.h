@@ -29,23 +29,42 @@
 
 #include "error.h"
 
-/* The ops: XX(ENUM, "wire name", "what it does"). */
-#define MSG_OP_MAP(XX)                                                    \
-  XX(HELLO, "hello", "agree on the protocol version")                     \
-  XX(OPEN, "open", "validate and map a checkpoint directory")             \
-  XX(CLOSE, "close", "drop a checkpoint the daemon keeps open")           \
-  XX(PREFETCH, "prefetch", "warm a checkpoint's pages in the page cache") \
-  XX(LOAD, "load", "load one rank's tensors into device memory")          \
-  XX(CANCEL, "cancel", "cancel a running request by its id")              \
-  XX(ATTACH, "attach", "lease a resident set and receive its handles")    \
-  XX(RELEASE, "release", "end a lease")                                   \
-  XX(EVICT, "evict", "free an unleased resident set")                     \
-  XX(STATUS, "status", "report checkpoints, resident sets and leases")    \
-  XX(SHUTDOWN, "shutdown", "stop the daemon")
+/*
+ * Rules an op follows, checked where requests are read (server) and
+ * dispatched (ops), never by name:
+ *   MSG_OPF_BEFORE_HELLO    may be the first request of a connection
+ *   MSG_OPF_WHILE_STOPPING  still served while the daemon shuts down
+ *   MSG_OPF_PRIVILEGED      root or the daemon's own uid only
+ *   MSG_OPF_SKIPS_QUEUE     served at once, ahead of the connection's queue
+ *   MSG_OPF_EVENTS          may send events (progress) before its reply
+ *   MSG_OPF_FDS_IN          its request may carry file descriptors
+ *   MSG_OPF_FDS_OUT         its reply may carry file descriptors
+ */
+#define MSG_OPF_BEFORE_HELLO (1u << 0)
+#define MSG_OPF_WHILE_STOPPING (1u << 1)
+#define MSG_OPF_PRIVILEGED (1u << 2)
+#define MSG_OPF_SKIPS_QUEUE (1u << 3)
+#define MSG_OPF_EVENTS (1u << 4)
+#define MSG_OPF_FDS_IN (1u << 5)
+#define MSG_OPF_FDS_OUT (1u << 6)
+
+/* The ops: XX(ENUM, "wire name", flags, "what it does"). */
+#define MSG_OP_MAP(XX)                                                                              \
+  XX(HELLO, "hello", MSG_OPF_BEFORE_HELLO, "agree on the protocol version")                         \
+  XX(OPEN, "open", 0, "validate and map a checkpoint directory")                                    \
+  XX(CLOSE, "close", 0, "drop a checkpoint the daemon keeps open")                                  \
+  XX(PREFETCH, "prefetch", 0, "warm a checkpoint's pages in the page cache")                        \
+  XX(LOAD, "load", MSG_OPF_EVENTS, "load one rank's tensors into device memory")                    \
+  XX(CANCEL, "cancel", MSG_OPF_SKIPS_QUEUE, "cancel a running request by its id")                   \
+  XX(ATTACH, "attach", MSG_OPF_EVENTS | MSG_OPF_FDS_OUT, "lease a resident set and receive its handles") \
+  XX(RELEASE, "release", 0, "end a lease")                                                          \
+  XX(EVICT, "evict", 0, "free an unleased resident set")                                            \
+  XX(STATUS, "status", MSG_OPF_WHILE_STOPPING, "report checkpoints, resident sets and leases")      \
+  XX(SHUTDOWN, "shutdown", MSG_OPF_PRIVILEGED, "stop the daemon")
 
 enum msg_op {
   MSG_OP_UNKNOWN = -1,
-#define MSG_XX_(e, name, help) MSG_OP_##e,
+#define MSG_XX_(e, name, flags, help) MSG_OP_##e,
   MSG_OP_MAP(MSG_XX_)
 #undef MSG_XX_
   MSG_OP_COUNT
@@ -55,6 +74,8 @@ enum msg_op {
 enum msg_op msg_op_from_name(const char *name);
 /* The wire name of op, or NULL outside the catalogue. */
 const char *msg_op_name(enum msg_op op);
+/* The MSG_OPF_* rules of op (0 outside the catalogue). */
+unsigned msg_op_flags(enum msg_op op);
 
 /* The longest string id, in bytes. */
 #define MSG_ID_MAX 128

@@ -1,0 +1,49 @@
+/*
+ * ops_internal.h - what the op handler files share (ops.c, ops_sets.c,
+ * ops_status.c): argument readers and the JSON views of daemon state.
+ */
+#ifndef WD_OPS_INTERNAL_H
+#define WD_OPS_INTERNAL_H
+
+#include <stdbool.h>
+
+#include "msg.h"
+#include "ops.h"
+
+/* The daemon a request belongs to. */
+static inline struct daemon *req_daemon(const struct request *r) { return r->conn->d; }
+
+/* The request's root object as an accessor object. */
+const struct msg_obj *ops_args(const struct request *r, struct msg_obj *o);
+/* Reads a string field; on a malformed one replies with the error and returns false. */
+bool ops_str_arg(struct request *r, const char *name, bool required, const char **out);
+/* The required "path" field, or NULL after replying with the error. */
+const char *ops_path_arg(struct request *r);
+
+/* The device named by a request field (an index, as number or text, or a UUID); absent: 0. */
+int ops_device_resolve(const struct daemon *d, const cJSON *v, int *device, struct wd_error *err);
+
+/* JSON views (ops_status.c). */
+cJSON *ops_checkpoint_json(const struct daemon *d, const struct reg_ckpt *ck, uint64_t resident);
+cJSON *ops_device_json(const struct daemon *d, int i);
+cJSON *ops_set_json(const struct daemon *d, const struct res_set *s);
+
+/*
+ * Replies with the checkpoint's description, its page-cache residency
+ * measured on a job first; takes the caller's reference to ck.
+ */
+void ops_reply_checkpoint(struct request *r, struct reg_ckpt *ck);
+
+/* The handlers, by file. */
+void op_open(struct request *r);
+void op_close(struct request *r);
+void op_prefetch(struct request *r);
+void op_load(struct request *r);
+void op_attach(struct request *r);
+void op_evict(struct request *r);
+void op_status(struct request *r);
+
+/* Cancels a request of this connection that waits in the sets code (load, attach); true if it waited. */
+bool ops_sets_cancel(struct request *target);
+
+#endif

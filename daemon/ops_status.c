@@ -1,0 +1,177 @@
+/*
+ * ops_status.c - status, and the JSON views of checkpoints, devices and sets
+ * that every reply describing them uses. Page-cache residency and free
+ * device memory are measured on a job (mincore over large mappings takes a
+ * while); the job reads only its own struct: the entries it was handed
+ * (immutable once open) and the backend's const table.
+ */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "jsonutil.h"
+#include "ops_internal.h"
+#include "server.h"
+
+/* ---- views ------------------------------------------------------------------------------- */
+
+cJSON *ops_checkpoint_json(const struct daemon *d, const struct reg_ckpt *ck, uint64_t resident) {
+  cJSON *o = cJSON_CreateObject();
+  msg_add_string(o, "path", ck->path);
+  msg_add_string(o, "layout", ckpt_layout_name(ck->ck->layout));
+  json_u64_add(o, "shards", ck->ck->nshards);
+  json_u64_add(o, "tensors", ck->ck->ntensors);
+  json_u64_add(o, "bytes", ck->ck->total_bytes);
+  json_u64_add(o, "resident_bytes", resident);
+  cJSON_AddBoolToObject(o, "pinned", atomic_load(&ck->pinned));
+  json_u64_add(o, "pinned_bytes", ck->pinned_bytes);
+  cJSON_AddBoolToObject(o, "prefetching", ck->prefetching);
+  json_u64_add(o, "sets", res_count_sets_of(d->res, ck));
+  return o;
+}
+
+cJSON *ops_device_json(const struct daemon *d, int i) {
+  const struct res_device *dev = res_device(d->res, i);
+  cJSON *o = cJSON_CreateObject();
+  json_u64_add(o, "index", (uint64_t)i);
+  msg_add_string(o, "uuid", dev->info.uuid);
+  msg_add_string(o, "name", dev->info.name);
+  json_u64_add(o, "memory_total", dev->info.memory_total);
+  json_u64_add(o, "memory_free", dev->info.memory_free);
+  json_u64_add(o, "budget", d->cfg.device_memory_budget);
+  json_u64_add(o, "used", dev->used);
+  return o;
+}
+
+cJSON *ops_set_json(const struct daemon *d, const struct res_set *s) {
+  static const char *const states[] = {"loading", "ready", "failed"};
+  cJSON *o = cJSON_CreateObject();
+  msg_add_string(o, "set", s->id);
+  msg_add_string(o, "path", s->ck->path);
+  msg_add_string(o, "device", res_device(d->res, s->device)->info.uuid);
+  cJSON_AddItemToObject(o, "plan", cJSON_Parse(s->plan->key));
+  msg_add_string(o, "state", res_set_canceling(s) ? "canceling" : states[s->state]);
+  json_u64_add(o, "bytes", s->plan->slab_bytes);
+  json_u64_add(o, "tensors", s->plan->noutputs);
+  json_u64_add(o, "leases", (uint64_t)s->leases);
+  if (s->state == SET_LOADING) json_u64_add(o, "bytes_done", atomic_load(&s->load.bytes_done));
+  if (s->state == SET_READY) {
+    cJSON_AddNumberToObject(o, "seconds", s->seconds);
+    msg_add_string(o, "method", s->load.method);
+  }
+  return o;
+}
+
+/* ---- the measuring job ---------------------------------------------------------------------- */
+
+struct info_job {
+  struct job job;
+  struct request *req;
+  const struct wd_backend *backend;
+  struct reg_ckpt **cks;
+  size_t n;
+  uint64_t *resident;
+  bool status; /* reply with the whole status, not one checkpoint */
+  int ndevices;
+  struct wd_device_info *devinfo;
+};
+
+static void info_work(struct job *j) {
+  struct info_job *ij = (struct info_job *)j;
+  const struct wd_backend *b = ij->backend;
+  for (size_t i = 0; i < ij->n; i++) ij->resident[i] = reg_resident_bytes(ij->cks[i]);
+  for (int i = 0; ij->devinfo != NULL && i < ij->ndevices; i++)
+    if (b->ops->device_info(b->ctx, i, &ij->devinfo[i], NULL) != 0) ij->devinfo[i].index = -1;
+}
+
+static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
+  cJSON *o = cJSON_AddObjectToObject(r, "daemon");
+  msg_add_string(o, "version", weightd_version_string());
+  json_u64_add(o, "pid", (uint64_t)getpid());
+  msg_add_string(o, "backend", d->backend_name);
+  cJSON_AddNumberToObject(o, "uptime_s", (double)(clock_ms() - d->started_ms) / 1000.0);
+  json_u64_add(o, "connections", server_connections(d->srv));
+  msg_add_string(o, "socket", d->socket_path);
+  json_u64_add(o, "jobs", jobs_outstanding(d->control_pool) + jobs_outstanding(d->job_pool));
+  json_u64_add(o, "fill_threads", fill_threads(d->fill));
+  cJSON *devs = cJSON_AddArrayToObject(r, "devices");
+  for (int i = 0; i < d->ndevices; i++) cJSON_AddItemToArray(devs, ops_device_json(d, i));
+  cJSON *cks = cJSON_AddArrayToObject(r, "checkpoints");
+  for (size_t i = 0; i < ij->n; i++)
+    if (!ij->cks[i]->detached) cJSON_AddItemToArray(cks, ops_checkpoint_json(d, ij->cks[i], ij->resident[i]));
+  cJSON *sets = cJSON_AddArrayToObject(r, "sets");
+  for (struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) cJSON_AddItemToArray(sets, ops_set_json(d, s));
+  uint64_t nleases = 0;
+  for (struct lease *l = res_first_lease(d->res); l != NULL; l = l->next) nleases++;
+  json_u64_add(o, "leases", nleases);
+}
+
+static void info_done(struct job *j) {
+  struct info_job *ij = (struct info_job *)j;
+  struct daemon *d = req_daemon(ij->req);
+  for (int i = 0; ij->devinfo != NULL && i < ij->ndevices; i++)
+    if (ij->devinfo[i].index >= 0) res_device(d->res, i)->info.memory_free = ij->devinfo[i].memory_free;
+  cJSON *r = msg_reply_ok(ij->req->id);
+  if (ij->status) status_body(d, r, ij);
+  else cJSON_AddItemToObject(r, "checkpoint", ops_checkpoint_json(d, ij->cks[0], ij->resident[0]));
+  req_reply(ij->req, r, NULL, 0);
+  for (size_t i = 0; i < ij->n; i++) reg_unref(ij->cks[i]);
+  free(ij->cks);
+  free(ij->resident);
+  free(ij->devinfo);
+  free(ij);
+}
+
+/* Measures cks (references taken over) on a job, then replies. */
+static void reply_info(struct request *req, struct reg_ckpt **cks, size_t n, bool status) {
+  struct daemon *d = req_daemon(req);
+  struct info_job *ij = calloc(1, sizeof *ij);
+  if (ij == NULL || (ij->resident = calloc(n ? n : 1, sizeof *ij->resident)) == NULL ||
+      (status && (ij->devinfo = calloc((size_t)d->ndevices, sizeof *ij->devinfo)) == NULL)) {
+    if (ij) free(ij->resident);
+    free(ij);
+    for (size_t i = 0; i < n; i++) reg_unref(cks[i]);
+    free(cks);
+    req_fail(req, WEIGHTD_E_NOMEM, "out of memory");
+    return;
+  }
+  ij->job.work = info_work;
+  ij->job.done = info_done;
+  ij->req = req;
+  ij->backend = &d->backend;
+  ij->cks = cks;
+  ij->n = n;
+  ij->status = status;
+  ij->ndevices = d->ndevices;
+  jobs_submit(d->control_pool, &ij->job);
+}
+
+void ops_reply_checkpoint(struct request *r, struct reg_ckpt *ck) {
+  struct reg_ckpt **cks = malloc(sizeof *cks);
+  if (cks == NULL) {
+    reg_unref(ck);
+    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+    return;
+  }
+  cks[0] = ck; /* the caller's reference moves to the job */
+  reply_info(r, cks, 1, false);
+}
+
+void op_status(struct request *r) {
+  struct daemon *d = req_daemon(r);
+  size_t n = 0;
+  for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next) n += c->state == REG_OPEN;
+  struct reg_ckpt **cks = calloc(n ? n : 1, sizeof *cks);
+  if (cks == NULL) {
+    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+    return;
+  }
+  size_t i = 0;
+  for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next)
+    if (c->state == REG_OPEN) {
+      reg_ref(c);
+      cks[i++] = c;
+    }
+  reply_info(r, cks, n, true);
+}

@@ -1,0 +1,171 @@
+/*
+ * residency.h - resident sets, leases and eviction.
+ *
+ * A resident set is one plan of one checkpoint loaded onto one device, in
+ * one slab. Residency is loop-owned state with an explicit context (struct
+ * residency); it runs loads on its job pool through the loader and reports
+ * back through typed continuations: a caller that wants a set passes a
+ * struct res_waiter (embedded in its own state) whose done() runs once the
+ * set is ready or the load failed, and whose progress() runs while it loads.
+ * Residency knows nothing of requests or the protocol; lease owners are
+ * opaque pointers it only compares.
+ *
+ * A set with a lease is never freed; unleased READY sets are evicted least
+ * recently used first when a device's budget (or the device itself) has no
+ * room for a new set. A request that arrives while an identical set loads
+ * waits for it instead of loading again.
+ */
+#ifndef WD_RESIDENCY_H
+#define WD_RESIDENCY_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "backend.h"
+#include "error.h"
+#include "jobs.h"
+#include "loader.h"
+#include "plan.h"
+#include "registry.h"
+
+struct residency;
+struct res_waiter;
+
+enum set_state { SET_LOADING, SET_READY, SET_FAILED };
+
+struct res_set {
+  struct residency *res;
+  char id[24];
+  char *key; /* checkpoint path + generation + device + plan key: the set's identity */
+  struct reg_ckpt *ck;
+  int device;
+  struct plan *plan;
+  struct ld_target load; /* the loader's target: slab, method, progress, cancel */
+  enum set_state state;
+  int leases;
+  uint64_t last_used_ms;
+  double seconds;             /* the whole load job */
+  struct res_waiter *waiters; /* waiting for SET_LOADING */
+  char *table_cache;          /* the attach table as the op handlers serialise it, built once */
+  uv_timer_t progress_timer;
+  struct res_set *next;
+};
+
+/*
+ * Someone waiting for a set. Embed it in your own state and fill done (and
+ * progress, or NULL). done runs once, on the loop thread: with the ready set
+ * (err NULL; joined tells whether the set was already loading or resident
+ * when asked), or with s NULL and err saying why the load failed. It may run
+ * before the call that registered the waiter returns.
+ */
+struct res_waiter {
+  void (*done)(struct res_waiter *w, struct res_set *s, bool joined, const struct wd_error *err);
+  void (*progress)(struct res_waiter *w, uint64_t done, uint64_t total);
+  /* Residency's own. */
+  struct res_set *set; /* the set waited for; NULL when not waiting */
+  bool joined;
+  struct res_waiter *next;
+};
+
+/* Who holds a lease, as the peer's credentials and hello named it. */
+struct lease_holder {
+  const void *owner; /* compared only: the connection */
+  pid_t pid;
+  uid_t uid;
+  char client[64]; /* the name the client gave in hello, "" when none */
+};
+
+struct lease {
+  char id[24];
+  struct res_set *set;
+  struct lease_holder holder;
+  uint64_t created_ms;
+  struct lease *next;
+};
+
+struct res_device {
+  struct wd_device_info info;
+  uint64_t used; /* bytes of resident sets */
+};
+
+struct res_params {
+  uv_loop_t *loop;
+  const struct wd_backend *backend;
+  struct jobs *bulk; /* loads and slab frees */
+  struct loader *ld;
+  int ndevices;
+  const struct wd_device_info *devices; /* copied */
+  uint64_t device_budget; /* bytes per device; 0: the device's own memory (host: half of it) */
+};
+
+int res_create(const struct res_params *p, struct residency **out, struct wd_error *err);
+/* Drops every lease and set; slabs are freed on the job pool (which must still run). */
+void res_destroy(struct residency *r);
+
+/* Loop-thread views for status. */
+struct res_set *res_first_set(const struct residency *r);
+struct lease *res_first_lease(const struct residency *r);
+int res_device_count(const struct residency *r);
+struct res_device *res_device(struct residency *r, int device);
+/* The budget of device's resident sets: configured, or derived (host: half of memory); 0 = none. */
+uint64_t res_device_budget(const struct residency *r, int device);
+void res_device_budget_set(struct residency *r, uint64_t budget);
+/* Sets of ck (any state). */
+size_t res_count_sets_of(const struct residency *r, const struct reg_ckpt *ck);
+
+/* ---- loading and waiting --------------------------------------------------- */
+
+/*
+ * Finds or starts the set for (ck, device, plan) and makes w wait for it.
+ * Takes the caller's references to ck and plan in every case.
+ */
+void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, struct res_waiter *w);
+
+/* Makes w wait for a set that is still loading (as an identical load would); a ready set answers at once. */
+void res_wait(struct residency *r, struct res_set *s, struct res_waiter *w);
+
+/* Stops w waiting without calling done (its requester is gone); true if it was waiting. */
+bool res_waiter_leave(struct res_waiter *w);
+
+/*
+ * Stops w waiting (without calling done); when nobody else waits, the load is
+ * told to stop and the set shows as canceling until its job returns. True if
+ * w was waiting.
+ */
+bool res_waiter_cancel(struct res_waiter *w);
+
+/* True while the set is loading and nobody waits for it any more. */
+bool res_set_canceling(const struct res_set *s);
+
+struct res_set *res_find_set(const struct residency *r, const char *id);
+
+/* ---- leases --------------------------------------------------------------- */
+
+/* Adds a lease on a READY set for holder; *out is the new lease. */
+int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,
+                  struct wd_error *err);
+/* Ends one lease (the lease is freed). */
+void res_lease_drop(struct residency *r, struct lease *l);
+struct lease *res_find_lease(const struct residency *r, const char *id);
+/* Ends every lease of owner. */
+void res_leases_drop_owner(struct residency *r, const void *owner);
+
+/* ---- eviction ------------------------------------------------------------- */
+
+/* Called on the loop thread once evicted sets' memory is free: their ids. */
+typedef void (*res_evicted_fn)(void *arg, char *const *ids, size_t n);
+
+/*
+ * Evicts the set called set_id (NULL: every unleased ready set of device),
+ * then frees the memory on a job and calls cb. Returns 0, or an error (no
+ * such set, BUSY: leased or loading) without evicting anything.
+ */
+int res_evict(struct residency *r, const char *set_id, int device, res_evicted_fn cb, void *arg,
+              struct wd_error *err);
+
+/* Tells every running load to stop (shutdown). */
+void res_cancel_all(struct residency *r);
+
+#endif

@@ -1,0 +1,26 @@
+/*
+ * server.h - the Unix socket server, as start-up and shutdown see it.
+ *
+ * What a connection and a request are, and how replies are queued, is in
+ * request.h, which only the server and the op handlers include.
+ */
+#ifndef WD_SERVER_H
+#define WD_SERVER_H
+
+#include <stddef.h>
+
+#include "daemon.h"
+#include "error.h"
+
+/* Binds and listens on d->socket_path; d->srv is set. */
+int server_start(struct daemon *d, struct wd_error *err);
+/* Stops accepting, tells every client the daemon stops, closes connections once their replies are out. */
+void server_stop(struct server *s);
+/* Closes whatever connections are left; the loop then runs until their handles are closed. */
+void server_close_all(struct server *s);
+/* Frees the server once every connection is gone. */
+void server_destroy(struct server *s);
+
+size_t server_connections(const struct server *s);
+
+#endif
