@@ -32,6 +32,11 @@
 
 struct server;
 
+/* Counters the server and the op handlers keep, for status (and metrics). */
+struct daemon_stats {
+  uint64_t connections; /* open now */
+};
+
 struct daemon {
   uv_loop_t *loop;
   struct wd_config cfg;
@@ -46,6 +51,7 @@ struct daemon {
   struct loader *ld;
   struct server *srv;
   char *socket_path;
+  struct daemon_stats stats;
   uint64_t started_ms;
   bool stopping;
   int exit_code;

@@ -1,78 +1,18 @@
 /*
  * ops.c - the op table and the small handlers (hello, cancel, release,
- * shutdown); checkpoints, loads and attaches are in ops_sets.c, status in
- * ops_status.c. Handlers run on the loop thread; those that need files or
+ * shutdown). Checkpoints, loads and attaches are in ops_sets.c; status and
+ * the JSON views of state in ops_status.c; replies and argument readers in
+ * ops_common.c. Handlers run on the loop thread; those that need files or
  * devices go through the state modules, whose continuations reply.
  */
-#include <errno.h>
 #include <inttypes.h>
-#include <math.h>
-#include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "jsonutil.h"
 #include "log.h"
-#include "ops_internal.h"
-
-/* ---- arguments ------------------------------------------------------------------------ */
-
-const struct msg_obj *ops_args(const struct request *r, struct msg_obj *o) {
-  o->json = r->root;
-  o->path[0] = '\0';
-  return o;
-}
-
-bool ops_str_arg(struct request *r, const char *name, bool required, const char **out) {
-  struct msg_obj o;
-  struct wd_error err = {0};
-  *out = NULL;
-  if (msg_get_string(ops_args(r, &o), name, required, out, &err) < 0) {
-    req_fail_err(r, &err);
-    return false;
-  }
-  return true;
-}
-
-const char *ops_path_arg(struct request *r) {
-  const char *path;
-  return ops_str_arg(r, "path", true, &path) ? path : NULL;
-}
-
-int ops_device_resolve(const struct daemon *d, const cJSON *v, int *device, struct wd_error *err) {
-  if (v == NULL || cJSON_IsNull(v)) {
-    *device = 0;
-    return 0;
-  }
-  if (cJSON_IsNumber(v)) {
-    double x = v->valuedouble;
-    if (!(x >= 0 && x <= 9007199254740991.0) || x != floor(x)) /* range first: no out-of-range cast */
-      return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'device' must be a non-negative integer index or a UUID");
-    if (x >= d->ndevices) return err_set(err, WEIGHTD_E_NOT_FOUND, "no device %g (this daemon has %d)", x, d->ndevices);
-    *device = (int)x;
-    return 0;
-  }
-  if (!cJSON_IsString(v)) return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'device' must be a device index or UUID");
-  const char *s = v->valuestring;
-  if ((s[0] >= '0' && s[0] <= '9') || s[0] == '-' || s[0] == '+') {
-    /* An index as text: digits only. */
-    char *end;
-    errno = 0;
-    unsigned long n = strtoul(s, &end, 10);
-    if (*end != '\0' || errno != 0 || s[0] == '-' || s[0] == '+')
-      return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'device': '%.40s' is neither an index nor a UUID", s);
-    if (n >= (unsigned long)d->ndevices)
-      return err_set(err, WEIGHTD_E_NOT_FOUND, "no device %lu (this daemon has %d)", n, d->ndevices);
-    *device = (int)n;
-    return 0;
-  }
-  for (int i = 0; i < d->ndevices; i++)
-    if (strcmp(res_device(d->res, i)->info.uuid, s) == 0) {
-      *device = i;
-      return 0;
-    }
-  return err_set(err, WEIGHTD_E_NOT_FOUND, "no device '%.80s' (give an index below %d or a UUID)", s, d->ndevices);
-}
+#include "ops_common.h"
 
 /* ---- small handlers ----------------------------------------------------------------------- */
 
@@ -139,7 +79,7 @@ static void op_release(struct request *r) {
     return;
   }
   if (l->holder.owner != r->conn) {
-    if (!conn_privileged(r->conn)) {
+    if (!conn_is_privileged(r->conn)) {
       req_fail(r, WEIGHTD_E_PERMISSION, "lease %s belongs to another connection", l->id);
       return;
     }
@@ -174,7 +114,7 @@ void ops_dispatch(struct request *r) {
     req_fail(r, WEIGHTD_E_BAD_REQUEST, "unsupported op");
     return;
   }
-  if ((msg_op_flags(r->op) & MSG_OPF_PRIVILEGED) && !conn_privileged(r->conn)) {
+  if ((msg_op_flags(r->op) & MSG_OPF_PRIVILEGED) && !conn_is_privileged(r->conn)) {
     req_fail(r, WEIGHTD_E_PERMISSION, "only root or the daemon's uid may %s", msg_op_name(r->op));
     return;
   }

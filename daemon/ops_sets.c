@@ -13,7 +13,7 @@
 #include "ipc_handle.h"
 #include "jsonutil.h"
 #include "log.h"
-#include "ops_internal.h"
+#include "ops_common.h"
 
 /* ---- open, close, prefetch ------------------------------------------------------------- */
 

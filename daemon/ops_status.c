@@ -11,8 +11,7 @@
 
 #include "clock.h"
 #include "jsonutil.h"
-#include "ops_internal.h"
-#include "server.h"
+#include "ops_common.h"
 
 /* ---- views ------------------------------------------------------------------------------- */
 
@@ -91,7 +90,7 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
   json_u64_add(o, "pid", (uint64_t)getpid());
   msg_add_string(o, "backend", d->backend_name);
   cJSON_AddNumberToObject(o, "uptime_s", (double)(clock_ms() - d->started_ms) / 1000.0);
-  json_u64_add(o, "connections", server_connections(d->srv));
+  json_u64_add(o, "connections", d->stats.connections);
   msg_add_string(o, "socket", d->socket_path);
   json_u64_add(o, "jobs", jobs_outstanding(d->control_pool) + jobs_outstanding(d->job_pool));
   json_u64_add(o, "fill_threads", fill_threads(d->fill));

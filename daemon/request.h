@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include "daemon.h"
@@ -23,8 +24,24 @@
 #include "wire.h"
 
 struct request;
+struct conn;
+
+/*
+ * The transport's side, which the server fills in for every connection, so
+ * that the op handlers call down into it without naming the server:
+ *   send    queues a frame (consumes msg; takes ownership of fds)
+ *   finish  frees a request after its final reply (or without one)
+ *   unqueue takes a queued, not yet started request with this id out of the
+ *           connection's queue (for cancel); NULL if none
+ */
+struct conn_ops {
+  void (*send)(struct conn *c, cJSON *msg, const int *fds, size_t nfds);
+  void (*finish)(struct request *r);
+  struct request *(*unqueue)(struct conn *c, const cJSON *id);
+};
 
 struct conn {
+  const struct conn_ops *ops;
   struct server *srv;
   struct daemon *d;
   int fd;
@@ -73,18 +90,7 @@ struct request {
   struct request *next_in_conn;
 };
 
-/* Replies: each consumes `reply` (a cJSON object with "id" already set). */
-void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds);
-/* The final reply: sends it and finishes the request. */
-void req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds);
-void req_fail(struct request *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-void req_fail_err(struct request *r, const struct wd_error *err);
-void req_progress(struct request *r, uint64_t done, uint64_t total);
-/* Takes a queued request with this id out of its connection's queue (for cancel); NULL if none. */
-struct request *conn_unqueue(struct conn *c, const cJSON *id);
-/* Frees a request after its final reply (or without one when its connection is gone). */
-void req_finish(struct request *r);
 /* Root, or the daemon's own uid. */
-bool conn_privileged(const struct conn *c);
+static inline bool conn_is_privileged(const struct conn *c) { return c->uid == 0 || c->uid == geteuid(); }
 
 #endif

@@ -43,6 +43,16 @@ struct server {
 
 static void conn_close(struct conn *c);
 static void on_resume(uv_timer_t *t);
+static void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds);
+static void req_finish(struct request *r);
+static struct request *conn_unqueue(struct conn *c, const cJSON *id);
+
+/* What the op handlers reach the transport through (request.h). */
+static const struct conn_ops transport = {
+    .send = conn_send,
+    .finish = req_finish,
+    .unqueue = conn_unqueue,
+};
 
 /* ---- references --------------------------------------------------------------- */
 
@@ -107,7 +117,7 @@ static char *replacement_error(const cJSON *reply, size_t len) {
   return text;
 }
 
-void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
+static void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
   char *text = reply ? msg_serialize(reply) : NULL;
   if (text != NULL && strlen(text) > WIRE_MAX_FRAME) {
     log_msg(LOG_WARN, "a reply for pid %d is over the frame limit: sending LIMIT instead", (int)c->pid);
@@ -170,7 +180,7 @@ static void req_unlink(struct request *r) {
 
 static void on_resume(uv_timer_t *t);
 
-void req_finish(struct request *r) {
+static void req_finish(struct request *r) {
   struct conn *c = r->conn;
   req_unlink(r);
   if (r->started) c->inflight--;
@@ -180,30 +190,6 @@ void req_finish(struct request *r) {
   cJSON_Delete(r->id);
   free(r);
   conn_unref(c);
-}
-
-void req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds) {
-  r->done = true;
-  conn_send(r->conn, reply, fds, nfds);
-  req_finish(r);
-}
-
-void req_fail(struct request *r, int code, const char *fmt, ...) {
-  char msg[WD_ERROR_MSG_MAX];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  req_reply(r, msg_reply_error(r->id, code, msg), NULL, 0);
-}
-
-void req_fail_err(struct request *r, const struct wd_error *err) {
-  req_reply(r, msg_reply_error(r->id, err->code ? err->code : WEIGHTD_E_INTERNAL, err->msg), NULL, 0);
-}
-
-void req_progress(struct request *r, uint64_t done, uint64_t total) {
-  if (r->conn->closed) return;
-  conn_send(r->conn, msg_event_progress(r->id, done, total), NULL, 0);
 }
 
 /* Counts a request in progress and runs its handler. */
@@ -226,7 +212,7 @@ static struct request *queue_pop(struct conn *c) {
   return r;
 }
 
-struct request *conn_unqueue(struct conn *c, const cJSON *id) {
+static struct request *conn_unqueue(struct conn *c, const cJSON *id) {
   for (struct request **pp = &c->queued; *pp != NULL; pp = &(*pp)->next_in_conn) {
     struct request *r = *pp;
     if (r->id == NULL || !cJSON_Compare(r->id, id, true)) continue;
@@ -402,6 +388,7 @@ static void conn_close(struct conn *c) {
   while (*pp != NULL && *pp != c) pp = &(*pp)->next;
   if (*pp == c) *pp = c->next;
   srv->nconns--;
+  srv->d->stats.connections = srv->nconns;
   ops_conn_gone(c);
   /* Queued requests never started; requests waiting for a set stop waiting; the others finish on their own. */
   for (struct request *q = queue_pop(c); q != NULL; q = queue_pop(c)) req_finish(q);
@@ -425,10 +412,8 @@ static void conn_close(struct conn *c) {
   conn_unref(c);
 }
 
-bool conn_privileged(const struct conn *c) { return c->uid == 0 || c->uid == geteuid(); }
-
 static bool peer_allowed(const struct conn *c) {
-  if (conn_privileged(c)) return true;
+  if (conn_is_privileged(c)) return true;
   if (c->d->cfg.n_allowed_uids == 0 && c->d->cfg.n_allowed_gids == 0) return true;
   for (size_t i = 0; i < c->d->cfg.n_allowed_uids; i++)
     if (c->d->cfg.allowed_uids[i] == (uint64_t)c->uid) return true;
@@ -468,6 +453,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     }
     c->srv = srv;
     c->d = d;
+    c->ops = &transport;
     c->fd = fd;
     c->pid = cred.pid;
     c->uid = cred.uid;
@@ -486,6 +472,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     c->next = srv->conns;
     srv->conns = c;
     srv->nconns++;
+    d->stats.connections = srv->nconns;
     if (!peer_allowed(c)) {
       log_msg(LOG_WARN, "refused pid %d uid %d gid %d: not in allowed_uids/allowed_gids", (int)c->pid, (int)c->uid,
               (int)c->gid);
@@ -602,4 +589,3 @@ void server_close_all(struct server *srv) {
 
 void server_destroy(struct server *srv) { free(srv); }
 
-size_t server_connections(const struct server *srv) { return srv->nconns; }

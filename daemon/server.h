@@ -21,6 +21,4 @@ void server_close_all(struct server *s);
 /* Frees the server once every connection is gone. */
 void server_destroy(struct server *s);
 
-size_t server_connections(const struct server *s);
-
 #endif
