@@ -71,7 +71,19 @@ static const struct cfg_key keys[] = {
     {"max_connections", CFG_UINT, OFF(max_connections), 0, 1, 1000000, "1024",
      "connections served at once; more are refused"},
     {"max_queued_output", CFG_BYTES, OFF(max_queued_output), 0, 1 * MiB, 16 * GiB, "64MiB",
-     "replies queued for a client that does not read before it is disconnected"},
+     "reply bytes queued for a client that does not read; past half of it the client's requests are not "
+     "read, and a reply that would pass it is answered LIMIT"},
+    {"max_queued_fds", CFG_UINT, OFF(max_queued_fds), 0, 1, 65536, "64",
+     "file descriptors queued in one connection's unread replies; an attach past it is answered LIMIT"},
+    {"max_request_bytes", CFG_BYTES, OFF(max_request_bytes), 0, 4096, 16 * MiB, "4MiB",
+     "the largest request frame; a longer one is refused from its length prefix, before it is read"},
+    {"request_memory", CFG_BYTES, OFF(request_memory), 0, 16 * MiB, 64 * GiB, "512MiB",
+     "memory for requests read and not finished, all connections together (estimated as 32 bytes per "
+     "request byte); a request past it is answered LIMIT unread, and one connection may use a quarter"},
+    {"idle_timeout_ms", CFG_UINT, OFF(idle_timeout_ms), 0, 0, 86400000, "300000",
+     "a connection that holds no lease and has nothing in progress is closed after this long (0: never)"},
+    {"reserved_connections", CFG_UINT, OFF(reserved_connections), 0, 0, 1000, "16",
+     "connections beyond max_connections that only root and the daemon's uid may use"},
     {"log_level", CFG_ENUM, OFF(log_level), 0, 0, 0, "info", "error | warn | info | debug", log_level_names},
     {"load_method", CFG_ENUM, OFF(load_method), 0, 0, 0, "auto",
      "auto | staged: staged sends every load through the pinned staging slots, also on the host "

@@ -36,7 +36,12 @@ struct wd_config {
   uint64_t staging_slot_bytes;
   uint64_t frame_timeout_ms;
   uint64_t max_connections;
-  uint64_t max_queued_output; /* bytes queued for a slow client before it is dropped */
+  uint64_t max_queued_output; /* reply bytes queued for a client before its replies become LIMIT errors */
+  uint64_t max_queued_fds;    /* descriptors queued in one connection's replies */
+  uint64_t max_request_bytes; /* the largest request frame */
+  uint64_t request_memory;    /* requests read and not finished, all connections (estimated) */
+  uint64_t idle_timeout_ms;   /* a connection with no lease and nothing in progress is closed after this */
+  uint64_t reserved_connections; /* beyond max_connections, for root and the daemon's uid */
   enum log_level log_level;
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
 };

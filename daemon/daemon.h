@@ -35,6 +35,9 @@ struct server;
 /* Counters the server and the op handlers keep, for status (and metrics). */
 struct daemon_stats {
   uint64_t connections; /* open now */
+  uint64_t fds_queued;  /* descriptors waiting in replies not yet sent */
+  uint64_t request_mem; /* request memory charged (see server.c) */
+  uint64_t fd_limit;    /* RLIMIT_NOFILE's soft limit, raised to the hard one at start */
 };
 
 struct daemon {

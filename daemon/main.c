@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -22,7 +23,7 @@
 /* The daemon, for the signal handlers and the stop timer (loop thread only). */
 static struct daemon the_daemon;
 static uv_timer_t stop_timer;
-static uv_signal_t sigterm_handle, sigint_handle;
+static uv_signal_t sigterm_handle, sigint_handle, sighup_handle;
 static int ready_fd = -1;
 
 static void usage(FILE *f) {
@@ -56,6 +57,7 @@ static void on_stop_tick(uv_timer_t *t) {
   d->control_pool = NULL;
   uv_close((uv_handle_t *)&sigterm_handle, handle_closed);
   uv_close((uv_handle_t *)&sigint_handle, handle_closed);
+  uv_close((uv_handle_t *)&sighup_handle, handle_closed);
 }
 
 static void request_stop(struct daemon *d) {
@@ -73,6 +75,25 @@ static void request_stop(struct daemon *d) {
 static void on_signal(uv_signal_t *s, int signum) {
   log_msg(LOG_INFO, "signal %d", signum);
   request_stop(s->data);
+}
+
+/* SIGHUP never stops the daemon (the shell that started it may go away). */
+static void on_sighup(uv_signal_t *s, int signum) {
+  (void)s;
+  (void)signum;
+  log_msg(LOG_INFO, "SIGHUP: ignored");
+}
+
+/* Raises the descriptor limit to its hard maximum: every client costs one, every attach reply may hold one. */
+static uint64_t raise_fd_limit(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return 0;
+  if (rl.rlim_cur < rl.rlim_max) {
+    rlim_t want = rl.rlim_max;
+    rl.rlim_cur = want;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) getrlimit(RLIMIT_NOFILE, &rl);
+  }
+  return rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : (uint64_t)rl.rlim_cur;
 }
 
 /* ---- start-up -------------------------------------------------------------------- */
@@ -293,6 +314,7 @@ int main(int argc, char **argv) {
     err_set(&err, WEIGHTD_E_INTERNAL, "cannot install the SIGBUS handler");
     goto fail;
   }
+  d->stats.fd_limit = raise_fd_limit();
   if (pick_backend(d, &err) != 0) goto fail;
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   unsigned fill = d->cfg.fill_threads ? (unsigned)d->cfg.fill_threads : (unsigned)(ncpu > 0 ? ncpu : 1);
@@ -308,10 +330,13 @@ int main(int argc, char **argv) {
   if (build_state(d, &err) != 0 || server_start(d, &err) != 0) goto fail;
   uv_signal_init(d->loop, &sigterm_handle);
   uv_signal_init(d->loop, &sigint_handle);
+  uv_signal_init(d->loop, &sighup_handle);
   sigterm_handle.data = d;
   sigint_handle.data = d;
+  sighup_handle.data = d;
   uv_signal_start(&sigterm_handle, on_signal, SIGTERM);
   uv_signal_start(&sigint_handle, on_signal, SIGINT);
+  uv_signal_start(&sighup_handle, on_sighup, SIGHUP);
   signal(SIGPIPE, SIG_IGN);
   d->started_ms = clock_ms();
   log_msg(LOG_INFO, "weightd %s: %s backend, %d device(s), %u fill threads, listening on %s",

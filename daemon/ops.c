@@ -60,7 +60,7 @@ static void op_cancel(struct request *r) {
     canceled = true;
   }
   for (struct request *t = r->conn->requests; !canceled && t != NULL; t = t->next_in_conn) {
-    if (t == r || t->id == NULL || !cJSON_Compare(t->id, target, true)) continue;
+    if (t == r || t->id == NULL || !msg_id_equal(t->id, target)) continue;
     canceled = ops_sets_cancel(t);
     break;
   }
@@ -126,3 +126,5 @@ void ops_request_gone(struct request *r) {
 }
 
 void ops_conn_gone(struct conn *c) { res_leases_drop_owner(c->d->res, c); }
+
+bool ops_conn_holds_leases(const struct conn *c) { return res_owner_has_leases(c->d->res, c); }

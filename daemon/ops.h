@@ -19,4 +19,7 @@ void ops_request_gone(struct request *r);
 /* A connection closes: its leases end. */
 void ops_conn_gone(struct conn *c);
 
+/* True while the connection holds a lease (it is then never closed for idleness). */
+bool ops_conn_holds_leases(const struct conn *c);
+
 #endif

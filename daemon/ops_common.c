@@ -13,10 +13,11 @@
 
 /* ---- replies -------------------------------------------------------------------------- */
 
-void req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds) {
+int req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds) {
   r->done = true;
-  conn_send(r->conn, reply, fds, nfds);
+  int rc = conn_send(r->conn, reply, fds, nfds);
   req_finish(r);
+  return rc;
 }
 
 void req_fail(struct request *r, int code, const char *fmt, ...) {

@@ -11,13 +11,13 @@
 #include "ops.h"
 
 /* Replies (ops.c). Each consumes `reply` (a cJSON object with "id" already set). */
-static inline void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
-  c->ops->send(c, reply, fds, nfds);
+static inline int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
+  return c->ops->send(c, reply, fds, nfds);
 }
 static inline void req_finish(struct request *r) { r->conn->ops->finish(r); }
 static inline struct request *conn_unqueue(struct conn *c, const cJSON *id) { return c->ops->unqueue(c, id); }
-/* The final reply: sends it and finishes the request. */
-void req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds);
+/* The final reply: sends it and finishes the request; returns what conn_send did. */
+int req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds);
 void req_fail(struct request *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void req_fail_err(struct request *r, const struct wd_error *err);
 void req_progress(struct request *r, uint64_t done, uint64_t total);

@@ -139,6 +139,15 @@ static void reply_attached(struct request *r, struct res_set *s) {
     req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
     return;
   }
+  /* A descriptor for the reply must leave the daemon room to accept and to work. */
+  uint64_t headroom = 64 + d->stats.connections + d->cfg.reserved_connections;
+  if ((b->ops->caps & WD_CAP_HOST_SLABS) && d->stats.fd_limit > 0 &&
+      d->stats.fds_queued + headroom + res_set_count(d->res) >= d->stats.fd_limit) {
+    req_fail(r, WEIGHTD_E_LIMIT,
+             "the daemon is near its descriptor limit (%" PRIu64 ", %" PRIu64 " waiting in unread replies); retry",
+             d->stats.fd_limit, d->stats.fds_queued);
+    return;
+  }
   struct wd_handle h;
   if (b->ops->slab_export(b->ctx, s->load.slab, &h, &err) != 0) {
     req_fail_err(r, &err);
@@ -174,8 +183,16 @@ static void reply_attached(struct request *r, struct res_set *s) {
   json_u64_add(ho, "bytes", h.bytes);
   cJSON_AddItemToArray(handles, ho);
   cJSON_AddItemToObject(rep, "tensors", cJSON_CreateRaw(table));
-  log_msg(LOG_DEBUG, "lease %s of set %s to pid %d", l->id, s->id, (int)r->conn->pid);
-  req_reply(r, rep, fds, nfds);
+  char lease_id[sizeof l->id];
+  snprintf(lease_id, sizeof lease_id, "%s", l->id);
+  pid_t pid = r->conn->pid;
+  /* The lease stands only once its reply is on its way: a reply answered LIMIT instead leaves none. */
+  if (req_reply(r, rep, fds, nfds) != 0) {
+    res_lease_drop(d->res, l);
+    log_msg(LOG_DEBUG, "lease %s of set %s to pid %d withdrawn: its reply was not queued", lease_id, s->id, (int)pid);
+    return;
+  }
+  log_msg(LOG_DEBUG, "lease %s of set %s to pid %d", lease_id, s->id, (int)pid);
 }
 
 static struct request *waiter_request(struct res_waiter *w) {
@@ -246,6 +263,7 @@ static void plan_done(struct job *j) {
     reg_unref(pj->ck);
     req_fail(r, WEIGHTD_E_SHUTDOWN, "the daemon is shutting down");
   } else {
+    req_args_free(r); /* a waiting load keeps only its id: joiners of a slow load hold no request text */
     wait_init(r);
     res_load(req_daemon(r)->res, pj->ck, pj->device, pj->plan, &r->wait);
   }

@@ -29,13 +29,16 @@ struct conn;
 /*
  * The transport's side, which the server fills in for every connection, so
  * that the op handlers call down into it without naming the server:
- *   send    queues a frame (consumes msg; takes ownership of fds)
+ *   send    queues a frame (consumes msg; takes ownership of fds); returns 0
+ *           when it was queued, WEIGHTD_E_LIMIT when a LIMIT error for the
+ *           same id went in its place (a limit of the connection), or an
+ *           error when nothing could be queued (the connection is gone)
  *   finish  frees a request after its final reply (or without one)
  *   unqueue takes a queued, not yet started request with this id out of the
  *           connection's queue (for cancel); NULL if none
  */
 struct conn_ops {
-  void (*send)(struct conn *c, cJSON *msg, const int *fds, size_t nfds);
+  int (*send)(struct conn *c, cJSON *msg, const int *fds, size_t nfds);
   void (*finish)(struct request *r);
   struct request *(*unqueue)(struct conn *c, const cJSON *id);
 };
@@ -47,6 +50,7 @@ struct conn {
   int fd;
   uv_poll_t poll;
   uv_timer_t frame_timer;
+  uv_timer_t idle_timer;
   struct wire_reader reader;
   struct wire_writer writer;
   pid_t pid;
@@ -64,8 +68,11 @@ struct conn {
   struct request *queued;   /* read but not started (CONN_MAX_INFLIGHT reached), in order */
   struct request **queued_tail;
   unsigned nqueued;
-  bool paused;              /* CONN_MAX_QUEUED reached: frames wait unread in the socket */
-  uv_timer_t resume_timer;  /* starts queued requests once others finish */
+  bool parsing;             /* a large request is being parsed on a job: later frames wait */
+  bool waiting_memory;      /* the next frame (held) waits for request memory */
+  struct wire_frame held;   /* a frame read and not yet parsed, waiting for request memory */
+  uint64_t request_mem;     /* request memory charged to this connection's requests */
+  uv_timer_t resume_timer;  /* goes on with queued requests and frames once something frees */
   struct conn *next;
 };
 
@@ -87,8 +94,18 @@ struct request {
   bool canceled;
   bool started; /* dispatched (counted in conn->inflight), not just queued */
   struct res_waiter wait; /* load and attach: waiting for a set */
+  uint64_t mem;           /* request memory charged for root (released with it) */
   struct request *next_in_conn;
 };
+
+/* Frees the parsed request (once nothing needs it: a waiting load keeps only its id) and its memory charge. */
+static inline void req_args_free(struct request *r) {
+  cJSON_Delete(r->root);
+  r->root = NULL;
+  r->conn->request_mem -= r->mem;
+  r->conn->d->stats.request_mem -= r->mem;
+  r->mem = 0;
+}
 
 /* Root, or the daemon's own uid. */
 static inline bool conn_is_privileged(const struct conn *c) { return c->uid == 0 || c->uid == geteuid(); }

@@ -112,6 +112,8 @@ struct res_device *res_device(struct residency *r, int device);
 /* The budget of device's resident sets: configured, or derived (host: half of memory); 0 = none. */
 uint64_t res_device_budget(const struct residency *r, int device);
 void res_device_budget_set(struct residency *r, uint64_t budget);
+/* Sets of every state. */
+size_t res_set_count(const struct residency *r);
 /* Sets of ck (any state). */
 size_t res_count_sets_of(const struct residency *r, const struct reg_ckpt *ck);
 
@@ -149,6 +151,8 @@ int res_lease_add(struct residency *r, struct res_set *s, const struct lease_hol
 /* Ends one lease (the lease is freed). */
 void res_lease_drop(struct residency *r, struct lease *l);
 struct lease *res_find_lease(const struct residency *r, const char *id);
+/* True when owner holds a lease. */
+bool res_owner_has_leases(const struct residency *r, const void *owner);
 /* Ends every lease of owner. */
 void res_leases_drop_owner(struct residency *r, const void *owner);
 

@@ -1,19 +1,35 @@
 /*
  * server.c - the Unix socket: accepting, peer checks, framing, replies.
  *
- * DESIGN: runs entirely on the loop thread. This is the transport layer: it
- * reads frames, checks the op table's rules (hello first, privileged, what
- * runs while stopping, what skips the queue, descriptors) and hands each
- * request to ops.c, the only code that builds replies. The listening socket and every
- * connection are nonblocking descriptors watched with uv_poll; reads and
- * writes go through proto/wire.h (which passes descriptors with SCM_RIGHTS).
- * A connection is reference counted: the server holds one reference until the
- * connection closes, and each request still in flight holds one, so a client
- * that vanishes mid-load leaves its requests something valid to finish on.
- * A frame not completed within frame_timeout_ms, a protocol error, or more
- * than max_queued_output bytes of unread replies closes the connection.
+ * DESIGN: runs entirely on the loop thread (large requests are parsed on a
+ * control job, which reads only the frame it was handed). This is the
+ * transport layer: it reads frames, checks the op table's rules (hello first,
+ * what runs while stopping, what skips the queue, descriptors) and hands each
+ * request to the op handlers (ops.h), which reach back only through the
+ * connection's conn_ops table. Sockets are nonblocking and watched with
+ * uv_poll; frames go through proto/wire.h (descriptors with SCM_RIGHTS).
+ *
+ * No client can deny service to another; every resource a connection can
+ * make the daemon hold is bounded, and the bound is met by waiting or by a
+ * LIMIT answer, never by dropping a well-behaved client:
+ *   - requests in progress (CONN_MAX_INFLIGHT) and queued (CONN_MAX_QUEUED):
+ *     past them the socket is not read;
+ *   - request bytes: a frame over max_request_bytes is refused from its length
+ *     prefix; parsed requests are charged against request_memory (a quarter
+ *     of it per connection); a frame that does not fit waits unparsed until
+ *     memory frees;
+ *   - reply bytes and descriptors queued for a client that does not read:
+ *     past half of max_queued_output / max_queued_fds its requests are not
+ *     read, and a reply that would pass the limit is answered LIMIT instead;
+ *   - connections: max_connections, plus reserved_connections for root and the
+ *     daemon's uid; idle ones (no lease, nothing in progress) close after
+ *     idle_timeout_ms; when descriptors run out, accept refuses with LIMIT
+ *     through a reserved descriptor and pauses instead of spinning.
+ * A connection is reference counted: the server holds one reference until it
+ * closes, and each request still in progress holds one.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -32,18 +48,30 @@
 #include "ops.h"
 #include "request.h"
 
+/* Requests up to this size are parsed on the loop; larger ones on a control job. */
+#define PARSE_INLINE_MAX (64u * 1024u)
+/* Parsed JSON can take this many bytes per byte of text (a tree node per short token). */
+#define REQUEST_MEMORY_FACTOR 32u
+/* How long the listener pauses when the process is out of descriptors. */
+#define ACCEPT_PAUSE_MS 100
+
 struct server {
   struct daemon *d;
   int listen_fd;
   uv_poll_t listen_poll;
   bool listening;
+  int reserve_fd;          /* held to accept-and-refuse when descriptors run out */
+  uv_timer_t accept_timer; /* resumes accepting after a pause */
+  bool accept_paused;
+  uint64_t refused_emfile; /* connections refused in the current out-of-descriptors episode */
   struct conn *conns;
   size_t nconns;
+  size_t nwaiting_memory; /* connections whose next frame waits for request memory */
 };
 
 static void conn_close(struct conn *c);
-static void on_resume(uv_timer_t *t);
-static void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds);
+static void kick(struct conn *c);
+static int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds);
 static void req_finish(struct request *r);
 static struct request *conn_unqueue(struct conn *c, const cJSON *id);
 
@@ -56,6 +84,8 @@ static const struct conn_ops transport = {
 
 /* ---- references --------------------------------------------------------------- */
 
+#define CONN_HANDLES 4 /* poll, frame_timer, resume_timer, idle_timer */
+
 static void conn_handle_closed(uv_handle_t *h) {
   struct conn *c = h->data;
   if (--c->handles_open == 0 && c->refs == 0) free(c);
@@ -66,14 +96,28 @@ static void conn_unref(struct conn *c) {
   if (c->handles_open == 0) free(c);
 }
 
-/* ---- sending -------------------------------------------------------------------- */
+/* ---- state -------------------------------------------------------------------- */
+
+/* Replies pile up unread: stop reading this client's requests. */
+static bool backlogged(const struct conn *c) {
+  return wire_writer_bytes(&c->writer) > c->d->cfg.max_queued_output / 2 ||
+         wire_writer_fds(&c->writer) > c->d->cfg.max_queued_fds / 2;
+}
+
+static bool alive(const struct conn *c) { return !c->closed && !c->dead; }
+
+/* May frames be taken from this connection now? */
+static bool can_take(const struct conn *c) {
+  return alive(c) && !c->closing && !c->parsing && !c->waiting_memory && c->nqueued < CONN_MAX_QUEUED &&
+         !backlogged(c);
+}
 
 static void on_poll(uv_poll_t *p, int status, int events);
 
 static void update_poll(struct conn *c) {
-  if (c->closed || c->dead) return;
+  if (!alive(c)) return;
   /* A closing connection only drains its replies: reading it could spin forever. */
-  int ev = UV_DISCONNECT | (c->paused || c->closing ? 0 : UV_READABLE);
+  int ev = UV_DISCONNECT | (can_take(c) ? UV_READABLE : 0);
   if (wire_writer_bytes(&c->writer) > 0) ev |= UV_WRITABLE;
   uv_poll_start(&c->poll, ev, on_poll);
 }
@@ -85,16 +129,22 @@ static void on_kill(uv_timer_t *t) { conn_close(t->data); }
  * caller may be walking a list that closing the connection would free.
  */
 static void conn_kill(struct conn *c) {
-  if (c->closed || c->dead) return;
+  if (!alive(c)) return;
   c->dead = true;
   uv_poll_stop(&c->poll);
   uv_timer_stop(&c->frame_timer);
+  uv_timer_stop(&c->idle_timer);
   uv_timer_start(&c->resume_timer, on_kill, 0, 0);
 }
 
+/* ---- sending -------------------------------------------------------------------- */
+
 static void flush(struct conn *c) {
-  if (c->closed || c->dead) return;
+  if (!alive(c)) return;
+  bool was_backlogged = backlogged(c);
+  size_t fds_before = wire_writer_fds(&c->writer);
   int rc = wire_writer_flush(&c->writer, c->fd);
+  c->d->stats.fds_queued -= fds_before - wire_writer_fds(&c->writer);
   if (rc < 0) {
     log_msg(LOG_DEBUG, "connection of pid %d: send failed: %s", (int)c->pid, weightd_strerror(rc));
     conn_kill(c);
@@ -104,67 +154,95 @@ static void flush(struct conn *c) {
     conn_kill(c);
     return;
   }
+  if (was_backlogged && !backlogged(c)) kick(c);
   update_poll(c);
 }
 
-/* An error reply in place of one that cannot be sent (over the frame limit). */
-static char *replacement_error(const cJSON *reply, size_t len) {
-  char msg[128];
-  snprintf(msg, sizeof msg, "the reply (%zu bytes) exceeds the %u-byte frame limit", len, WIRE_MAX_FRAME);
-  cJSON *e = msg_reply_error(cJSON_GetObjectItemCaseSensitive(reply, "id"), WEIGHTD_E_LIMIT, msg);
+/* The text of an error reply to the request with this id (small: it always fits). */
+static char *error_text(const cJSON *id, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+static char *error_text(const cJSON *id, int code, const char *fmt, ...) {
+  char msg[256];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  cJSON *e = msg_reply_error(id, code, msg);
   char *text = e ? msg_serialize(e) : NULL;
   cJSON_Delete(e);
   return text;
 }
 
-static void conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
+/*
+ * Queues a frame. A reply that breaks a limit (the frame size, the
+ * connection's queued bytes or descriptors) is replaced by a LIMIT error for
+ * the same id and its descriptors are closed. Returns 0 when the frame itself
+ * was queued, WEIGHTD_E_LIMIT when a LIMIT error went in its place, or
+ * WEIGHTD_E_CLOSED / WEIGHTD_E_NOMEM when nothing could be queued.
+ */
+static int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
+  const struct wd_config *cfg = &c->d->cfg;
+  const cJSON *id = reply ? cJSON_GetObjectItemCaseSensitive(reply, "id") : NULL;
   char *text = reply ? msg_serialize(reply) : NULL;
-  if (text != NULL && strlen(text) > WIRE_MAX_FRAME) {
-    log_msg(LOG_WARN, "a reply for pid %d is over the frame limit: sending LIMIT instead", (int)c->pid);
-    size_t len = strlen(text);
+  int result = 0;
+  size_t len = text ? strlen(text) : 0;
+  char *limited = NULL;
+  if (text != NULL && len > WIRE_MAX_FRAME)
+    limited = error_text(id, WEIGHTD_E_LIMIT, "the reply (%zu bytes) exceeds the %u-byte frame limit", len,
+                         WIRE_MAX_FRAME);
+  else if (text != NULL && wire_writer_bytes(&c->writer) + len > cfg->max_queued_output)
+    limited = error_text(id, WEIGHTD_E_LIMIT,
+                         "%zu bytes of replies wait unread on this connection: this one (%zu bytes) would pass "
+                         "max_queued_output (%" PRIu64 "); read the replies",
+                         wire_writer_bytes(&c->writer), len, cfg->max_queued_output);
+  else if (text != NULL && nfds > 0 && wire_writer_fds(&c->writer) + nfds > cfg->max_queued_fds)
+    limited = error_text(id, WEIGHTD_E_LIMIT,
+                         "%zu file descriptors wait unread on this connection: max_queued_fds (%" PRIu64
+                         ") reached; read the replies",
+                         wire_writer_fds(&c->writer), cfg->max_queued_fds);
+  if (limited != NULL) {
+    log_msg(LOG_DEBUG, "a reply for pid %d breaks a limit: LIMIT sent instead", (int)c->pid);
     free(text);
-    text = replacement_error(reply, len);
+    text = limited;
     for (size_t i = 0; i < nfds; i++) close(fds[i]);
     nfds = 0;
+    result = WEIGHTD_E_LIMIT;
   }
   cJSON_Delete(reply);
-  if (c->closed || c->dead) {
+  if (!alive(c)) {
     for (size_t i = 0; i < nfds; i++) close(fds[i]);
     free(text);
-    return;
+    return WEIGHTD_E_CLOSED;
   }
   if (text == NULL) {
     for (size_t i = 0; i < nfds; i++) close(fds[i]);
     log_msg(LOG_ERROR, "out of memory serialising a reply: closing connection of pid %d", (int)c->pid);
     conn_kill(c);
-    return;
+    return WEIGHTD_E_NOMEM;
   }
   int rc = wire_writer_push(&c->writer, text, strlen(text), fds, nfds);
   free(text);
   if (rc != 0) {
     log_msg(LOG_ERROR, "cannot queue a reply for pid %d: %s", (int)c->pid, weightd_strerror(rc));
     conn_kill(c);
-    return;
+    return rc;
   }
-  if (wire_writer_bytes(&c->writer) > c->d->cfg.max_queued_output) {
-    log_msg(LOG_WARN, "pid %d does not read its replies (%zu bytes queued): disconnecting", (int)c->pid,
-            wire_writer_bytes(&c->writer));
-    conn_kill(c);
-    return;
-  }
+  c->d->stats.fds_queued += nfds;
   flush(c);
+  return result;
 }
 
 static void on_closing_deadline(uv_timer_t *t) { conn_kill(t->data); }
 
 /* A final protocol error: reply, then close once it is sent (or after frame_timeout_ms at most). */
 static void conn_fail(struct conn *c, const cJSON *id, int code, const char *msg) {
-  if (c->closed || c->closing || c->dead) return;
+  if (!alive(c) || c->closing) return;
   log_msg(LOG_DEBUG, "connection of pid %d: %s", (int)c->pid, msg);
   conn_send(c, msg_reply_error(id, code, msg), NULL, 0);
-  if (!c->closed && !c->dead) {
+  if (alive(c)) {
     c->closing = true;
     uv_timer_stop(&c->frame_timer);
+    uv_timer_stop(&c->idle_timer);
     uv_timer_start(&c->frame_timer, on_closing_deadline, c->d->cfg.frame_timeout_ms, 0);
     flush(c);
   }
@@ -178,17 +256,38 @@ static void req_unlink(struct request *r) {
   if (*pp == r) *pp = r->next_in_conn;
 }
 
-static void on_resume(uv_timer_t *t);
+/* Wakes every connection whose next frame waits for request memory. */
+static void wake_memory_waiters(struct server *srv) {
+  for (struct conn *c = srv->conns; c != NULL && srv->nwaiting_memory > 0; c = c->next)
+    if (c->waiting_memory) {
+      c->waiting_memory = false;
+      srv->nwaiting_memory--;
+      kick(c);
+    }
+}
+
+static void on_idle(uv_timer_t *t);
+
+/* Arms the idle timer when nothing is in progress (whether leases are held is asked when it fires). */
+static void watch_idle(struct conn *c) {
+  if (!alive(c) || c->closing || c->d->cfg.idle_timeout_ms == 0) return;
+  if (c->inflight == 0 && c->nqueued == 0 && !c->parsing) uv_timer_start(&c->idle_timer, on_idle, c->d->cfg.idle_timeout_ms, 0);
+  else uv_timer_stop(&c->idle_timer);
+}
 
 static void req_finish(struct request *r) {
   struct conn *c = r->conn;
+  bool freed_memory = r->mem > 0;
   req_unlink(r);
   if (r->started) c->inflight--;
-  if ((c->nqueued > 0 || c->paused) && !c->closed && !c->dead && c->inflight < CONN_MAX_INFLIGHT)
-    uv_timer_start(&c->resume_timer, on_resume, 0, 0); /* not from inside a handler */
-  cJSON_Delete(r->root);
+  req_args_free(r);
   cJSON_Delete(r->id);
   free(r);
+  if (alive(c)) {
+    kick(c); /* not from inside a handler: queued requests and buffered frames go on from the loop */
+    watch_idle(c);
+  }
+  if (freed_memory) wake_memory_waiters(c->srv);
   conn_unref(c);
 }
 
@@ -199,6 +298,7 @@ static void req_start(struct request *r) {
   c->inflight++;
   r->next_in_conn = c->requests;
   c->requests = r;
+  uv_timer_stop(&c->idle_timer);
   ops_dispatch(r);
 }
 
@@ -215,7 +315,7 @@ static struct request *queue_pop(struct conn *c) {
 static struct request *conn_unqueue(struct conn *c, const cJSON *id) {
   for (struct request **pp = &c->queued; *pp != NULL; pp = &(*pp)->next_in_conn) {
     struct request *r = *pp;
-    if (r->id == NULL || !cJSON_Compare(r->id, id, true)) continue;
+    if (r->id == NULL || !msg_id_equal(r->id, id)) continue;
     *pp = r->next_in_conn;
     if (*pp == NULL) c->queued_tail = pp;
     c->nqueued--;
@@ -228,49 +328,49 @@ static struct request *conn_unqueue(struct conn *c, const cJSON *id) {
 
 /* Starts queued requests while there is room. */
 static void start_queued(struct conn *c) {
-  while (!c->closed && c->inflight < CONN_MAX_INFLIGHT && c->queued != NULL) req_start(queue_pop(c));
+  while (alive(c) && c->inflight < CONN_MAX_INFLIGHT && c->queued != NULL) req_start(queue_pop(c));
 }
 
-static void handle_frame(struct conn *c, struct wire_frame *f) {
-  struct msg_request m = {0};
-  struct wd_error err = {0};
-  int rc = msg_request_parse(f->json, f->len, &m, &err);
-  unsigned flags = rc == 0 ? msg_op_flags(m.op) : 0;
-  if (f->nfds > 0 && !(flags & MSG_OPF_FDS_IN)) {
-    conn_fail(c, m.id, WEIGHTD_E_PROTOCOL,
-              rc == 0 ? "this request may not carry file descriptors" : "the daemon accepts no file descriptors here");
-    msg_request_free(&m);
-    return;
+/* A request read and parsed: check the op's rules, then start it or queue it. mem is charged already. */
+static void take_request(struct conn *c, struct msg_request *m, int rc, const struct wd_error *err, size_t nfds,
+                         size_t mem) {
+  unsigned flags = rc == 0 ? msg_op_flags(m->op) : 0;
+  const char *refusal = NULL;
+  int code = rc;
+  if (nfds > 0 && !(flags & MSG_OPF_FDS_IN)) {
+    code = WEIGHTD_E_PROTOCOL;
+    refusal = "this request may not carry file descriptors";
+  } else if (rc != 0) {
+    refusal = err->msg;
+  } else if (!c->hello_done && !(flags & MSG_OPF_BEFORE_HELLO)) {
+    code = WEIGHTD_E_PROTOCOL;
+    refusal = "the first request on a connection must be 'hello'";
   }
-  if (rc != 0) {
-    if (!c->hello_done) conn_fail(c, m.id, rc, err.msg);
-    else conn_send(c, msg_reply_error(m.id, rc, err.msg), NULL, 0);
-    msg_request_free(&m);
-    return;
+  if (refusal != NULL) {
+    /* Before hello, or with descriptors, the stream cannot be trusted: the connection closes. */
+    if (!c->hello_done || code == WEIGHTD_E_PROTOCOL) conn_fail(c, m->id, code, refusal);
+    else conn_send(c, msg_reply_error(m->id, code, refusal), NULL, 0);
+  } else if (c->d->stopping && !(flags & MSG_OPF_WHILE_STOPPING)) {
+    conn_send(c, msg_reply_error(m->id, WEIGHTD_E_SHUTDOWN, "the daemon is shutting down"), NULL, 0);
+    refusal = "stopping";
   }
-  if (!c->hello_done && !(flags & MSG_OPF_BEFORE_HELLO)) {
-    conn_fail(c, m.id, WEIGHTD_E_PROTOCOL, "the first request on a connection must be 'hello'");
-    msg_request_free(&m);
-    return;
-  }
-  if (c->d->stopping && !(flags & MSG_OPF_WHILE_STOPPING)) {
-    conn_send(c, msg_reply_error(m.id, WEIGHTD_E_SHUTDOWN, "the daemon is shutting down"), NULL, 0);
-    msg_request_free(&m);
-    return;
-  }
-  struct request *r = calloc(1, sizeof *r);
+  struct request *r = refusal == NULL ? calloc(1, sizeof *r) : NULL;
+  if (refusal == NULL && r == NULL) conn_send(c, msg_reply_error(m->id, WEIGHTD_E_NOMEM, "out of memory"), NULL, 0);
   if (r == NULL) {
-    conn_send(c, msg_reply_error(m.id, WEIGHTD_E_NOMEM, "out of memory"), NULL, 0);
-    msg_request_free(&m);
+    msg_request_free(m);
+    c->request_mem -= mem;
+    c->d->stats.request_mem -= mem;
+    wake_memory_waiters(c->srv);
     return;
   }
   r->conn = c;
-  r->root = m.root;
-  r->id = m.id;
-  r->op = m.op;
-  m.root = NULL;
-  m.id = NULL;
-  msg_request_free(&m);
+  r->root = m->root;
+  r->id = m->id;
+  r->op = m->op;
+  r->mem = mem;
+  m->root = NULL;
+  m->id = NULL;
+  msg_request_free(m);
   c->refs++;
   /* Some ops (cancel) go past the line; anything else waits its turn behind the queue. */
   if (!(flags & MSG_OPF_SKIPS_QUEUE) && (c->inflight >= CONN_MAX_INFLIGHT || c->nqueued > 0)) {
@@ -283,6 +383,66 @@ static void handle_frame(struct conn *c, struct wire_frame *f) {
   req_start(r);
 }
 
+/* A large request parsed on a control job, which reads only this struct. */
+struct parse_job {
+  struct job job;
+  struct conn *conn; /* referenced */
+  char *json;
+  size_t len, nfds, mem;
+  struct msg_request m;
+  int rc;
+  struct wd_error err;
+};
+
+static void parse_work(struct job *j) {
+  struct parse_job *pj = (struct parse_job *)j;
+  pj->rc = msg_request_parse(pj->json, pj->len, &pj->m, &pj->err);
+}
+
+static void parse_done(struct job *j) {
+  struct parse_job *pj = (struct parse_job *)j;
+  struct conn *c = pj->conn;
+  c->parsing = false;
+  free(pj->json);
+  if (alive(c)) {
+    take_request(c, &pj->m, pj->rc, &pj->err, pj->nfds, pj->mem);
+    kick(c);
+    watch_idle(c);
+  } else {
+    msg_request_free(&pj->m);
+    c->request_mem -= pj->mem;
+    c->d->stats.request_mem -= pj->mem;
+    wake_memory_waiters(c->srv);
+  }
+  conn_unref(c);
+  free(pj);
+}
+
+/* Parses a frame (on the loop, or on a job when it is large) and hands it on. */
+static void handle_frame(struct conn *c, struct wire_frame *f, size_t mem) {
+  if (f->len > PARSE_INLINE_MAX && c->d->control_pool != NULL) {
+    struct parse_job *pj = calloc(1, sizeof *pj);
+    if (pj != NULL) {
+      pj->job.work = parse_work;
+      pj->job.done = parse_done;
+      pj->conn = c;
+      pj->json = f->json; /* the job takes the text */
+      f->json = NULL;
+      pj->len = f->len;
+      pj->nfds = f->nfds;
+      pj->mem = mem;
+      c->refs++;
+      c->parsing = true; /* frames after it wait: requests are taken in order */
+      jobs_submit(c->d->control_pool, &pj->job);
+      return;
+    }
+  }
+  struct msg_request m = {0};
+  struct wd_error err = {0};
+  int rc = msg_request_parse(f->json, f->len, &m, &err);
+  take_request(c, &m, rc, &err, f->nfds, mem);
+}
+
 /* ---- reading ------------------------------------------------------------------------ */
 
 static void on_frame_timeout(uv_timer_t *t) {
@@ -290,16 +450,30 @@ static void on_frame_timeout(uv_timer_t *t) {
   conn_fail(c, NULL, WEIGHTD_E_PROTOCOL, "a request frame did not arrive whole within frame_timeout_ms");
 }
 
+/* Reserves memory for the next frame, or marks the connection as waiting for it. */
+static bool reserve_memory(struct conn *c, size_t mem) {
+  const struct wd_config *cfg = &c->d->cfg;
+  if (c->request_mem + mem <= cfg->request_memory / 4 && c->d->stats.request_mem + mem <= cfg->request_memory) {
+    c->request_mem += mem;
+    c->d->stats.request_mem += mem;
+    return true;
+  }
+  if (!c->waiting_memory) {
+    c->waiting_memory = true;
+    c->srv->nwaiting_memory++;
+  }
+  return false;
+}
+
 /*
- * Handles buffered frames until none is left or the queue is full. Every
- * completed frame restarts the frame timeout: it runs from a frame's first byte.
+ * Handles buffered frames while frames may be taken. Every completed frame
+ * restarts the frame timeout: it runs from a frame's first byte.
  */
 static void process_frames(struct conn *c) {
-  while (!c->closed && !c->closing && !c->dead) {
-    if (c->nqueued >= CONN_MAX_QUEUED) {
-      c->paused = true;
-      return;
-    }
+  while (can_take(c)) {
+    uint32_t next = wire_reader_next_len(&c->reader);
+    if (next == 0 && !wire_reader_pending(&c->reader)) return;
+    size_t mem = (size_t)next * REQUEST_MEMORY_FACTOR;
     struct wire_frame f = {0};
     struct wd_error err = {0};
     int n = wire_reader_next(&c->reader, &f, &err);
@@ -308,16 +482,21 @@ static void process_frames(struct conn *c) {
       conn_fail(c, NULL, n, err.msg);
       return;
     }
+    if (!reserve_memory(c, mem)) {
+      /* Put it back: the reader keeps no frame once taken, so hold it until memory frees. */
+      c->held = f;
+      return;
+    }
     uv_timer_stop(&c->frame_timer);
-    handle_frame(c, &f);
+    handle_frame(c, &f, mem);
     wire_frame_clear(&f);
   }
 }
 
-/* Arms the frame timer while a partial frame waits (and the connection is not paused). */
+/* Arms the frame timer while a partial frame waits for bytes the client should send. */
 static void watch_partial_frame(struct conn *c) {
-  if (c->closed || c->closing || c->dead) return;
-  if (!c->paused && wire_reader_pending(&c->reader)) {
+  if (!alive(c) || c->closing) return;
+  if (can_take(c) && wire_reader_pending(&c->reader)) {
     if (!uv_is_active((uv_handle_t *)&c->frame_timer))
       uv_timer_start(&c->frame_timer, on_frame_timeout, c->d->cfg.frame_timeout_ms, 0);
   } else {
@@ -326,7 +505,7 @@ static void watch_partial_frame(struct conn *c) {
 }
 
 static void do_read(struct conn *c) {
-  for (int rounds = 0; rounds < 16 && !c->closed && !c->closing && !c->dead && !c->paused; rounds++) {
+  for (int rounds = 0; rounds < 16 && can_take(c); rounds++) {
     int rc = wire_reader_fill(&c->reader, c->fd);
     if (rc == WIRE_AGAIN) break;
     if (rc == 0) {
@@ -337,26 +516,33 @@ static void do_read(struct conn *c) {
       conn_fail(c, NULL, rc, c->reader.err.msg);
       return;
     }
+    uv_timer_stop(&c->idle_timer);
     process_frames(c);
   }
   watch_partial_frame(c);
   update_poll(c);
 }
 
+/* Takes a frame held back for memory, once memory allows. */
+static void take_held(struct conn *c) {
+  if (c->held.json == NULL || !can_take(c)) return;
+  size_t mem = c->held.len * REQUEST_MEMORY_FACTOR;
+  if (!reserve_memory(c, mem)) return;
+  struct wire_frame f = c->held;
+  memset(&c->held, 0, sizeof c->held);
+  handle_frame(c, &f, mem);
+  wire_frame_clear(&f);
+}
+
+/* Goes on with whatever may now proceed: queued requests, held and buffered frames, the socket. */
 static void on_resume(uv_timer_t *t) {
   struct conn *c = t->data;
-  if (c->closed || c->dead) return;
+  if (!alive(c)) return;
   c->refs++;
   start_queued(c);
-  if (!c->paused || c->nqueued >= CONN_MAX_QUEUED || c->closed) {
-    watch_partial_frame(c);
-    update_poll(c);
-    conn_unref(c);
-    return;
-  }
-  c->paused = false;
-  process_frames(c); /* may pause again */
-  if (!c->closed && !c->closing && !c->paused) do_read(c);
+  take_held(c);
+  if (c->held.json == NULL) process_frames(c);
+  if (can_take(c) && c->held.json == NULL) do_read(c);
   else {
     watch_partial_frame(c);
     update_poll(c);
@@ -364,18 +550,32 @@ static void on_resume(uv_timer_t *t) {
   conn_unref(c);
 }
 
+/* Schedules on_resume (never runs it inside a caller that may be walking a list). */
+static void kick(struct conn *c) {
+  if (alive(c)) uv_timer_start(&c->resume_timer, on_resume, 0, 0);
+}
+
 static void on_poll(uv_poll_t *p, int status, int events) {
   struct conn *c = p->data;
-  if (c->closed || c->dead) return;
+  if (!alive(c)) return;
   if (status < 0) {
     conn_close(c);
     return;
   }
   c->refs++; /* hold the connection while handlers run */
   if (events & UV_WRITABLE) flush(c);
-  if (!c->closed && !c->closing && !c->paused && (events & (UV_READABLE | UV_DISCONNECT))) do_read(c);
-  if (!c->closed && (c->closing || c->paused) && (events & UV_DISCONNECT)) conn_close(c);
+  if (can_take(c) && c->held.json == NULL && (events & (UV_READABLE | UV_DISCONNECT))) do_read(c);
+  else if (alive(c) && !c->closed && (events & UV_DISCONNECT)) conn_close(c);
   conn_unref(c);
+}
+
+static void on_idle(uv_timer_t *t) {
+  struct conn *c = t->data;
+  if (!alive(c) || c->closing || c->inflight > 0 || c->nqueued > 0 || c->parsing) return;
+  if (ops_conn_holds_leases(c)) return; /* engines holding leases are never dropped */
+  log_msg(LOG_DEBUG, "connection of pid %d idle for %" PRIu64 " ms: closing", (int)c->pid,
+          c->d->cfg.idle_timeout_ms);
+  conn_kill(c);
 }
 
 /* ---- connection lifetime --------------------------------------------------------------- */
@@ -389,6 +589,10 @@ static void conn_close(struct conn *c) {
   if (*pp == c) *pp = c->next;
   srv->nconns--;
   srv->d->stats.connections = srv->nconns;
+  if (c->waiting_memory) {
+    c->waiting_memory = false;
+    srv->nwaiting_memory--;
+  }
   ops_conn_gone(c);
   /* Queued requests never started; requests waiting for a set stop waiting; the others finish on their own. */
   for (struct request *q = queue_pop(c); q != NULL; q = queue_pop(c)) req_finish(q);
@@ -401,25 +605,77 @@ static void conn_close(struct conn *c) {
   uv_poll_stop(&c->poll);
   uv_timer_stop(&c->frame_timer);
   uv_timer_stop(&c->resume_timer);
+  uv_timer_stop(&c->idle_timer);
+  wire_frame_clear(&c->held);
   wire_reader_free(&c->reader);
+  srv->d->stats.fds_queued -= wire_writer_fds(&c->writer);
   wire_writer_free(&c->writer);
   close(c->fd);
   c->fd = -1;
   uv_close((uv_handle_t *)&c->poll, conn_handle_closed);
   uv_close((uv_handle_t *)&c->frame_timer, conn_handle_closed);
   uv_close((uv_handle_t *)&c->resume_timer, conn_handle_closed);
+  uv_close((uv_handle_t *)&c->idle_timer, conn_handle_closed);
   log_msg(LOG_DEBUG, "connection of pid %d closed", (int)c->pid);
   conn_unref(c);
 }
 
+static bool uid_privileged(uid_t uid) { return uid == 0 || uid == geteuid(); }
+
 static bool peer_allowed(const struct conn *c) {
+  const struct wd_config *cfg = &c->d->cfg;
   if (conn_is_privileged(c)) return true;
-  if (c->d->cfg.n_allowed_uids == 0 && c->d->cfg.n_allowed_gids == 0) return true;
-  for (size_t i = 0; i < c->d->cfg.n_allowed_uids; i++)
-    if (c->d->cfg.allowed_uids[i] == (uint64_t)c->uid) return true;
-  for (size_t i = 0; i < c->d->cfg.n_allowed_gids; i++)
-    if (c->d->cfg.allowed_gids[i] == (uint64_t)c->gid) return true;
+  if (cfg->n_allowed_uids == 0 && cfg->n_allowed_gids == 0) return true;
+  for (size_t i = 0; i < cfg->n_allowed_uids; i++)
+    if (cfg->allowed_uids[i] == (uint64_t)c->uid) return true;
+  for (size_t i = 0; i < cfg->n_allowed_gids; i++)
+    if (cfg->allowed_gids[i] == (uint64_t)c->gid) return true;
   return false;
+}
+
+/* Writes one refusal frame to a socket that is closed right after (best effort, nonblocking). */
+static void refuse(int fd, const char *message) {
+  char body[256];
+  int n = snprintf(body, sizeof body, "{\"error\":{\"code\":\"LIMIT\",\"message\":\"%s\"}}", message);
+  unsigned char frame[4 + sizeof body];
+  frame[0] = (unsigned char)n;
+  frame[1] = frame[2] = frame[3] = 0;
+  memcpy(frame + 4, body, (size_t)n);
+  if (write(fd, frame, 4 + (size_t)n) < 0) {
+  }
+}
+
+static void on_accept(uv_poll_t *p, int status, int events);
+
+static void on_accept_resume(uv_timer_t *t) {
+  struct server *srv = t->data;
+  if (!srv->listening) return;
+  srv->accept_paused = false;
+  uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
+}
+
+/*
+ * Out of descriptors: give the reserved one back to accept one waiting peer
+ * and refuse it with LIMIT, then pause the listener briefly. Without this a
+ * level-triggered listener with peers waiting spins the loop.
+ */
+static void out_of_descriptors(struct server *srv, int err) {
+  if (srv->refused_emfile++ == 0)
+    log_msg(LOG_WARN, "accept: %s: refusing new connections until descriptors free (LimitNOFILE / RLIMIT_NOFILE)",
+            strerror(err));
+  if (srv->reserve_fd >= 0) {
+    close(srv->reserve_fd);
+    srv->reserve_fd = -1;
+    int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd >= 0) {
+      refuse(fd, "the daemon is out of file descriptors; retry later");
+      close(fd);
+    }
+    srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  }
+  srv->accept_paused = true;
+  uv_poll_stop(&srv->listen_poll);
+  uv_timer_start(&srv->accept_timer, on_accept_resume, ACCEPT_PAUSE_MS, 0);
 }
 
 static void on_accept(uv_poll_t *p, int status, int events) {
@@ -430,8 +686,15 @@ static void on_accept(uv_poll_t *p, int status, int events) {
   for (int n = 0; n < 64; n++) {
     int fd = accept4(srv->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
-      if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) log_msg(LOG_WARN, "accept: %s", strerror(errno));
+      if (errno == EMFILE || errno == ENFILE) out_of_descriptors(srv, errno);
+      else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
+        log_msg(LOG_WARN, "accept: %s", strerror(errno));
       return;
+    }
+    if (srv->refused_emfile > 0) {
+      log_msg(LOG_INFO, "accepting again after refusing %" PRIu64 " connection(s) for want of descriptors",
+              srv->refused_emfile);
+      srv->refused_emfile = 0;
     }
     struct ucred cred;
     socklen_t len = sizeof cred;
@@ -439,15 +702,10 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       close(fd);
       continue;
     }
-    struct conn *c = calloc(1, sizeof *c);
-    if (c == NULL || d->stopping || srv->nconns >= d->cfg.max_connections) {
-      static const char refused[] = "{\"error\":{\"code\":\"LIMIT\",\"message\":\"too many connections\"}}";
-      unsigned char hdr[4] = {sizeof refused - 1, 0, 0, 0};
-      if (c != NULL && !d->stopping) {
-        if (write(fd, hdr, 4) == 4 && write(fd, refused, sizeof refused - 1) < 0) {
-        }
-      }
-      free(c);
+    uint64_t limit = d->cfg.max_connections + (uid_privileged(cred.uid) ? d->cfg.reserved_connections : 0);
+    struct conn *c = d->stopping || srv->nconns >= limit ? NULL : calloc(1, sizeof *c);
+    if (c == NULL) {
+      if (!d->stopping) refuse(fd, "too many connections");
       close(fd);
       continue;
     }
@@ -461,14 +719,17 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     c->refs = 1;
     c->queued_tail = &c->queued;
     wire_reader_init(&c->reader);
+    c->reader.max_frame = (uint32_t)d->cfg.max_request_bytes;
     wire_writer_init(&c->writer);
     uv_poll_init(d->loop, &c->poll, fd);
     uv_timer_init(d->loop, &c->frame_timer);
     uv_timer_init(d->loop, &c->resume_timer);
+    uv_timer_init(d->loop, &c->idle_timer);
     c->poll.data = c;
     c->frame_timer.data = c;
     c->resume_timer.data = c;
-    c->handles_open = 3;
+    c->idle_timer.data = c;
+    c->handles_open = CONN_HANDLES;
     c->next = srv->conns;
     srv->conns = c;
     srv->nconns++;
@@ -480,6 +741,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       continue;
     }
     log_msg(LOG_DEBUG, "connection from pid %d uid %d", (int)c->pid, (int)c->uid);
+    watch_idle(c);
     update_poll(c);
   }
 }
@@ -491,12 +753,20 @@ int server_start(struct daemon *d, struct wd_error *err) {
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   if (strlen(path) >= sizeof addr.sun_path) return err_set(err, WEIGHTD_E_INVALID, "socket path too long: %s", path);
   strcpy(addr.sun_path, path);
+  if (d->cfg.max_request_bytes * REQUEST_MEMORY_FACTOR > d->cfg.request_memory / 4)
+    return err_set(err, WEIGHTD_E_INVALID,
+                   "max_request_bytes (%" PRIu64 ") needs request_memory of at least %" PRIu64
+                   " (four connections' worth of its largest request, at %u bytes per byte)",
+                   d->cfg.max_request_bytes, d->cfg.max_request_bytes * REQUEST_MEMORY_FACTOR * 4,
+                   REQUEST_MEMORY_FACTOR);
   struct server *srv = calloc(1, sizeof *srv);
   if (srv == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   srv->d = d;
   srv->listen_fd = -1;
+  srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) {
+    if (srv->reserve_fd >= 0) close(srv->reserve_fd);
     free(srv);
     return err_set(err, WEIGHTD_E_IO, "socket: %s", strerror(errno));
   }
@@ -549,11 +819,14 @@ int server_start(struct daemon *d, struct wd_error *err) {
   srv->listening = true;
   uv_poll_init(d->loop, &srv->listen_poll, fd);
   srv->listen_poll.data = srv;
+  uv_timer_init(d->loop, &srv->accept_timer);
+  srv->accept_timer.data = srv;
   uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
   d->srv = srv;
   return 0;
 fail:
   close(fd);
+  if (srv->reserve_fd >= 0) close(srv->reserve_fd);
   free(srv);
   return rc;
 }
@@ -563,7 +836,9 @@ static void listen_closed(uv_handle_t *h) { (void)h; }
 void server_stop(struct server *srv) {
   if (srv->listening) {
     uv_poll_stop(&srv->listen_poll);
+    uv_timer_stop(&srv->accept_timer);
     uv_close((uv_handle_t *)&srv->listen_poll, listen_closed);
+    uv_close((uv_handle_t *)&srv->accept_timer, listen_closed);
     close(srv->listen_fd);
     srv->listen_fd = -1;
     srv->listening = false;
@@ -587,5 +862,8 @@ void server_close_all(struct server *srv) {
   while (srv->conns != NULL) conn_close(srv->conns);
 }
 
-void server_destroy(struct server *srv) { free(srv); }
-
+void server_destroy(struct server *srv) {
+  if (srv == NULL) return;
+  if (srv->reserve_fd >= 0) close(srv->reserve_fd);
+  free(srv);
+}

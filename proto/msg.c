@@ -231,6 +231,14 @@ int msg_request_parse(const char *json, size_t len, struct msg_request *out, str
   return 0;
 }
 
+bool msg_id_equal(const cJSON *a, const cJSON *b) {
+  if (a == NULL || b == NULL) return false;
+  if (cJSON_IsString(a) && cJSON_IsString(b)) return strcmp(a->valuestring, b->valuestring) == 0;
+  /* Parsed ids are integers of magnitude below 2^53: exact as doubles, so equality is exact. */
+  if (cJSON_IsNumber(a) && cJSON_IsNumber(b)) return a->valuedouble == b->valuedouble;
+  return false;
+}
+
 void msg_request_free(struct msg_request *req) {
   if (req == NULL) return;
   cJSON_Delete(req->root);
@@ -355,6 +363,7 @@ int msg_add_string(cJSON *obj, const char *name, const char *s) {
 static int add_id(cJSON *obj, const cJSON *id) {
   if (id == NULL) return 0;
   if (cJSON_IsString(id)) return msg_add_string(obj, "id", id->valuestring);
+  if (cJSON_IsRaw(id)) return add_raw(obj, "id", id->valuestring); /* an id echoed in a reply */
   if (cJSON_IsNumber(id)) {
     char buf[24];
     snprintf(buf, sizeof buf, "%" PRId64, (int64_t)id->valuedouble);

@@ -105,6 +105,12 @@ struct msg_request {
  */
 int msg_request_parse(const char *json, size_t len, struct msg_request *out, struct wd_error *err);
 
+/*
+ * True when two request ids are the same id: strings byte for byte, integers
+ * by exact value (never a tolerance: 2^52 + 1 and 2^52 + 2 differ).
+ */
+bool msg_id_equal(const cJSON *a, const cJSON *b);
+
 /* Frees what msg_request_parse allocated; safe on a zeroed or freed request. */
 void msg_request_free(struct msg_request *req);
 

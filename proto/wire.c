@@ -146,6 +146,14 @@ static int reader_fail(struct wire_reader *r, int code) {
 }
 
 /* Moves the unconsumed bytes to the front and sizes the buffer for the frame they begin. */
+static uint32_t reader_limit(const struct wire_reader *r) {
+  return r->max_frame > 0 && r->max_frame < WIRE_MAX_FRAME ? r->max_frame : WIRE_MAX_FRAME;
+}
+
+uint32_t wire_reader_next_len(const struct wire_reader *r) {
+  return r->end - r->start >= WIRE_HEADER ? get_le32(r->buf + r->start) : 0;
+}
+
 static int reader_make_room(struct wire_reader *r) {
   if (r->start == r->end) {
     r->base += r->end;
@@ -159,7 +167,7 @@ static int reader_make_room(struct wire_reader *r) {
   size_t want = WIRE_READER_BUF;
   if (r->end >= WIRE_HEADER) {
     uint32_t len = get_le32(r->buf);
-    if (len > 0 && len <= WIRE_MAX_FRAME && WIRE_HEADER + (size_t)len > want)
+    if (len > 0 && len <= reader_limit(r) && WIRE_HEADER + (size_t)len > want)
       want = WIRE_HEADER + (size_t)len;
   }
   if (r->cap < want) {
@@ -285,9 +293,9 @@ int wire_reader_next(struct wire_reader *r, struct wire_frame *out, struct wd_er
     err_set(&r->err, WEIGHTD_E_PROTOCOL, "zero-length frame at stream offset %" PRIu64, f);
     return reader_protocol(r, err);
   }
-  if (len > WIRE_MAX_FRAME) {
-    err_set(&r->err, WEIGHTD_E_PROTOCOL, "frame of %" PRIu32 " bytes exceeds the limit of %u bytes",
-            len, WIRE_MAX_FRAME);
+  if (len > reader_limit(r)) {
+    err_set(&r->err, WEIGHTD_E_PROTOCOL, "frame of %" PRIu32 " bytes exceeds the limit of %" PRIu32 " bytes",
+            len, reader_limit(r));
     return reader_protocol(r, err);
   }
   if (avail < WIRE_HEADER + (size_t)len) return 0;
@@ -382,6 +390,7 @@ int wire_writer_push(struct wire_writer *w, const char *json, size_t len, const 
   w->tail = o;
   w->bytes += o->len;
   w->frames++;
+  w->fds += nfds;
   return 0;
 }
 
@@ -390,6 +399,7 @@ static void writer_pop(struct wire_writer *w) {
   w->head = o->next;
   if (w->head == NULL) w->tail = NULL;
   w->frames--;
+  w->fds -= o->nfds;
   close_fds(o->fds, o->nfds);
   free(o);
 }
@@ -421,6 +431,7 @@ int wire_writer_flush(struct wire_writer *w, int sock) {
     /* The descriptors went with the first buffer of this call. */
     if (w->head->nfds > 0 && n > 0) {
       close_fds(w->head->fds, w->head->nfds);
+      w->fds -= w->head->nfds;
       w->head->nfds = 0;
     }
     size_t left = (size_t)n;
@@ -437,6 +448,8 @@ int wire_writer_flush(struct wire_writer *w, int sock) {
 }
 
 size_t wire_writer_bytes(const struct wire_writer *w) { return w->bytes; }
+
+size_t wire_writer_fds(const struct wire_writer *w) { return w->fds; }
 
 void wire_writer_free(struct wire_writer *w) {
   if (w == NULL) return;

@@ -89,6 +89,7 @@ struct wire_reader {
   size_t nfds, fds_cap;
   int failed;          /* a sticky protocol error, or 0 */
   struct wd_error err; /* detail for the last error fill or next returned */
+  uint32_t max_frame;  /* the largest frame accepted; 0 means WIRE_MAX_FRAME */
 };
 
 /* The reader's buffer size while no frame larger than it is being assembled. */
@@ -125,6 +126,9 @@ int wire_reader_next(struct wire_reader *r, struct wire_frame *out, struct wd_er
 /* True when bytes of an incomplete frame are buffered. */
 bool wire_reader_pending(const struct wire_reader *r);
 
+/* The declared length of the next frame once its prefix is in, else 0. */
+uint32_t wire_reader_next_len(const struct wire_reader *r);
+
 /* Frees the buffer and closes every descriptor no frame took. */
 void wire_reader_free(struct wire_reader *r);
 
@@ -137,6 +141,7 @@ struct wire_writer {
   struct wire_out *head, *tail;
   size_t bytes; /* unsent bytes, prefixes included */
   size_t frames;
+  size_t fds;   /* descriptors held for frames not yet sent */
 };
 
 /* Initializes an empty writer (equivalent to zeroing it). */
@@ -162,6 +167,9 @@ int wire_writer_flush(struct wire_writer *w, int sock);
 
 /* Bytes queued and not yet sent. */
 size_t wire_writer_bytes(const struct wire_writer *w);
+
+/* Descriptors queued with frames not yet sent. */
+size_t wire_writer_fds(const struct wire_writer *w);
 
 /* Frees the queue and closes the descriptors of frames that were not sent. */
 void wire_writer_free(struct wire_writer *w);
