@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "family.h"
 #include "pathutil.h"
 
 static const struct {
@@ -125,29 +126,20 @@ int mcfg_load(const char *path, const char *label, struct mcfg **out, struct wd_
   return rc;
 }
 
-static int type_is(const struct mcfg *c, const char *const *names) {
-  if (c->model_type == NULL) return 0;
-  for (; *names != NULL; names++)
-    if (strcmp(c->model_type, *names) == 0) return 1;
-  return 0;
-}
-
-static const char *const dense_families[] = {"qwen3", "qwen2", "llama", "mistral", NULL};
-static const char *const qwen3_families[] = {"qwen3", "qwen3_moe", NULL};
-
 /*
  * Family defaults, as the transformers config classes define them. Returns
  * 1 and sets *v when the field has a default for this config.
  */
 static int field_default(const struct mcfg *c, enum mcfg_field f, int64_t *v) {
+  const struct family_model *m = family_model_find(c->model_type);
   switch (f) {
   case MCFG_NUM_KEY_VALUE_HEADS:
     if (!c->present[MCFG_NUM_ATTENTION_HEADS]) return 0;
     *v = c->value[MCFG_NUM_ATTENTION_HEADS];
     return 1;
   case MCFG_HEAD_DIM:
-    if (type_is(c, qwen3_families)) {
-      *v = 128;
+    if (m != NULL && m->head_dim > 0) {
+      *v = m->head_dim;
       return 1;
     }
     if (!c->present[MCFG_HIDDEN_SIZE] || !c->present[MCFG_NUM_ATTENTION_HEADS] ||
@@ -156,7 +148,7 @@ static int field_default(const struct mcfg *c, enum mcfg_field f, int64_t *v) {
     *v = c->value[MCFG_HIDDEN_SIZE] / c->value[MCFG_NUM_ATTENTION_HEADS];
     return 1;
   case MCFG_NUM_EXPERTS:
-    if (!type_is(c, dense_families)) return 0;
+    if (m == NULL || m->family != FAMILY_DENSE) return 0;
     *v = 0;
     return 1;
   case MCFG_TIE_WORD_EMBEDDINGS:

@@ -1,15 +1,32 @@
 /*
- * plan.h - a plan: the output tensors one rank needs and where their bytes
- * come from.
+ * plan.h - a plan: the output tensors one rank needs, where each one's bytes
+ * come from, and where it sits in the rank's slab.
+ *
+ * A plan is built for one checkpoint from a spec, the JSON object a load
+ * request carries (docs/protocol.md, "Plans"): a preset - every tensor whole
+ * ({"preset": "whole"}, the default), or a model family's layer rules
+ * ("dense", "qwen3_moe", "deepseek_v3", or "auto" for the family of
+ * config.json's model_type) for one tensor- and expert-parallel rank, fused
+ * or not, as vLLM lays it out - or an explicit plan listing the outputs
+ * ({"outputs": [...]}). A spec is read strictly: an unknown field, a field
+ * given twice or one that does not belong to the spec's kind is BAD_PLAN
+ * naming its path ("plan.outputs[3]: unknown field 'x'").
  *
  * Each output is a concatenation, in order, of pieces; a piece is `height`
  * rows of `width` bytes read from a source tensor starting at `src_offset`,
  * rows `src_pitch` apart (a whole tensor is one row; a column slice is many
  * short rows), or zeros when it has no source (padding). Outputs sit in one
- * slab at offsets aligned to PLAN_ALIGN. A plan is built from a spec (a JSON
- * object: {"preset": "whole"} today) and keeps pointers into the checkpoint
- * it was built for, which must outlive it. Its key is the canonical text of
- * the spec: a resident set's identity includes it.
+ * slab at offsets aligned to PLAN_ALIGN; every size and offset was summed
+ * with overflow checks. A plan keeps pointers into the checkpoint it was
+ * built for, which must outlive it.
+ *
+ * Its key identifies it within that checkpoint: a resident set's identity
+ * includes it, so identical plans share a set however their specs were
+ * written. The key is short JSON text of at most PLAN_KEY_MAX bytes: a
+ * preset's normal form ({"preset":"dense","tp_size":2,"tp_rank":0,...}),
+ * or for an explicit plan the count and SHA-256 of its outputs' normal form
+ * ({"outputs":N,"sha256":"..."}). The form is versioned and stable across
+ * daemon versions; docs/protocol.md ("Plans" -> "Identity") defines it.
  */
 #ifndef WD_PLAN_H
 #define WD_PLAN_H
@@ -22,6 +39,9 @@
 #include "error.h"
 
 #define PLAN_ALIGN 256u
+
+/* The longest key, in bytes without its NUL, whatever the plan. */
+#define PLAN_KEY_MAX 320u
 
 struct plan_piece {
   const struct ckpt_ref *src; /* NULL: zeros */
@@ -47,7 +67,7 @@ struct plan_output {
 };
 
 struct plan {
-  char *key; /* canonical spec text */
+  char *key; /* the identity key: JSON text, at most PLAN_KEY_MAX bytes */
   size_t noutputs;
   struct plan_output *outputs;
   uint64_t payload_bytes; /* sum of the outputs' bytes */
@@ -56,14 +76,15 @@ struct plan {
 
 /*
  * Builds the plan `spec` describes for checkpoint c (spec NULL means
- * {"preset": "whole"}). Errors are WEIGHTD_E_BAD_PLAN naming what does not fit.
+ * {"preset": "whole"}). Errors are WEIGHTD_E_BAD_PLAN naming what does not
+ * fit (the field, the tensor, the rule), or WEIGHTD_E_NOMEM.
  */
 int plan_build(const struct ckpt *c, const cJSON *spec, struct plan **out, struct wd_error *err);
 
 void plan_free(struct plan *p);
 
 /*
- * The plan as JSON: {"key": canonical spec, "payload_bytes", "slab_bytes",
+ * The plan as JSON: {"key": the key, "payload_bytes", "slab_bytes",
  * "outputs": [{"name", "dtype", "shape", "offset", "nbytes", "pieces":
  * [{"tensor", "dim", "start", "end"} | {"zeros": rows}]}]}.
  */

@@ -5,7 +5,7 @@
  * save_pretrained's greedy rule at --max-shard-bytes (4,000,000,000 by
  * default) with model.safetensors.index.json; tensors in plan order, each
  * header padded with spaces to a multiple of 8 bytes, __metadata__ holding
- * {"format": "pt", "weightd_plan": the plan's canonical spec,
+ * {"format": "pt", "weightd_plan": the plan's key (docs/protocol.md, "Identity"),
  * "weightd_source": the checkpoint's resolved path}; config.json copied
  * along when the checkpoint has one.
  *

@@ -15,6 +15,7 @@
 
 #include "checkpoint.h"
 #include "ctl.h"
+#include "family.h"
 #include "pathutil.h"
 #include "plan.h"
 
@@ -43,9 +44,6 @@ static const struct plan_flag {
 };
 
 #define NPLAN_FLAGS (sizeof plan_flags / sizeof plan_flags[0])
-
-/* The presets docs/protocol.md names. */
-static const char *const presets[] = {"whole", "auto", "dense", "qwen3_moe", "deepseek_v3"};
 
 int ctl_plan_arg(struct ctl_plan_args *a, int argc, char **argv, int *i) {
   const struct plan_flag *f = NULL;
@@ -166,10 +164,10 @@ int ctl_plan_spec(const struct ctl_plan_args *a, int ranks_optional, cJSON **spe
   if (a->file != NULL) return (*spec = ctl_plan_read(a->file)) != NULL ? 0 : CTL_EXIT_FAIL;
   if (a->preset == NULL && !layout) return 0;
   const char *preset = a->preset != NULL ? a->preset : "auto";
-  int known = 0;
-  for (size_t k = 0; k < sizeof presets / sizeof presets[0]; k++) known |= strcmp(preset, presets[k]) == 0;
-  if (!known) {
-    ctl_errorf("%s: unknown preset '%s' (whole, auto, dense, qwen3_moe or deepseek_v3)", a->cmd, preset);
+  if (strcmp(preset, "whole") != 0 && strcmp(preset, "auto") != 0 && family_by_name(preset) == FAMILY_NONE) {
+    char families[64];
+    family_names(families, sizeof families, ", ");
+    ctl_errorf("%s: unknown preset '%s' (whole, auto, %s)", a->cmd, preset, families);
     return CTL_EXIT_USAGE;
   }
   if (strcmp(preset, "whole") == 0 && layout) {
