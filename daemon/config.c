@@ -3,6 +3,9 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -21,6 +24,7 @@ struct cfg_key {
   const char *def;   /* default, as text */
   const char *help;
   const char *const *choices; /* CFG_ENUM: the names, in the enum's order, NULL-terminated */
+  bool reload;                /* a running daemon applies a new value at SIGHUP */
 };
 
 /* Enumerated keys are stored as int through the table's offset. */
@@ -40,23 +44,26 @@ static const struct cfg_key keys[] = {
     {"socket", CFG_STRING, OFF(socket), 0, 0, 0, "",
      "socket path (default: /run/weightd/weightd.sock as root, else $XDG_RUNTIME_DIR/weightd.sock "
      "or /tmp/weightd-$UID.sock)"},
+    {"socket_fd_name", CFG_STRING, OFF(socket_fd_name), 0, 0, 0, "weightd.socket",
+     "under socket activation, the name (LISTEN_FDNAMES) of the passed socket to serve; a single unnamed "
+     "descriptor is served too"},
     {"socket_group", CFG_STRING, OFF(socket_group), 0, 0, 0, "weightd",
      "group owning the socket; members may connect (kept as is when the group does not exist)"},
     {"socket_mode", CFG_MODE, OFF(socket_mode), 0, 0, 0777, "0660", "permission bits of the socket"},
     {"model_roots", CFG_PATH_LIST, OFF(model_roots), OFF(n_model_roots), 0, 0, NULL,
-     "directories checkpoints must resolve into; empty = any path the daemon can read"},
+     "directories checkpoints must resolve into; empty = any path the daemon can read", .reload = true},
     {"allowed_uids", CFG_ID_LIST, OFF(allowed_uids), OFF(n_allowed_uids), 0, UINT32_MAX, NULL,
      "peer uids allowed besides root and the daemon's uid; with allowed_gids both empty, "
-     "anyone who can open the socket"},
+     "anyone who can open the socket", .reload = true},
     {"allowed_gids", CFG_ID_LIST, OFF(allowed_gids), OFF(n_allowed_gids), 0, UINT32_MAX, NULL,
-     "peer primary gids allowed"},
+     "peer primary gids allowed", .reload = true},
     {"backend", CFG_ENUM, OFF(backend), 0, 0, 0, "auto", "auto | cuda | host", backend_names},
     {"device_memory_budget", CFG_BYTES, OFF(device_memory_budget), 0, 0, UINT64_MAX, "0",
      "bytes of resident sets per device before unleased sets are evicted (0 = a GPU's own memory; "
-     "for the host backend, half of physical memory)"},
+     "for the host backend, half of physical memory)", .reload = true},
     {"host_pin_budget", CFG_BYTES, OFF(host_pin_budget), 0, 0, UINT64_MAX, "0",
      "bytes of checkpoint files kept registered for direct DMA (prefetch --pin; 0 = half of "
-     "physical memory)"},
+     "physical memory)", .reload = true},
     {"fill_threads", CFG_UINT, OFF(fill_threads), 0, 0, 1024, "0",
      "threads copying from the page cache (0 = one per online CPU)"},
     {"job_threads", CFG_UINT, OFF(job_threads), 0, 1, 256, "4",
@@ -67,24 +74,28 @@ static const struct cfg_key keys[] = {
     {"staging_slot_bytes", CFG_BYTES, OFF(staging_slot_bytes), 0, 1 * MiB, 4 * GiB, "64MiB",
      "bytes per staging slot"},
     {"frame_timeout_ms", CFG_UINT, OFF(frame_timeout_ms), 0, 100, 3600000, "10000",
-     "a request frame must arrive whole within this time"},
+     "a request frame must arrive whole within this time", .reload = true},
     {"max_connections", CFG_UINT, OFF(max_connections), 0, 1, 1000000, "1024",
-     "connections served at once; more are refused"},
+     "connections served at once; more are refused", .reload = true},
     {"max_queued_output", CFG_BYTES, OFF(max_queued_output), 0, 1 * MiB, 16 * GiB, "64MiB",
      "reply bytes queued for a client that does not read; past half of it the client's requests are not "
-     "read, and a reply that would pass it is answered LIMIT"},
+     "read, and a reply that would pass it is answered LIMIT", .reload = true},
     {"max_queued_fds", CFG_UINT, OFF(max_queued_fds), 0, 1, 65536, "64",
-     "file descriptors queued in one connection's unread replies; an attach past it is answered LIMIT"},
+     "file descriptors queued in one connection's unread replies; an attach past it is answered LIMIT", .reload = true},
     {"max_request_bytes", CFG_BYTES, OFF(max_request_bytes), 0, 4096, 16 * MiB, "4MiB",
-     "the largest request frame; a longer one is refused from its length prefix, before it is read"},
+     "the largest request frame; a longer one is refused from its length prefix, before it is read", .reload = true},
     {"request_memory", CFG_BYTES, OFF(request_memory), 0, 16 * MiB, 64 * GiB, "512MiB",
      "memory for requests read and not finished, all connections together (estimated as 32 bytes per "
-     "request byte); a request past it is answered LIMIT unread, and one connection may use a quarter"},
+     "request byte); a request past it is answered LIMIT unread, and one connection may use a quarter", .reload = true},
     {"idle_timeout_ms", CFG_UINT, OFF(idle_timeout_ms), 0, 0, 86400000, "300000",
-     "a connection that holds no lease and has nothing in progress is closed after this long (0: never)"},
+     "a connection that holds no lease and has nothing in progress is closed after this long (0: never)", .reload = true},
     {"reserved_connections", CFG_UINT, OFF(reserved_connections), 0, 0, 1000, "16",
-     "connections beyond max_connections that only root and the daemon's uid may use"},
-    {"log_level", CFG_ENUM, OFF(log_level), 0, 0, 0, "info", "error | warn | info | debug", log_level_names},
+     "connections beyond max_connections that only root and the daemon's uid may use", .reload = true},
+    {"log_level", CFG_ENUM, OFF(log_level), 0, 0, 0, "info", "error | warn | info | debug", log_level_names,
+     .reload = true},
+    {"log_file", CFG_STRING, OFF(log_file), 0, 0, 0, "",
+     "append the log to this file (reopened at SIGHUP, for rotation) instead of syslog when detached; "
+     "under journald the journal wins", .reload = true},
     {"load_method", CFG_ENUM, OFF(load_method), 0, 0, 0, "auto",
      "auto | staged: staged sends every load through the pinned staging slots, also on the host "
      "backend and for pinned checkpoints (for tests and comparisons)",
@@ -301,10 +312,91 @@ const char *config_enum_name(const struct wd_config *cfg, const char *key) {
   return "?";
 }
 
+bool config_key_reloadable(const char *key) {
+  const struct cfg_key *k = find_key(key);
+  return k != NULL && k->reload;
+}
+
+/* True when key k holds the same value in a and b. */
+static bool same_value(const struct cfg_key *k, const struct wd_config *a, const struct wd_config *b) {
+  const char *pa = (const char *)a + k->offset, *pb = (const char *)b + k->offset;
+  switch (k->type) {
+  case CFG_STRING: return strcmp(*(char *const *)pa, *(char *const *)pb) == 0;
+  case CFG_UINT:
+  case CFG_BYTES:
+  case CFG_MODE: return *(const uint64_t *)pa == *(const uint64_t *)pb;
+  case CFG_ENUM: return *(const int *)pa == *(const int *)pb;
+  case CFG_PATH_LIST:
+  case CFG_ID_LIST: {
+    size_t na = *(const size_t *)((const char *)a + k->count_off), nb = *(const size_t *)((const char *)b + k->count_off);
+    if (na != nb) return false;
+    for (size_t i = 0; i < na; i++) {
+      bool eq = k->type == CFG_PATH_LIST ? strcmp((*(char *const *const *)pa)[i], (*(char *const *const *)pb)[i]) == 0
+                                         : (*(const uint64_t *const *)pa)[i] == (*(const uint64_t *const *)pb)[i];
+      if (!eq) return false;
+    }
+    return true;
+  }
+  }
+  return false;
+}
+
+void config_compare(const struct wd_config *a, const struct wd_config *b,
+                    void (*changed)(void *arg, const char *key, bool reloadable), void *arg) {
+  for (size_t i = 0; i < NKEYS; i++)
+    if (!same_value(&keys[i], a, b)) changed(arg, keys[i].name, keys[i].reload);
+}
+
+int config_copy_key(struct wd_config *dst, const struct wd_config *src, const char *key, struct wd_error *err) {
+  const struct cfg_key *k = find_key(key);
+  if (k == NULL) return err_set(err, WEIGHTD_E_INVALID, "config: unknown key '%s'", key);
+  char *d = (char *)dst + k->offset;
+  const char *s = (const char *)src + k->offset;
+  switch (k->type) {
+  case CFG_STRING: {
+    char *dup = strdup(*(char *const *)s);
+    if (dup == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    free(*(char **)d);
+    *(char **)d = dup;
+    return 0;
+  }
+  case CFG_UINT:
+  case CFG_BYTES:
+  case CFG_MODE: *(uint64_t *)d = *(const uint64_t *)s; return 0;
+  case CFG_ENUM: *(int *)d = *(const int *)s; return 0;
+  case CFG_PATH_LIST:
+  case CFG_ID_LIST: {
+    size_t n = *(const size_t *)((const char *)src + k->count_off);
+    size_t *dn = (size_t *)((char *)dst + k->count_off);
+    if (k->type == CFG_PATH_LIST) {
+      char **items = *(char ***)d;
+      for (size_t i = 0; i < *dn; i++) free(items[i]);
+    }
+    free(*(void **)d);
+    *(void **)d = NULL;
+    *dn = 0;
+    for (size_t i = 0; i < n; i++) {
+      int rc;
+      if (k->type == CFG_PATH_LIST) {
+        rc = set_text(dst, k, (*(char *const *const *)s)[i], err);
+      } else {
+        char buf[24];
+        snprintf(buf, sizeof buf, "%" PRIu64, (*(const uint64_t *const *)s)[i]);
+        rc = set_text(dst, k, buf, err);
+      }
+      if (rc != 0) return rc;
+    }
+    return 0;
+  }
+  }
+  return err_set(err, WEIGHTD_E_INTERNAL, "config: bad key type");
+}
+
 void config_print_help(FILE *f) {
   fprintf(f, "configuration keys (JSON object; sizes accept \"64MiB\", \"2GiB\"):\n");
   for (size_t i = 0; i < NKEYS; i++)
-    fprintf(f, "  %-22s default %-10s %s\n", keys[i].name, keys[i].def ? keys[i].def : "[]", keys[i].help);
+    fprintf(f, "  %-22s default %-10s %s%s\n", keys[i].name, keys[i].def ? keys[i].def : "[]", keys[i].help,
+            keys[i].reload ? " [reloadable]" : "");
 }
 
 void config_free(struct wd_config *cfg) {

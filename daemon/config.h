@@ -5,6 +5,7 @@
 #ifndef WD_CONFIG_H
 #define WD_CONFIG_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <sys/types.h>
@@ -18,6 +19,7 @@ enum cfg_load_method { CFG_LOAD_AUTO, CFG_LOAD_STAGED };
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
+  char *socket_fd_name; /* socket activation: the passed socket's name */
   char *socket_group;   /* group of the socket file */
   uint64_t socket_mode; /* permission bits of the socket file */
   char **model_roots;   /* as configured; resolved at start */
@@ -43,6 +45,7 @@ struct wd_config {
   uint64_t idle_timeout_ms;   /* a connection with no lease and nothing in progress is closed after this */
   uint64_t reserved_connections; /* beyond max_connections, for root and the daemon's uid */
   enum log_level log_level;
+  char *log_file; /* "" = none */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
 };
 
@@ -60,6 +63,16 @@ int config_add_model_root(struct wd_config *cfg, const char *dir, struct wd_erro
 
 /* The text of an enumerated key's current value ("cuda", "info"), for logs and status. */
 const char *config_enum_name(const struct wd_config *cfg, const char *key);
+
+/* True when a running daemon applies a new value of key at reload (SIGHUP). */
+bool config_key_reloadable(const char *key);
+
+/* Calls changed() for every key whose value differs between a and b, in table order. */
+void config_compare(const struct wd_config *a, const struct wd_config *b,
+                    void (*changed)(void *arg, const char *key, bool reloadable), void *arg);
+
+/* Copies key's value from src into dst (strings and lists deep). */
+int config_copy_key(struct wd_config *dst, const struct wd_config *src, const char *key, struct wd_error *err);
 
 /* Writes every key with its help and default as a commented example. */
 void config_print_help(FILE *f);

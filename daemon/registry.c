@@ -103,7 +103,69 @@ int reg_create(const struct reg_params *p, struct registry **out, struct wd_erro
   return 0;
 }
 
-void reg_pin_budget_set(struct registry *r, uint64_t budget) { r->pin_budget = budget; }
+/* Unregisters checkpoints a shrunk pin budget no longer holds, on a job. */
+struct unpin_job {
+  struct job job;
+  const struct wd_backend *backend;
+  struct reg_ckpt **v;
+  size_t n;
+};
+
+static void unregister_all(const struct wd_backend *b, struct reg_ckpt *ck);
+
+static void unpin_work(struct job *j) {
+  struct unpin_job *u = (struct unpin_job *)j;
+  for (size_t i = 0; i < u->n; i++) unregister_all(u->backend, u->v[i]);
+}
+
+static void unpin_done(struct job *j) {
+  struct unpin_job *u = (struct unpin_job *)j;
+  for (size_t i = 0; i < u->n; i++) {
+    log_msg(LOG_INFO, "%s: unpinned: host_pin_budget shrank", u->v[i]->path);
+    u->v[i]->unpinning = false;
+    reg_unref(u->v[i]);
+  }
+  free(u->v);
+  free(u);
+}
+
+size_t reg_pin_budget_set(struct registry *r, uint64_t budget) {
+  r->pin_budget = budget;
+  if (r->pinned_bytes <= budget) return 0;
+  struct unpin_job *u = calloc(1, sizeof *u);
+  size_t cap = 0;
+  for (struct reg_ckpt *c = r->ckpts; c != NULL; c = c->next) cap++;
+  if (u == NULL || (u->v = calloc(cap ? cap : 1, sizeof *u->v)) == NULL) {
+    free(u);
+    log_msg(LOG_WARN, "out of memory unpinning checkpoints over host_pin_budget; they stay pinned");
+    return 0;
+  }
+  while (r->pinned_bytes > budget) {
+    struct reg_ckpt *victim = NULL;
+    for (struct reg_ckpt *c = r->ckpts; c != NULL; c = c->next)
+      if (atomic_load(&c->pinned) && !c->unpinning && c->loads == 0 &&
+          (victim == NULL || c->last_used_ms < victim->last_used_ms))
+        victim = c;
+    if (victim == NULL) break; /* the rest are loading: unpinned when a later pin needs the room */
+    atomic_store(&victim->pinned, false); /* new loads of it stage from now on */
+    victim->unpinning = true;
+    r->pinned_bytes -= victim->pinned_bytes;
+    victim->pinned_bytes = 0;
+    reg_ref(victim);
+    u->v[u->n++] = victim;
+  }
+  if (u->n == 0) {
+    free(u->v);
+    free(u);
+    return 0;
+  }
+  size_t n = u->n;
+  u->job.work = unpin_work;
+  u->job.done = unpin_done;
+  u->backend = r->backend;
+  jobs_submit(r->bulk, &u->job);
+  return n;
+}
 uint64_t reg_pin_budget(const struct registry *r) { return r->pin_budget; }
 uint64_t reg_pinned_bytes(const struct registry *r) { return r->pinned_bytes; }
 struct reg_ckpt *reg_first(const struct registry *r) { return r->ckpts; }

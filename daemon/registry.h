@@ -75,7 +75,8 @@ int reg_roots_set(struct registry *r, const char *const *dirs, size_t n, struct 
 size_t reg_roots_count(const struct registry *r);
 const char *reg_root(const struct registry *r, size_t i);
 
-void reg_pin_budget_set(struct registry *r, uint64_t budget);
+/* Changes the pin budget; unpins checkpoints (least recently used, none that is loading) until it holds. Returns how many. */
+size_t reg_pin_budget_set(struct registry *r, uint64_t budget);
 uint64_t reg_pin_budget(const struct registry *r);
 uint64_t reg_pinned_bytes(const struct registry *r);
 

@@ -20,6 +20,8 @@
 #include "clock.h"
 #include "log.h"
 
+struct free_job;
+
 struct residency {
   uv_loop_t *loop;
   const struct wd_backend *backend;
@@ -60,7 +62,28 @@ struct res_set *res_first_set(const struct residency *r) { return r->sets; }
 struct lease *res_first_lease(const struct residency *r) { return r->leases; }
 int res_device_count(const struct residency *r) { return r->ndevices; }
 struct res_device *res_device(struct residency *r, int device) { return &r->devices[device]; }
-void res_device_budget_set(struct residency *r, uint64_t budget) { r->device_budget = budget; }
+static int evict_one(struct res_set *s, struct slab_list *keep, struct wd_error *err);
+static bool evictable(const struct res_set *s, int device);
+static void free_later(struct residency *r, struct free_job *f, struct slab_list *l);
+
+size_t res_device_budget_set(struct residency *r, uint64_t budget) {
+  r->device_budget = budget;
+  struct slab_list keep = {0};
+  size_t n = 0;
+  for (int d = 0; d < r->ndevices; d++) {
+    uint64_t b = res_device_budget(r, d);
+    while (b > 0 && r->devices[d].used > b) {
+      struct res_set *victim = NULL;
+      for (struct res_set *s = r->sets; s != NULL; s = s->next)
+        if (evictable(s, d) && (victim == NULL || s->last_used_ms < victim->last_used_ms)) victim = s;
+      if (victim == NULL) break; /* leased and loading sets stay: the device is over budget until they go */
+      evict_one(victim, &keep, NULL);
+      n++;
+    }
+  }
+  free_later(r, NULL, &keep);
+  return n;
+}
 
 size_t res_set_count(const struct residency *r) {
   size_t n = 0;
@@ -140,6 +163,11 @@ static void free_done(struct job *j) {
 
 /* Frees the slabs of l on a job (f may carry a continuation), or here when no job can be made. */
 static void free_later(struct residency *r, struct free_job *f, struct slab_list *l) {
+  if (f == NULL && l->n == 0) {
+    free(l->v);
+    memset(l, 0, sizeof *l);
+    return;
+  }
   if (f == NULL && (f = calloc(1, sizeof *f)) == NULL) {
     slab_list_free_now(r->backend, l);
     return;

@@ -33,6 +33,7 @@
 #include <grp.h>
 #include <inttypes.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,6 +61,7 @@ struct server {
   int listen_fd;
   uv_poll_t listen_poll;
   bool listening;
+  bool passed;             /* the socket was passed at start: never unlinked */
   int reserve_fd;          /* held to accept-and-refuse when descriptors run out */
   uv_timer_t accept_timer; /* resumes accepting after a pause */
   bool accept_paused;
@@ -748,7 +750,27 @@ static void on_accept(uv_poll_t *p, int status, int events) {
 
 /* ---- the listening socket ---------------------------------------------------------------- */
 
-int server_start(struct daemon *d, struct wd_error *err) {
+/* Serves a socket passed at start; d->socket_path becomes its path. */
+static int adopt(struct daemon *d, struct server *srv, int fd, struct wd_error *err) {
+  struct sockaddr_un a;
+  socklen_t len = sizeof a;
+  if (getsockname(fd, (struct sockaddr *)&a, &len) == 0 && len > offsetof(struct sockaddr_un, sun_path) &&
+      a.sun_path[0] != '\0') {
+    char *p = strndup(a.sun_path, len - offsetof(struct sockaddr_un, sun_path));
+    if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    free(d->socket_path);
+    d->socket_path = p;
+  }
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0)
+    return err_set(err, WEIGHTD_E_IO, "passed socket: %s", strerror(errno));
+  srv->listen_fd = fd;
+  srv->listening = true;
+  srv->passed = true;
+  return 0;
+}
+
+int server_start(struct daemon *d, int passed_fd, struct wd_error *err) {
   const char *path = d->socket_path;
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   if (strlen(path) >= sizeof addr.sun_path) return err_set(err, WEIGHTD_E_INVALID, "socket path too long: %s", path);
@@ -764,6 +786,15 @@ int server_start(struct daemon *d, struct wd_error *err) {
   srv->d = d;
   srv->listen_fd = -1;
   srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (passed_fd >= 0) {
+    int rc = adopt(d, srv, passed_fd, err);
+    if (rc != 0) {
+      if (srv->reserve_fd >= 0) close(srv->reserve_fd);
+      free(srv);
+      return rc;
+    }
+    goto serve;
+  }
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) {
     if (srv->reserve_fd >= 0) close(srv->reserve_fd);
@@ -817,7 +848,8 @@ int server_start(struct daemon *d, struct wd_error *err) {
   }
   srv->listen_fd = fd;
   srv->listening = true;
-  uv_poll_init(d->loop, &srv->listen_poll, fd);
+serve:
+  uv_poll_init(d->loop, &srv->listen_poll, srv->listen_fd);
   srv->listen_poll.data = srv;
   uv_timer_init(d->loop, &srv->accept_timer);
   srv->accept_timer.data = srv;
@@ -839,10 +871,10 @@ void server_stop(struct server *srv) {
     uv_timer_stop(&srv->accept_timer);
     uv_close((uv_handle_t *)&srv->listen_poll, listen_closed);
     uv_close((uv_handle_t *)&srv->accept_timer, listen_closed);
-    close(srv->listen_fd);
+    close(srv->listen_fd); /* a passed socket lives on in its owner; ours was bound here */
     srv->listen_fd = -1;
     srv->listening = false;
-    unlink(srv->d->socket_path);
+    if (!srv->passed) unlink(srv->d->socket_path);
   }
   struct conn *c = srv->conns;
   while (c != NULL) {

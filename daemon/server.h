@@ -12,8 +12,12 @@
 #include "daemon.h"
 #include "error.h"
 
-/* Binds and listens on d->socket_path; d->srv is set. */
-int server_start(struct daemon *d, struct wd_error *err);
+/*
+ * Serves listen_fd, a listening socket passed at start (socket activation),
+ * or, when it is -1, binds and listens on d->socket_path. d->srv is set. A
+ * passed socket is never unlinked: its owner keeps it.
+ */
+int server_start(struct daemon *d, int listen_fd, struct wd_error *err);
 /* Stops accepting, tells every client the daemon stops, closes connections once their replies are out. */
 void server_stop(struct server *s);
 /* Closes whatever connections are left; the loop then runs until their handles are closed. */
