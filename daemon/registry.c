@@ -41,6 +41,7 @@ struct registry {
   uint64_t next_generation;
   atomic_bool stopping; /* read by prefetch chunks on fill threads */
   bool destroyed;
+  size_t nentries; /* entries not yet freed, listed or detached */
   struct reg_ckpt *ckpts;
 };
 
@@ -175,6 +176,11 @@ void reg_stop(struct registry *r) { atomic_store(&r->stopping, true); }
 
 void reg_ref(struct reg_ckpt *ck) { ck->refs++; }
 
+static void registry_free(struct registry *r) {
+  roots_unref(r->roots);
+  free(r);
+}
+
 /* Frees an entry nothing uses. The registry itself goes with its last entry once destroyed. */
 static void entry_free(struct reg_ckpt *ck) {
   struct registry *r = ck->reg;
@@ -193,6 +199,7 @@ static void entry_free(struct reg_ckpt *ck) {
   ckpt_free(ck->ck);
   free(ck->path);
   free(ck);
+  if (--r->nentries == 0 && r->destroyed) registry_free(r);
 }
 
 void reg_unref(struct reg_ckpt *ck) {
@@ -212,8 +219,8 @@ static void detach(struct reg_ckpt *ck) {
 void reg_destroy(struct registry *r) {
   if (r == NULL) return;
   while (r->ckpts != NULL) detach(r->ckpts);
-  roots_unref(r->roots);
-  free(r);
+  if (r->nentries == 0) registry_free(r);
+  else r->destroyed = true; /* the last entry to go frees it */
 }
 
 struct reg_ckpt *reg_find(struct registry *r, const char *resolved) {
@@ -346,6 +353,7 @@ static void start_open(struct acquire *a) {
     return;
   }
   e->reg = r;
+  r->nentries++;
   e->state = REG_OPENING;
   e->generation = ++r->next_generation;
   e->refs = 2; /* the registry's, and the open job's */
