@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 from .errors import by_name
 
@@ -75,27 +75,30 @@ class _CudaBuffer:
 
 
 class Slab:
-    """One attached slab and the way its tensors are made: ``view(dtype, shape, offset, nbytes)``."""
+    """One attached slab as a flat uint8 array (`flat`); `view()` makes each tensor from it."""
 
-    def __init__(self, flat: Any, lib: str, dtype_of: Callable[[str], Any], reinterpret: Callable[..., Any]):
+    lib = ""
+
+    def __init__(self, flat: Any):
         self.flat = flat
-        self.lib = lib  # "numpy" or "torch"
-        self._dtype_of = dtype_of
-        self._reinterpret = reinterpret
         self._dtypes: dict[str, Any] = {}
 
-    def view(self, name: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
-        """The tensor at [offset, offset + nbytes) as `dtype` and `shape` (a view, never a copy)."""
+    def dtype(self, name: str, dtype: str) -> Any:
+        """The array dtype for a safetensors dtype (False: sub-byte, raw bytes), cached."""
         dt = self._dtypes.get(dtype)
         if dt is None:
             dt = self._dtypes[dtype] = self._dtype_of(dtype)
-        raw = self.flat[offset:offset + nbytes]
-        if dt is False:  # sub-byte: the bytes as they are
-            return raw
         if dt is None:
             raise by_name["UNSUPPORTED"](f"tensor '{name}': dtype {dtype} has no {self.lib} type here; "
                                          "AttachedSet.info() gives its address and size")
-        return self._reinterpret(raw, dt, shape)
+        return dt
+
+    def _dtype_of(self, dtype: str) -> Any:
+        raise NotImplementedError
+
+    def view(self, name: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
+        """The tensor at [offset, offset + nbytes) as `dtype` and `shape` (a view, never a copy)."""
+        raise NotImplementedError
 
 
 # ---- numpy --------------------------------------------------------------------
@@ -116,7 +119,23 @@ def numpy_dtype(dtype: str) -> Any:
     return np.dtype(raw)
 
 
-def host_numpy(base: int, nbytes: int, keeper: object) -> Slab:
+class NumpySlab(Slab):
+    lib = "numpy"
+
+    def _dtype_of(self, dtype: str) -> Any:
+        return numpy_dtype(dtype)
+
+    def view(self, name: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
+        import numpy as np
+
+        dt = self.dtype(name, dtype)
+        if dt is False:
+            return self.flat[offset:offset + nbytes]
+        # One constructor: the array's base is the slab, which holds the keeper.
+        return np.ndarray(shape, dtype=dt, buffer=self.flat, offset=offset)
+
+
+def host_numpy(base: int, nbytes: int, keeper: object) -> NumpySlab:
     """A host slab as a read-only numpy uint8 array whose views are the tensors."""
     import numpy as np
 
@@ -125,7 +144,7 @@ def host_numpy(base: int, nbytes: int, keeper: object) -> Slab:
         flat.flags.writeable = False
     else:
         flat = np.asarray(_HostBuffer(base, nbytes, keeper))
-    return Slab(flat, "numpy", numpy_dtype, lambda raw, dt, shape: raw.view(dt).reshape(shape))
+    return NumpySlab(flat)
 
 
 # ---- torch --------------------------------------------------------------------
@@ -141,11 +160,36 @@ def torch_dtype(dtype: str) -> Any:
     return getattr(torch, row[2], None)
 
 
-def _torch_view(raw: Any, dt: Any, shape: tuple[int, ...]) -> Any:
-    return raw.view(dt).view(shape)
+class TorchSlab(Slab):
+    """Tensors are as_strided views of one typed view of the slab per dtype (one op per tensor)."""
+
+    lib = "torch"
+
+    def _dtype_of(self, dtype: str) -> Any:
+        dt = torch_dtype(dtype)
+        if not dt:
+            return dt
+        size = self.flat.new_empty((), dtype=dt, device="meta").element_size()
+        n = self.flat.numel()
+        return dt, size, self.flat.narrow(0, 0, n - n % size).view(dt)
+
+    def view(self, name: str, dtype: str, shape: tuple[int, ...], offset: int, nbytes: int) -> Any:
+        dt = self.dtype(name, dtype)
+        if dt is False:
+            return self.flat.narrow(0, offset, nbytes)
+        _, size, typed = dt
+        strides = []
+        step = 1
+        for d in reversed(shape):
+            strides.append(step)
+            step *= d
+        if offset % size:
+            raise by_name["PROTOCOL"](f"tensor '{name}' lies at offset {offset}, not a multiple of its "
+                                      f"{size}-byte elements")
+        return typed.as_strided(shape, strides[::-1], offset // size)
 
 
-def host_torch(base: int, nbytes: int, keeper: object) -> Slab:
+def host_torch(base: int, nbytes: int, keeper: object) -> TorchSlab:
     """A host slab as a CPU torch tensor over the same memory (through numpy)."""
     import torch
 
@@ -154,10 +198,10 @@ def host_torch(base: int, nbytes: int, keeper: object) -> Slab:
         # The array is read-only, as the memory is; torch has no read-only tensors.
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.from_numpy(arr)
-    return Slab(flat, "torch", torch_dtype, _torch_view)
+    return TorchSlab(flat)
 
 
-def cuda_torch(base: int, nbytes: int, keeper: object, index: int) -> Slab:
+def cuda_torch(base: int, nbytes: int, keeper: object, index: int) -> TorchSlab:
     """A CUDA slab as a torch uint8 tensor on device `index` (this process's numbering)."""
     import torch
 
@@ -168,4 +212,4 @@ def cuda_torch(base: int, nbytes: int, keeper: object, index: int) -> Slab:
         if flat.device.index != index:
             raise by_name["DEVICE"](f"torch placed the set's memory on cuda:{flat.device.index}, "
                                     f"the daemon's device is cuda:{index} here")
-    return Slab(flat, "torch", torch_dtype, _torch_view)
+    return TorchSlab(flat)

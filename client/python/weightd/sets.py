@@ -9,7 +9,6 @@ So no Python code can touch memory the daemon may have freed.
 """
 from __future__ import annotations
 
-import ctypes
 import weakref
 from collections.abc import Mapping
 from typing import Any, Iterator, NamedTuple
@@ -129,16 +128,18 @@ class AttachedSet(Mapping):
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
+    def _entries(self) -> Iterator[Tensor]:
+        """The table's entries in slab order (one struct, refilled: read it before the next)."""
+        ptr = self._live()
+        t = Tensor()
+        for i in range(self._count):
+            lib.weightd_set_tensor(ptr, i, t)
+            yield t
+
     def names(self) -> list[str]:
         """Every tensor's name, in slab order (read from the table once)."""
         if self._names is None:
-            ptr = self._live()
-            t = Tensor()
-            out = []
-            for i in range(self._count):
-                lib.weightd_set_tensor(ptr, i, t)
-                out.append(t.name.decode())
-            self._names = out
+            self._names = [t.name.decode() for t in self._entries()]
         return list(self._names)
 
     def info(self, name: str) -> TensorInfo:
@@ -150,13 +151,7 @@ class AttachedSet(Mapping):
 
     def infos(self) -> list[TensorInfo]:
         """Every table entry, in slab order."""
-        ptr = self._live()
-        t = Tensor()
-        out = []
-        for i in range(self._count):
-            lib.weightd_set_tensor(ptr, i, t)
-            out.append(_info(t))
-        return out
+        return [_info(t) for t in self._entries()]
 
     def _make_slab(self) -> _wrap.Slab:
         keeper = self._keeper

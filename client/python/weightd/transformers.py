@@ -126,10 +126,11 @@ def _assign(model: Any, s: Any, copy: bool, device: Any) -> None:
             full = f"{mname}.{pname}" if mname else pname
             if tied is not None and module is tied[0] and pname == "weight":
                 continue  # tied below
-            if full not in s:
+            try:
+                t = s[full]
+            except KeyError:
                 missing.append(full)
                 continue
-            t = s[full]
             used.add(full)
             if tuple(t.shape) != tuple(param.shape):
                 wrong.append(f"{full}: the set has {tuple(t.shape)}, the model wants {tuple(param.shape)}")
