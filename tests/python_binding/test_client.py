@@ -86,7 +86,7 @@ def test_progress_callback_and_tqdm(client, ckpt_for_slow_load, capsys):
     pytest.importorskip("tqdm")
     client.load(ckpt_for_slow_load, progress=True)
     err = capsys.readouterr().err
-    assert "weightd load" in err and "B/s" in err or "MB" in err or "iB" in err
+    assert "weightd load" in err and "B/s" in err, err
 
 
 def test_cancel_from_another_thread(start_daemon, ckpt_for_slow_load):
