@@ -208,7 +208,8 @@ def cuda_torch(base: int, nbytes: int, keeper: object, index: int) -> TorchSlab:
     if nbytes == 0:
         flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
     else:
-        flat = torch.as_tensor(_CudaBuffer(base, nbytes, keeper))
+        with torch.cuda.device(index):  # where torch takes the device from the current one, it is right too
+            flat = torch.as_tensor(_CudaBuffer(base, nbytes, keeper))
         if flat.device.index != index:
             raise by_name["DEVICE"](f"torch placed the set's memory on cuda:{flat.device.index}, "
                                     f"the daemon's device is cuda:{index} here")

@@ -62,9 +62,10 @@ class _Call:
     cancels the load in the daemon (weightd.h, weightd_set_timeout).
     """
 
-    def __init__(self, conn: _Conn, fn: Optional[ProgressFn]):
+    def __init__(self, conn: _Conn, fn: Optional[ProgressFn], load: bool):
         self.conn = conn
         self.fn = fn
+        self.load = load  # Client.cancel() applies to loads only
         self.exc: Optional[BaseException] = None
         self.cfn = PROGRESS_FN(self._event)
 
@@ -79,7 +80,7 @@ class _Call:
 
     def __enter__(self) -> "_Call":
         self.conn.cancel_requested = False
-        self.conn.in_load = True
+        self.conn.in_load = self.load
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -213,7 +214,7 @@ class Client:
                               ep_rank=ep_rank, experts=experts, fuse=fuse)
         dev = self.device_arg(device)
         conn = self._c
-        call = _Call(conn, resolve(progress, f"weightd load {os.fspath(path)}"))
+        call = _Call(conn, resolve(progress, f"weightd load {os.fspath(path)}"), load=True)
         opts = LoadOptions(ctypes.sizeof(LoadOptions), dev.encode() if dev is not None else None,
                            json.dumps(spec).encode() if spec is not None else None, call.cfn, None)
         out = ctypes.create_string_buffer(_SET_ID_LEN)
@@ -306,7 +307,7 @@ class Client:
         text = json.dumps(req).encode()
         reply = ctypes.c_void_p()
         conn = self._c
-        call = _Call(conn, resolve(progress, f"weightd {req.get('op', 'request')}"))
+        call = _Call(conn, resolve(progress, f"weightd {req.get('op', 'request')}"), load=req.get("op") == "load")
         with conn.call() as c, call:
             rc = lib.weightd_request(c, text, ctypes.byref(reply), call.cfn, None)
             try:
