@@ -188,3 +188,30 @@ def test_qwen3_4b_layout_through_load_model(client, work):
     gc.collect()
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda:0").eval()
     assert torch.equal(bits(logits_of(ref, "cuda:0")), bits(got))
+
+
+REMAPPED = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[3])
+import weightd
+with weightd.Client(sys.argv[1]) as c, c.attach(sys.argv[2], device=0) as s:
+    t = s["bf16"]
+    print(json.dumps({"uuid": s.device, "mine": weightd._cuda.uuid_of(0), "device": str(t.device),
+                      "sum": float(t.float().nan_to_num().sum())}))
+"""
+
+
+def test_device_numbering_follows_cuda_visible_devices(daemon, work):
+    """With the GPUs reordered for the caller, device=0 is the caller's first GPU, named by UUID."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    order = ",".join(str(i) for i in reversed(range(torch.cuda.device_count())))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=order)
+    d = os.path.join(work, "models", "dtypes")
+    r = subprocess.run([sys.executable, "-c", REMAPPED, daemon.socket, d, os.path.join(wdgpu.REPO, "client", "python")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.splitlines()[-1])
+    last = torch.cuda.device_count() - 1
+    assert out["uuid"] == out["mine"] == weightd._cuda.uuid_of(last)  # our last GPU is its first
+    assert out["device"] == "cuda:0"
