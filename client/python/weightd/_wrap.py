@@ -208,9 +208,12 @@ def cuda_torch(base: int, nbytes: int, keeper: object, index: int) -> TorchSlab:
     if nbytes == 0:
         flat = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index))
     else:
-        with torch.cuda.device(index):  # where torch takes the device from the current one, it is right too
-            flat = torch.as_tensor(_CudaBuffer(base, nbytes, keeper))
-        if flat.device.index != index:
-            raise by_name["DEVICE"](f"torch placed the set's memory on cuda:{flat.device.index}, "
-                                    f"the daemon's device is cuda:{index} here")
+        device = torch.device("cuda", index)
+        # The device is named, so that a default device set with torch.set_default_device cannot move it.
+        with torch.cuda.device(index):
+            flat = torch.as_tensor(_CudaBuffer(base, nbytes, keeper), device=device)
+        if flat.device != device or flat.data_ptr() != base:
+            raise by_name["DEVICE"](f"torch did not wrap the set's memory in place on {device} "
+                                    f"(it made a tensor on {flat.device} at {flat.data_ptr():#x}, the set is at "
+                                    f"{base:#x}): the memory is mapped in another device's context")
     return TorchSlab(flat)

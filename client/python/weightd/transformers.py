@@ -41,7 +41,9 @@ def empty_parameters() -> Iterator[None]:
     initialisation runs on it (initialising a meta tensor does nothing), so
     the only memory a parameter ever had is its constructor's uninitialised
     ``torch.empty``, freed at once. Buffers (rotary tables) are computed as
-    the constructors compute them.
+    the constructors compute them. It patches
+    ``torch.nn.Module.register_parameter`` while it lasts (as accelerate's
+    ``init_empty_weights`` does): build nothing in other threads meanwhile.
     """
     import torch
 
