@@ -34,15 +34,17 @@ log = logging.getLogger("weightd")
 _conns: "weakref.WeakSet[_Conn]" = weakref.WeakSet()
 
 
-def _release_now(ptr: int) -> Error | None:
-    rc = lib.weightd_release(ptr)
-    return error_from_code(rc, "releasing a set failed") if rc != 0 else None
+def _release_now(set_ptr: int, client_ptr: int) -> Error | None:
+    rc = lib.weightd_release(set_ptr)
+    if rc == 0:
+        return None
+    return error_from_code(rc, "releasing a set: " + lib.weightd_last_error(client_ptr).decode(errors="replace"))
 
 
 def _close_handle(ptr: int, pending: list[int]) -> None:
     """Finalizer of a _Conn: release what is still queued, then close the handle."""
     while pending:
-        _release_now(pending.pop())
+        _release_now(pending.pop(), ptr)
     lib.weightd_close(ptr)
 
 
@@ -78,18 +80,24 @@ class _Conn:
     def call(self) -> Iterator[int]:
         """Holds the lock for one C call; yields the handle pointer."""
         self.check_usable()
+        with self._held("a weightd.Client call was made from inside another call on the same client "
+                        "(a progress callback cannot call its client)"):
+            yield self.ptr
+
+    @contextmanager
+    def _held(self, reentered: str) -> Iterator[None]:
+        """The lock, owned by this thread; the queued releases are done when it is let go."""
         me = threading.get_ident()
         if self.owner == me:
-            raise by_name["INVALID"]("a weightd.Client call was made from inside another call on the same "
-                                     "client (a progress callback cannot call its client)")
+            raise by_name["INVALID"](reentered)
         with self.lock:
             self.owner = me
             try:
-                yield self.ptr
+                yield
             finally:
                 self.owner = None
                 self._drain_locked()
-        self.drain()
+        self.drain()  # what a finalizer queued after the last look
 
     def error(self, rc: int) -> Error:
         """The exception for rc with the handle's detail; call it while still holding the lock."""
@@ -126,7 +134,7 @@ class _Conn:
         failed = {}
         while self.pending:
             p = self.pending.pop()
-            err = _release_now(p)
+            err = _release_now(p, self.ptr)
             if err is not None:
                 log.warning("weightd: %s", err)
                 failed[p] = err
@@ -136,11 +144,8 @@ class _Conn:
 
     def close(self) -> None:
         """No more calls; the handle closes now, or once no set's memory is reachable."""
-        if self.owner == threading.get_ident():
-            raise by_name["INVALID"]("a weightd.Client cannot be closed from inside one of its calls")
-        with self.lock:
+        with self._held("a weightd.Client cannot be closed from inside one of its calls"):
             self.closing = True
-            self._drain_locked()
 
 
 def _after_fork_in_child() -> None:

@@ -90,7 +90,7 @@ class AttachedSet(Mapping):
 
     @property
     def lease_held(self) -> bool:
-        """True while this process holds the set's lease (until the last array is gone)."""
+        """True until the last array is gone (the release itself may then wait for a running call)."""
         return self._finalizer.alive
 
     def _live(self) -> int:
