@@ -140,7 +140,10 @@ const char *weightd_backend(const weightd_client *c);
  * each progress event starts the wait again. 0 or less waits forever (the
  * default). A call that times out returns WEIGHTD_E_TIMEOUT and the handle
  * stays usable: the late reply is recognised by its id and dropped (a lease
- * it grants is released, a timed-out load is canceled).
+ * it grants is released, a timed-out load is canceled). It may be called
+ * from a progress callback, on the thread of the running call: the new value
+ * applies to that call's next wait, so a short one stops a load (the Python
+ * binding's cancel works this way).
  */
 void weightd_set_timeout(weightd_client *c, int timeout_ms);
 
