@@ -91,6 +91,11 @@ static const struct cfg_key keys[] = {
      "a connection that holds no lease and has nothing in progress is closed after this long (0: never)", .reload = true},
     {"reserved_connections", CFG_UINT, OFF(reserved_connections), 0, 0, 1000, "16",
      "connections beyond max_connections that only root and the daemon's uid may use", .reload = true},
+    {"metrics_address", CFG_STRING, OFF(metrics_address), 0, 0, 0, "127.0.0.1:9477",
+     "HOST:PORT serving GET /metrics (Prometheus), /healthz and /readyz; [v6]:PORT for IPv6; \"\" turns "
+     "them off", .reload = true},
+    {"metrics_connections", CFG_UINT, OFF(metrics_connections), 0, 1, 4096, "64",
+     "HTTP connections served at once (32 at most from one address)", .reload = true},
     {"log_level", CFG_ENUM, OFF(log_level), 0, 0, 0, "info", "error | warn | info | debug", log_level_names,
      .reload = true},
     {"log_file", CFG_STRING, OFF(log_file), 0, 0, 0, "",

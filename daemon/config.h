@@ -46,6 +46,8 @@ struct wd_config {
   uint64_t reserved_connections; /* beyond max_connections, for root and the daemon's uid */
   enum log_level log_level;
   char *log_file; /* "" = none */
+  char *metrics_address;        /* HOST:PORT of /metrics, /healthz, /readyz; "" = off */
+  uint64_t metrics_connections; /* HTTP connections served at once */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
 };
 

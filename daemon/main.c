@@ -22,11 +22,13 @@
 #include "clock.h"
 #include "daemon.h"
 #include "fault.h"
+#include "http.h"
 #include "log.h"
 #include "reload.h"
 #include "server.h"
 #include "service.h"
 #include "startup.h"
+#include "telemetry.h"
 
 /* How often the STATUS= line is refreshed (only sent when it changed). */
 #define STATUS_INTERVAL_MS 2000
@@ -143,14 +145,30 @@ static void on_watchdog(uv_timer_t *t) {
 
 /* ---- reload --------------------------------------------------------------------------- */
 
+/* Serves the metrics endpoints the configuration asks for; a port in use is logged, not fatal. */
+static void start_http(struct daemon *d) {
+  struct wd_error err = {0};
+  if (http_start(d, d->cfg.metrics_address, (unsigned)d->cfg.metrics_connections, &d->http, &err) != 0)
+    log_msg(LOG_ERROR, "%s: metrics and probes are off (the socket is served)", err.msg);
+}
+
 static void reload(struct daemon *d) {
   service_notifyf("RELOADING=1\nMONOTONIC_USEC=%" PRIu64, clock_ns() / 1000);
   struct wd_config next;
   struct wd_error err = {0};
+  char *old_address = strdup(d->cfg.metrics_address);
+  uint64_t old_connections = d->cfg.metrics_connections;
   int rc = read_config(&next, &err);
   if (rc == 0) rc = reload_apply(d, &next, &err);
   if (rc != 0) log_msg(LOG_WARN, "reload failed, the running configuration is kept: %s", err.msg);
   config_free(&next);
+  if (old_address == NULL || strcmp(old_address, d->cfg.metrics_address) != 0 ||
+      old_connections != d->cfg.metrics_connections) {
+    http_stop(d->http);
+    d->http = NULL;
+    start_http(d);
+  }
+  free(old_address);
   int lrc = log_open(foreground, d->cfg.log_file);
   if (lrc != 0) log_msg(LOG_WARN, "log_file %s: %s; logging stays where it was", d->cfg.log_file, strerror(-lrc));
   last_status[0] = '\0';
@@ -185,6 +203,9 @@ static void on_stop_tick(uv_timer_t *t) {
   d->job_pool = NULL;
   jobs_stop(d->control_pool);
   d->control_pool = NULL;
+  struct telemetry *tel = d->tel;
+  d->tel = NULL;
+  telemetry_destroy(tel);
   uv_close((uv_handle_t *)&sigterm_handle, handle_closed);
   uv_close((uv_handle_t *)&sigint_handle, handle_closed);
   uv_close((uv_handle_t *)&sighup_handle, handle_closed);
@@ -198,6 +219,8 @@ static void request_stop(struct daemon *d) {
   service_notifyf("STOPPING=1\nSTATUS=stopping: canceling loads, closing connections");
   log_msg(LOG_INFO, "stopping: canceling loads and prefetches, closing connections");
   uv_timer_stop(&status_timer);
+  http_stop(d->http);
+  d->http = NULL;
   reg_stop(d->reg);
   res_cancel_all(d->res);
   server_stop(d->srv);
@@ -324,9 +347,12 @@ int main(int argc, char **argv) {
   d->loop = uv_default_loop();
   int listen_fd = passed_socket(d);
   service_fds_close_unclaimed();
-  if (startup_backend(d, &err) != 0 || startup_state(d, &err) != 0 || server_start(d, listen_fd, &err) != 0)
+  if (startup_backend(d, &err) != 0 || startup_state(d, &err) != 0 || telemetry_create(d, &d->tel, &err) != 0 ||
+      server_start(d, listen_fd, &err) != 0)
     goto fail;
   start_handles(d);
+  start_http(d);
+  telemetry_refresh(d);
   d->started_ms = clock_ms();
   log_msg(LOG_INFO, "weightd %s: %s backend, %d device(s), %u fill threads, %s %s, logging to %s",
           weightd_version_string(), d->backend_name, d->ndevices, fill_threads(d->fill),
@@ -355,6 +381,8 @@ fail:
   if (d->job_pool != NULL) jobs_stop(d->job_pool);
   if (d->control_pool != NULL) jobs_stop(d->control_pool);
   d->job_pool = d->control_pool = NULL;
+  telemetry_destroy(d->tel);
+  d->tel = NULL;
   if (d->loop != NULL) {
     uv_run(d->loop, UV_RUN_DEFAULT); /* lets the pools' and the server's handles close */
     uv_loop_close(d->loop);

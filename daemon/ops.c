@@ -13,6 +13,7 @@
 #include "jsonutil.h"
 #include "log.h"
 #include "ops_common.h"
+#include "telemetry.h"
 
 /* ---- small handlers ----------------------------------------------------------------------- */
 
@@ -100,13 +101,22 @@ static void op_shutdown(struct request *r) {
   d->request_stop(d);
 }
 
+static void op_health(struct request *r) {
+  char why[300];
+  bool ready = telemetry_ready(req_daemon(r), why, sizeof why);
+  cJSON *rep = msg_reply_ok(r->id);
+  cJSON_AddBoolToObject(rep, "ready", ready);
+  if (!ready) msg_add_string(rep, "reason", why);
+  req_reply(r, rep, NULL, 0);
+}
+
 /* ---- the table -------------------------------------------------------------------------- */
 
 static void (*const handlers[MSG_OP_COUNT])(struct request *r) = {
     [MSG_OP_HELLO] = op_hello,       [MSG_OP_OPEN] = op_open,       [MSG_OP_CLOSE] = op_close,
     [MSG_OP_PREFETCH] = op_prefetch, [MSG_OP_LOAD] = op_load,       [MSG_OP_CANCEL] = op_cancel,
     [MSG_OP_ATTACH] = op_attach,     [MSG_OP_RELEASE] = op_release, [MSG_OP_EVICT] = op_evict,
-    [MSG_OP_STATUS] = op_status,     [MSG_OP_SHUTDOWN] = op_shutdown,
+    [MSG_OP_STATUS] = op_status,     [MSG_OP_SHUTDOWN] = op_shutdown, [MSG_OP_HEALTH] = op_health,
 };
 
 void ops_dispatch(struct request *r) {

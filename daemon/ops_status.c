@@ -12,6 +12,7 @@
 #include "clock.h"
 #include "jsonutil.h"
 #include "ops_common.h"
+#include "telemetry.h"
 
 /* ---- views ------------------------------------------------------------------------------- */
 
@@ -104,6 +105,7 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
   uint64_t nleases = 0;
   for (struct lease *l = res_first_lease(d->res); l != NULL; l = l->next) nleases++;
   json_u64_add(o, "leases", nleases);
+  cJSON_AddItemToObject(r, "metrics", telemetry_json(d));
 }
 
 static void info_done(struct job *j) {

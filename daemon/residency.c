@@ -33,7 +33,44 @@ struct residency {
   uint64_t next_id;
   struct res_set *sets;
   struct lease *leases;
+  struct res_stats stats;
 };
+
+const char *res_method_name(enum res_method m) {
+  static const char *const names[] = {"memcpy", "staged", "direct"};
+  return m < RES_METHOD_COUNT ? names[m] : "?";
+}
+
+const char *res_result_name(enum res_result r) {
+  static const char *const names[] = {"ok", "failed", "canceled"};
+  return r < RES_RESULT_COUNT ? names[r] : "?";
+}
+
+const char *res_evict_reason_name(enum res_evict_reason r) {
+  static const char *const names[] = {"budget", "device_full", "request", "reload"};
+  return r < RES_EVICT_COUNT ? names[r] : "?";
+}
+
+const struct res_stats *res_stats(const struct residency *r) { return &r->stats; }
+
+/* Counts a finished load job (loop thread). */
+static void count_load(struct residency *r, const struct res_set *s, int rc) {
+  enum res_method m = RES_METHOD_MEMCPY;
+  for (int i = 0; i < RES_METHOD_COUNT; i++)
+    if (s->load.method != NULL && strcmp(s->load.method, res_method_name((enum res_method)i)) == 0) m = (enum res_method)i;
+  enum res_result res = rc == 0 ? RES_RESULT_OK : rc == WEIGHTD_E_CANCELED ? RES_RESULT_CANCELED : RES_RESULT_FAILED;
+  struct res_stats *st = &r->stats;
+  st->loads[res][m]++;
+  if (rc != 0) return;
+  st->bytes_loaded += s->plan->payload_bytes;
+  st->last_gib_per_s = s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0;
+  static const double bounds[RES_DURATION_BUCKETS] = RES_DURATION_BOUNDS;
+  int b = 0;
+  while (b < RES_DURATION_BUCKETS && s->seconds > bounds[b]) b++;
+  if (b < RES_DURATION_BUCKETS) st->duration_le[b]++;
+  else st->duration_over++;
+  st->duration_sum += s->seconds;
+}
 
 /* Slabs taken from evicted sets, freed together off the loop. */
 struct slab_list {
@@ -62,7 +99,7 @@ struct res_set *res_first_set(const struct residency *r) { return r->sets; }
 struct lease *res_first_lease(const struct residency *r) { return r->leases; }
 int res_device_count(const struct residency *r) { return r->ndevices; }
 struct res_device *res_device(struct residency *r, int device) { return &r->devices[device]; }
-static int evict_one(struct res_set *s, struct slab_list *keep, struct wd_error *err);
+static int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err);
 static bool evictable(const struct res_set *s, int device);
 static void free_later(struct residency *r, struct free_job *f, struct slab_list *l);
 
@@ -77,7 +114,7 @@ size_t res_device_budget_set(struct residency *r, uint64_t budget) {
       for (struct res_set *s = r->sets; s != NULL; s = s->next)
         if (evictable(s, d) && (victim == NULL || s->last_used_ms < victim->last_used_ms)) victim = s;
       if (victim == NULL) break; /* leased and loading sets stay: the device is over budget until they go */
-      evict_one(victim, &keep, NULL);
+      evict_one(victim, &keep, RES_EVICT_RELOAD, NULL);
       n++;
     }
   }
@@ -208,10 +245,12 @@ static void set_destroy(struct res_set *s, struct slab_list *keep) {
 
 /* ---- eviction -------------------------------------------------------------------- */
 
-static int evict_one(struct res_set *s, struct slab_list *keep, struct wd_error *err) {
+static int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err) {
   if (s->state == SET_LOADING) return err_set(err, WEIGHTD_E_BUSY, "set %s is still loading", s->id);
   if (s->leases > 0) return err_set(err, WEIGHTD_E_BUSY, "set %s has %d lease(s)", s->id, s->leases);
-  log_msg(LOG_INFO, "evicted set %s (%s, %" PRIu64 " bytes)", s->id, s->ck->path, s->plan->slab_bytes);
+  log_msg(LOG_INFO, "evicted set %s (%s, %" PRIu64 " bytes; %s)", s->id, s->ck->path, s->plan->slab_bytes,
+          res_evict_reason_name(why));
+  s->res->stats.evictions[why]++;
   set_destroy(s, keep);
   return 0;
 }
@@ -241,7 +280,7 @@ static bool make_room(struct residency *r, int device, uint64_t need, struct sla
     for (struct res_set *s = r->sets; s != NULL; s = s->next)
       if (evictable(s, device) && (victim == NULL || s->last_used_ms < victim->last_used_ms)) victim = s;
     if (victim == NULL) return false;
-    evict_one(victim, keep, NULL);
+    evict_one(victim, keep, RES_EVICT_BUDGET, NULL);
   }
 }
 
@@ -264,7 +303,7 @@ int res_evict(struct residency *r, const char *set_id, int device, res_evicted_f
     char *id = s != NULL ? strdup(s->id) : NULL;
     int rc = s == NULL    ? err_set(err, WEIGHTD_E_NOT_FOUND, "no resident set '%.64s'", set_id)
              : id == NULL ? err_set(err, WEIGHTD_E_NOMEM, "out of memory")
-                          : evict_one(s, &keep, err);
+                          : evict_one(s, &keep, RES_EVICT_REQUEST, err);
     if (rc != 0) {
       free(id);
       free(f->ids);
@@ -279,7 +318,7 @@ int res_evict(struct residency *r, const char *set_id, int device, res_evicted_f
       if (evictable(s, device)) {
         char *id = strdup(s->id);
         if (id != NULL) f->ids[f->nids++] = id;
-        evict_one(s, &keep, NULL);
+        evict_one(s, &keep, RES_EVICT_REQUEST, NULL);
       }
       s = next;
     }
@@ -374,7 +413,7 @@ static void load_done(struct job *j) {
     while (e != NULL) {
       struct res_set *next = e->next;
       if (evictable(e, s->device)) {
-        evict_one(e, &lj->to_free, NULL);
+        evict_one(e, &lj->to_free, RES_EVICT_DEVICE_FULL, NULL);
         n++;
       }
       e = next;
@@ -388,6 +427,7 @@ static void load_done(struct job *j) {
     }
   }
   reg_load_end(s->ck);
+  count_load(r, s, lj->rc);
   uv_timer_stop(&s->progress_timer);
   struct res_waiter *w = s->waiters;
   s->waiters = NULL;

@@ -240,6 +240,7 @@ static void on_closing_deadline(uv_timer_t *t) { conn_kill(t->data); }
 static void conn_fail(struct conn *c, const cJSON *id, int code, const char *msg) {
   if (!alive(c) || c->closing) return;
   log_msg(LOG_DEBUG, "connection of pid %d: %s", (int)c->pid, msg);
+  daemon_count_error(c->d, code);
   conn_send(c, msg_reply_error(id, code, msg), NULL, 0);
   if (alive(c)) {
     c->closing = true;
@@ -281,7 +282,10 @@ static void req_finish(struct request *r) {
   struct conn *c = r->conn;
   bool freed_memory = r->mem > 0;
   req_unlink(r);
-  if (r->started) c->inflight--;
+  if (r->started) {
+    c->inflight--;
+    c->d->stats.requests_inflight--;
+  }
   req_args_free(r);
   cJSON_Delete(r->id);
   free(r);
@@ -298,6 +302,8 @@ static void req_start(struct request *r) {
   struct conn *c = r->conn;
   r->started = true;
   c->inflight++;
+  c->d->stats.requests++;
+  c->d->stats.requests_inflight++;
   r->next_in_conn = c->requests;
   c->requests = r;
   uv_timer_stop(&c->idle_timer);
@@ -855,6 +861,7 @@ serve:
   srv->accept_timer.data = srv;
   uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
   d->srv = srv;
+  d->stats.listening = true;
   return 0;
 fail:
   close(fd);
@@ -874,6 +881,7 @@ void server_stop(struct server *srv) {
     close(srv->listen_fd); /* a passed socket lives on in its owner; ours was bound here */
     srv->listen_fd = -1;
     srv->listening = false;
+    srv->d->stats.listening = false;
     if (!srv->passed) unlink(srv->d->socket_path);
   }
   struct conn *c = srv->conns;

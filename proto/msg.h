@@ -60,7 +60,8 @@
   XX(RELEASE, "release", 0, "end a lease")                                                          \
   XX(EVICT, "evict", 0, "free an unleased resident set")                                            \
   XX(STATUS, "status", MSG_OPF_WHILE_STOPPING, "report checkpoints, resident sets and leases")      \
-  XX(SHUTDOWN, "shutdown", MSG_OPF_PRIVILEGED, "stop the daemon")
+  XX(SHUTDOWN, "shutdown", MSG_OPF_PRIVILEGED, "stop the daemon")                                   \
+  XX(HEALTH, "health", MSG_OPF_WHILE_STOPPING, "say whether the daemon is ready to serve (as /readyz)")
 
 enum msg_op {
   MSG_OP_UNKNOWN = -1,
