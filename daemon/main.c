@@ -9,9 +9,11 @@
  * DESIGN: everything here runs on the loop thread; signals arrive as libuv
  * signal handles. Under a service manager (NOTIFY_SOCKET set) the daemon never
  * forks and says READY=1 once it listens and its backend is up; detached by
- * hand it forks once and the parent exits when the child listens.
+ * hand it forks once, the parent exits when the child listens, and the child
+ * lets go of the terminal.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -253,6 +255,21 @@ static void detach_from_terminal(void) {
   ready_fd = p[1];
 }
 
+/*
+ * A detached daemon lets go of the terminal it was started from: stdin and
+ * stdout, and stderr unless the journal is behind it, become /dev/null.
+ * Otherwise a caller reading its output (`$(weightd)`, ssh) would wait for
+ * it forever, and a stray write could reach a terminal that is gone.
+ */
+static void release_terminal(void) {
+  int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+  if (null < 0) return;
+  dup2(null, 0);
+  dup2(null, 1);
+  if (strcmp(log_target_name(), "journald") != 0) dup2(null, 2);
+  if (null > 2) close(null);
+}
+
 static void tell_parent(int ok) {
   if (ready_fd < 0) return;
   char c = ok ? 0 : 1;
@@ -358,7 +375,10 @@ int main(int argc, char **argv) {
           weightd_version_string(), d->backend_name, d->ndevices, fill_threads(d->fill),
           listen_fd >= 0 ? "serving the socket passed at start," : "listening on", d->socket_path,
           log_target_name());
-  if (!supervised && foreground) fprintf(stderr, "weightd: listening on %s\n", d->socket_path);
+  /* For a person at a terminal; the journal has the start-up line above, and every line there needs its prefix. */
+  if (!supervised && foreground && strcmp(log_target_name(), "journald") != 0)
+    fprintf(stderr, "weightd: listening on %s\n", d->socket_path);
+  if (ready_fd >= 0) release_terminal();
   tell_parent(1);
   update_status(d);
   service_notifyf("READY=1");
