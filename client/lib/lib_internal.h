@@ -32,15 +32,24 @@ struct weightd_client {
   struct weightd_set *sets; /* sets attached through this handle, a list */
 };
 
-/* A mapped slab, shared by every attach of the same set in this process. */
+/*
+ * A mapped slab, shared by every attach of the same set in this process. Its
+ * identity is the set id plus what names the allocation: the memfd's
+ * st_dev/st_ino (fd), the IPC handle's bytes (cuda_ipc) or the daemon's
+ * allocation id (cuda_vmm).
+ */
 struct lib_mapping {
   struct lib_mapping *next;
   char *set_id;
-  enum weightd_memory_kind kind;
-  dev_t dev; /* host: the memfd's identity */
+  enum wd_handle_kind handle;
+  dev_t dev; /* fd: the memfd's identity */
   ino_t ino;
-  unsigned char ipc[WD_IPC_HANDLE_BYTES]; /* cuda: the handle */
-  struct cuimp_device cudev;             /* cuda: the device it is open on */
+  unsigned char ipc[WD_IPC_HANDLE_BYTES];        /* cuda_ipc: the handle */
+  unsigned char alloc_id[WD_ALLOC_ID_BYTES];     /* cuda_vmm: the allocation's id */
+  int fd;                                        /* cuda_vmm: the descriptor, kept until unmapped; else -1 */
+  struct cuimp_vmm vmm;                          /* cuda_vmm: the mapping */
+  struct cuimp_device cudev;                     /* cuda: the device it is open on */
+  int read_only;                                 /* this process cannot write through base */
   void *base;
   uint64_t bytes;
   int refs;
@@ -52,6 +61,7 @@ struct weightd_set {
   pid_t pid;              /* the process that attached it */
   char *id, *lease, *device;
   enum weightd_memory_kind kind;
+  enum wd_handle_kind handle;
   uint64_t bytes;
   struct lib_mapping *map;
   size_t ntensors;
@@ -119,9 +129,20 @@ int lib_map_cuda(const char *set_id, const char *device_uuid,
                  struct lib_mapping **out, struct wd_error *err);
 
 /*
- * Drops a reference; the last one unmaps (host) or closes the handle (cuda).
- * in_child says the caller is a forked child of the process that mapped it:
- * the CUDA driver is then left alone (its mappings are not inherited).
+ * Imports and maps a VMM allocation received as fd (bytes: the whole
+ * allocation) on the device with that UUID, or takes another reference on
+ * this process's mapping of the same allocation (then fd is closed). The
+ * descriptor is kept while mapped and closed by the last lib_map_put; on
+ * failure it is closed here.
+ */
+int lib_map_vmm(const char *set_id, const char *device_uuid, int fd, uint64_t bytes,
+                const unsigned char alloc_id[WD_ALLOC_ID_BYTES], struct lib_mapping **out, struct wd_error *err);
+
+/*
+ * Drops a reference; the last one unmaps (host, cuda_vmm) or closes the
+ * handle (cuda_ipc). in_child says the caller is a forked child of the process
+ * that mapped it: the CUDA driver is then left alone (its mappings are not
+ * inherited), and only the child's copy of a descriptor is closed.
  */
 int lib_map_put(struct lib_mapping *m, int in_child, struct wd_error *err);
 

@@ -88,17 +88,21 @@ static int map_handle(weightd_client *c, weightd_set *s, const cJSON *reply, str
                     (unsigned long long)hbytes, (unsigned long long)s->bytes);
   struct wd_error e;
   err_clear(&e);
-  if (kind != NULL && strcmp(kind, "fd") == 0) {
-    uint64_t idx;
+  int k = wd_handle_kind_from_name(kind);
+  int fd = -1;
+  uint64_t idx = 0;
+  if (k == WD_HANDLE_FD || k == WD_HANDLE_CUDA_VMM) {
     if ((rc = lib_get_u64(c, h, "fd_index", &idx)) != 0) return rc;
     if (idx >= frame->nfds || frame->fds[idx] < 0)
       return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the reply names fd %llu but carried %zu descriptor%s",
                       (unsigned long long)idx, frame->nfds, frame->nfds == 1 ? "" : "s");
-    int fd = frame->fds[idx];
+    fd = frame->fds[idx];
+  }
+  if (k == WD_HANDLE_FD) {
     frame->fds[idx] = -1; /* lib_map_host closes it */
     s->kind = WEIGHTD_MEMORY_HOST;
     rc = lib_map_host(s->id, fd, s->bytes, &s->map, &e);
-  } else if (kind != NULL && strcmp(kind, "cuda_ipc") == 0) {
+  } else if (k == WD_HANDLE_CUDA_IPC) {
     const char *hex = lib_get_str(h, "handle");
     unsigned char raw[WD_IPC_HANDLE_BYTES];
     if (hex == NULL || msg_hex_decode(hex, raw, sizeof raw) != 0)
@@ -106,9 +110,20 @@ static int map_handle(weightd_client *c, weightd_set *s, const cJSON *reply, str
                       2 * WD_IPC_HANDLE_BYTES);
     s->kind = WEIGHTD_MEMORY_CUDA;
     rc = lib_map_cuda(s->id, s->device, raw, s->bytes, &s->map, &e);
+  } else if (k == WD_HANDLE_CUDA_VMM) {
+    const char *hex = lib_get_str(h, "alloc_id");
+    unsigned char id[WD_ALLOC_ID_BYTES];
+    if (hex == NULL || msg_hex_decode(hex, id, sizeof id) != 0)
+      return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the cuda_vmm handle's alloc_id is not %d hex digits",
+                      2 * WD_ALLOC_ID_BYTES);
+    frame->fds[idx] = -1; /* lib_map_vmm keeps or closes it */
+    s->kind = WEIGHTD_MEMORY_CUDA;
+    /* The whole allocation is mapped (hbytes), of which the set uses the first s->bytes. */
+    rc = lib_map_vmm(s->id, s->device, fd, hbytes, id, &s->map, &e);
   } else {
     return lib_fail(c, WEIGHTD_E_UNSUPPORTED, "attach: unknown handle kind '%s'", kind ? kind : "(none)");
   }
+  s->handle = (enum wd_handle_kind)k;
   if (rc != 0) return lib_fail(c, rc, "set %s: %s", s->id, e.msg);
   return 0;
 }
@@ -169,6 +184,15 @@ const char *weightd_set_device(const weightd_set *s) { return s ? s->device : NU
 enum weightd_memory_kind weightd_set_memory_kind(const weightd_set *s) {
   return s ? s->kind : (enum weightd_memory_kind)0;
 }
+enum weightd_handle_kind weightd_set_handle_kind(const weightd_set *s) {
+  static const enum weightd_handle_kind public_kind[WD_HANDLE_KIND_COUNT] = {
+      [WD_HANDLE_FD] = WEIGHTD_HANDLE_FD,
+      [WD_HANDLE_CUDA_IPC] = WEIGHTD_HANDLE_CUDA_IPC,
+      [WD_HANDLE_CUDA_VMM] = WEIGHTD_HANDLE_CUDA_VMM,
+  };
+  return s && s->map ? public_kind[s->handle] : (enum weightd_handle_kind)0;
+}
+int weightd_set_read_only(const weightd_set *s) { return s && s->map ? s->map->read_only : 0; }
 void *weightd_set_base(const weightd_set *s) { return s && s->map ? s->map->base : NULL; }
 uint64_t weightd_set_bytes(const weightd_set *s) { return s ? s->bytes : 0; }
 size_t weightd_set_tensor_count(const weightd_set *s) { return s ? s->ntensors : 0; }

@@ -297,10 +297,21 @@ static int hello(weightd_client *c) {
   char client_name[96];
   snprintf(client_name, sizeof client_name, "libweightd %s (%s)", WEIGHTD_VERSION_STRING,
            program_invocation_short_name);
+  /* Every handle kind this library opens (lib_set.c), so the daemon may hand it any set. */
+  cJSON *kinds = NULL;
   if (req == NULL || cJSON_AddNumberToObject(req, "protocol", WEIGHTD_PROTOCOL_VERSION) == NULL ||
-      cJSON_AddStringToObject(req, "client", client_name) == NULL) {
+      cJSON_AddStringToObject(req, "client", client_name) == NULL ||
+      (kinds = cJSON_AddArrayToObject(req, "handles")) == NULL) {
     cJSON_Delete(req);
     return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  for (int k = 0; k < WD_HANDLE_KIND_COUNT; k++) {
+    cJSON *name = cJSON_CreateString(wd_handle_kind_name((enum wd_handle_kind)k));
+    if (name == NULL || !cJSON_AddItemToArray(kinds, name)) {
+      cJSON_Delete(name);
+      cJSON_Delete(req);
+      return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+    }
   }
   int saved = c->timeout_ms;
   c->timeout_ms = HELLO_TIMEOUT_MS;
