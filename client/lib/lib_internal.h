@@ -16,6 +16,7 @@
 
 #include "cuda_import.h"
 #include "error.h"
+#include "json_strict.h"
 #include "weightd.h"
 #include "wire.h"
 
@@ -90,6 +91,14 @@ int lib_usable(weightd_client *c);
 int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
              cJSON **reply, struct wire_frame *frame, char **text);
 
+/*
+ * lib_call with the final successful reply as a json_strict tree in *doc
+ * (free it with sj_doc_free), not cJSON: for replies whose size makes cJSON's
+ * parse a cost (attach: the tensor table).
+ */
+int lib_call_doc(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
+                 struct sj_doc *doc, struct wire_frame *frame);
+
 /* A new request object {"op": op}, or NULL when memory ran out. */
 cJSON *lib_request_new(const char *op);
 
@@ -102,13 +111,20 @@ int lib_get_u64(weightd_client *c, const cJSON *o, const char *key, uint64_t *ou
 /* A string member or NULL. */
 const char *lib_get_str(const cJSON *o, const char *key);
 
+/* The same for json_strict trees: a member (NULL when o is no object or has none), */
+const struct sj_node *lib_sj_get(const struct sj_node *o, const char *key);
+/* a string member without NULs inside (NUL-terminated) or NULL, */
+const char *lib_sj_str(const struct sj_node *o, const char *key);
+/* an exact non-negative integer member (up to 2^64 - 1); 0 or WEIGHTD_E_PROTOCOL. */
+int lib_sj_u64(weightd_client *c, const struct sj_node *o, const char *key, uint64_t *out);
+
 /* ---- lib_set.c: sets ---------------------------------------------------------- */
 
 /*
  * Builds a set from an attach reply and its frame's descriptors: maps the
  * slab (or reuses this process's mapping) and reads the tensor table.
  */
-int lib_set_from_reply(weightd_client *c, const cJSON *reply, struct wire_frame *frame,
+int lib_set_from_reply(weightd_client *c, const struct sj_node *reply, struct wire_frame *frame,
                        weightd_set **out);
 
 /* Frees a set's memory (not its mapping). NULL-safe. */
