@@ -359,8 +359,12 @@ static void test_leak_cycles(void) {
   CHECK(daemon_fds > 0);
   CHECK_EQ_INT(dfds, daemon_fds);
   CHECK_EQ_INT(ofds, own_fds);
-  /* cudaMemGetInfo counts in 2 MiB pages; a mapping or allocation leaked per cycle would show as GiBs. */
-  CHECK(u <= used + (2u << 20) && used <= u + (2u << 20));
+  /*
+   * cudaMemGetInfo counts in 2 MiB pages; a mapping or allocation leaked per
+   * cycle would show as GiBs. Only growth counts: memory earlier tests evicted
+   * may still be in the driver's background scrub when the baseline is taken.
+   */
+  CHECK(u <= used + (2u << 20));
   CHECK_EQ_INT(count_leases(g_c), 0);
   CHECK_EQ_INT(weightd_evict(g_c, set_id), 0);
 }
