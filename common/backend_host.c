@@ -71,6 +71,7 @@ static int host_device_info(void *ctx, int device, struct wd_device_info *out, s
   snprintf(out->uuid, sizeof out->uuid, "host-%.32s", id[0] ? id : "0");
   out->memory_total = meminfo_bytes("MemTotal");
   out->memory_free = meminfo_bytes("MemAvailable");
+  out->handles = WD_HANDLE_FD;
   return 0;
 }
 
@@ -106,6 +107,7 @@ static int host_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab
     goto fail;
   }
   s->device = device;
+  s->kind = WD_HANDLE_FD;
   s->bytes = bytes;
   s->host_view = p;
   s->impl = h;

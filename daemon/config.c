@@ -29,12 +29,13 @@ struct cfg_key {
 
 /* Enumerated keys are stored as int through the table's offset. */
 _Static_assert(sizeof(enum cfg_backend) == sizeof(int) && sizeof(enum log_level) == sizeof(int) &&
-                   sizeof(enum cfg_load_method) == sizeof(int),
+                   sizeof(enum cfg_load_method) == sizeof(int) && sizeof(enum cfg_cuda_handles) == sizeof(int),
                "enumerated config keys are stored as int");
 
 static const char *const backend_names[] = {"auto", "cuda", "host", NULL};
 static const char *const log_level_names[] = {"error", "warn", "info", "debug", NULL};
 static const char *const load_method_names[] = {"auto", "staged", NULL};
+static const char *const cuda_handles_names[] = {"vmm", "legacy", NULL};
 
 #define OFF(f) offsetof(struct wd_config, f)
 #define GiB (1ull << 30)
@@ -105,6 +106,17 @@ static const struct cfg_key keys[] = {
      "auto | staged: staged sends every load through the pinned staging slots, also on the host "
      "backend and for pinned checkpoints (for tests and comparisons)",
      load_method_names},
+    /*
+     * Not reloadable: a set's handle kind is fixed when its memory is
+     * allocated (legacy IPC handles cannot be made from VMM memory), so a
+     * change would leave resident sets of the old kind beside new ones.
+     */
+    {"cuda_handles", CFG_ENUM, OFF(cuda_handles), 0, 0, 0, "vmm",
+     "vmm | legacy: how the cuda backend allocates and shares sets. vmm: CUDA VMM memory whose handle is a file "
+     "descriptor (clients map it read-only, any number of times); legacy: cudaMalloc memory shared with "
+     "cudaIpcMemHandle, for clients that open only those (they get UNSUPPORTED for a vmm set). A GPU or driver "
+     "without VMM descriptor export gets legacy, with a warning",
+     cuda_handles_names},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])

@@ -16,6 +16,7 @@
 /* Choices of the enumerated keys, parsed once when the config is read. */
 enum cfg_backend { CFG_BACKEND_AUTO, CFG_BACKEND_CUDA, CFG_BACKEND_HOST };
 enum cfg_load_method { CFG_LOAD_AUTO, CFG_LOAD_STAGED };
+enum cfg_cuda_handles { CFG_CUDA_HANDLES_VMM, CFG_CUDA_HANDLES_LEGACY };
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
@@ -49,6 +50,7 @@ struct wd_config {
   char *metrics_address;        /* HOST:PORT of /metrics, /healthz, /readyz; "" = off */
   uint64_t metrics_connections; /* HTTP connections served at once */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
+  enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
 };
 
 /* Fills cfg with the defaults. */

@@ -17,14 +17,44 @@
 
 /* ---- small handlers ----------------------------------------------------------------------- */
 
+/*
+ * Reads hello's optional "handles", the handle kinds the client can open,
+ * into *accepts. Absent: what every client spoke before the field existed
+ * (fd and cuda_ipc). Names this daemon does not know are skipped, so that a
+ * newer client can list kinds an older daemon never makes.
+ */
+static int hello_handles(const cJSON *root, unsigned *accepts, struct wd_error *err) {
+  const cJSON *list = cJSON_GetObjectItemCaseSensitive(root, "handles");
+  if (list == NULL) {
+    *accepts = WD_HANDLES_DEFAULT;
+    return 0;
+  }
+  if (!cJSON_IsArray(list))
+    return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'handles' must be a list of handle kind names");
+  unsigned mask = 0;
+  int i = 0;
+  const cJSON *e;
+  cJSON_ArrayForEach(e, list) {
+    if (!cJSON_IsString(e))
+      return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'handles[%d]' must be a string", i);
+    int k = wd_handle_kind_from_name(e->valuestring);
+    if (k >= 0) mask |= WD_HANDLE_BIT(k);
+    i++;
+  }
+  *accepts = mask;
+  return 0;
+}
+
 static void op_hello(struct request *r) {
   struct daemon *d = req_daemon(r);
   struct msg_obj o;
   struct wd_error err = {0};
   uint64_t proto = 0;
   const char *client = NULL;
+  unsigned accepts = 0;
   if (msg_get_u64(ops_args(r, &o), "protocol", true, 0, UINT32_MAX, &proto, &err) < 0 ||
-      msg_get_string(ops_args(r, &o), "client", false, &client, &err) < 0) {
+      msg_get_string(ops_args(r, &o), "client", false, &client, &err) < 0 ||
+      hello_handles(r->root, &accepts, &err) != 0) {
     req_fail_err(r, &err);
     return;
   }
@@ -37,6 +67,8 @@ static void op_hello(struct request *r) {
     return;
   }
   snprintf(r->conn->client, sizeof r->conn->client, "%s", client ? client : "");
+  r->conn->accepts = accepts;
+  r->conn->accepts_listed = cJSON_GetObjectItemCaseSensitive(r->root, "handles") != NULL;
   r->conn->hello_done = true;
   cJSON *rep = msg_reply_ok(r->id);
   json_u64_add(rep, "protocol", WEIGHTD_PROTOCOL_VERSION);

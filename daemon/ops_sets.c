@@ -10,7 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "ipc_handle.h"
+#include "handles.h"
 #include "jsonutil.h"
 #include "log.h"
 #include "ops_common.h"
@@ -129,11 +129,49 @@ static const char *attach_table(struct res_set *s) {
   return s->table_cache;
 }
 
+/* Writes the names of the kinds in mask into buf: "fd, cuda_ipc" ("none" when empty). */
+static void kinds_text(unsigned mask, char *buf, size_t len) {
+  size_t n = 0;
+  buf[0] = '\0';
+  for (int k = 0; k < WD_HANDLE_KIND_COUNT; k++) {
+    if (!(mask & WD_HANDLE_BIT(k))) continue;
+    int w = snprintf(buf + n, len - n, "%s%s", n ? ", " : "", wd_handle_kind_name((enum wd_handle_kind)k));
+    if (w < 0 || (size_t)w >= len - n) break;
+    n += (size_t)w;
+  }
+  if (n == 0) snprintf(buf, len, "none");
+}
+
+/*
+ * Refuses an attach whose set's handle kind the client did not accept in
+ * hello, before any descriptor or lease is made: UNSUPPORTED, naming both
+ * sides and, for GPU sets, the daemon setting that decides the kind.
+ */
+static bool handle_accepted(struct request *r, const struct res_set *s) {
+  enum wd_handle_kind kind = s->load.slab->kind;
+  if (r->conn->accepts & WD_HANDLE_BIT(kind)) return true;
+  char accepted[96];
+  kinds_text(r->conn->accepts, accepted, sizeof accepted);
+  const char *hint = "";
+  if (kind == WD_HANDLE_CUDA_VMM && (r->conn->accepts & WD_HANDLE_BIT(WD_HANDLE_CUDA_IPC)))
+    hint = "; update the client library (libweightd opens cuda_vmm handles), or run the daemon with "
+           "\"cuda_handles\": \"legacy\" (a restart; a set keeps the kind it was loaded with until it is evicted)";
+  else if (kind == WD_HANDLE_CUDA_IPC && (r->conn->accepts & WD_HANDLE_BIT(WD_HANDLE_CUDA_VMM)))
+    hint = "; run the daemon with \"cuda_handles\": \"vmm\" (a restart; a set keeps the kind it was loaded with "
+           "until it is evicted)";
+  req_fail(r, WEIGHTD_E_UNSUPPORTED, "set %s is shared through %s handles, which this client does not accept (%s: %s)%s",
+           s->id, wd_handle_kind_name(kind),
+           r->conn->accepts_listed ? "its hello accepts" : "its hello lists no \"handles\", which means", accepted,
+           hint);
+  return false;
+}
+
 /* Leases a ready set to the request's connection and replies with its handle and tensor table. */
 static void reply_attached(struct request *r, struct res_set *s) {
   struct daemon *d = req_daemon(r);
   const struct wd_backend *b = &d->backend;
   struct wd_error err = {0};
+  if (!handle_accepted(r, s)) return;
   const char *table = attach_table(s);
   if (table == NULL) {
     req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
@@ -141,7 +179,7 @@ static void reply_attached(struct request *r, struct res_set *s) {
   }
   /* A descriptor for the reply must leave the daemon room to accept and to work. */
   uint64_t headroom = 64 + d->stats.connections + d->cfg.reserved_connections;
-  if ((b->ops->caps & WD_CAP_HOST_SLABS) && d->stats.fd_limit > 0 &&
+  if (wd_handle_kind_has_fd(s->load.slab->kind) && d->stats.fd_limit > 0 &&
       d->stats.fds_queued + headroom + res_set_count(d->res) >= d->stats.fd_limit) {
     req_fail(r, WEIGHTD_E_LIMIT,
              "the daemon is near its descriptor limit (%" PRIu64 ", %" PRIu64 " waiting in unread replies); retry",
@@ -157,7 +195,7 @@ static void reply_attached(struct request *r, struct res_set *s) {
   snprintf(holder.client, sizeof holder.client, "%s", r->conn->client);
   struct lease *l;
   if (res_lease_add(d->res, s, &holder, &l, &err) != 0) {
-    if (h.kind == WD_HANDLE_FD) close(h.fd);
+    if (h.fd >= 0) close(h.fd);
     req_fail_err(r, &err);
     return;
   }
@@ -170,15 +208,19 @@ static void reply_attached(struct request *r, struct res_set *s) {
   cJSON *ho = cJSON_CreateObject();
   int fds[1];
   size_t nfds = 0;
-  if (h.kind == WD_HANDLE_FD) {
-    msg_add_string(ho, "kind", "fd");
+  msg_add_string(ho, "kind", wd_handle_kind_name(h.kind));
+  if (wd_handle_kind_has_fd(h.kind)) {
     json_u64_add(ho, "fd_index", 0);
     fds[nfds++] = h.fd;
-  } else {
+  }
+  if (h.kind == WD_HANDLE_CUDA_IPC) {
     char hex[2 * WD_IPC_HANDLE_BYTES + 1];
     msg_hex_encode(h.ipc, WD_IPC_HANDLE_BYTES, hex);
-    msg_add_string(ho, "kind", "cuda_ipc");
     msg_add_string(ho, "handle", hex);
+  } else if (h.kind == WD_HANDLE_CUDA_VMM) {
+    char hex[2 * WD_ALLOC_ID_BYTES + 1];
+    msg_hex_encode(h.alloc_id, WD_ALLOC_ID_BYTES, hex);
+    msg_add_string(ho, "alloc_id", hex);
   }
   json_u64_add(ho, "bytes", h.bytes);
   cJSON_AddItemToArray(handles, ho);

@@ -41,6 +41,7 @@ cJSON *ops_device_json(const struct daemon *d, int i) {
   json_u64_add(o, "memory_free", dev->info.memory_free);
   json_u64_add(o, "budget", d->cfg.device_memory_budget);
   json_u64_add(o, "used", dev->used);
+  msg_add_string(o, "handles", wd_handle_kind_name(dev->info.handles));
   return o;
 }
 
@@ -59,6 +60,7 @@ cJSON *ops_set_json(const struct daemon *d, const struct res_set *s) {
   if (s->state == SET_READY) {
     cJSON_AddNumberToObject(o, "seconds", s->seconds);
     msg_add_string(o, "method", s->load.method);
+    if (s->load.slab != NULL) msg_add_string(o, "handles", wd_handle_kind_name(s->load.slab->kind));
   }
   return o;
 }

@@ -57,6 +57,8 @@ struct conn {
   uid_t uid;
   gid_t gid;
   char client[64]; /* the name the client gave in hello ("" when none) */
+  unsigned accepts; /* the handle kinds the client can open (WD_HANDLE_BIT), from hello */
+  bool accepts_listed; /* hello listed them ("handles"); else accepts is WD_HANDLES_DEFAULT */
   bool hello_done;
   bool closing;
   bool dead;   /* closing soon from the loop (conn_kill); nothing more is sent */

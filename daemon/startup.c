@@ -58,7 +58,8 @@ int startup_backend(struct daemon *d, struct wd_error *err) {
     return backend_host_create(&d->backend, err);
   }
   struct wd_error cerr = {0};
-  if (backend_cuda_create(&d->backend, &cerr) == 0) {
+  enum wd_handle_kind handles = d->cfg.cuda_handles == CFG_CUDA_HANDLES_LEGACY ? WD_HANDLE_CUDA_IPC : WD_HANDLE_CUDA_VMM;
+  if (backend_cuda_create(&d->backend, handles, &cerr) == 0) {
     d->backend_name = "cuda";
     return 0;
   }
@@ -88,8 +89,11 @@ static int query_devices(struct daemon *d, struct wd_device_info **out, struct w
       free(v);
       return rc;
     }
-    log_msg(LOG_INFO, "device %d: %s %s, %llu MiB", i, v[i].name, v[i].uuid,
-            (unsigned long long)(v[i].memory_total >> 20));
+    log_msg(LOG_INFO, "device %d: %s %s, %llu MiB, %s handles", i, v[i].name, v[i].uuid,
+            (unsigned long long)(v[i].memory_total >> 20), wd_handle_kind_name(v[i].handles));
+    if (v[i].handles_why[0] != '\0')
+      log_msg(LOG_WARN, "device %d: cuda_handles is %s, but its sets get %s handles: %s", i,
+              config_enum_name(&d->cfg, "cuda_handles"), wd_handle_kind_name(v[i].handles), v[i].handles_why);
   }
   d->ndevices = n;
   *out = v;

@@ -134,8 +134,14 @@ static void test_load_attach_verify(void) {
   struct weightd_load_options o = {.struct_size = sizeof o};
   CHECK_EQ_INT(weightd_attach_path(c, ckpt, &o, &p), 0);
   if (a && b && p) {
-    CHECK_EQ_INT(weightd_set_memory_kind(a),
-                 strcmp(backend, "cuda") == 0 ? WEIGHTD_MEMORY_CUDA : WEIGHTD_MEMORY_HOST);
+    int cuda = strcmp(backend, "cuda") == 0;
+    CHECK_EQ_INT(weightd_set_memory_kind(a), cuda ? WEIGHTD_MEMORY_CUDA : WEIGHTD_MEMORY_HOST);
+    /* The daemon runs with its defaults: GPU sets are VMM allocations (read-only where the driver allows). */
+    CHECK_EQ_INT(weightd_set_handle_kind(a), cuda ? WEIGHTD_HANDLE_CUDA_VMM : WEIGHTD_HANDLE_FD);
+    CHECK_EQ_INT(weightd_set_handle_kind(b), weightd_set_handle_kind(a));
+    if (!cuda) CHECK_EQ_INT(weightd_set_read_only(a), 1);
+    CHECK_EQ_INT(weightd_set_handle_kind(NULL), 0);
+    CHECK_EQ_INT(weightd_set_read_only(NULL), 0);
     CHECK(strcmp(weightd_set_id(p), set_id) == 0);
     CHECK(weightd_set_base(a) != NULL);
     CHECK(weightd_set_base(b) == weightd_set_base(a));

@@ -59,6 +59,16 @@ static int set_origin(weightd_client *c, const char *set_id, char **path, cJSON 
   return 0;
 }
 
+/* The wire name of a set's handle kind. */
+static const char *handle_name(const weightd_set *s) {
+  switch (weightd_set_handle_kind(s)) {
+  case WEIGHTD_HANDLE_FD: return "fd";
+  case WEIGHTD_HANDLE_CUDA_IPC: return "cuda_ipc";
+  case WEIGHTD_HANDLE_CUDA_VMM: return "cuda_vmm";
+  }
+  return "?";
+}
+
 static void print_attached(const weightd_set *s, int verified, const struct ctl_verify_result *vr) {
   int cuda = weightd_set_memory_kind(s) == WEIGHTD_MEMORY_CUDA;
   if (ctl_opts.json) {
@@ -68,6 +78,8 @@ static void print_attached(const weightd_set *s, int verified, const struct ctl_
     cJSON_AddStringToObject(o, "device", weightd_set_device(s));
     cJSON_AddNumberToObject(o, "bytes", (double)weightd_set_bytes(s));
     cJSON_AddStringToObject(o, "memory", cuda ? "cuda" : "host");
+    cJSON_AddStringToObject(o, "handles", handle_name(s));
+    cJSON_AddBoolToObject(o, "read_only", weightd_set_read_only(s));
     cJSON_AddNumberToObject(o, "tensors", (double)weightd_set_tensor_count(s));
     if (verified) {
       cJSON *v = cJSON_AddObjectToObject(o, "verified");
@@ -82,9 +94,11 @@ static void print_attached(const weightd_set *s, int verified, const struct ctl_
   }
   char b[32];
   ctl_human_bytes(weightd_set_bytes(s), b, sizeof b);
-  printf("attached set %s, lease %s\n  %zu tensors, %" PRIu64 " bytes (%s) of %s memory at %p on %s\n",
+  printf("attached set %s, lease %s\n  %zu tensors, %" PRIu64 " bytes (%s) of %s memory at %p on %s\n"
+         "  through %s handles, mapped %s\n",
          weightd_set_id(s), weightd_set_lease(s), weightd_set_tensor_count(s), weightd_set_bytes(s), b,
-         cuda ? "CUDA device" : "host", weightd_set_base(s), weightd_set_device(s));
+         cuda ? "CUDA device" : "host", weightd_set_base(s), weightd_set_device(s), handle_name(s),
+         weightd_set_read_only(s) ? "read-only" : "writable (every attached process shares it: never write)");
   if (verified) {
     ctl_human_bytes(vr->bytes, b, sizeof b);
     printf("verified %zu tensors, %" PRIu64 " bytes (%s): identical to its plan gathered from the checkpoint's "

@@ -26,7 +26,7 @@ static void print_status(const cJSON *r) {
       ctl_human_bytes(ctl_u64(x, "budget"), a, sizeof a);
       printf(", budget %s", a);
     }
-    printf("\n");
+    printf(", sets shared through %s handles\n", ctl_str(x, "handles"));
   }
 
   const cJSON *cks = cJSON_GetObjectItemCaseSensitive(r, "checkpoints");

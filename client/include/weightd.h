@@ -123,9 +123,10 @@ int weightd_connect(const char *socket_path, weightd_client **out);
 /*
  * Closes the connection; the daemon ends its leases. NULL-safe. Sets still
  * attached through c are detached, not freed: call weightd_release on each,
- * which then only unmaps it and frees its memory. Until then a host set stays
- * readable (its mapping keeps the memory alive), but a CUDA set's memory may
- * be freed by the daemon as soon as it is unleased: do not touch it.
+ * which then only unmaps it and frees its memory. Until then a host set and a
+ * CUDA VMM set stay readable (the mapping keeps the memory alive, though the
+ * daemon may evict the set), but a legacy CUDA IPC set's memory may be freed
+ * by the daemon as soon as it is unleased: do not touch it.
  */
 void weightd_close(weightd_client *c);
 
@@ -178,12 +179,18 @@ int weightd_load(weightd_client *c, const char *path, const struct weightd_load_
 
 /*
  * Attaches a resident set by id: takes a lease and maps its memory (host: the
- * sealed memfd, read-only; cuda: cuIpcOpenMemHandle on the device whose UUID
- * the daemon names, found among this process's devices whatever its
- * CUDA_VISIBLE_DEVICES; the CUDA driver is loaded on first use, so the library
- * runs on machines without one). Every attach of the same set in this process,
- * through any handle, shares one mapping, so weightd_set_base is the same for
- * all of them. A set that cannot be mapped gives its lease back at once.
+ * sealed memfd, read-only; cuda: on the device whose UUID the daemon names,
+ * found among this process's devices whatever its CUDA_VISIBLE_DEVICES, in
+ * that device's primary context, either a VMM allocation imported from the
+ * file descriptor the daemon sends and mapped read-only where the driver
+ * allows, or a legacy IPC handle opened with cuIpcOpenMemHandle; see
+ * weightd_set_handle_kind. The CUDA driver is loaded on first use, so the
+ * library runs on machines without one). Every attach of the same set in this
+ * process, through any handle, shares one mapping, so weightd_set_base is the
+ * same for all of them. A set that cannot be mapped gives its lease back at
+ * once; one whose handle kind this library cannot open (a legacy driver and
+ * a VMM set) fails with WEIGHTD_E_UNSUPPORTED and a message saying how to
+ * configure the daemon.
  */
 int weightd_attach(weightd_client *c, const char *set_id, weightd_set **out);
 
@@ -223,6 +230,17 @@ enum weightd_memory_kind {
   WEIGHTD_MEMORY_CUDA = 2, /* pointers are CUDA device addresses */
 };
 
+/*
+ * How a set's memory reached this process. The kind is fixed when the daemon
+ * allocates the set (its "cuda_handles" setting decides for GPU sets); both
+ * CUDA kinds give WEIGHTD_MEMORY_CUDA pointers that work the same way.
+ */
+enum weightd_handle_kind {
+  WEIGHTD_HANDLE_FD = 1,       /* a sealed memfd, mapped read-only (host sets) */
+  WEIGHTD_HANDLE_CUDA_IPC = 2, /* a legacy CUDA IPC handle: the mapping is writable */
+  WEIGHTD_HANDLE_CUDA_VMM = 3, /* a CUDA VMM allocation's file descriptor, imported and mapped */
+};
+
 typedef struct weightd_tensor {
   const char *name;
   const char *dtype;     /* safetensors dtype name: "BF16", "F8_E4M3", ... */
@@ -237,6 +255,15 @@ const char *weightd_set_id(const weightd_set *s);
 const char *weightd_set_lease(const weightd_set *s);
 const char *weightd_set_device(const weightd_set *s); /* the device UUID */
 enum weightd_memory_kind weightd_set_memory_kind(const weightd_set *s);
+enum weightd_handle_kind weightd_set_handle_kind(const weightd_set *s); /* 0 for NULL */
+/*
+ * 1 when this process cannot write the set's memory through its pointers:
+ * host sets always, VMM sets when the driver granted a read-only mapping
+ * (a write then faults: SIGSEGV on the host, an illegal-address error that
+ * ends the CUDA context on the GPU). 0 for legacy IPC sets, whose memory any
+ * importer can write; nobody may, since every attached process shares it.
+ */
+int weightd_set_read_only(const weightd_set *s);
 void *weightd_set_base(const weightd_set *s);
 uint64_t weightd_set_bytes(const weightd_set *s);
 size_t weightd_set_tensor_count(const weightd_set *s);

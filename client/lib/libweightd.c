@@ -4,7 +4,11 @@
  *
  * DESIGN: a weightd_client is used by one thread at a time (the caller
  * serialises); it owns one socket and sends one request per call, so a call
- * reads frames until the final reply that echoes its id. Progress events of
+ * reads frames until the final reply that echoes its id. Every frame is read
+ * with json_strict, whose arena tree costs a fraction of cJSON's node-per-
+ * allocation parse (an attach reply carries the whole tensor table: at 398
+ * tensors cJSON's parse was half of an attach); callers that want cJSON get
+ * the final reply parsed again, small replies all. Progress events of
  * that request go to the caller's callback; replies to earlier requests that
  * timed out are discarded (a late attach reply's lease is released and its
  * descriptors closed); the daemon's unsolicited shutdown event is remembered
@@ -103,6 +107,26 @@ const char *lib_get_str(const cJSON *o, const char *key) {
   return cJSON_IsString(v) ? v->valuestring : NULL;
 }
 
+const struct sj_node *lib_sj_get(const struct sj_node *o, const char *key) {
+  if (o == NULL || o->type != SJ_OBJECT) return NULL;
+  size_t len = strlen(key);
+  for (const struct sj_node *m = o->child; m != NULL; m = m->next)
+    if (m->key_len == len && memcmp(m->key, key, len) == 0) return m;
+  return NULL;
+}
+
+const char *lib_sj_str(const struct sj_node *o, const char *key) {
+  const struct sj_node *v = lib_sj_get(o, key);
+  /* json_strict's strings end with a NUL; one that holds a NUL is no C string. */
+  return v != NULL && v->type == SJ_STRING && memchr(v->str, '\0', v->len) == NULL ? v->str : NULL;
+}
+
+int lib_sj_u64(weightd_client *c, const struct sj_node *o, const char *key, uint64_t *out) {
+  if (!sj_u64(lib_sj_get(o, key), out))
+    return lib_fail(c, WEIGHTD_E_PROTOCOL, "the daemon's reply lacks a valid \"%s\"", key);
+  return 0;
+}
+
 /* ---- the request/reply loop -------------------------------------------------- */
 
 /* Sends a request the caller will not wait for (releasing a stray lease, canceling). */
@@ -118,9 +142,10 @@ static void send_detached(weightd_client *c, cJSON *req) {
 }
 
 /* A final reply to a request that gave up waiting: give back what it took. */
-static void discard_stale(weightd_client *c, const cJSON *msg) {
-  const char *lease = lib_get_str(msg, "lease");
-  if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(msg, "ok")) || lease == NULL) return;
+static void discard_stale(weightd_client *c, const struct sj_node *msg) {
+  const char *lease = lib_sj_str(msg, "lease");
+  const struct sj_node *ok = lib_sj_get(msg, "ok");
+  if (ok == NULL || ok->type != SJ_TRUE || lease == NULL) return;
   cJSON *req = lib_request_new("release");
   if (req != NULL && cJSON_AddStringToObject(req, "lease", lease) == NULL) {
     cJSON_Delete(req);
@@ -130,20 +155,35 @@ static void discard_stale(weightd_client *c, const cJSON *msg) {
 }
 
 /* Maps an error object {"code", "message"} to its code and the handle's message. */
-static int reply_error(weightd_client *c, const cJSON *e) {
-  const char *name = lib_get_str(e, "code");
-  const char *message = lib_get_str(e, "message");
+static int reply_error(weightd_client *c, const struct sj_node *e) {
+  const char *name = lib_sj_str(e, "code");
+  const char *message = lib_sj_str(e, "message");
   int code = err_from_name(name);
   if (code == 0) code = WEIGHTD_E_INTERNAL;
   return lib_fail(c, code, "%s", message ? message : weightd_strerror(code));
 }
 
-static void call_progress(const cJSON *msg, weightd_progress_fn fn, void *arg) {
-  const cJSON *d = cJSON_GetObjectItemCaseSensitive(msg, "bytes_done");
-  const cJSON *t = cJSON_GetObjectItemCaseSensitive(msg, "bytes_total");
-  if (fn == NULL || !cJSON_IsNumber(d) || !cJSON_IsNumber(t) || d->valuedouble < 0 || t->valuedouble < 0)
+static void call_progress(const struct sj_node *msg, weightd_progress_fn fn, void *arg) {
+  uint64_t done, total;
+  if (fn == NULL || !sj_u64(lib_sj_get(msg, "bytes_done"), &done) || !sj_u64(lib_sj_get(msg, "bytes_total"), &total))
     return;
-  fn((uint64_t)d->valuedouble, (uint64_t)t->valuedouble, arg);
+  fn(done, total, arg);
+}
+
+/* Reads a frame from the daemon into a tree whose root is an object: 0, PROTOCOL or NOMEM. */
+static int frame_doc(const struct wire_frame *f, struct sj_doc *doc) {
+  doc->root = NULL;
+  doc->arena = NULL;
+  if (!sj_utf8_valid((const unsigned char *)f->json, f->len, NULL)) return WEIGHTD_E_PROTOCOL;
+  char why[96];
+  int rc = sj_parse(f->json, f->len, SJ_DEFAULT_MAX_DEPTH, doc, why, sizeof why);
+  if (rc == -2) return WEIGHTD_E_NOMEM;
+  if (rc != 0) return WEIGHTD_E_PROTOCOL;
+  if (doc->root->type != SJ_OBJECT) {
+    sj_doc_free(doc);
+    return WEIGHTD_E_PROTOCOL;
+  }
+  return 0;
 }
 
 /* Marks the connection dead and turns a transport error into the handle's error. */
@@ -156,9 +196,14 @@ static int transport_fail(weightd_client *c, int code, const struct wd_error *e,
   return lib_fail(c, code, "%s: %s", op, e->msg[0] ? e->msg : weightd_strerror(code));
 }
 
-int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
-             cJSON **reply, struct wire_frame *frame, char **text) {
+/*
+ * lib_call and lib_call_doc: the final successful reply goes to *reply as
+ * cJSON, or to *doc as the json_strict tree, or nowhere.
+ */
+static int call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg, cJSON **reply,
+                struct sj_doc *doc_out, struct wire_frame *frame, char **text) {
   if (reply) *reply = NULL;
+  if (doc_out) doc_out->root = NULL, doc_out->arena = NULL;
   if (text) *text = NULL;
   if (frame) memset(frame, 0, sizeof *frame);
   const char *op = lib_get_str(req, "op");
@@ -194,60 +239,80 @@ int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *
       return lib_fail(c, rc, "%s: no reply from the daemon within %d ms", op, c->timeout_ms);
     }
     if (rc != 0) return transport_fail(c, rc, &e, op);
-    cJSON *msg = cJSON_ParseWithLength(f.json, f.len);
-    if (!cJSON_IsObject(msg)) {
-      cJSON_Delete(msg);
+    struct sj_doc doc;
+    if ((rc = frame_doc(&f, &doc)) != 0) {
       wire_frame_clear(&f);
       c->broken = 1;
+      if (rc == WEIGHTD_E_NOMEM) return lib_fail(c, rc, "%s: out of memory reading the daemon's frame", op);
       return lib_fail(c, WEIGHTD_E_PROTOCOL, "%s: the daemon sent a frame that is not a JSON object", op);
     }
-    const cJSON *mid = cJSON_GetObjectItemCaseSensitive(msg, "id");
-    const char *event = lib_get_str(msg, "event");
-    const cJSON *error = cJSON_GetObjectItemCaseSensitive(msg, "error");
+    const struct sj_node *msg = doc.root;
+    const struct sj_node *mid = lib_sj_get(msg, "id");
+    const char *event = lib_sj_str(msg, "event");
+    const struct sj_node *error = lib_sj_get(msg, "error");
+    if (error != NULL && error->type != SJ_OBJECT) error = NULL;
     if (mid == NULL) {
       if (event != NULL && strcmp(event, "shutdown") == 0) c->shutdown_seen = 1;
-      if (event == NULL && cJSON_IsObject(error)) {
+      if (event == NULL && error != NULL) {
         /* An error about the connection itself (refused peer, broken framing): it closes. */
         if (text) *text = strndup(f.json, f.len);
         rc = reply_error(c, error);
         c->broken = 1;
-        cJSON_Delete(msg);
+        sj_doc_free(&doc);
         wire_frame_clear(&f);
         return rc;
       }
-      cJSON_Delete(msg);
+      sj_doc_free(&doc);
       wire_frame_clear(&f);
       continue;
     }
-    if (!cJSON_IsNumber(mid) || mid->valuedouble != (double)id) {
+    uint64_t mv;
+    if (!sj_u64(mid, &mv) || mv != (uint64_t)id) {
       if (event == NULL) discard_stale(c, msg);
-      cJSON_Delete(msg);
+      sj_doc_free(&doc);
       wire_frame_clear(&f);
       continue;
     }
     if (event != NULL) {
       if (strcmp(event, "progress") == 0) call_progress(msg, progress, progress_arg);
-      cJSON_Delete(msg);
+      sj_doc_free(&doc);
       wire_frame_clear(&f);
       continue;
     }
     if (text) {
       *text = strndup(f.json, f.len);
       if (*text == NULL) {
-        cJSON_Delete(msg);
+        sj_doc_free(&doc);
         wire_frame_clear(&f);
         return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
       }
     }
-    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(msg, "ok"))) rc = 0;
-    else if (cJSON_IsObject(error)) rc = reply_error(c, error);
+    const struct sj_node *ok = lib_sj_get(msg, "ok");
+    if (ok != NULL && ok->type == SJ_TRUE) rc = 0;
+    else if (error != NULL) rc = reply_error(c, error);
     else rc = lib_fail(c, WEIGHTD_E_PROTOCOL, "%s: the reply has neither \"ok\" nor \"error\"", op);
-    if (rc == 0 && reply != NULL) *reply = msg;
-    else cJSON_Delete(msg);
+    if (rc == 0 && reply != NULL && (*reply = cJSON_ParseWithLength(f.json, f.len)) == NULL)
+      rc = lib_fail(c, WEIGHTD_E_NOMEM, "%s: out of memory reading the reply", op);
+    if (rc == 0 && doc_out != NULL) {
+      *doc_out = doc;
+      doc.root = NULL;
+      doc.arena = NULL;
+    }
+    sj_doc_free(&doc);
     if (rc == 0 && frame != NULL) *frame = f;
     else wire_frame_clear(&f);
     return rc;
   }
+}
+
+int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
+             cJSON **reply, struct wire_frame *frame, char **text) {
+  return call(c, req, progress, progress_arg, reply, NULL, frame, text);
+}
+
+int lib_call_doc(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
+                 struct sj_doc *doc, struct wire_frame *frame) {
+  return call(c, req, progress, progress_arg, NULL, doc, frame, NULL);
 }
 
 int weightd_request(weightd_client *c, const char *request_json, char **reply,
@@ -297,10 +362,21 @@ static int hello(weightd_client *c) {
   char client_name[96];
   snprintf(client_name, sizeof client_name, "libweightd %s (%s)", WEIGHTD_VERSION_STRING,
            program_invocation_short_name);
+  /* Every handle kind this library opens (lib_set.c), so the daemon may hand it any set. */
+  cJSON *kinds = NULL;
   if (req == NULL || cJSON_AddNumberToObject(req, "protocol", WEIGHTD_PROTOCOL_VERSION) == NULL ||
-      cJSON_AddStringToObject(req, "client", client_name) == NULL) {
+      cJSON_AddStringToObject(req, "client", client_name) == NULL ||
+      (kinds = cJSON_AddArrayToObject(req, "handles")) == NULL) {
     cJSON_Delete(req);
     return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  for (int k = 0; k < WD_HANDLE_KIND_COUNT; k++) {
+    cJSON *name = cJSON_CreateString(wd_handle_kind_name((enum wd_handle_kind)k));
+    if (name == NULL || !cJSON_AddItemToArray(kinds, name)) {
+      cJSON_Delete(name);
+      cJSON_Delete(req);
+      return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+    }
   }
   int saved = c->timeout_ms;
   c->timeout_ms = HELLO_TIMEOUT_MS;

@@ -7,13 +7,21 @@
  * pinned-resident, several times each (evicting in between so that each timed
  * load starts with no resident set and includes slab allocation), times a
  * fresh process attaching the resident set (CUDA context creation reported
- * apart from the attach), and reads the daemon's anonymous RSS. Each figure
- * is printed with its ratio to the ceiling measured in this same run.
+ * apart from the attach; the attach split into the request/reply round trip
+ * and opening the handle alone: cudaIpcOpenMemHandle for a legacy cuda_ipc
+ * set, import + reserve + map + set access for a cuda_vmm set, whichever
+ * the daemon's cuda_handles setting makes), and reads the daemon's anonymous
+ * RSS. Each figure is printed with its ratio to the ceiling measured in this
+ * same run. --attach-only skips the ceilings and loads: it loads the set
+ * once and times the attaches (tests/gpu/bench.sh runs it against a second
+ * daemon with the other handle kind).
  *
  * weightd-bench --checkpoint DIR [--socket PATH] [--device N] [--runs N]
- *               [--fill-threads N] [--json]
+ *               [--fill-threads N] [--attach-only] [--json]
  * weightd-bench --attach-probe SET --socket PATH   (the fresh process)
  */
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -23,14 +31,18 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "checkpoint.h"
 #include "clock.h"
+#include "msg.h"
 #include "plan.h"
 #include "weightd.h"
+#include "wire.h"
 
 #define GiB (1024.0 * 1024.0 * 1024.0)
 #define SLOT (64u << 20)
@@ -204,41 +216,136 @@ static uint64_t daemon_rss_anon(weightd_client *c) {
   return kb * 1024;
 }
 
+/* ---- the fresh process ------------------------------------------------------------- */
+
+/* A raw protocol connection (proto/wire.h): the handle's parts are timed without libweightd. */
+static int raw_connect(const char *sock) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) die("connect", strerror(errno));
+  return fd;
+}
+
+/* Sends json and returns the final reply (skipping events); f keeps the reply's descriptors. */
+static cJSON *raw_call(int fd, const char *json, struct wire_frame *f) {
+  struct wd_error err = {0};
+  if (wire_send_frame(fd, json, strlen(json), NULL, 0, &err) != 0) die("send", err.msg);
+  for (;;) {
+    memset(f, 0, sizeof *f);
+    if (wire_recv_frame(fd, 60000, f, &err) != 0) die("receive", err.msg);
+    cJSON *m = cJSON_Parse(f->json);
+    if (m != NULL && cJSON_GetObjectItemCaseSensitive(m, "event") == NULL) return m;
+    cJSON_Delete(m);
+    wire_frame_clear(f);
+  }
+}
+
+/* A driver entry point through the runtime (the bench links no libcuda). */
+static void *driver_fn(const char *sym) {
+  void *fn = NULL;
+  enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(sym, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess || fn == NULL)
+    die("driver entry point", sym);
+  return fn;
+}
+
+#define CU_OK(call)                                    \
+  do {                                                 \
+    CUresult r_ = (call);                              \
+    if (r_ != CUDA_SUCCESS) {                          \
+      char n_[32];                                     \
+      snprintf(n_, sizeof n_, "CUresult %d", (int)r_); \
+      die(#call, n_);                                  \
+    }                                                  \
+  } while (0)
+
+/*
+ * What libweightd does with a cuda_vmm descriptor, timed alone: import,
+ * reserve an address range, map, grant this device read access (read-write
+ * where the driver refuses read-only); then undone, untimed.
+ */
+static double vmm_open_time(int fd, uint64_t bytes, int device) {
+  PFN_cuDeviceGet_v2000 device_get = (PFN_cuDeviceGet_v2000)driver_fn("cuDeviceGet");
+  PFN_cuMemImportFromShareableHandle_v10020 import =
+      (PFN_cuMemImportFromShareableHandle_v10020)driver_fn("cuMemImportFromShareableHandle");
+  PFN_cuMemAddressReserve_v10020 reserve = (PFN_cuMemAddressReserve_v10020)driver_fn("cuMemAddressReserve");
+  PFN_cuMemMap_v10020 map = (PFN_cuMemMap_v10020)driver_fn("cuMemMap");
+  PFN_cuMemRelease_v10020 release = (PFN_cuMemRelease_v10020)driver_fn("cuMemRelease");
+  PFN_cuMemSetAccess_v10020 set_access = (PFN_cuMemSetAccess_v10020)driver_fn("cuMemSetAccess");
+  PFN_cuMemUnmap_v10020 unmap = (PFN_cuMemUnmap_v10020)driver_fn("cuMemUnmap");
+  PFN_cuMemAddressFree_v10020 address_free = (PFN_cuMemAddressFree_v10020)driver_fn("cuMemAddressFree");
+  CUdevice dev;
+  CU_OK(device_get(&dev, device));
+  CUmemAccessDesc access = {.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = dev},
+                            .flags = CU_MEM_ACCESS_FLAGS_PROT_READ};
+  CUmemGenericAllocationHandle h;
+  CUdeviceptr va = 0;
+  double t0 = clock_s();
+  CU_OK(import(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  CU_OK(reserve(&va, (size_t)bytes, 0, 0, 0));
+  CU_OK(map(va, (size_t)bytes, 0, h, 0));
+  CU_OK(release(h));
+  if (set_access(va, (size_t)bytes, &access, 1) != CUDA_SUCCESS) {
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    CU_OK(set_access(va, (size_t)bytes, &access, 1));
+  }
+  double t = clock_s() - t0;
+  CU_OK(unmap(va, (size_t)bytes));
+  CU_OK(address_free(va, (size_t)bytes));
+  return t;
+}
+
 /*
  * The fresh process: context creation, then attach, each timed; prints
- * "ctx_s attach_s roundtrip_s ipc_open_s": the last two split the attach into
- * a bare request/reply round trip and cudaIpcOpenMemHandle alone.
+ * "ctx_s attach_s roundtrip_s open_s kind": the round trip and the open split
+ * the attach into a bare request/reply (with its descriptor, if any) and
+ * opening the handle alone.
  */
 static int attach_probe(const char *set, const char *sock, int device) {
   double t0 = clock_s();
   CUDA_OK(cudaSetDevice(device));
   CUDA_OK(cudaFree(0));
   double t_ctx = clock_s() - t0;
-  weightd_client *c = connect_or_die(sock);
   /* The parts: one raw attach (reply only), then opening its handle alone. */
-  char req[96], *reply = NULL;
-  snprintf(req, sizeof req, "{\"op\":\"attach\",\"set\":\"%s\"}", set);
+  int raw = raw_connect(sock);
+  struct wire_frame f;
+  cJSON_Delete(raw_call(raw, "{\"op\":\"hello\",\"id\":1,\"protocol\":1,\"handles\":[\"fd\",\"cuda_ipc\",\"cuda_vmm\"]}", &f));
+  wire_frame_clear(&f);
+  char req[128];
+  snprintf(req, sizeof req, "{\"op\":\"attach\",\"id\":2,\"set\":\"%s\"}", set);
   t0 = clock_s();
-  reply = request_or_die(c, req);
+  cJSON *reply = raw_call(raw, req, &f);
   double t_rt = clock_s() - t0;
-  const char *h = strstr(reply, "\"handle\":\"");
-  const char *l = strstr(reply, "\"lease\":\"");
-  double t_ipc = -1;
-  if (h != NULL) {
+  const cJSON *h = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(reply, "handles"), 0);
+  const cJSON *kind = cJSON_GetObjectItemCaseSensitive(h, "kind");
+  const cJSON *lease = cJSON_GetObjectItemCaseSensitive(reply, "lease");
+  const cJSON *hbytes = cJSON_GetObjectItemCaseSensitive(h, "bytes");
+  if (!cJSON_IsString(kind) || !cJSON_IsString(lease) || !cJSON_IsNumber(hbytes)) die("attach", f.json);
+  char kind_name[16];
+  snprintf(kind_name, sizeof kind_name, "%s", kind->valuestring);
+  double t_open = -1;
+  if (strcmp(kind_name, "cuda_ipc") == 0) {
+    const cJSON *hex = cJSON_GetObjectItemCaseSensitive(h, "handle");
     cudaIpcMemHandle_t ih;
-    unsigned char *b = (unsigned char *)&ih;
-    for (int i = 0; i < 64; i++) sscanf(h + 10 + 2 * i, "%2hhx", &b[i]);
+    if (!cJSON_IsString(hex) || msg_hex_decode(hex->valuestring, &ih, sizeof ih) != 0) die("attach", "bad handle");
     void *p = NULL;
     t0 = clock_s();
     CUDA_OK(cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess));
-    t_ipc = clock_s() - t0;
+    t_open = clock_s() - t0;
     CUDA_OK(cudaIpcCloseMemHandle(p));
+  } else if (strcmp(kind_name, "cuda_vmm") == 0) {
+    if (f.nfds < 1) die("attach", "a cuda_vmm reply without its descriptor");
+    t_open = vmm_open_time(f.fds[0], (uint64_t)hbytes->valuedouble, device);
   }
-  if (l != NULL) {
-    snprintf(req, sizeof req, "{\"op\":\"release\",\"lease\":\"%.*s\"}", (int)strcspn(l + 9, "\""), l + 9);
-    weightd_free(request_or_die(c, req));
-  }
-  weightd_free(reply);
+  wire_frame_clear(&f); /* closes the descriptor */
+  snprintf(req, sizeof req, "{\"op\":\"release\",\"id\":3,\"lease\":\"%s\"}", lease->valuestring);
+  cJSON_Delete(reply);
+  cJSON_Delete(raw_call(raw, req, &f));
+  wire_frame_clear(&f);
+  close(raw);
+  /* The whole attach through libweightd, to pointers the process can use. */
+  weightd_client *c = connect_or_die(sock);
   weightd_set *s = NULL;
   t0 = clock_s();
   if (weightd_attach(c, set, &s) != 0) die("attach", weightd_last_error(c));
@@ -248,14 +355,14 @@ static int attach_probe(const char *set, const char *sock, int device) {
   /* Touch the memory through the pointer to show it is usable. */
   unsigned char byte;
   CUDA_OK(cudaMemcpy(&byte, t.data, 1, cudaMemcpyDeviceToHost));
-  printf("%.6f %.6f %.6f %.6f\n", t_ctx, t_attach, t_rt, t_ipc);
+  printf("%.6f %.6f %.6f %.6f %s\n", t_ctx, t_attach, t_rt, t_open, kind_name);
   weightd_release(s);
   weightd_close(c);
   return 0;
 }
 
 static void probe_attach(const char *self, const char *sock, const char *set, int device, double *ctx,
-                         double *att, double *rt, double *ipc) {
+                         double *att, double *rt, double *open, char kind[16]) {
   int p[2];
   if (pipe(p) != 0) die("pipe", strerror(errno));
   pid_t pid = fork();
@@ -272,16 +379,71 @@ static void probe_attach(const char *self, const char *sock, const char *set, in
   close(p[0]);
   int st;
   waitpid(pid, &st, 0);
-  if (n <= 0 || sscanf(buf, "%lf %lf %lf %lf", ctx, att, rt, ipc) != 4) die("attach probe", "no result");
+  if (n <= 0 || sscanf(buf, "%lf %lf %lf %lf %15s", ctx, att, rt, open, kind) != 5) die("attach probe", "no result");
+}
+
+/* Attach figures: medians over the probes (fresh processes). */
+struct attach_figures {
+  double ctx, attach, roundtrip, open;
+  char handles[16]; /* the set's handle kind */
+  int probes;
+};
+
+/* Loads the set (if needed) and times fresh processes attaching it. */
+static void measure_attach(const char *self, weightd_client *cl, const char *sock, const char *abs, int device,
+                           int runs, struct attach_figures *out) {
+  char dev[16], set[32];
+  snprintf(dev, sizeof dev, "%d", device);
+  struct weightd_load_options o = {sizeof o, dev, plan_json, NULL, NULL};
+  if (weightd_load(cl, abs, &o, set, sizeof set) != 0) die("load", weightd_last_error(cl));
+  double ctx_all[16], att_all[16], rt_all[16], open_all[16];
+  int probes = runs < 16 ? runs : 16;
+  for (int i = 0; i < probes; i++)
+    probe_attach(self, sock, set, device, &ctx_all[i], &att_all[i], &rt_all[i], &open_all[i], out->handles);
+  out->ctx = median(ctx_all, probes);
+  out->attach = median(att_all, probes);
+  out->roundtrip = median(rt_all, probes);
+  out->open = median(open_all, probes);
+  out->probes = probes;
+}
+
+static const char *open_label(const char *handles) {
+  return strcmp(handles, "cuda_vmm") == 0 ? "  of which: VMM import + map + access" : "  of which: cudaIpcOpenMemHandle";
+}
+
+static void print_attach(const struct attach_figures *a) {
+  printf("%-44s %8.2f ms   (one-time per process)\n", "fresh process: CUDA context", a->ctx * 1e3);
+  char label[64];
+  snprintf(label, sizeof label, "fresh process: attach (%s handles)", a->handles);
+  printf("%-44s %8.3f ms   (to usable pointers; median of %d)\n", label, a->attach * 1e3, a->probes);
+  printf("%-44s %8.3f ms\n", "  of which: request/reply round trip", a->roundtrip * 1e3);
+  printf("%-44s %8.3f ms\n", open_label(a->handles), a->open * 1e3);
+}
+
+/* Only the attach figures (--attach-only): for a daemon with the other cuda_handles. */
+static int attach_only(const char *self, const char *sock, const char *abs, int device, int runs, int json) {
+  weightd_client *cl = connect_or_die(sock);
+  if (strcmp(weightd_backend(cl), "cuda") != 0) die("daemon", "the daemon does not use the cuda backend");
+  struct attach_figures a;
+  measure_attach(self, cl, sock, abs, device, runs, &a);
+  if (json)
+    printf("{\"checkpoint\":\"%s\",\"attach_handles\":\"%s\",\"attach_context_s\":%.6f,\"attach_s\":%.6f,"
+           "\"attach_roundtrip_s\":%.6f,\"attach_open_s\":%.6f,\"attach_probes\":%d}\n",
+           abs, a.handles, a.ctx, a.attach, a.roundtrip, a.open, a.probes);
+  else
+    print_attach(&a);
+  weightd_close(cl);
+  return 0;
 }
 
 int main(int argc, char **argv) {
   const char *path = NULL, *sock = NULL, *probe = NULL;
-  int device = 0, runs = 5, json = 0, settle_ms = 500;
+  int device = 0, runs = 5, json = 0, settle_ms = 500, only_attach = 0;
   unsigned fill_threads = (unsigned)sysconf(_SC_NPROCESSORS_ONLN);
   for (int i = 1; i < argc; i++) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (strcmp(argv[i], "--json") == 0) json = 1;
+    else if (strcmp(argv[i], "--attach-only") == 0) only_attach = 1;
     else if (v && strcmp(argv[i], "--checkpoint") == 0) path = argv[++i];
     else if (v && strcmp(argv[i], "--socket") == 0) sock = argv[++i];
     else if (v && strcmp(argv[i], "--device") == 0) device = atoi(argv[++i]);
@@ -293,7 +455,7 @@ int main(int argc, char **argv) {
     else {
       fprintf(stderr,
               "usage: weightd-bench --checkpoint DIR [--socket PATH] [--device N] [--runs N]\n"
-              "                     [--fill-threads N] [--settle-ms MS] [--plan JSON] [--json]\n");
+              "                     [--fill-threads N] [--settle-ms MS] [--plan JSON] [--attach-only] [--json]\n");
       return 2;
     }
   }
@@ -313,6 +475,13 @@ int main(int argc, char **argv) {
   if (plan_build(c, spec, &plan, &err) != 0) die("plan", err.msg);
   cJSON_Delete(spec);
   uint64_t bytes = plan->payload_bytes; /* what this rank moves */
+  if (only_attach) {
+    int rc = attach_only(argv[0], sock, abs, device, runs, json);
+    free(abs);
+    plan_free(plan);
+    ckpt_free(c);
+    return rc;
+  }
 
   weightd_client *cl = connect_or_die(sock);
   if (strcmp(weightd_backend(cl), "cuda") != 0) die("daemon", "the daemon does not use the cuda backend");
@@ -355,16 +524,8 @@ int main(int argc, char **argv) {
   double direct_b2b = median(v, runs);
 
   /* A resident set for the attach probes. */
-  char dev[16], set[32];
-  snprintf(dev, sizeof dev, "%d", device);
-  struct weightd_load_options o = {sizeof o, dev, plan_json, NULL, NULL};
-  if (weightd_load(cl, abs, &o, set, sizeof set) != 0) die("load", weightd_last_error(cl));
-  double ctx_all[16], att_all[16], rt_all[16], ipc_all[16];
-  int probes = runs < 16 ? runs : 16;
-  for (int i = 0; i < probes; i++)
-    probe_attach(argv[0], sock, set, device, &ctx_all[i], &att_all[i], &rt_all[i], &ipc_all[i]);
-  double t_ctx = median(ctx_all, probes), t_att = median(att_all, probes);
-  double t_rt = median(rt_all, probes), t_ipc = median(ipc_all, probes);
+  struct attach_figures a;
+  measure_attach(argv[0], cl, sock, abs, device, runs, &a);
   uint64_t rss = daemon_rss_anon(cl);
 
   struct cudaDeviceProp prop;
@@ -375,11 +536,11 @@ int main(int argc, char **argv) {
            "\"ceiling_h2d_s\":%.6f,\"fill_rate_s\":%.6f,\"staged_s\":%.6f,\"staged_method\":\"%s\","
            "\"pinned_s\":%.6f,\"pinned_method\":\"%s\",\"settle_ms\":%d,\"staged_back_to_back_s\":%.6f,"
            "\"pinned_back_to_back_s\":%.6f,\"pin_once_s\":%.6f,\"attach_context_s\":%.6f,"
-           "\"attach_s\":%.6f,\"attach_roundtrip_s\":%.6f,\"attach_ipc_open_s\":%.6f,"
+           "\"attach_handles\":\"%s\",\"attach_s\":%.6f,\"attach_roundtrip_s\":%.6f,\"attach_open_s\":%.6f,"
            "\"daemon_rss_anon_bytes\":%" PRIu64 ",\"staged_runs_s\":[",
            prop.name, plan->key, abs, bytes, runs, fill_threads, ceiling, fill, staged, m_staged, direct, m_direct, settle_ms,
            staged_b2b, direct_b2b, t_pin,
-           t_ctx, t_att, t_rt, t_ipc, rss);
+           a.ctx, a.handles, a.attach, a.roundtrip, a.open, rss);
     for (int i = 0; i < runs; i++) printf("%s%.6f", i ? "," : "", staged_all[i]);
     printf("],\"pinned_runs_s\":[");
     for (int i = 0; i < runs; i++) printf("%s%.6f", i ? "," : "", direct_all[i]);
@@ -405,10 +566,7 @@ int main(int argc, char **argv) {
     printf("%-44s %8.1f ms %9.1f %8.0f%%\n", "load, pinned-resident, right after an evict", direct_b2b * 1e3,
            gb / direct_b2b, 100 * ceiling / direct_b2b);
     printf("%-44s %8.1f ms   (one-time)\n", "pinning the checkpoint (prefetch --pin)", t_pin * 1e3);
-    printf("%-44s %8.2f ms   (one-time per process)\n", "fresh process: CUDA context", t_ctx * 1e3);
-    printf("%-44s %8.3f ms\n", "fresh process: attach to usable pointers", t_att * 1e3);
-    printf("%-44s %8.3f ms\n", "  of which: request/reply round trip", t_rt * 1e3);
-    printf("%-44s %8.3f ms\n", "  of which: cudaIpcOpenMemHandle", t_ipc * 1e3);
+    print_attach(&a);
     printf("%-44s %8.1f MiB\n", "daemon RssAnon (smaps_rollup Anonymous)", (double)rss / (1 << 20));
   }
   free(v);

@@ -9,8 +9,14 @@ torch or transformers:
   parameters inside the daemon's slab, copy=True independent;
 - a second process attaching the same resident set while the first runs;
 - the Qwen3-4B layout from mkcheckpoint through load_model, every parameter
-  against the files and the logits against from_pretrained's, bit for bit.
+  against the files and the logits against from_pretrained's, bit for bit;
+- handle kinds: the default daemon's sets come as cuda_vmm handles, and a
+  fresh torch process reads one through the binding, bytes equal to the
+  files; a daemon run with cuda_handles=legacy serves cuda_ipc sets to the
+  same code; a raw client that lists no handle kinds in hello (as clients
+  did before cuda_vmm) gets UNSUPPORTED naming cuda_handles.
 """
+import hashlib
 import gc
 import json
 import os
@@ -86,6 +92,7 @@ def test_every_dtype_as_cuda_tensors(client, work):
     ckpt = wdclient.Checkpoint(d)
     with client.attach(d, device=0) as s:
         assert s.memory == "cuda" and s.device == weightd._cuda.uuid_of(0)
+        assert s.handle == "cuda_vmm" and isinstance(s.read_only, bool)
         assert s.torch_device == torch.device("cuda", 0)
         for name, dtype, shape in tensors:
             t = s[name]
@@ -215,3 +222,79 @@ def test_device_numbering_follows_cuda_visible_devices(daemon, work):
     last = torch.cuda.device_count() - 1
     assert out["uuid"] == out["mine"] == weightd._cuda.uuid_of(last)  # our last GPU is its first
     assert out["device"] == "cuda:0"
+
+
+# ---- handle kinds ---------------------------------------------------------------------------
+
+def files_digest(path, names):
+    """SHA-256 over the named tensors' bytes in the files, in that order."""
+    ckpt = wdclient.Checkpoint(path)
+    h = hashlib.sha256()
+    for name in names:
+        m, b, e = ckpt.tensor_bytes(name)
+        h.update(bytes(m[b:e]))
+    ckpt.close()
+    return h.hexdigest()
+
+
+READER = r"""
+import hashlib, json, sys, torch
+sys.path.insert(0, sys.argv[3])
+import weightd
+names = json.loads(sys.argv[4])
+with weightd.Client(sys.argv[1]) as c, c.attach(sys.argv[2], device=0) as s:
+    h = hashlib.sha256()
+    for n in names:
+        h.update(s[n].contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    print(json.dumps({"handle": s.handle, "read_only": s.read_only, "memory": s.memory, "sha256": h.hexdigest(),
+                      "device": str(s[names[0]].device)}))
+"""
+
+NAMES = ["bf16", "f16", "f32", "f8", "i64", "u8", "b", "scalar"]
+
+
+def read_in_fresh_process(socket, path):
+    r = subprocess.run([sys.executable, "-c", READER, socket, path, os.path.join(wdgpu.REPO, "client", "python"),
+                        json.dumps(NAMES)], capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def test_a_fresh_torch_process_reads_a_vmm_set(client, daemon, work):
+    d = os.path.join(work, "models", "dtypes")
+    if not os.path.exists(os.path.join(d, "model.safetensors")):
+        pytest.skip("needs test_every_dtype_as_cuda_tensors's checkpoint")
+    out = read_in_fresh_process(daemon.socket, d)
+    assert out["handle"] == "cuda_vmm" and out["memory"] == "cuda" and out["device"] == "cuda:0"
+    assert out["sha256"] == files_digest(d, NAMES)
+    assert leases(client) == 0  # the child's lease ended with it
+
+
+def test_a_legacy_daemon_serves_cuda_ipc_sets_to_the_same_code(work):
+    d = os.path.join(work, "models", "dtypes")
+    if not os.path.exists(os.path.join(d, "model.safetensors")):
+        pytest.skip("needs test_every_dtype_as_cuda_tensors's checkpoint")
+    legacy = wdgpu.CudaDaemon(work, os.path.join(work, "models"), settings={"cuda_handles": "legacy"}).start()
+    try:
+        with weightd.Client(legacy.socket) as c:
+            with c.attach(d, device=0) as s:
+                assert s.handle == "cuda_ipc" and s.read_only is False
+                for name in NAMES:
+                    m = s[name]
+                    assert m.is_cuda
+                assert c.status()["devices"][0]["handles"] == "cuda_ipc"
+        out = read_in_fresh_process(legacy.socket, d)
+        assert out["handle"] == "cuda_ipc" and out["sha256"] == files_digest(d, NAMES)
+    finally:
+        legacy.stop()
+
+
+def test_a_client_that_lists_no_handle_kinds_gets_unsupported(client, daemon, work):
+    d = os.path.join(work, "models", "dtypes")
+    if not os.path.exists(os.path.join(d, "model.safetensors")):
+        pytest.skip("needs test_every_dtype_as_cuda_tensors's checkpoint")
+    with wdclient.Conn(daemon.socket) as old:  # hello without "handles", as clients spoke before cuda_vmm
+        rep, fds = old.request("attach", path=d, device=0)
+        assert fds == [] and rep["error"]["code"] == "UNSUPPORTED", rep
+        assert "cuda_vmm" in rep["error"]["message"] and '"cuda_handles": "legacy"' in rep["error"]["message"]
+    assert leases(client) == 0

@@ -47,6 +47,7 @@ def test_every_dtype_every_byte(client, dtypes_ckpt):
     ckpt = Checkpoint(dtypes_ckpt)
     with client.attach(dtypes_ckpt) as s:
         assert s.memory == "host" and s.tensor_type == "numpy"
+        assert s.handle == "fd" and s.read_only is True
         assert s.device.startswith("host-")
         check_every_tensor(s, ckpt)
         assert s["t.scalar"].shape == () and s["t.empty"].shape == (0, 4)

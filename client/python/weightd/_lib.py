@@ -20,7 +20,8 @@ import ctypes.util
 import glob
 import os
 
-__all__ = ["lib", "path", "LibraryNotFound", "Tensor", "LoadOptions", "PROGRESS_FN", "MEMORY_HOST", "MEMORY_CUDA"]
+__all__ = ["lib", "path", "LibraryNotFound", "Tensor", "LoadOptions", "PROGRESS_FN", "MEMORY_HOST", "MEMORY_CUDA",
+           "HANDLE_KINDS", "has"]
 
 #: The library's soname major version this package speaks (SOVERSION in CMakeLists.txt).
 ABI_MAJOR = 0
@@ -37,6 +38,9 @@ PROGRESS_FN = ctypes.CFUNCTYPE(None, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_
 
 MEMORY_HOST = 1
 MEMORY_CUDA = 2
+
+#: enum weightd_handle_kind -> the handle kind's wire name.
+HANDLE_KINDS = {1: "fd", 2: "cuda_ipc", 3: "cuda_vmm"}
 
 
 class Tensor(ctypes.Structure):
@@ -100,6 +104,13 @@ _SIGNATURES = {
     "weightd_set_find": (_c.c_int, [_set_p, _c.c_char_p, _c.POINTER(Tensor)]),
 }
 
+# Functions added since the first release: declared when the library has them,
+# so that this package still loads an older libweightd (see has()).
+_OPTIONAL = {
+    "weightd_set_handle_kind": (_c.c_int, [_set_p]),
+    "weightd_set_read_only": (_c.c_int, [_set_p]),
+}
+
 
 # ---- finding the library -------------------------------------------------------
 
@@ -126,6 +137,11 @@ def _declare(dll: ctypes.CDLL) -> None:
         fn = getattr(dll, name)  # AttributeError: not a libweightd this package can use
         fn.restype = restype
         fn.argtypes = argtypes
+    for name, (restype, argtypes) in _OPTIONAL.items():
+        fn = getattr(dll, name, None)
+        if fn is not None:
+            fn.restype = restype
+            fn.argtypes = argtypes
 
 
 def _load() -> tuple[ctypes.CDLL, str]:
@@ -153,3 +169,8 @@ def _load() -> tuple[ctypes.CDLL, str]:
 
 
 lib, path = _load()
+
+
+def has(name: str) -> bool:
+    """True when the loaded libweightd has the (optional) function name."""
+    return getattr(lib, name, None) is not None

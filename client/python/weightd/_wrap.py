@@ -10,10 +10,10 @@ through its base (numpy) or its storage (torch), and none copies.
   tensors made from that array;
 - CUDA slabs: torch through ``__cuda_array_interface__``; torch places the
   tensor on the device that owns the pointer (the daemon names it by UUID;
-  libweightd opened it in that device's primary context).
-
-Later handle kinds (VMM file descriptors) or tensor tables only change how the
-slab is made; the views stay as they are.
+  libweightd mapped it in that device's primary context). A VMM set
+  (``cuda_vmm`` handles) and a legacy IPC set (``cuda_ipc``) are both plain
+  device pointers here; a VMM set is mapped read-only where the driver
+  allows, so a write to it fails in CUDA instead of changing shared weights.
 """
 from __future__ import annotations
 

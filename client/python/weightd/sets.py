@@ -15,7 +15,7 @@ from typing import Any, Iterator, NamedTuple
 
 from . import _cuda, _wrap
 from ._conn import _Conn
-from ._lib import MEMORY_CUDA, MEMORY_HOST, Tensor, lib
+from ._lib import HANDLE_KINDS, MEMORY_CUDA, MEMORY_HOST, Tensor, has, lib
 from .errors import by_name
 
 __all__ = ["AttachedSet", "TensorInfo"]
@@ -65,6 +65,15 @@ class AttachedSet(Mapping):
         self.device: str = lib.weightd_set_device(ptr).decode()
         kind = lib.weightd_set_memory_kind(ptr)
         self.memory: str = {MEMORY_HOST: "host", MEMORY_CUDA: "cuda"}.get(kind, f"unknown ({kind})")
+        #: How the memory reached this process: "fd" (host), "cuda_vmm" or "cuda_ipc" (legacy);
+        #: None with a libweightd too old to say.
+        self.handle: str | None = None
+        #: True when this process cannot write the memory (host sets; VMM sets where the driver
+        #: granted a read-only mapping). A legacy IPC set's memory is writable: never write to it.
+        self.read_only: bool | None = None
+        if has("weightd_set_handle_kind"):
+            self.handle = HANDLE_KINDS.get(lib.weightd_set_handle_kind(ptr))
+            self.read_only = bool(lib.weightd_set_read_only(ptr))
         self.nbytes: int = lib.weightd_set_bytes(ptr)
         self.base: int = lib.weightd_set_base(ptr) or 0
         self._count: int = lib.weightd_set_tensor_count(ptr)
@@ -206,5 +215,5 @@ class AttachedSet(Mapping):
 
     def __repr__(self) -> str:
         state = "released" if self._ptr is None else "attached"
-        return (f"<weightd.AttachedSet {self.id} lease {self.lease} on {self.device} ({self.memory}), "
+        return (f"<weightd.AttachedSet {self.id} lease {self.lease} on {self.device} ({self.memory}, {self.handle}), "
                 f"{self._count} tensors, {self.nbytes} bytes, {state}>")
