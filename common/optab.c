@@ -160,8 +160,7 @@ const struct optab_opt *optab_find(const struct optab_list *lists, size_t nlists
 #define HELP_COLUMN 26
 #define HELP_WIDTH 79
 
-/* Writes text wrapped to HELP_WIDTH, every line after the first indented to indent (the first starts at col). */
-static void wrap(FILE *f, const char *text, int col, int indent) {
+void optab_wrap(FILE *f, const char *text, int col, int indent) {
   const char *p = text;
   while (*p != '\0') {
     while (*p == ' ') p++;
@@ -191,7 +190,7 @@ void optab_paragraphs(FILE *f, const char *text, int indent) {
     for (char *q = para; *q != '\0'; q++)
       if (*q == '\n') *q = ' ';
     fprintf(f, "%*s", indent, "");
-    wrap(f, para, indent, indent);
+    optab_wrap(f, para, indent, indent);
     free(para);
     if (end == NULL) break;
     fputc('\n', f);
@@ -218,7 +217,7 @@ void optab_help(FILE *f, const struct optab_list *lists, size_t nlists) {
       } else {
         fprintf(f, "\n%*s", HELP_COLUMN, "");
       }
-      wrap(f, o->help, HELP_COLUMN, HELP_COLUMN);
+      optab_wrap(f, o->help, HELP_COLUMN, HELP_COLUMN);
     }
 }
 

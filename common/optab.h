@@ -64,6 +64,12 @@ const struct optab_opt *optab_find(const struct optab_list *lists, size_t nlists
 void optab_help(FILE *f, const struct optab_list *lists, size_t nlists);
 
 /*
+ * Writes text wrapped at 79 columns and a newline: the caller has written
+ * the first line up to column col; the following lines are indented by indent.
+ */
+void optab_wrap(FILE *f, const char *text, int col, int indent);
+
+/*
  * Writes text wrapped at 79 columns, every line indented by indent; a blank
  * line ("\n\n") in text separates paragraphs.
  */

@@ -165,8 +165,8 @@ void ctl_cmd_help(FILE *f, const struct ctl_cmd *cmd);
 void ctl_write_man(FILE *f);
 void ctl_write_completion(FILE *f);
 
-/* The exit codes' paragraph of help texts. */
-extern const char ctl_exit_codes_text[];
+/* Writes the exit codes' table of help texts. */
+void ctl_exit_codes_help(FILE *f);
 
 /* ---- errors and output (ctl_cli.c) ------------------------------------------------- */
 

@@ -9,10 +9,35 @@
 
 #include "ctl.h"
 
-const char ctl_exit_codes_text[] =
-    "Exit codes: 0 success; 1 the operation failed (a daemon error, an invalid checkpoint, a verification "
-    "mismatch, an interrupt); 2 usage error; 3 the daemon cannot be reached (no socket, no daemon listening, "
-    "refused by the socket's permissions); 4 timed out (--timeout).";
+/* The exit codes, for help texts and the man page. */
+static const struct {
+  int code;
+  const char *meaning;
+} exit_codes[] = {
+    {CTL_EXIT_OK, "success"},
+    {CTL_EXIT_FAIL, "the operation failed (a daemon error, an invalid checkpoint, a verification mismatch, an "
+                    "interrupt)"},
+    {CTL_EXIT_USAGE, "usage error (an unknown command or option, a missing or malformed argument)"},
+    {CTL_EXIT_UNREACHABLE, "the daemon cannot be reached (no socket, no daemon listening, refused by the socket's "
+                           "permissions)"},
+    {CTL_EXIT_TIMEOUT, "timed out (--timeout)"},
+};
+
+void ctl_exit_codes_help(FILE *f) {
+  fputs("exit codes:\n", f);
+  for (size_t i = 0; i < sizeof exit_codes / sizeof exit_codes[0]; i++) {
+    fprintf(f, "  %d  ", exit_codes[i].code);
+    optab_wrap(f, exit_codes[i].meaning, 5, 5);
+  }
+}
+
+static void exit_codes_man(FILE *f) {
+  for (size_t i = 0; i < sizeof exit_codes / sizeof exit_codes[0]; i++) {
+    fprintf(f, ".TP\n\\fB%d\\fR\n", exit_codes[i].code);
+    optab_man_text(f, exit_codes[i].meaning);
+    fputc('\n', f);
+  }
+}
 
 void ctl_cmd_help(FILE *f, const struct ctl_cmd *cmd) {
   fprintf(f, "usage: weightctl %s%s%s [OPTION]...\n\n", cmd->name, cmd->args[0] ? " " : "", cmd->args);
@@ -32,7 +57,7 @@ void ctl_cmd_help(FILE *f, const struct ctl_cmd *cmd) {
     optab_help(f, &lists[i], 1);
   }
   fputc('\n', f);
-  optab_paragraphs(f, ctl_exit_codes_text, 0);
+  ctl_exit_codes_help(f);
 }
 
 /* ---- the man page ------------------------------------------------------------------------- */
@@ -101,7 +126,7 @@ void ctl_write_man(FILE *f) {
                     "integers are exact, other numbers have 6 significant digits. Fields are only ever added, "
                     "never renamed or removed.");
   fputs(".SH EXIT STATUS\n", f);
-  man_paragraphs(f, ctl_exit_codes_text);
+  exit_codes_man(f);
   fputs(".SH ENVIRONMENT\n.TP\n\\fBWEIGHTD_SOCKET\\fR\nThe daemon's socket, when --socket is not given.\n"
         ".SH SEE ALSO\n\\fBweightd\\fR(8); docs/operations.md and docs/protocol.md in the documentation.\n",
         f);

@@ -46,7 +46,7 @@ static void print_help(FILE *f) {
   fprintf(f, "\noptions (before the command; every command also takes them after its name):\n");
   optab_help(f, &ctl_global_options, 1);
   fputc('\n', f);
-  optab_paragraphs(f, ctl_exit_codes_text, 0);
+  ctl_exit_codes_help(f);
 }
 
 /* `weightctl help [COMMAND]`. */

@@ -178,7 +178,25 @@ int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *
   free(out);
   if (rc == WEIGHTD_E_LIMIT || rc == WEIGHTD_E_INVALID)
     return lib_fail(c, rc, "%s: %s", op, e.msg);
-  if (rc != 0) return transport_fail(c, rc, &e, op);
+  if (rc != 0) {
+    /* A peer the daemon refuses gets one error frame and is closed, maybe before our request went out: read it. */
+    struct wire_frame f;
+    memset(&f, 0, sizeof f);
+    struct wd_error e2;
+    err_clear(&e2);
+    if (wire_recv_frame(c->sock, 200, &f, &e2) == 0) {
+      cJSON *msg = cJSON_ParseWithLength(f.json, f.len);
+      const cJSON *error = cJSON_GetObjectItemCaseSensitive(msg, "error");
+      int code = cJSON_IsObject(error) && cJSON_GetObjectItemCaseSensitive(msg, "id") == NULL ? reply_error(c, error) : 0;
+      cJSON_Delete(msg);
+      wire_frame_clear(&f);
+      if (code != 0) {
+        c->broken = 1;
+        return code;
+      }
+    }
+    return transport_fail(c, rc, &e, op);
+  }
 
   for (;;) {
     struct wire_frame f;
