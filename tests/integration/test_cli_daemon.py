@@ -155,6 +155,21 @@ def test_progress_only_on_a_terminal(start_daemon, ckpt_small):
         assert len(v.replace(".", "").lstrip("0")) <= 6, raw
 
 
+def test_writers_show_progress_on_a_terminal(tmp_path, ckpt_small):
+    """mkcheckpoint and export (seconds of writing) draw bytes, rate and time left; nothing through pipes."""
+    run = PtyRun("mkcheckpoint", "--preset", "qwen3-0.6b", "--layers", "1", "--out", tmp_path / "mk")
+    assert run.wait(300) == 0, run.text()
+    text = run.text()
+    assert re.search(r"\rmkcheckpoint \[[#.]+\] +\d+%  [\d.]+ of 0\.61 GiB", text), repr(text[-2000:])
+    assert re.search(r"[\d.]+ GiB/s", text) and re.search(r"wrote qwen3-0\.6b .* GiB/s, \d+ threads?", text), text
+    res = ctl("mkcheckpoint", "--preset", "qwen3-0.6b", "--layers", "1", "--out", tmp_path / "mk2", timeout=300)
+    assert res.code == 0 and res.err == "" and "\r" not in res.out, res.describe()
+    run = PtyRun("export", ckpt_small, "--out", tmp_path / "ex", "--threads", "1")
+    assert run.wait(300) == 0, run.text()
+    assert re.search(r"\rexport \[[#.]+\] +\d+%  [\d.]+ of 0\.61 GiB", run.text()), repr(run.text()[-2000:])
+    assert "GB/s" not in run.text() and re.search(r"exported plan .* GiB/s", run.text(), re.S), run.text()
+
+
 def test_prefetch_wait_progress_and_cancel(start_daemon, ckpt_sharded):
     """prefetch --wait: progress events from the daemon, and a cancel that stops it."""
     d = start_daemon({"fill_threads": 1})
