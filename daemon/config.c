@@ -1,17 +1,20 @@
 /* config.c - the configuration table and its readers (see config.h). */
 #include "config.h"
 
-#include <cjson/cJSON.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "json_strict.h"
+#include "optab.h"
 #include "pathutil.h"
+#include "suggest.h"
 
 enum cfg_type { CFG_STRING, CFG_UINT, CFG_BYTES, CFG_MODE, CFG_ENUM, CFG_PATH_LIST, CFG_ID_LIST };
 
@@ -229,9 +232,18 @@ static int set_text(struct wd_config *cfg, const struct cfg_key *k, const char *
   return err_set(err, WEIGHTD_E_INTERNAL, "config: bad key type");
 }
 
+/* "unknown key 'x'", with the closest key when one is close. */
+static int unknown_key(const char *key, struct wd_error *err) {
+  const char *names[NKEYS];
+  for (size_t i = 0; i < NKEYS; i++) names[i] = keys[i].name;
+  const char *best = suggest_closest(key, names, NKEYS);
+  if (best != NULL) return err_set(err, WEIGHTD_E_INVALID, "config: unknown key '%s'; did you mean '%s'?", key, best);
+  return err_set(err, WEIGHTD_E_INVALID, "config: unknown key '%s' (weightd --help lists the keys)", key);
+}
+
 int config_set(struct wd_config *cfg, const char *key, const char *value, struct wd_error *err) {
   const struct cfg_key *k = find_key(key);
-  if (k == NULL) return err_set(err, WEIGHTD_E_INVALID, "config: unknown key '%s'", key);
+  if (k == NULL) return unknown_key(key, err);
   return set_text(cfg, k, value, err);
 }
 
@@ -249,13 +261,95 @@ int config_defaults(struct wd_config *cfg, struct wd_error *err) {
   return 0;
 }
 
-/* One JSON value for key k: strings as text, numbers exact, lists item by item. */
-static int set_json(struct wd_config *cfg, const struct cfg_key *k, const cJSON *v,
-                    const char *path, struct wd_error *err) {
-  char buf[64];
+/* ---- the config file ------------------------------------------------------------------ */
+
+/* Where a byte offset of the file is, as line and column (both from 1; columns count bytes). */
+static void position(const char *text, size_t off, size_t *line, size_t *col) {
+  *line = 1;
+  *col = 1;
+  for (size_t i = 0; i < off && text[i] != '\0'; i++) {
+    if (text[i] == '\n') {
+      (*line)++;
+      *col = 1;
+    } else {
+      (*col)++;
+    }
+  }
+}
+
+/* The offset of a member's key, found back from its value: the opening quote before ':'. */
+static size_t key_offset(const char *text, size_t value_off) {
+  size_t i = value_off;
+  while (i > 0 && (text[i - 1] == ' ' || text[i - 1] == '\t' || text[i - 1] == '\n' || text[i - 1] == '\r')) i--;
+  if (i > 0 && text[i - 1] == ':') i--;
+  while (i > 0 && (text[i - 1] == ' ' || text[i - 1] == '\t' || text[i - 1] == '\n' || text[i - 1] == '\r')) i--;
+  if (i == 0 || text[i - 1] != '"') return value_off;
+  i--; /* the closing quote */
+  while (i > 0) {
+    i--;
+    if (text[i] == '"' && (i == 0 || text[i - 1] != '\\')) return i;
+  }
+  return value_off;
+}
+
+/* Fills err with "FILE:LINE:COLUMN: message" for the byte at off. */
+static int fail_at(struct wd_error *err, const char *path, const char *text, size_t off, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
+static int fail_at(struct wd_error *err, const char *path, const char *text, size_t off, const char *fmt, ...) {
+  char msg[WD_ERROR_MSG_MAX / 2];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  size_t line, col;
+  position(text, off, &line, &col);
+  return err_set(err, WEIGHTD_E_INVALID, "%s:%zu:%zu: %s", path, line, col, msg);
+}
+
+/* What a key's values must be, for messages: "a number", "a size such as \"64MiB\" or a number of bytes". */
+static const char *expected(const struct cfg_key *k) {
+  switch (k->type) {
+  case CFG_STRING: return "a string";
+  case CFG_UINT: return "a number";
+  case CFG_BYTES: return "a number of bytes or a size such as \"64MiB\"";
+  case CFG_MODE: return "a string of octal digits such as \"0660\"";
+  case CFG_ENUM: return "a string";
+  case CFG_PATH_LIST: return "a list of paths (strings)";
+  case CFG_ID_LIST: return "a list of numeric ids";
+  }
+  return "?";
+}
+
+/* The text of a JSON scalar as set_text takes it, when the key's type accepts the node's type; NULL otherwise. */
+static const char *scalar_text(const struct cfg_key *k, const struct sj_node *n, char *buf, size_t len) {
+  bool number_ok = k->type == CFG_UINT || k->type == CFG_BYTES || k->type == CFG_ID_LIST;
+  bool string_ok = k->type == CFG_STRING || k->type == CFG_BYTES || k->type == CFG_MODE || k->type == CFG_ENUM ||
+                   k->type == CFG_PATH_LIST;
+  if (n->type == SJ_STRING && string_ok) {
+    if (memchr(n->str, '\0', n->len) != NULL || n->len >= len) return NULL;
+    memcpy(buf, n->str, n->len);
+    buf[n->len] = '\0';
+    return buf;
+  }
+  if (n->type == SJ_NUMBER && number_ok) {
+    if (n->len >= len) return NULL;
+    memcpy(buf, n->str, n->len);
+    buf[n->len] = '\0';
+    return buf;
+  }
+  return NULL;
+}
+
+/* Applies one member (key k, value n) of the file; errors name the file, line and column. */
+static int set_member(struct wd_config *cfg, const struct cfg_key *k, const struct sj_node *n, const char *path,
+                      const char *text, struct wd_error *err) {
+  char buf[4096];
+  struct wd_error e = {0};
   if (k->type == CFG_PATH_LIST || k->type == CFG_ID_LIST) {
-    if (!cJSON_IsArray(v))
-      return err_set(err, WEIGHTD_E_INVALID, "%s: '%s' must be a list", path, k->name);
+    if (n->type != SJ_ARRAY)
+      return fail_at(err, path, text, n->offset, "'%s' must be %s, not %s", k->name, expected(k),
+                     sj_type_name(n->type));
     /* The file replaces the defaults (and earlier values) of a list. */
     char *base = (char *)cfg;
     size_t *count = (size_t *)(base + k->count_off);
@@ -266,32 +360,26 @@ static int set_json(struct wd_config *cfg, const struct cfg_key *k, const cJSON 
     free(*(void **)(base + k->offset));
     *(void **)(base + k->offset) = NULL;
     *count = 0;
-    const cJSON *e;
-    cJSON_ArrayForEach(e, v) {
-      const char *text;
-      if (cJSON_IsString(e)) {
-        text = e->valuestring;
-      } else if (cJSON_IsNumber(e) && e->valuedouble >= 0 && e->valuedouble <= 4294967295.0 &&
-                 floor(e->valuedouble) == e->valuedouble) {
-        snprintf(buf, sizeof buf, "%.0f", e->valuedouble);
-        text = buf;
-      } else {
-        return err_set(err, WEIGHTD_E_INVALID, "%s: '%s' has an entry of the wrong type", path, k->name);
-      }
-      int rc = set_text(cfg, k, text, err);
-      if (rc != 0) return rc;
+    size_t i = 0;
+    for (const struct sj_node *e2 = n->child; e2 != NULL; e2 = e2->next, i++) {
+      const char *t = scalar_text(k, e2, buf, sizeof buf);
+      if (t == NULL)
+        return fail_at(err, path, text, e2->offset, "'%s' entry %zu must be %s, not %s", k->name, i,
+                       k->type == CFG_PATH_LIST ? "a path (a string)" : "a numeric id (a number)",
+                       sj_type_name(e2->type));
+      if (set_text(cfg, k, t, &e) != 0) return fail_at(err, path, text, e2->offset, "%s", e.msg);
     }
     return 0;
   }
-  if (cJSON_IsString(v)) return set_text(cfg, k, v->valuestring, err);
-  if (cJSON_IsNumber(v) && k->type != CFG_STRING && k->type != CFG_ENUM) {
-    if (v->valuedouble < 0 || v->valuedouble > 9007199254740992.0 || floor(v->valuedouble) != v->valuedouble)
-      return err_set(err, WEIGHTD_E_INVALID, "%s: '%s' must be a non-negative integer", path, k->name);
-    if (k->type == CFG_MODE) snprintf(buf, sizeof buf, "%o", (unsigned)v->valuedouble);
-    else snprintf(buf, sizeof buf, "%.0f", v->valuedouble);
-    return set_text(cfg, k, buf, err);
+  const char *t = scalar_text(k, n, buf, sizeof buf);
+  if (t == NULL) {
+    if (n->type == SJ_STRING && k->type == CFG_UINT)
+      return fail_at(err, path, text, n->offset, "'%s' must be a number, not a string (write %.*s without quotes)",
+                     k->name, (int)(n->len < 40 ? n->len : 40), n->str);
+    return fail_at(err, path, text, n->offset, "'%s' must be %s, not %s", k->name, expected(k), sj_type_name(n->type));
   }
-  return err_set(err, WEIGHTD_E_INVALID, "%s: '%s' has the wrong type", path, k->name);
+  if (set_text(cfg, k, t, &e) != 0) return fail_at(err, path, text, n->offset, "%s", e.msg);
+  return 0;
 }
 
 int config_load_file(struct wd_config *cfg, const char *path, struct wd_error *err) {
@@ -299,24 +387,57 @@ int config_load_file(struct wd_config *cfg, const char *path, struct wd_error *e
   size_t len;
   int r = path_read_file(path, 1u << 20, &text, &len);
   if (r != 0) return err_set(err, WEIGHTD_E_INVALID, "%s: cannot read: %s", path, strerror(-r));
-  cJSON *root = cJSON_ParseWithLength(text, len);
-  free(text);
+  struct sj_doc doc = {0};
+  char why[256];
+  size_t bad = 0;
   int rc = 0;
-  if (root == NULL || !cJSON_IsObject(root)) {
-    rc = err_set(err, WEIGHTD_E_INVALID, "%s: not a JSON object", path);
+  if (!sj_utf8_valid((const unsigned char *)text, len, &bad)) {
+    rc = fail_at(err, path, text, bad, "not UTF-8");
     goto out;
   }
-  const cJSON *e;
-  cJSON_ArrayForEach(e, root) {
-    const struct cfg_key *k = find_key(e->string);
+  int prc = sj_parse(text, len, 16, &doc, why, sizeof why);
+  if (prc == -2) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "%s: out of memory", path);
+    goto out;
+  }
+  if (prc != 0) {
+    /* "at byte N: what": the position as line and column. */
+    unsigned long long at = 0;
+    const char *what = why;
+    if (sscanf(why, "at byte %llu: ", &at) == 1 && strstr(why, ": ") != NULL) what = strstr(why, ": ") + 2;
+    rc = fail_at(err, path, text, (size_t)at, "%s", what);
+    goto out;
+  }
+  if (doc.root->type != SJ_OBJECT) {
+    rc = fail_at(err, path, text, doc.root->offset, "the configuration must be a JSON object, not %s",
+                 sj_type_name(doc.root->type));
+    goto out;
+  }
+  for (const struct sj_node *n = doc.root->child; n != NULL; n = n->next) {
+    char name[128];
+    snprintf(name, sizeof name, "%.*s", (int)(n->key_len < sizeof name ? n->key_len : sizeof name - 1), n->key);
+    size_t at = key_offset(text, n->offset);
+    for (const struct sj_node *m = doc.root->child; m != n; m = m->next)
+      if (m->key_len == n->key_len && memcmp(m->key, n->key, n->key_len) == 0) {
+        size_t line, col;
+        position(text, key_offset(text, m->offset), &line, &col);
+        rc = fail_at(err, path, text, at, "'%s' is given twice (first at line %zu)", name, line);
+        goto out;
+      }
+    const struct cfg_key *k = find_key(name);
     if (k == NULL) {
-      rc = err_set(err, WEIGHTD_E_INVALID, "%s: unknown key '%s'", path, e->string);
+      const char *names[NKEYS];
+      for (size_t i = 0; i < NKEYS; i++) names[i] = keys[i].name;
+      const char *best = suggest_closest(name, names, NKEYS);
+      if (best != NULL) rc = fail_at(err, path, text, at, "unknown key '%s'; did you mean '%s'?", name, best);
+      else rc = fail_at(err, path, text, at, "unknown key '%s' (weightd --help lists the keys)", name);
       goto out;
     }
-    if ((rc = set_json(cfg, k, e, path, err)) != 0) goto out;
+    if ((rc = set_member(cfg, k, n, path, text, err)) != 0) goto out;
   }
 out:
-  cJSON_Delete(root);
+  sj_doc_free(&doc);
+  free(text);
   return rc;
 }
 
@@ -414,6 +535,18 @@ void config_print_help(FILE *f) {
   for (size_t i = 0; i < NKEYS; i++)
     fprintf(f, "  %-22s default %-10s %s%s\n", keys[i].name, keys[i].def ? keys[i].def : "[]", keys[i].help,
             keys[i].reload ? " [reloadable]" : "");
+}
+
+void config_print_man(FILE *f) {
+  for (size_t i = 0; i < NKEYS; i++) {
+    fputs(".TP\n\\fB", f);
+    optab_man_text(f, keys[i].name);
+    fputs("\\fR (default \\fI", f);
+    optab_man_text(f, keys[i].def ? (keys[i].def[0] ? keys[i].def : "\"\"") : "[]");
+    fputs("\\fR)\n", f);
+    optab_man_text(f, keys[i].help);
+    fputs(keys[i].reload ? " Reloaded at SIGHUP.\n" : "\n", f);
+  }
 }
 
 void config_free(struct wd_config *cfg) {

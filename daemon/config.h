@@ -81,6 +81,9 @@ int config_copy_key(struct wd_config *dst, const struct wd_config *src, const ch
 /* Writes every key with its help and default as a commented example. */
 void config_print_help(FILE *f);
 
+/* Writes every key with its default and help as man page .TP entries. */
+void config_print_man(FILE *f);
+
 void config_free(struct wd_config *cfg);
 
 #endif

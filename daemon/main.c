@@ -5,6 +5,7 @@
  *
  * weightd [--config FILE] [--socket PATH] [--backend auto|cuda|host]
  *         [--model-root DIR]... [--foreground] [--log-level L] [--set KEY=VALUE]...
+ * (the flag table below; --opt=value and --opt value alike)
  *
  * DESIGN: everything here runs on the loop thread; signals arrive as libuv
  * signal handles. Under a service manager (NOTIFY_SOCKET set) the daemon never
@@ -26,6 +27,7 @@
 #include "fault.h"
 #include "http.h"
 #include "log.h"
+#include "optab.h"
 #include "reload.h"
 #include "server.h"
 #include "service.h"
@@ -47,67 +49,124 @@ static char **saved_argv;
 static bool foreground;
 static char last_status[256];
 
+/* ---- the flags ------------------------------------------------------------------------ */
+
+enum flag_id { FLAG_CONFIG = 1, FLAG_SOCKET, FLAG_BACKEND, FLAG_MODEL_ROOT, FLAG_FOREGROUND, FLAG_LOG_LEVEL,
+               FLAG_SET, FLAG_HELP, FLAG_VERSION, FLAG_GENERATE_MAN };
+
+/* The flags: parsing, --help and the man page come from this table. */
+static const struct optab_opt flag_table[] = {
+    {FLAG_CONFIG, "config", 'c', OPTAB_VALUE, "FILE",
+     "Read the configuration from FILE, a JSON object of the keys below; flags override it. SIGHUP reads it "
+     "again.", 0, "@file"},
+    {FLAG_SOCKET, "socket", 0, OPTAB_VALUE, "PATH", "Listen on PATH (the key socket).", 0, "@file"},
+    {FLAG_BACKEND, "backend", 0, OPTAB_VALUE, "NAME",
+     "auto (the GPUs when CUDA starts, else host memory), cuda or host (the key backend).", 0, "auto cuda host"},
+    {FLAG_MODEL_ROOT, "model-root", 0, OPTAB_VALUE, "DIR",
+     "Serve checkpoints that resolve into DIR; repeat for several (the key model_roots).", OPTAB_REPEAT, "@dir"},
+    {FLAG_FOREGROUND, "foreground", 'f', OPTAB_SWITCH, NULL,
+     "Stay in the foreground and log to stderr. Without it weightd detaches once it listens (never under a "
+     "service manager's NOTIFY_SOCKET).", 0, NULL},
+    {FLAG_LOG_LEVEL, "log-level", 0, OPTAB_VALUE, "LEVEL", "error, warn, info or debug (the key log_level).", 0,
+     "error warn info debug"},
+    {FLAG_SET, "set", 0, OPTAB_VALUE, "KEY=VALUE", "Set any key of the configuration; repeat for several.",
+     OPTAB_REPEAT, NULL},
+    {FLAG_HELP, "help", 'h', OPTAB_SWITCH, NULL, "Print this help and exit.", 0, NULL},
+    {FLAG_VERSION, "version", 0, OPTAB_SWITCH, NULL, "Print the version and exit.", 0, NULL},
+    {FLAG_GENERATE_MAN, "generate-man", 0, OPTAB_SWITCH, NULL, "Write the man page weightd(8) to stdout.",
+     OPTAB_HIDDEN, NULL},
+};
+static const struct optab_list flag_list = {flag_table, sizeof flag_table / sizeof flag_table[0]};
+
 static void usage(FILE *f) {
-  fprintf(f,
-          "usage: weightd [--config FILE] [--socket PATH] [--backend auto|cuda|host]\n"
-          "               [--model-root DIR]... [--foreground] [--log-level LEVEL]\n"
-          "               [--set KEY=VALUE]... [--help] [--version]\n\n"
-          "Flags override the config file. Without --foreground (and without a service\n"
-          "manager's NOTIFY_SOCKET) weightd detaches once it listens. SIGHUP reloads the\n"
-          "config file (keys marked [reloadable]). See docs/operations.md.\n\n");
+  fprintf(f, "usage: weightd [OPTION]...\n\n"
+             "The weightd daemon: keeps safetensors checkpoints warm, loads them into device memory and leases\n"
+             "them to inference engines over a Unix socket. SIGHUP reloads the config file (keys marked\n"
+             "[reloadable]). See docs/operations.md and weightd(8).\n\noptions:\n");
+  optab_help(f, &flag_list, 1);
+  fprintf(f, "\nexit status: 0 stopped cleanly (or --help), 1 could not start, 2 usage error.\n\n");
   config_print_help(f);
 }
 
-/* ---- the configuration ---------------------------------------------------------------- */
+static void write_man(FILE *f) {
+  fprintf(f, ".TH WEIGHTD 8 \"\" \"weightd %s\" \"System Administration\"\n", weightd_version_string());
+  fputs(".SH NAME\nweightd \\- keep model checkpoints resident in device memory and lease them to inference "
+        "engines\n.SH SYNOPSIS\n.B weightd\n[\\fIOPTION\\fR]...\n.SH DESCRIPTION\n", f);
+  optab_man_text(f, "weightd keeps Hugging Face safetensors checkpoints mapped and warm in the page cache, loads the "
+                    "tensors an engine's rank needs into GPU memory (or sealed host memory) when asked over a Unix "
+                    "socket, and hands engines handles to that memory. weightctl(1) is its command-line client.\n");
+  fputs(".SH OPTIONS\n", f);
+  optab_man(f, &flag_list, 1);
+  fputs(".SH CONFIGURATION\n", f);
+  optab_man_text(f, "A JSON object (--config FILE). Sizes are numbers of bytes or strings such as \"64MiB\". "
+                    "Errors name the file, line and column; an unknown key is an error that suggests the closest "
+                    "key; a budget above the machine's memory is capped with a warning.\n");
+  config_print_man(f);
+  fputs(".SH SIGNALS\n.TP\n\\fBSIGTERM\\fR, \\fBSIGINT\\fR\nStop: cancel loads, tell clients, free every set, "
+        "remove the socket, exit 0.\n.TP\n\\fBSIGHUP\\fR\nReload the configuration file.\n"
+        ".SH EXIT STATUS\n0: stopped cleanly. 1: could not start (the reason is logged and printed). 2: usage "
+        "error.\n.SH FILES\n.TP\n\\fI/run/weightd/weightd.sock\\fR\nThe socket when run as root.\n.TP\n"
+        "\\fI/etc/weightd/weightd.json\\fR\nThe configuration the service unit reads.\n"
+        ".SH SEE ALSO\n\\fBweightctl\\fR(1); docs/operations.md and docs/protocol.md in the documentation.\n",
+        f);
+}
 
 /*
- * Applies the flags on top of cfg. Returns 0, 1 after printing help or the
- * version (exit 0), 2 for a usage error (printed), or a negative error.
+ * One pass over the flags. The scan pass (cfg NULL) only notes --config and
+ * --foreground and finds usage errors; the apply pass sets the values.
  */
-static int apply_flags(struct wd_config *cfg, int argc, char **argv, struct wd_error *err) {
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    int rc = 0;
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      usage(stdout);
-      return 1;
-    } else if (strcmp(a, "--version") == 0) {
-      printf("weightd %s\n", weightd_version_string());
-      return 1;
-    } else if (strcmp(a, "--foreground") == 0 || strcmp(a, "-f") == 0) {
-      continue;
-    } else if (v == NULL) {
-      fprintf(stderr, "weightd: %s needs a value or is unknown\n", a);
-      usage(stderr);
-      return 2;
-    } else if (strcmp(a, "--config") == 0) {
-    } else if (strcmp(a, "--socket") == 0) {
-      rc = config_set(cfg, "socket", v, err);
-    } else if (strcmp(a, "--backend") == 0) {
-      rc = config_set(cfg, "backend", v, err);
-    } else if (strcmp(a, "--model-root") == 0) {
-      rc = config_add_model_root(cfg, v, err);
-    } else if (strcmp(a, "--log-level") == 0) {
-      rc = config_set(cfg, "log_level", v, err);
-    } else if (strcmp(a, "--set") == 0) {
-      const char *eq = strchr(v, '=');
-      if (eq == NULL) {
-        fprintf(stderr, "weightd: --set needs KEY=VALUE\n");
-        return 2;
-      }
-      char key[64];
-      snprintf(key, sizeof key, "%.*s", (int)(eq - v), v);
-      rc = config_set(cfg, key, eq + 1, err);
-    } else {
-      fprintf(stderr, "weightd: unknown flag %s\n", a);
-      usage(stderr);
+struct flag_pass {
+  struct wd_config *cfg;
+  struct wd_error *err;
+  int action; /* FLAG_HELP, FLAG_VERSION, FLAG_GENERATE_MAN or 0 */
+  char why[300];
+};
+
+static int take_flag(void *arg, const struct optab_opt *o, const char *v) {
+  struct flag_pass *p = arg;
+  if (o == NULL) {
+    snprintf(p->why, sizeof p->why, "unexpected argument '%s' (weightd takes options only)", v);
+    return 2;
+  }
+  if (p->cfg == NULL) { /* the scan pass */
+    if (o->id == FLAG_CONFIG) config_file = v;
+    else if (o->id == FLAG_FOREGROUND) foreground = true;
+    else if (o->id == FLAG_HELP || o->id == FLAG_VERSION || o->id == FLAG_GENERATE_MAN) p->action = o->id;
+    else if (o->id == FLAG_SET && strchr(v, '=') == NULL) {
+      snprintf(p->why, sizeof p->why, "--set needs KEY=VALUE, not '%s'", v);
       return 2;
     }
-    if (rc != 0) return rc;
-    i++;
+    return 0;
   }
+  static const char *const keys[] = {[FLAG_SOCKET] = "socket", [FLAG_BACKEND] = "backend",
+                                     [FLAG_LOG_LEVEL] = "log_level", [FLAG_MODEL_ROOT] = "model_roots"};
+  if (o->id == FLAG_SET) {
+    const char *eq = strchr(v, '=');
+    char key[64];
+    snprintf(key, sizeof key, "%.*s", (int)(eq - v), v);
+    return config_set(p->cfg, key, eq + 1, p->err);
+  }
+  if ((size_t)o->id < sizeof keys / sizeof keys[0] && keys[o->id] != NULL) return config_set(p->cfg, keys[o->id], v, p->err);
   return 0;
+}
+
+/*
+ * Applies the flags on top of cfg (NULL: only scan them). Returns 0, 1 after
+ * printing help, the version or the man page (exit 0), 2 for a usage error
+ * (printed), or a negative error.
+ */
+static int apply_flags(struct wd_config *cfg, int argc, char **argv, struct wd_error *err) {
+  struct flag_pass p = {.cfg = cfg, .err = err};
+  int rc = optab_parse(&flag_list, 1, argc, argv, false, take_flag, &p, NULL, p.why, sizeof p.why);
+  if (rc == -1 || rc == 2) {
+    fprintf(stderr, "weightd: %s (weightd --help lists the options)\n", p.why);
+    return 2;
+  }
+  if (rc != 0) return rc;
+  if (p.action == FLAG_HELP) usage(stdout);
+  else if (p.action == FLAG_VERSION) printf("weightd %s\n", weightd_version_string());
+  else if (p.action == FLAG_GENERATE_MAN) write_man(stdout);
+  return p.action != 0 ? 1 : 0;
 }
 
 /* Builds a configuration: defaults, then the file, then the flags. Same return values as apply_flags. */
@@ -326,10 +385,9 @@ int main(int argc, char **argv) {
   d->request_stop = request_stop;
   saved_argc = argc;
   saved_argv = argv;
-  for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--config") == 0 && i + 1 < argc) config_file = argv[++i];
-    else if (strcmp(argv[i], "--foreground") == 0 || strcmp(argv[i], "-f") == 0) foreground = true;
-  }
+  int frc = apply_flags(NULL, argc, argv, &err); /* --config and --foreground first; usage errors before anything */
+  if (frc == 1) return 0;
+  if (frc != 0) return 2;
   /* SIGHUP before the loop handles it must not kill a daemon starting up. */
   signal(SIGHUP, SIG_IGN);
   signal(SIGPIPE, SIG_IGN);

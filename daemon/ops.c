@@ -80,10 +80,72 @@ static void op_hello(struct request *r) {
   req_reply(r, rep, NULL, 0);
 }
 
+/* The request called text ("r42") in status, started or queued, on any connection; NULL if none. */
+static struct request *request_by_serial(const struct conn *self, const char *text) {
+  uint64_t serial = 0;
+  if (text[0] != 'r' || text[1] < '1' || text[1] > '9' || strlen(text) > 20) return NULL;
+  for (const char *p = text + 1; *p != '\0'; p++) {
+    if (*p < '0' || *p > '9') return NULL;
+    serial = serial * 10 + (uint64_t)(*p - '0');
+  }
+  for (struct conn *c = self->ops->first(self); c != NULL; c = c->next) {
+    for (struct request *t = c->requests; t != NULL; t = t->next_in_conn)
+      if (t->serial == serial) return t;
+    for (struct request *t = c->queued; t != NULL; t = t->next_in_conn)
+      if (t->serial == serial) return t;
+  }
+  return NULL;
+}
+
+/* cancel {"request": "r42"}: any connection's request, for the same uid, root or the daemon's uid. */
+static void cancel_by_serial(struct request *r, const char *rid) {
+  struct request *t = request_by_serial(r->conn, rid);
+  if (t == NULL || t == r || t->done) {
+    req_fail(r, WEIGHTD_E_NOT_FOUND, "no request '%.40s' in progress (status lists them under 'requests')", rid);
+    return;
+  }
+  if (t->conn->uid != r->conn->uid && !conn_is_privileged(r->conn)) {
+    req_fail(r, WEIGHTD_E_PERMISSION,
+             "request %s belongs to uid %d: only that uid, root or the daemon's uid may cancel it", rid,
+             (int)t->conn->uid);
+    return;
+  }
+  int op = t->op;
+  pid_t pid = t->conn->pid;
+  bool canceled;
+  if (!t->started && t->conn->ops->dequeue(t->conn, t)) {
+    req_fail(t, WEIGHTD_E_CANCELED, "canceled before it started (by pid %d)", (int)r->conn->pid);
+    canceled = true;
+  } else {
+    canceled = ops_sets_cancel(t);
+  }
+  if (canceled)
+    log_msg(LOG_INFO, "request %s (%s of pid %d) canceled by pid %d", rid, msg_op_name(op), (int)pid,
+            (int)r->conn->pid);
+  cJSON *rep = msg_reply_ok(r->id);
+  cJSON_AddBoolToObject(rep, "canceled", canceled);
+  msg_add_string(rep, "request", rid);
+  msg_add_string(rep, "op", msg_op_name(op));
+  req_reply(r, rep, NULL, 0);
+}
+
 static void op_cancel(struct request *r) {
   const cJSON *target = cJSON_GetObjectItemCaseSensitive(r->root, "target");
+  const char *rid;
+  if (!ops_str_arg(r, "request", false, &rid)) return;
+  if (rid != NULL && target != NULL) {
+    req_fail(r, WEIGHTD_E_BAD_REQUEST,
+             "give 'target' (the id of a request on this connection) or 'request' (a daemon-wide id), not both");
+    return;
+  }
+  if (rid != NULL) {
+    cancel_by_serial(r, rid);
+    return;
+  }
   if (target == NULL || !(cJSON_IsString(target) || cJSON_IsNumber(target))) {
-    req_fail(r, WEIGHTD_E_BAD_REQUEST, "field 'target' must be the id of a request on this connection");
+    req_fail(r, WEIGHTD_E_BAD_REQUEST,
+             "field 'target' must be the id of a request on this connection (or give 'request', a daemon-wide id "
+             "from status)");
     return;
   }
   bool canceled = false;

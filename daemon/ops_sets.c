@@ -10,6 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "handles.h"
 #include "jsonutil.h"
 #include "log.h"
@@ -49,8 +50,54 @@ void op_close(struct request *r) {
   if (path != NULL) reg_resolve(req_daemon(r)->reg, path, close_resolved, r);
 }
 
+/*
+ * Progress events of a prefetch that is waited for: a timer per request reads
+ * the registry's count every 100 ms and sends it when it moved. The timer
+ * outlives its request only until its close completes.
+ */
+struct ops_ticker {
+  uv_timer_t timer;
+  struct request *req; /* NULL once the request is answered */
+  uint64_t last;
+};
+
+static void ticker_closed(uv_handle_t *h) { free(h->data); }
+
+static void on_tick(uv_timer_t *t) {
+  struct ops_ticker *k = t->data;
+  struct request *r = k->req;
+  if (r == NULL || r->prefetch == NULL) return;
+  uint64_t done, total;
+  reg_prefetch_progress(r->prefetch, &done, &total);
+  if (done == k->last && done != 0) return;
+  k->last = done;
+  req_progress(r, done, total);
+}
+
+/* Starts r's progress events (none when memory is short: the reply still comes). */
+static void ticker_start(struct request *r) {
+  struct ops_ticker *k = calloc(1, sizeof *k);
+  if (k == NULL) return;
+  uv_timer_init(req_daemon(r)->loop, &k->timer);
+  k->timer.data = k;
+  k->req = r;
+  r->ticker = k;
+  uv_timer_start(&k->timer, on_tick, 100, 100);
+}
+
+static void ticker_stop(struct request *r) {
+  struct ops_ticker *k = r->ticker;
+  if (k == NULL) return;
+  r->ticker = NULL;
+  k->req = NULL;
+  uv_timer_stop(&k->timer);
+  uv_close((uv_handle_t *)&k->timer, ticker_closed);
+}
+
 static void prefetched(void *arg, struct reg_ckpt *ck, uint64_t resident, const struct wd_error *err) {
   struct request *r = arg;
+  r->prefetch = NULL;
+  ticker_stop(r);
   if (err != NULL) {
     req_fail_err(r, err);
     return;
@@ -67,6 +114,11 @@ static void prefetch_ready(void *arg, struct reg_ckpt *ck, const struct wd_error
     req_fail_err(r, err);
     return;
   }
+  if (r->canceled) {
+    reg_unref(ck);
+    req_fail(r, WEIGHTD_E_CANCELED, "prefetch canceled");
+    return;
+  }
   struct msg_obj o;
   bool wait = false, pin = false;
   struct wd_error e = {0};
@@ -78,13 +130,17 @@ static void prefetch_ready(void *arg, struct reg_ckpt *ck, const struct wd_error
     ops_reply_checkpoint(r, ck);
     return;
   }
-  if (reg_prefetch(d->reg, ck, pin, wait ? prefetched : NULL, r, &e) != 0) {
+  if (reg_prefetch_start(d->reg, ck, pin, wait ? prefetched : NULL, r, wait ? &r->prefetch : NULL, &e) != 0) {
     reg_unref(ck);
     req_fail_err(r, &e);
     return;
   }
-  if (wait) reg_unref(ck);
-  else ops_reply_checkpoint(r, ck);
+  if (wait) {
+    reg_unref(ck);
+    ticker_start(r);
+  } else {
+    ops_reply_checkpoint(r, ck);
+  }
 }
 
 void op_prefetch(struct request *r) {
@@ -258,6 +314,12 @@ static void wait_init(struct request *r) {
 }
 
 bool ops_sets_cancel(struct request *t) {
+  if (t->op == MSG_OP_PREFETCH) {
+    /* A running read stops between chunks and answers CANCELED; one still opening answers when opened. */
+    if (t->prefetch != NULL) reg_prefetch_cancel(t->prefetch);
+    else t->canceled = true;
+    return true;
+  }
   if (t->op != MSG_OP_LOAD && t->op != MSG_OP_ATTACH) return false;
   struct res_set *s = t->wait.set;
   if (s == NULL) {
@@ -386,6 +448,36 @@ static void evicted(void *arg, char *const *ids, size_t n) {
   req_reply(r, rep, NULL, 0);
 }
 
+/*
+ * Appends who holds a leased set's leases to a BUSY message: each lease's
+ * id, the holder's pid and uid (from SO_PEERCRED), the client name its hello
+ * gave (self-reported) and its age, and how to end it.
+ */
+static void busy_holders(struct daemon *d, const char *set_id, struct wd_error *err) {
+  struct res_set *s = res_find_set(d->res, set_id);
+  if (s == NULL || s->leases == 0) return;
+  size_t len = strlen(err->msg);
+  const char *sep = ": ";
+  unsigned shown = 0;
+  uint64_t now = clock_ms();
+  for (struct lease *l = res_first_lease(d->res); l != NULL && len < sizeof err->msg - 1; l = l->next) {
+    if (l->set != s) continue;
+    if (shown++ == 4) {
+      snprintf(err->msg + len, sizeof err->msg - len, "; and %d more", s->leases - 4);
+      len = strlen(err->msg);
+      break;
+    }
+    char client[96] = "";
+    if (l->holder.client[0] != '\0') snprintf(client, sizeof client, ", client '%s' (self-reported)", l->holder.client);
+    snprintf(err->msg + len, sizeof err->msg - len, "%slease %s held by pid %d uid %u%s for %.0f s", sep, l->id,
+             (int)l->holder.pid, (unsigned)l->holder.uid, client, (double)(now - l->created_ms) / 1000.0);
+    len = strlen(err->msg);
+    sep = "; ";
+  }
+  snprintf(err->msg + len, sizeof err->msg - len,
+           " (the holder releases it, or root or the daemon's user: weightctl release LEASE)");
+}
+
 /* evict answers once the memory is back: the slabs are freed on a job first. */
 void op_evict(struct request *r) {
   struct daemon *d = req_daemon(r);
@@ -404,5 +496,8 @@ void op_evict(struct request *r) {
       return;
     }
   }
-  if (res_evict(d->res, set_id, device, evicted, r, &err) != 0) req_fail_err(r, &err);
+  if (res_evict(d->res, set_id, device, evicted, r, &err) != 0) {
+    if (err.code == WEIGHTD_E_BUSY && set_id != NULL) busy_holders(d, set_id, &err);
+    req_fail_err(r, &err);
+  }
 }

@@ -511,6 +511,10 @@ struct prefetch {
   struct reg_ckpt **unpin; /* pinned checkpoints to unregister first, referenced */
   size_t nunpin;
   atomic_int failed;
+  atomic_bool canceled;        /* reg_prefetch_cancel: stop between chunks, do not pin */
+  atomic_uint_fast64_t done;   /* shard bytes read so far */
+  uint64_t total;              /* shard bytes to read */
+  bool stopped;                /* the work saw the cancel before pinning (read by done) */
   int pin_rc;
   struct wd_error pin_err;
   uint64_t resident; /* measured at the end, on the job thread */
@@ -529,10 +533,11 @@ static void prefetch_chunk(void *arg, size_t i) {
     if (k < n) break;
     k -= n;
   }
-  if (s == c->nshards || atomic_load(&p->reg->stopping)) return;
+  if (s == c->nshards || atomic_load(&p->reg->stopping) || atomic_load(&p->canceled)) return;
   uint64_t off = k * PREFETCH_CHUNK, end = off + PREFETCH_CHUNK;
   if (end > c->shards[s].size) end = c->shards[s].size;
   if (fault_touch((const char *)p->ck->maps[s] + off, (size_t)(end - off)) != 0) atomic_store(&p->failed, 1);
+  atomic_fetch_add(&p->done, end - off);
 }
 
 static void unregister_all(const struct wd_backend *b, struct reg_ckpt *ck) {
@@ -552,7 +557,8 @@ static void prefetch_work(struct job *j) {
     n += (size_t)((c->shards[s].size + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK);
   }
   fill_run(p->reg->fill, n, prefetch_chunk, p);
-  if (p->pin && !atomic_load(&p->failed)) {
+  p->stopped = atomic_load(&p->canceled);
+  if (p->pin && !atomic_load(&p->failed) && !p->stopped) {
     double t0 = clock_s();
     size_t s = 0;
     for (; s < c->nshards; s++) {
@@ -583,8 +589,9 @@ static void prefetch_done(struct job *j) {
   }
   free(p->unpin);
   int failed = atomic_load(&p->failed);
+  bool canceled = p->stopped;
   if (p->pin) {
-    if (failed || p->pin_rc != 0) {
+    if (failed || canceled || p->pin_rc != 0) {
       r->pinned_bytes -= p->ck->pinned_bytes;
       p->ck->pinned_bytes = 0;
     } else {
@@ -595,6 +602,9 @@ static void prefetch_done(struct job *j) {
   if (failed) {
     log_msg(LOG_WARN, "%s: prefetch hit a truncated shard", p->ck->path);
     err_set(&err, WEIGHTD_E_FAULT, "%s: a shard was truncated while it was read", p->ck->path);
+  } else if (canceled) {
+    log_msg(LOG_INFO, "prefetch of %s canceled", p->ck->path);
+    err_set(&err, WEIGHTD_E_CANCELED, "prefetch of %s canceled", p->ck->path);
   } else if (p->pin_rc != 0) {
     log_msg(LOG_WARN, "%s", p->pin_err.msg);
     err = p->pin_err;
@@ -642,6 +652,20 @@ static int choose_unpin(struct prefetch *p, uint64_t need, struct wd_error *err)
 
 int reg_prefetch(struct registry *r, struct reg_ckpt *ck, bool pin, reg_prefetched_fn cb, void *arg,
                  struct wd_error *err) {
+  return reg_prefetch_start(r, ck, pin, cb, arg, NULL, err);
+}
+
+/* A handle is the prefetch itself, seen through an incomplete type. */
+void reg_prefetch_progress(const struct reg_prefetch *h, uint64_t *done, uint64_t *total) {
+  const struct prefetch *p = (const struct prefetch *)h;
+  *done = atomic_load(&((struct prefetch *)p)->done);
+  *total = p->total;
+}
+
+void reg_prefetch_cancel(struct reg_prefetch *h) { atomic_store(&((struct prefetch *)h)->canceled, true); }
+
+int reg_prefetch_start(struct registry *r, struct reg_ckpt *ck, bool pin, reg_prefetched_fn cb, void *arg,
+                       struct reg_prefetch **handle, struct wd_error *err) {
   struct prefetch *p = calloc(1, sizeof *p);
   if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   p->job.work = prefetch_work;
@@ -651,6 +675,10 @@ int reg_prefetch(struct registry *r, struct reg_ckpt *ck, bool pin, reg_prefetch
   p->cb = cb;
   p->arg = arg;
   atomic_init(&p->failed, 0);
+  atomic_init(&p->canceled, false);
+  atomic_init(&p->done, 0);
+  for (size_t s = 0; s < ck->ck->nshards; s++)
+    if (ck->maps[s] != NULL) p->total += ck->ck->shards[s].size;
   p->pin = pin && !(r->backend->ops->caps & WD_CAP_HOST_SLABS) && !atomic_load(&ck->pinned) &&
            ck->pinned_bytes == 0;
   if (p->pin && ck->unpinning) {
@@ -678,6 +706,7 @@ int reg_prefetch(struct registry *r, struct reg_ckpt *ck, bool pin, reg_prefetch
   }
   reg_ref(ck);
   ck->prefetching = true;
+  if (handle != NULL) *handle = (struct reg_prefetch *)p;
   jobs_submit(r->bulk, &p->job);
   return 0;
 }

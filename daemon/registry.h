@@ -140,4 +140,20 @@ typedef void (*reg_prefetched_fn)(void *arg, struct reg_ckpt *ck, uint64_t resid
 int reg_prefetch(struct registry *r, struct reg_ckpt *ck, bool pin, reg_prefetched_fn cb, void *arg,
                  struct wd_error *err);
 
+/* A running prefetch, as reg_prefetch_start names it to its caller. */
+struct reg_prefetch;
+
+/*
+ * reg_prefetch, and *handle names the running prefetch until cb (which must
+ * not be NULL) runs: the caller may ask it for progress and tell it to stop.
+ */
+int reg_prefetch_start(struct registry *r, struct reg_ckpt *ck, bool pin, reg_prefetched_fn cb, void *arg,
+                       struct reg_prefetch **handle, struct wd_error *err);
+
+/* Bytes of the shards read so far and in all (loop thread; the count is updated by the readers). */
+void reg_prefetch_progress(const struct reg_prefetch *h, uint64_t *done, uint64_t *total);
+
+/* Tells the prefetch to stop between chunks and not to pin; its cb then gets WEIGHTD_E_CANCELED. */
+void reg_prefetch_cancel(struct reg_prefetch *h);
+
 #endif

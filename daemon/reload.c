@@ -29,8 +29,12 @@ static bool changed(const struct diff *df, const char *key) {
   return false;
 }
 
-int reload_apply(struct daemon *d, const struct wd_config *next, struct wd_error *err) {
+int reload_apply(struct daemon *d, struct wd_config *next, struct wd_error *err) {
   struct diff df = {0};
+  struct wd_device_info devices[64];
+  int ndev = d->ndevices < 64 ? d->ndevices : 64;
+  for (int i = 0; i < ndev; i++) devices[i] = res_device(d->res, i)->info;
+  startup_budgets_cap(next, devices, ndev);
   config_compare(&d->cfg, next, note_change, &df);
   /* Check what can fail before anything changes. */
   if (next->max_request_bytes * 32 > next->request_memory / 4)

@@ -14,10 +14,11 @@
 #include "error.h"
 
 /*
- * Applies next (a complete, validated configuration) to d. Returns 0 with
- * next's reloadable values in d->cfg, or an error (a model root that does not
- * resolve, inconsistent limits) with d->cfg unchanged.
+ * Applies next (a complete, validated configuration) to d, after capping its
+ * budgets at the machine's memory as start-up does (next is changed so).
+ * Returns 0 with next's reloadable values in d->cfg, or an error (a model
+ * root that does not resolve, inconsistent limits) with d->cfg unchanged.
  */
-int reload_apply(struct daemon *d, const struct wd_config *next, struct wd_error *err);
+int reload_apply(struct daemon *d, struct wd_config *next, struct wd_error *err);
 
 #endif

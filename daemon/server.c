@@ -44,6 +44,7 @@
 
 #include "server.h"
 
+#include "clock.h"
 #include "log.h"
 #include "msg.h"
 #include "ops.h"
@@ -69,6 +70,7 @@ struct server {
   struct conn *conns;
   size_t nconns;
   size_t nwaiting_memory; /* connections whose next frame waits for request memory */
+  uint64_t last_serial;   /* the daemon-wide id of the latest request read */
 };
 
 static void conn_close(struct conn *c);
@@ -76,12 +78,16 @@ static void kick(struct conn *c);
 static int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds);
 static void req_finish(struct request *r);
 static struct request *conn_unqueue(struct conn *c, const cJSON *id);
+static bool conn_dequeue(struct conn *c, struct request *r);
+static struct conn *conn_first(const struct conn *c);
 
 /* What the op handlers reach the transport through (request.h). */
 static const struct conn_ops transport = {
     .send = conn_send,
     .finish = req_finish,
     .unqueue = conn_unqueue,
+    .dequeue = conn_dequeue,
+    .first = conn_first,
 };
 
 /* ---- references --------------------------------------------------------------- */
@@ -334,6 +340,21 @@ static struct request *conn_unqueue(struct conn *c, const cJSON *id) {
   return NULL;
 }
 
+static bool conn_dequeue(struct conn *c, struct request *r) {
+  for (struct request **pp = &c->queued; *pp != NULL; pp = &(*pp)->next_in_conn) {
+    if (*pp != r) continue;
+    *pp = r->next_in_conn;
+    if (*pp == NULL) c->queued_tail = pp;
+    c->nqueued--;
+    r->next_in_conn = c->requests; /* finished as a started request would be */
+    c->requests = r;
+    return true;
+  }
+  return false;
+}
+
+static struct conn *conn_first(const struct conn *c) { return c->srv->conns; }
+
 /* Starts queued requests while there is room. */
 static void start_queued(struct conn *c) {
   while (alive(c) && c->inflight < CONN_MAX_INFLIGHT && c->queued != NULL) req_start(queue_pop(c));
@@ -376,6 +397,8 @@ static void take_request(struct conn *c, struct msg_request *m, int rc, const st
   r->id = m->id;
   r->op = m->op;
   r->mem = mem;
+  r->serial = ++c->srv->last_serial;
+  r->created_ms = clock_ms();
   m->root = NULL;
   m->id = NULL;
   msg_request_free(m);
@@ -745,7 +768,12 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     if (!peer_allowed(c)) {
       log_msg(LOG_WARN, "refused pid %d uid %d gid %d: not in allowed_uids/allowed_gids", (int)c->pid, (int)c->uid,
               (int)c->gid);
-      conn_fail(c, NULL, WEIGHTD_E_PERMISSION, "this uid/gid may not use the daemon");
+      char why[200];
+      snprintf(why, sizeof why,
+               "uid %d (primary gid %d) may not use this daemon: add the uid to allowed_uids or the gid to "
+               "allowed_gids in its configuration",
+               (int)c->uid, (int)c->gid);
+      conn_fail(c, NULL, WEIGHTD_E_PERMISSION, why);
       continue;
     }
     log_msg(LOG_DEBUG, "connection from pid %d uid %d", (int)c->pid, (int)c->uid);
@@ -830,18 +858,35 @@ int server_start(struct daemon *d, int passed_fd, struct wd_error *err) {
     goto fail;
   }
   strcpy(taddr.sun_path, tmp);
+  /* A missing directory would otherwise be reported against the temporary name. */
+  char *slash = strrchr(path, '/');
+  if (slash != NULL && slash != path) {
+    char dir[sizeof addr.sun_path];
+    snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    struct stat ds;
+    int missing = stat(dir, &ds) != 0 ? errno : S_ISDIR(ds.st_mode) ? 0 : ENOTDIR;
+    if (missing != 0) {
+      rc = err_set(err, WEIGHTD_E_IO, "socket %s: %s: %s (create the directory, or choose another socket path)",
+                   path, dir, strerror(missing));
+      goto fail;
+    }
+  }
   unlink(tmp);
   mode_t old = umask(0177);
   rc = bind(fd, (struct sockaddr *)&taddr, sizeof taddr);
   umask(old);
   if (rc != 0) {
-    rc = err_set(err, WEIGHTD_E_IO, "bind %s: %s", tmp, strerror(errno));
+    rc = err_set(err, WEIGHTD_E_IO, "socket %s: cannot bind: %s", path, strerror(errno));
     goto fail;
   }
   if (d->cfg.socket_group != NULL && d->cfg.socket_group[0] != '\0') {
     struct group *g = getgrnam(d->cfg.socket_group);
     if (g == NULL) {
-      log_msg(LOG_INFO, "group '%s' does not exist: socket keeps group %d", d->cfg.socket_group, (int)getegid());
+      log_msg(LOG_WARN,
+              "socket_group '%s' does not exist: %s keeps the daemon's group (gid %d), so with socket_mode %04o "
+              "only its members, root and uid %d can connect; create the group (systemd-sysusers, groupadd) or "
+              "set socket_group",
+              d->cfg.socket_group, path, (int)getegid(), (unsigned)d->cfg.socket_mode, (int)geteuid());
     } else if (chown(tmp, (uid_t)-1, g->gr_gid) != 0) {
       log_msg(LOG_WARN, "cannot give %s to group '%s': %s", path, d->cfg.socket_group, strerror(errno));
     }

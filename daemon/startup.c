@@ -128,6 +128,26 @@ uint64_t startup_pin_budget(const struct wd_config *cfg) {
   return (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE) / 2;
 }
 
+void startup_budgets_cap(struct wd_config *cfg, const struct wd_device_info *devices, int n) {
+  const double gib = (double)(1ull << 30);
+  int smallest = -1;
+  for (int i = 0; i < n; i++)
+    if (smallest < 0 || devices[i].memory_total < devices[smallest].memory_total) smallest = i;
+  if (smallest >= 0 && cfg->device_memory_budget > devices[smallest].memory_total) {
+    log_msg(LOG_WARN,
+            "device_memory_budget (%.2f GiB) is more than device %d (%s) has (%.2f GiB): capped at %.2f GiB",
+            (double)cfg->device_memory_budget / gib, smallest, devices[smallest].name,
+            (double)devices[smallest].memory_total / gib, (double)devices[smallest].memory_total / gib);
+    cfg->device_memory_budget = devices[smallest].memory_total;
+  }
+  uint64_t phys = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+  if (phys > 0 && cfg->host_pin_budget > phys) {
+    log_msg(LOG_WARN, "host_pin_budget (%.2f GiB) is more than this machine's memory (%.2f GiB): capped at %.2f GiB",
+            (double)cfg->host_pin_budget / gib, (double)phys / gib, (double)phys / gib);
+    cfg->host_pin_budget = phys;
+  }
+}
+
 int startup_state(struct daemon *d, struct wd_error *err) {
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   unsigned fill = d->cfg.fill_threads ? (unsigned)d->cfg.fill_threads : (unsigned)(ncpu > 0 ? ncpu : 1);
@@ -139,6 +159,7 @@ int startup_state(struct daemon *d, struct wd_error *err) {
   struct wd_device_info *devices = NULL;
   int rc = query_devices(d, &devices, err);
   if (rc != 0) return rc;
+  startup_budgets_cap(&d->cfg, devices, d->ndevices);
   struct ld_params lp = {.backend = &d->backend,
                          .fill = d->fill,
                          .ndevices = d->ndevices,

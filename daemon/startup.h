@@ -34,6 +34,13 @@ int startup_roots_apply(struct daemon *d, const struct wd_config *cfg, struct wd
 /* The pinned tier's budget: configured, or half of physical memory at the time of the call. */
 uint64_t startup_pin_budget(const struct wd_config *cfg);
 
+/*
+ * Caps cfg's budgets at what the machine has: device_memory_budget at the
+ * memory of the smallest of the n devices, host_pin_budget at physical
+ * memory. Each cap is logged as a warning with both figures.
+ */
+void startup_budgets_cap(struct wd_config *cfg, const struct wd_device_info *devices, int n);
+
 /* Frees whatever startup built (NULL-safe parts). */
 void startup_free(struct daemon *d);
 

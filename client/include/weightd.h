@@ -115,10 +115,37 @@ typedef struct weightd_set weightd_set;
  * that accepts wins, and WEIGHTD_E_CONNECT's message names every path tried.
  * A daemon that does not speak this protocol gives WEIGHTD_E_VERSION, one
  * that refuses this user WEIGHTD_E_PERMISSION; hello waits at most 30 s.
+ * WEIGHTD_E_CONNECT's message says, for each path, what to do: no socket
+ * there, no daemon listening behind a stale socket file, or the socket's
+ * owner, group and mode next to the caller's uid and groups when the
+ * socket's permissions refused it.
  * On failure *out is still set when memory allowed, so that
  * weightd_last_error() can say why; close it with weightd_close().
  */
 int weightd_connect(const char *socket_path, weightd_client **out);
+
+/*
+ * Options of weightd_connect_opts. Set struct_size to sizeof the struct you
+ * compiled against: fields added later are appended and read only when
+ * struct_size covers them. NULL options mean all defaults.
+ */
+struct weightd_connect_options {
+  size_t struct_size;
+  const char *socket_path; /* NULL: the search weightd_connect describes */
+  /*
+   * The name hello sends: status shows it next to this connection's leases
+   * and requests, labelled as self-reported (the daemon cannot check it;
+   * the pid and uid beside it come from the kernel). At most 63 bytes are
+   * sent. NULL: "libweightd VERSION (PROGRAM)".
+   */
+  const char *client_name;
+};
+
+/* Connects as weightd_connect does, with options; weightd_connect(p, out) is this with only socket_path p. */
+int weightd_connect_opts(const struct weightd_connect_options *opts, weightd_client **out);
+
+/* The socket path this handle connected to (after the search), "" when none. NULL-safe. */
+const char *weightd_socket_path(const weightd_client *c);
 
 /*
  * Closes the connection; the daemon ends its leases. NULL-safe. Sets still

@@ -28,6 +28,8 @@ struct weightd_client {
   int broken;         /* the stream is out of step or closed: nothing more is sent */
   int shutdown_seen;  /* the daemon announced that it is stopping */
   char backend[16];   /* from hello */
+  char *socket_path;  /* the path connected to */
+  char client_name[64]; /* sent in hello */
   char daemon_version[32];
   struct wd_error err;   /* the last error's detail */
   struct weightd_set *sets; /* sets attached through this handle, a list */

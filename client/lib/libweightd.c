@@ -15,13 +15,17 @@
  * so that a connection that then closes reports WEIGHTD_E_SHUTDOWN.
  */
 #include <errno.h>
+#include <grp.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pwd.h>
+#include <stddef.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -219,7 +223,25 @@ static int call(weightd_client *c, cJSON *req, weightd_progress_fn progress, voi
   free(out);
   if (rc == WEIGHTD_E_LIMIT || rc == WEIGHTD_E_INVALID)
     return lib_fail(c, rc, "%s: %s", op, e.msg);
-  if (rc != 0) return transport_fail(c, rc, &e, op);
+  if (rc != 0) {
+    /* A peer the daemon refuses gets one error frame and is closed, maybe before our request went out: read it. */
+    struct wire_frame f;
+    memset(&f, 0, sizeof f);
+    struct wd_error e2;
+    err_clear(&e2);
+    struct sj_doc doc;
+    if (wire_recv_frame(c->sock, 200, &f, &e2) == 0 && frame_doc(&f, &doc) == 0) {
+      const struct sj_node *error = lib_sj_get(doc.root, "error");
+      int code = error != NULL && error->type == SJ_OBJECT && lib_sj_get(doc.root, "id") == NULL ? reply_error(c, error) : 0;
+      sj_doc_free(&doc);
+      wire_frame_clear(&f);
+      if (code != 0) {
+        c->broken = 1;
+        return code;
+      }
+    }
+    return transport_fail(c, rc, &e, op);
+  }
 
   for (;;) {
     struct wire_frame f;
@@ -357,15 +379,90 @@ static int try_connect(const char *path, int *out) {
   return 0;
 }
 
+/*
+ * Why connecting to path failed (e = errno), with what to do about it:
+ * "PATH: no daemon is listening (...)", "PATH: no such socket (...)", or for
+ * a refusal by permissions the socket's owner, group and mode next to the
+ * caller's uid and groups, and the configuration keys that decide.
+ */
+static void describe_connect_error(const char *path, int e, char *buf, size_t len) {
+  if (e == ECONNREFUSED) {
+    snprintf(buf, len,
+             "no daemon is listening at %s (the socket file is left from a daemon that stopped: start weightd, "
+             "which replaces it)",
+             path);
+    return;
+  }
+  if (e == ENOENT) {
+    snprintf(buf, len, "%s: no such socket", path);
+    return;
+  }
+  if (e != EACCES && e != EPERM) {
+    snprintf(buf, len, "%s: %s", path, strerror(e));
+    return;
+  }
+  char groups[256] = "";
+  gid_t gl[64];
+  int ng = getgroups(64, gl);
+  size_t used = 0;
+  for (int i = 0; i < ng && used < sizeof groups; i++) {
+    struct group gr, *g = NULL;
+    char gb[1024];
+    getgrgid_r(gl[i], &gr, gb, sizeof gb, &g);
+    int w = snprintf(groups + used, sizeof groups - used, "%s%s(%u)", i ? "," : "", g ? g->gr_name : "?",
+                     (unsigned)gl[i]);
+    if (w > 0) used += (size_t)w;
+  }
+  struct passwd pw, *me = NULL;
+  char pb[1024];
+  getpwuid_r(getuid(), &pw, pb, sizeof pb, &me);
+  char self[384];
+  snprintf(self, sizeof self, "you are uid %u (%s), gid %u, groups %s", (unsigned)getuid(), me ? me->pw_name : "?",
+           (unsigned)getgid(), groups[0] ? groups : "none");
+  struct stat st;
+  if (stat(path, &st) != 0) {
+    snprintf(buf, len,
+             "permission denied on %s: a directory above it is not searchable by you; %s (the daemon's socket "
+             "path is the key socket)",
+             path, self);
+    return;
+  }
+  struct passwd opw, *owner = NULL;
+  struct group ogr, *group = NULL;
+  char ob[1024], gb2[1024];
+  getpwuid_r(st.st_uid, &opw, ob, sizeof ob, &owner);
+  getgrgid_r(st.st_gid, &ogr, gb2, sizeof gb2, &group);
+  snprintf(buf, len,
+           "permission denied on %s: the socket is owned by %s(%u), group %s(%u), mode %04o; %s. Join group %s, "
+           "or change the daemon's socket_group / socket_mode keys",
+           path, owner ? owner->pw_name : "?", (unsigned)st.st_uid, group ? group->gr_name : "?",
+           (unsigned)st.st_gid, (unsigned)(st.st_mode & 07777), self, group ? group->gr_name : "?");
+}
+
+/* The name hello sends: the caller's, cut at 63 bytes on a character boundary. */
+static void client_name_set(weightd_client *c, const char *name) {
+  if (name == NULL) {
+    snprintf(c->client_name, sizeof c->client_name, "libweightd %s (%s)", WEIGHTD_VERSION_STRING,
+             program_invocation_short_name);
+  } else {
+    snprintf(c->client_name, sizeof c->client_name, "%s", name);
+  }
+  /* A character cut short at the end goes whole: the daemon refuses text that is not UTF-8. */
+  size_t n = strlen(c->client_name), lead = n;
+  while (lead > 0 && ((unsigned char)c->client_name[lead - 1] & 0xC0) == 0x80) lead--;
+  if (lead > 0) {
+    unsigned char b = (unsigned char)c->client_name[lead - 1];
+    size_t need = b >= 0xF0 ? 4 : b >= 0xE0 ? 3 : b >= 0xC0 ? 2 : 1;
+    if (n - (lead - 1) < need) c->client_name[lead - 1] = '\0';
+  }
+}
+
 static int hello(weightd_client *c) {
   cJSON *req = lib_request_new("hello");
-  char client_name[96];
-  snprintf(client_name, sizeof client_name, "libweightd %s (%s)", WEIGHTD_VERSION_STRING,
-           program_invocation_short_name);
   /* Every handle kind this library opens (lib_set.c), so the daemon may hand it any set. */
   cJSON *kinds = NULL;
   if (req == NULL || cJSON_AddNumberToObject(req, "protocol", WEIGHTD_PROTOCOL_VERSION) == NULL ||
-      cJSON_AddStringToObject(req, "client", client_name) == NULL ||
+      cJSON_AddStringToObject(req, "client", c->client_name) == NULL ||
       (kinds = cJSON_AddArrayToObject(req, "handles")) == NULL) {
     cJSON_Delete(req);
     return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
@@ -403,6 +500,16 @@ static int hello(weightd_client *c) {
 }
 
 int weightd_connect(const char *socket_path, weightd_client **out) {
+  struct weightd_connect_options o = {sizeof o, socket_path, NULL};
+  return weightd_connect_opts(&o, out);
+}
+
+/* True when opts (of the caller's struct_size) contains field. */
+#define CONNECT_HAS(opts, field)                                                                          \
+  ((opts) != NULL &&                                                                                      \
+   (opts)->struct_size >= offsetof(struct weightd_connect_options, field) + sizeof((opts)->field))
+
+int weightd_connect_opts(const struct weightd_connect_options *opts, weightd_client **out) {
   if (out == NULL) return WEIGHTD_E_INVALID;
   weightd_client *c = calloc(1, sizeof *c);
   *out = c;
@@ -411,6 +518,10 @@ int weightd_connect(const char *socket_path, weightd_client **out) {
   c->pid = getpid();
   c->timeout_ms = -1;
   c->next_id = 1;
+  if (opts != NULL && opts->struct_size == 0)
+    return lib_fail(c, WEIGHTD_E_INVALID, "weightd_connect_options.struct_size is 0: set it to sizeof the struct");
+  const char *socket_path = CONNECT_HAS(opts, socket_path) ? opts->socket_path : NULL;
+  client_name_set(c, CONNECT_HAS(opts, client_name) ? opts->client_name : NULL);
 
   /* The candidates, in order, each with the reason it is tried. */
   char per_user[PATH_MAX];
@@ -435,16 +546,26 @@ int weightd_connect(const char *socket_path, weightd_client **out) {
     label[n++] = "";
   }
   char tried[WD_ERROR_MSG_MAX] = "";
-  size_t len = 0;
+  size_t len = 0, missing = 0;
   for (size_t i = 0; i < n; i++) {
     int e = try_connect(cand[i], &c->sock);
-    if (e == 0) break;
-    int w = snprintf(tried + len, sizeof tried - len, "%s%s%s (%s)", i ? ", " : "", label[i], cand[i],
-                     strerror(-e));
+    if (e == 0) {
+      c->socket_path = strdup(cand[i]);
+      if (c->socket_path == NULL) return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+      break;
+    }
+    char shown[PATH_MAX + 32], why[700];
+    snprintf(shown, sizeof shown, "%s%s", label[i], cand[i]);
+    describe_connect_error(shown, -e, why, sizeof why);
+    missing += e == -ENOENT;
+    int w = snprintf(tried + len, sizeof tried - len, "%s%s", i ? "; " : "", why);
     if (w > 0 && (size_t)w < sizeof tried - len) len += (size_t)w;
   }
   if (c->sock < 0)
-    return lib_fail(c, WEIGHTD_E_CONNECT, "cannot connect to weightd: tried %s", tried);
+    return lib_fail(c, WEIGHTD_E_CONNECT, "cannot connect to weightd: %s%s", tried,
+                    missing == n ? " (is weightd running? it may listen elsewhere: give --socket or set "
+                                   "$WEIGHTD_SOCKET)"
+                                 : "");
   return hello(c);
 }
 
@@ -457,7 +578,12 @@ void weightd_close(weightd_client *c) {
     s->prev = s->next = NULL;
   }
   if (c->sock >= 0) close(c->sock);
+  free(c->socket_path);
   free(c);
+}
+
+const char *weightd_socket_path(const weightd_client *c) {
+  return c != NULL && c->socket_path != NULL ? c->socket_path : "";
 }
 
 const char *weightd_backend(const weightd_client *c) {

@@ -31,6 +31,7 @@
 #include "ctl.h"
 #include "error.h"
 #include "st_writer.h"
+#include "suggest.h"
 #include "weightd.h"
 
 #define GOLDEN 0x9e3779b97f4a7c15ULL
@@ -166,6 +167,9 @@ static int tensor_generate(void *arg, size_t i, uint64_t off, size_t len, unsign
   return 0;
 }
 
+/* The writer's byte counts, for the progress line. */
+static void writer_progress(void *arg, uint64_t *done, uint64_t *total) { stw_progress_get(arg, done, total); }
+
 /* Prints the config.json of layout l into a new buffer *text of *len bytes. */
 static int config_build(const struct ckpt_layout *l, char **text, size_t *len, struct wd_error *err) {
   FILE *f = open_memstream(text, len);
@@ -225,7 +229,11 @@ static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64
       .threads = nthreads,
   };
   rc = stw_create(&spec, &w, err);
-  if (rc == 0) rc = stw_run(w, err);
+  if (rc == 0) {
+    ctl_progress_watch("mkcheckpoint", writer_progress, w);
+    rc = stw_run(w, err);
+    ctl_progress_end();
+  }
   if (rc < 0) goto fail;
   *seconds = clock_s() - t0;
   stw_free(w);
@@ -247,17 +255,18 @@ fail:
 enum opt_id { OPT_PRESET, OPT_OUT, OPT_LAYERS, OPT_EXPERTS, OPT_SEED, OPT_LIST, OPT_COUNT };
 enum opt_kind { OPT_KIND_STRING, OPT_KIND_U64, OPT_KIND_FLAG };
 
-/* The options, one row each. */
+/* The options, one row each: the command line's option and how its value reads. */
 static const struct {
+  enum ctl_opt_id id;
   const char *name;
   enum opt_kind kind;
 } opt_defs[OPT_COUNT] = {
-    [OPT_PRESET] = {"--preset", OPT_KIND_STRING},
-    [OPT_OUT] = {"--out", OPT_KIND_STRING},
-    [OPT_LAYERS] = {"--layers", OPT_KIND_U64},
-    [OPT_EXPERTS] = {"--experts", OPT_KIND_U64},
-    [OPT_SEED] = {"--seed", OPT_KIND_U64},
-    [OPT_LIST] = {"--list", OPT_KIND_FLAG},
+    [OPT_PRESET] = {CTL_OPT_PRESET, "--preset", OPT_KIND_STRING},
+    [OPT_OUT] = {CTL_OPT_OUT, "--out", OPT_KIND_STRING},
+    [OPT_LAYERS] = {CTL_OPT_LAYERS, "--layers", OPT_KIND_U64},
+    [OPT_EXPERTS] = {CTL_OPT_EXPERTS, "--experts", OPT_KIND_U64},
+    [OPT_SEED] = {CTL_OPT_SEED, "--seed", OPT_KIND_U64},
+    [OPT_LIST] = {CTL_OPT_LIST, "--list", OPT_KIND_FLAG},
 };
 
 struct options {
@@ -266,40 +275,16 @@ struct options {
   unsigned long long num[OPT_COUNT];
 };
 
-/* Parses argv (argv[0] is the command) into o; returns 0 or -1 after printing why. */
-static int options_parse(int argc, char **argv, struct options *o) {
+/* Reads the parsed arguments into o; returns 0 or -1 after printing why. */
+static int options_get(const struct ctl_args *a, struct options *o) {
   memset(o, 0, sizeof *o);
-  for (int a = 1; a < argc; a++) {
-    const char *arg = argv[a];
-    const char *eq = strchr(arg, '=');
-    size_t nlen = eq ? (size_t)(eq - arg) : strlen(arg);
-    int id = -1;
-    for (int k = 0; k < OPT_COUNT; k++)
-      if (strlen(opt_defs[k].name) == nlen && strncmp(opt_defs[k].name, arg, nlen) == 0) id = k;
-    if (id < 0) {
-      ctl_errorf("mkcheckpoint: unknown argument '%s'", arg);
+  for (int k = 0; k < OPT_COUNT; k++) {
+    o->given[k] = ctl_has(a, opt_defs[k].id);
+    o->text[k] = ctl_val(a, opt_defs[k].id);
+    if (o->given[k] && opt_defs[k].kind == OPT_KIND_U64 && ctl_parse_u64(o->text[k], &o->num[k]) < 0) {
+      ctl_usage_error("%s: '%s' is not a non-negative integer", opt_defs[k].name, o->text[k]);
       return -1;
     }
-    const char *value = NULL;
-    if (opt_defs[id].kind == OPT_KIND_FLAG) {
-      if (eq != NULL) {
-        ctl_errorf("mkcheckpoint: %s takes no value", opt_defs[id].name);
-        return -1;
-      }
-    } else if (eq != NULL) {
-      value = eq + 1;
-    } else if (a + 1 < argc) {
-      value = argv[++a];
-    } else {
-      ctl_errorf("mkcheckpoint: %s needs a value", opt_defs[id].name);
-      return -1;
-    }
-    if (opt_defs[id].kind == OPT_KIND_U64 && ctl_parse_u64(value, &o->num[id]) < 0) {
-      ctl_errorf("mkcheckpoint: %s: '%s' is not a non-negative integer", opt_defs[id].name, value);
-      return -1;
-    }
-    o->given[id] = true;
-    o->text[id] = value;
   }
   return 0;
 }
@@ -319,8 +304,12 @@ static struct ckpt_variant variant_of(const struct options *o, const struct ckpt
  */
 static int list_presets(const struct options *o) {
   struct wd_error err = {0};
-  printf("%-14s %-22s %6s %7s %8s %15s %10s %6s\n", "PRESET", "ARCHITECTURE", "LAYERS", "EXPERTS", "TENSORS",
-         "PAYLOAD_BYTES", "PAYLOAD_GB", "SHARDS");
+  cJSON *json = ctl_opts.json ? cJSON_CreateObject() : NULL;
+  cJSON *rows = json ? cJSON_AddArrayToObject(json, "presets") : NULL;
+  if (json != NULL) cJSON_AddTrueToObject(json, "ok");
+  else
+    printf("%-14s %-22s %6s %7s %8s %15s %11s %6s\n", "PRESET", "ARCHITECTURE", "LAYERS", "EXPERTS", "TENSORS",
+           "PAYLOAD_BYTES", "PAYLOAD_GIB", "SHARDS");
   for (size_t i = 0; i < ckpt_preset_count(); i++) {
     const struct ckpt_preset *p = ckpt_preset_at(i);
     if (o->given[OPT_PRESET] && strcmp(p->name, o->text[OPT_PRESET]) != 0) continue;
@@ -328,14 +317,28 @@ static int list_presets(const struct options *o) {
     struct ckpt_layout l;
     if (ckpt_layout_build(p, &v, &l, &err) < 0) {
       ctl_errorf("%s", err.msg);
+      cJSON_Delete(json);
       return CTL_EXIT_FAIL;
     }
     char experts[16] = "-";
     if (l.model.num_experts > 0) snprintf(experts, sizeof experts, "%u", l.model.num_experts);
-    printf("%-14s %-22s %6u %7s %8zu %15llu %10.2f %6u\n", p->name, p->architecture, l.layers, experts, l.count,
-           (unsigned long long)l.total_bytes, (double)l.total_bytes / 1e9, l.shards);
+    if (json != NULL) {
+      cJSON *r = cJSON_CreateObject();
+      cJSON_AddStringToObject(r, "preset", p->name);
+      cJSON_AddStringToObject(r, "architecture", p->architecture);
+      cJSON_AddItemToObject(r, "layers", json_u64_create(l.layers));
+      cJSON_AddItemToObject(r, "experts", json_u64_create(l.model.num_experts));
+      cJSON_AddItemToObject(r, "tensors", json_u64_create(l.count));
+      cJSON_AddItemToObject(r, "payload_bytes", json_u64_create(l.total_bytes));
+      cJSON_AddItemToObject(r, "shards", json_u64_create(l.shards));
+      cJSON_AddItemToArray(rows, r);
+    } else {
+      printf("%-14s %-22s %6u %7s %8zu %15llu %11.2f %6u\n", p->name, p->architecture, l.layers, experts, l.count,
+             (unsigned long long)l.total_bytes, (double)l.total_bytes / (double)(1ull << 30), l.shards);
+    }
     ckpt_layout_free(&l);
   }
+  if (json != NULL) ctl_json_print(json);
   return CTL_EXIT_OK;
 }
 
@@ -347,46 +350,46 @@ static int experts_check(const struct options *o, const struct ckpt_preset *p) {
   unsigned long long n = o->num[OPT_EXPERTS];
   if (!o->given[OPT_EXPERTS]) return 0;
   if (p == NULL) {
-    ctl_errorf("mkcheckpoint: --experts needs --preset");
+    ctl_usage_error("--experts needs --preset");
     return -1;
   }
   if (p->num_experts == 0) {
-    ctl_errorf("mkcheckpoint: --experts: %s is a dense model without routed experts", p->name);
+    ctl_usage_error("--experts: %s is a dense model without routed experts", p->name);
     return -1;
   }
   if (n < 1 || n > p->num_experts) {
-    ctl_errorf("mkcheckpoint: --experts must be 1 to %u for %s, not %llu", p->num_experts, p->name, n);
+    ctl_usage_error("--experts must be 1 to %u for %s, not %llu", p->num_experts, p->name, n);
     return -1;
   }
   return 0;
 }
 
-int cmd_mkcheckpoint(int argc, char **argv) {
+static int run_mkcheckpoint(const struct ctl_args *a) {
   struct options o;
   struct wd_error err = {0};
   struct ckpt_layout l = {0};
   const struct ckpt_preset *p = NULL;
   double seconds = 0;
 
-  if (options_parse(argc, argv, &o) < 0) return ctl_usage("mkcheckpoint");
+  if (options_get(a, &o) < 0) return CTL_EXIT_USAGE;
   if (o.given[OPT_PRESET]) {
     p = ckpt_preset_find(o.text[OPT_PRESET]);
     if (p == NULL) {
-      ctl_errorf("mkcheckpoint: unknown preset '%s' (--list shows them)", o.text[OPT_PRESET]);
-      return ctl_usage("mkcheckpoint");
+      const char *names[64];
+      size_t n = ckpt_preset_count() < 64 ? ckpt_preset_count() : 64;
+      for (size_t i = 0; i < n; i++) names[i] = ckpt_preset_at(i)->name;
+      const char *best = suggest_closest(o.text[OPT_PRESET], names, n);
+      if (best != NULL) return ctl_usage_error("unknown preset '%s'; did you mean '%s'?", o.text[OPT_PRESET], best);
+      return ctl_usage_error("unknown preset '%s' (--list shows them)", o.text[OPT_PRESET]);
     }
   }
   if (o.given[OPT_LAYERS] && (p == NULL || o.num[OPT_LAYERS] < 1 || o.num[OPT_LAYERS] > p->num_layers)) {
-    if (p == NULL) ctl_errorf("mkcheckpoint: --layers needs --preset");
-    else ctl_errorf("mkcheckpoint: --layers must be 1 to %u for %s", p->num_layers, p->name);
-    return ctl_usage("mkcheckpoint");
+    if (p == NULL) return ctl_usage_error("--layers needs --preset");
+    return ctl_usage_error("--layers must be 1 to %u for %s", p->num_layers, p->name);
   }
   if (experts_check(&o, p) < 0) return CTL_EXIT_USAGE;
   if (o.given[OPT_LIST]) return list_presets(&o);
-  if (p == NULL || !o.given[OPT_OUT]) {
-    ctl_errorf("mkcheckpoint: needs --preset and --out");
-    return ctl_usage("mkcheckpoint");
-  }
+  if (p == NULL || !o.given[OPT_OUT]) return ctl_usage_error("needs --preset and --out (or --list)");
 
   struct ckpt_variant v = variant_of(&o, p);
   unsigned nthreads = stw_cpus_usable();
@@ -395,16 +398,63 @@ int cmd_mkcheckpoint(int argc, char **argv) {
   if (checkpoint_write(&l, o.text[OPT_OUT], o.num[OPT_SEED], nthreads, &seconds, &err) < 0) goto fail;
   char experts[48] = "";
   if (p->num_experts > 0) snprintf(experts, sizeof experts, ", %u of %u experts", l.model.num_experts, p->num_experts);
-  printf("wrote %s (%u of %u layers%s): %zu tensors, %llu payload bytes, %u shard%s in %s; %.2f s, %.2f GB/s, "
-         "%u thread%s\n",
-         p->name, l.layers, p->num_layers, experts, l.count, (unsigned long long)l.total_bytes, l.shards,
-         l.shards == 1 ? "" : "s", o.text[OPT_OUT], seconds, seconds > 0 ? (double)l.total_bytes / 1e9 / seconds : 0.0,
-         nthreads, nthreads == 1 ? "" : "s");
+  double rate = seconds > 0 ? (double)l.total_bytes / (double)(1ull << 30) / seconds : 0.0;
+  if (ctl_opts.json) {
+    cJSON *r = cJSON_CreateObject();
+    cJSON_AddTrueToObject(r, "ok");
+    cJSON_AddStringToObject(r, "preset", p->name);
+    cJSON_AddStringToObject(r, "out", o.text[OPT_OUT]);
+    cJSON_AddItemToObject(r, "layers", json_u64_create(l.layers));
+    cJSON_AddItemToObject(r, "experts", json_u64_create(l.model.num_experts));
+    cJSON_AddItemToObject(r, "tensors", json_u64_create(l.count));
+    cJSON_AddItemToObject(r, "payload_bytes", json_u64_create(l.total_bytes));
+    cJSON_AddItemToObject(r, "shards", json_u64_create(l.shards));
+    cJSON_AddNumberToObject(r, "seconds", seconds);
+    cJSON_AddNumberToObject(r, "gib_per_s", rate);
+    cJSON_AddItemToObject(r, "threads", json_u64_create(nthreads));
+    ctl_json_print(r);
+  } else {
+    printf("wrote %s (%u of %u layers%s): %zu tensors, %llu payload bytes, %u shard%s in %s; %.2f s, %.2f GiB/s, "
+           "%u thread%s\n",
+           p->name, l.layers, p->num_layers, experts, l.count, (unsigned long long)l.total_bytes, l.shards,
+           l.shards == 1 ? "" : "s", o.text[OPT_OUT], seconds, rate, nthreads, nthreads == 1 ? "" : "s");
+  }
   ckpt_layout_free(&l);
   return CTL_EXIT_OK;
 
 fail:
-  ctl_errorf("mkcheckpoint: %s", err.msg);
+  ctl_errorc(weightd_err_name(err.code), "mkcheckpoint: %s", err.msg);
   ckpt_layout_free(&l);
   return CTL_EXIT_FAIL;
 }
+
+static const struct optab_opt mkcheckpoint_opts[] = {
+    {CTL_OPT_PRESET, "preset", 0, OPTAB_VALUE, "NAME",
+     "The published model whose layout to write (--list shows them: qwen3-0.6b, qwen3-4b, qwen3-30b-a3b, "
+     "deepseek-v3, ...).",
+     0, NULL},
+    {CTL_OPT_OUT, "out", 0, OPTAB_VALUE, "DIR", "The directory to write (created if missing; it must hold only "
+     "files mkcheckpoint writes).", 0, "@dir"},
+    {CTL_OPT_LAYERS, "layers", 0, OPTAB_VALUE, "N", "Write only the first N layers (default: all of them).", 0,
+     NULL},
+    {CTL_OPT_EXPERTS, "experts", 0, OPTAB_VALUE, "N",
+     "Routed experts per MoE layer (default: the model's own count); MoE presets only.", 0, NULL},
+    {CTL_OPT_SEED, "seed", 0, OPTAB_VALUE, "S", "The seed of the bytes (default 0): the same seed writes the same "
+     "files, whatever the thread count.", 0, NULL},
+    {CTL_OPT_LIST, "list", 0, OPTAB_SWITCH, NULL,
+     "List the presets (or the one --preset names, cut as --layers and --experts say) with their tensors, bytes "
+     "and shards, instead of writing.", 0, NULL},
+};
+
+const struct ctl_cmd ctl_cmd_mkcheckpoint = {
+    .name = "mkcheckpoint",
+    .args = "",
+    .summary = "write a synthetic checkpoint with a published model's exact layout (no daemon)",
+    .description =
+        "Writes a checkpoint with the exact tensor names, shapes, dtypes, shard files, index and config.json of "
+        "a published Hugging Face model, filled with seeded random bytes, to qualify a node or test an engine "
+        "without downloading weights (see docs/checkpoints.md). On a terminal a progress line shows the bytes, "
+        "rate and time left.",
+    .opts = CTL_OPTS(mkcheckpoint_opts),
+    .run = run_mkcheckpoint,
+};
