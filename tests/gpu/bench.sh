@@ -11,7 +11,9 @@ mkdir -p "$work"
 ckpt=$work/qwen3-4b
 [ -f "$ckpt/model.safetensors.index.json" ] || "$build/weightctl" mkcheckpoint --preset qwen3-4b --seed 1 --out "$ckpt"
 sock=$work/weightd.sock
-"$build/weightd" --foreground --backend cuda --socket "$sock" --model-root "$work" 2>"$work/weightd.log" &
+# Metrics off: a weightd already serving on this host keeps the default port.
+"$build/weightd" --foreground --backend cuda --socket "$sock" --model-root "$work" --set metrics_address= \
+  2>"$work/weightd.log" &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done

@@ -60,7 +60,7 @@ static void start_daemon(void) {
     int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 2);
     execl(weightd_bin, weightd_bin, "--foreground", "--backend", "cuda", "--socket", sock, "--model-root", dir,
-          "--log-level", "debug", (char *)NULL);
+          "--log-level", "debug", "--set", "metrics_address=", (char *)NULL); /* no port shared with other tests */
     _exit(127);
   }
   for (int i = 0; i < 300; i++) {
