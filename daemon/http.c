@@ -49,11 +49,18 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
   struct http *h = cls;
   (void)version;
   (void)upload;
-  (void)state;
-  if (*upload_size != 0) return MHD_NO; /* no bodies */
   bool head = strcmp(method, "HEAD") == 0;
-  if (strcmp(method, "GET") != 0 && !head)
+  if (strcmp(method, "GET") != 0 && !head) /* answered at once: the library then closes the connection */
     return respond(conn, MHD_HTTP_METHOD_NOT_ALLOWED, "text/plain", "only GET and HEAD\n", false);
+  /* The first call comes with the headers alone. A response queued then is
+   * "early": the library discards the rest of the request and closes the
+   * connection after answering, so keep-alive would never work. Answer on
+   * the next call, once the request is whole. */
+  if (*state == NULL) {
+    *state = h;
+    return MHD_YES;
+  }
+  if (*upload_size != 0) return MHD_NO; /* no bodies */
   if (strcmp(url, "/metrics") == 0) {
     char *text = telemetry_prometheus(h->d);
     if (text == NULL) return respond(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, "text/plain", "out of memory\n", false);

@@ -197,6 +197,7 @@ static void op_shutdown(struct request *r) {
 
 static void op_health(struct request *r) {
   char why[300];
+  telemetry_refresh(req_daemon(r)); /* as GET /readyz does: else a client polling only here never sees a change */
   bool ready = telemetry_ready(req_daemon(r), why, sizeof why);
   cJSON *rep = msg_reply_ok(r->id);
   cJSON_AddBoolToObject(rep, "ready", ready);

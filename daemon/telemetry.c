@@ -10,6 +10,7 @@
 #include "telemetry.h"
 
 #include <dirent.h>
+#include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -102,8 +103,10 @@ struct health_job {
   struct daemon *d;
   const struct wd_backend *backend;
   int ndevices;
+  int answered; /* devices that answered, in order: their free memory is below */
   int rc;
   struct wd_error err;
+  uint64_t free_bytes[];
 };
 
 static void health_work(struct job *j) {
@@ -111,6 +114,7 @@ static void health_work(struct job *j) {
   for (int i = 0; i < hj->ndevices && hj->rc == 0; i++) {
     struct wd_device_info info;
     hj->rc = hj->backend->ops->device_info(hj->backend->ctx, i, &info, &hj->err);
+    if (hj->rc == 0) hj->free_bytes[hj->answered++] = info.memory_free;
   }
 }
 
@@ -118,6 +122,9 @@ static void health_done(struct job *j) {
   struct health_job *hj = (struct health_job *)j;
   struct telemetry *t = hj->d->tel;
   if (t != NULL) {
+    /* The probe's answers are the freshest free-memory figures (status measures its own too). */
+    for (int i = 0; hj->d->res != NULL && i < hj->answered; i++)
+      res_device(hj->d->res, i)->info.memory_free = hj->free_bytes[i];
     bool was = t->healthy;
     t->healthy = hj->rc == 0;
     snprintf(t->health_why, sizeof t->health_why, "%s", hj->rc == 0 ? "" : hj->err.msg);
@@ -129,12 +136,25 @@ static void health_done(struct job *j) {
   free(hj);
 }
 
+/* Whether an open checkpoint has no measurement in the cache (opened since the last one). */
+static bool resident_missing(struct daemon *d) {
+  const struct telemetry *t = d->tel;
+  for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next) {
+    if (c->state != REG_OPEN) continue;
+    bool found = false;
+    for (size_t i = 0; i < t->nresident && !found; i++)
+      found = t->resident[i].generation == c->generation && strcmp(t->resident[i].path, c->path) == 0;
+    if (!found) return true;
+  }
+  return false;
+}
+
 void telemetry_refresh(struct daemon *d) {
   struct telemetry *t = d->tel;
   if (t == NULL || d->stopping || d->control_pool == NULL) return;
   uint64_t now = clock_ms();
   if (!t->health_running && (t->health_at_ms == 0 || now - t->health_at_ms >= TELEMETRY_HEALTH_MS)) {
-    struct health_job *hj = calloc(1, sizeof *hj);
+    struct health_job *hj = calloc(1, sizeof *hj + (size_t)d->ndevices * sizeof hj->free_bytes[0]);
     if (hj != NULL) {
       hj->job.work = health_work;
       hj->job.done = health_done;
@@ -145,7 +165,8 @@ void telemetry_refresh(struct daemon *d) {
       jobs_submit(d->control_pool, &hj->job);
     }
   }
-  if (!t->resident_running && (t->resident_at_ms == 0 || now - t->resident_at_ms >= TELEMETRY_RESIDENCY_MS)) {
+  if (!t->resident_running &&
+      (t->resident_at_ms == 0 || now - t->resident_at_ms >= TELEMETRY_RESIDENCY_MS || resident_missing(d))) {
     size_t n = 0;
     for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next) n += c->state == REG_OPEN;
     struct resident_job *rj = calloc(1, sizeof *rj);
@@ -271,10 +292,10 @@ static void collection_free(struct collection *c) {
   free(c->f);
 }
 
-/* Open descriptors of this process (reads /proc/self/fd). */
-static double open_fds(void) {
+/* Open descriptors of this process (reads /proc/self/fd): limit when none is left to read it with; -1: unknown. */
+static double open_fds(uint64_t limit) {
   DIR *dir = opendir("/proc/self/fd");
-  if (dir == NULL) return -1;
+  if (dir == NULL) return errno == EMFILE ? (double)limit : -1;
   double n = 0;
   for (struct dirent *e = readdir(dir); e != NULL; e = readdir(dir))
     if (e->d_name[0] != '.') n++;
@@ -379,7 +400,7 @@ static void collect_daemon(struct daemon *d, struct collection *c) {
   f = family(c, "weightd_requests_in_flight", "gauge", "Requests started and not finished.");
   sample(c, f, (double)d->stats.requests_inflight, NULL);
   f = family(c, "weightd_open_fds", "gauge", "Open file descriptors of the daemon.");
-  sample(c, f, open_fds(), NULL);
+  sample(c, f, open_fds(d->stats.fd_limit), NULL);
   f = family(c, "weightd_max_fds", "gauge", "The daemon's descriptor limit (RLIMIT_NOFILE).");
   sample(c, f, (double)d->stats.fd_limit, NULL);
   f = family(c, "weightd_ready", "gauge", "1 when /readyz answers 200.");

@@ -7,9 +7,13 @@
  * Collection reads loop-owned state on the loop thread. What is slow to
  * measure runs on a control job and is cached: page-cache residency per
  * checkpoint (mincore over every mapping), refreshed at most every
- * TELEMETRY_RESIDENCY_MS; the backend's health (a device query of every
- * device), refreshed at most every TELEMETRY_HEALTH_MS. A job reads only
- * what it was handed: referenced checkpoints and the backend's const table.
+ * TELEMETRY_RESIDENCY_MS, and sooner only when a checkpoint was opened since
+ * the last measurement (so a new one shows from the next scrape but one);
+ * the backend's health (a device query of every device, whose free memory
+ * it records), refreshed at most every TELEMETRY_HEALTH_MS. A collection
+ * starts the refreshes that are due and shows the cached values. A job reads
+ * only what it was handed: referenced checkpoints and the backend's const
+ * table.
  */
 #ifndef WD_TELEMETRY_H
 #define WD_TELEMETRY_H

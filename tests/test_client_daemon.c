@@ -56,7 +56,9 @@ static int daemon_start(const char *exe) {
     int fd = open(logpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, STDOUT_FILENO);
     dup2(fd, STDERR_FILENO);
-    execl(exe, exe, "--foreground", "--backend", backend, "--socket", sock, "--model-root", dir, (char *)NULL);
+    /* Metrics off: ctest runs daemons in parallel, and they would all want the default port. */
+    execl(exe, exe, "--foreground", "--backend", backend, "--socket", sock, "--model-root", dir, "--set",
+          "metrics_address=", (char *)NULL);
     _exit(127);
   }
   for (int i = 0; i < 400; i++) {

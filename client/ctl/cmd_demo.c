@@ -63,9 +63,14 @@ static void find_daemon(char *buf, size_t len) {
   snprintf(buf, len, "weightd");
 }
 
-/* Starts the daemon with its output in log; returns its pid or -1. */
+/*
+ * Starts the daemon with its output in log; returns its pid or -1. Its metrics
+ * endpoints are off: the port is for the host's own weightd (and demos run
+ * side by side in the tests).
+ */
 static pid_t daemon_start(const char *exe, const char *sock, const char *root, const char *log) {
-  printf("\n$ %s --foreground --backend auto --socket %s --model-root %s >%s 2>&1 &    # a private daemon\n",
+  printf("\n$ %s --foreground --backend auto --socket %s --model-root %s --set metrics_address= >%s 2>&1 &"
+         "    # a private daemon\n",
          exe, sock, root, log);
   fflush(stdout);
   pid_t pid = fork();
@@ -76,7 +81,8 @@ static pid_t daemon_start(const char *exe, const char *sock, const char *root, c
       dup2(fd, STDOUT_FILENO);
       dup2(fd, STDERR_FILENO);
     }
-    execlp(exe, exe, "--foreground", "--backend", "auto", "--socket", sock, "--model-root", root, (char *)NULL);
+    execlp(exe, exe, "--foreground", "--backend", "auto", "--socket", sock, "--model-root", root, "--set",
+           "metrics_address=", (char *)NULL);
     fprintf(stderr, "weightctl demo: cannot run %s: %s\n", exe, strerror(errno));
     _exit(127);
   }

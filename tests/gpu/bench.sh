@@ -25,7 +25,7 @@ start_daemon() {
   sock=$work/weightd-$1.sock
   rm -f "$sock"
   "$build/weightd" --foreground --backend cuda --socket "$sock" --model-root "$work" \
-    --set "cuda_handles=$1" 2>"$work/weightd-$1.log" &
+    --set "cuda_handles=$1" --set metrics_address= 2>"$work/weightd-$1.log" &
   pid=$!
   for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 }

@@ -85,7 +85,7 @@ static void start_daemon(void) {
     char setting[64];
     snprintf(setting, sizeof setting, "cuda_handles=%s", mode);
     execl(weightd_bin, weightd_bin, "--foreground", "--backend", "cuda", "--socket", sock, "--model-root", dir,
-          "--log-level", "debug", "--set", setting, (char *)NULL);
+          "--log-level", "debug", "--set", setting, "--set", "metrics_address=", (char *)NULL); /* no port shared with other tests */
     _exit(127);
   }
   for (int i = 0; i < 300; i++) {

@@ -396,7 +396,8 @@ class Daemon:
         env = dict(os.environ)
         env.pop("WEIGHTD_SOCKET", None)
         self.proc = subprocess.Popen([weightd_path(), "--foreground", "--backend", "host", "--socket", self.socket,
-                                      "--model-root", str(model_root), "--log-level", "warn"],
+                                      "--model-root", str(model_root), "--log-level", "warn",
+                                      "--set", "metrics_address="],  # no metrics port shared with other tests
                                      stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30
         while not self.listening():
