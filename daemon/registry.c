@@ -7,8 +7,9 @@
  * and pinning all run on job threads (prefetch chunks on the fill threads);
  * each job reads only its own struct: the entry it was handed (immutable once
  * open), a reference to the model roots it started with, the backend's const
- * table and the registry's atomic stop flag. Their done() callbacks update the
- * registry on the loop thread and run the caller's continuation.
+ * table, the registry's atomic stop flag and its memory of failed index checks
+ * (which has its own lock). Their done() callbacks update the registry on the
+ * loop thread and run the caller's continuation.
  */
 #include "registry.h"
 
@@ -24,6 +25,13 @@
 #include "log.h"
 #include "pathutil.h"
 
+/*
+ * Failed index checks remembered (ckpt_verdicts): 64 verdicts of about 1 KiB,
+ * the oldest forgotten first, so a client that repeats the open of one bad
+ * checkpoint costs reading its index and a stat per shard, not a header parse.
+ */
+#define REG_VERDICTS 64
+
 /* The model roots, shared by reference with the jobs that started under them (loop thread counts). */
 struct reg_roots {
   int refs;
@@ -36,6 +44,7 @@ struct registry {
   struct jobs *control, *bulk;
   struct fillpool *fill;
   struct reg_roots *roots;
+  struct ckpt_verdicts *verdicts; /* failed index checks, remembered by file identity */
   uint64_t pin_budget;
   uint64_t pinned_bytes; /* the pinned-resident tier's total */
   uint64_t next_generation;
@@ -96,7 +105,12 @@ int reg_create(const struct reg_params *p, struct registry **out, struct wd_erro
   r->fill = p->fill;
   r->pin_budget = p->pin_budget;
   atomic_init(&r->stopping, false);
+  if ((r->verdicts = ckpt_verdicts_create(REG_VERDICTS)) == NULL) {
+    free(r);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  }
   if (reg_roots_set(r, NULL, 0, err) != 0) {
+    ckpt_verdicts_free(r->verdicts);
     free(r);
     return err->code;
   }
@@ -178,6 +192,7 @@ void reg_ref(struct reg_ckpt *ck) { ck->refs++; }
 
 static void registry_free(struct registry *r) {
   roots_unref(r->roots);
+  ckpt_verdicts_free(r->verdicts);
   free(r);
 }
 
@@ -240,6 +255,7 @@ struct acquire {
   struct job job;
   struct registry *reg;
   struct reg_roots *roots; /* referenced: what the job checks against */
+  struct ckpt_verdicts *verdicts; /* the registry's (thread-safe; it outlives every open job) */
   enum acq_stage stage;
   reg_ready_fn ready;      /* acquire */
   reg_resolved_fn resolved_cb; /* resolve only */
@@ -280,22 +296,21 @@ static void acquire_work(struct job *j) {
   struct acquire *a = (struct acquire *)j;
   const struct reg_roots *rt = a->roots;
   switch (a->stage) {
-  case ACQ_RESOLVE:
-    a->resolved = realpath(a->path, NULL);
-    if (a->resolved == NULL) {
-      a->rc = err_set(&a->err, errno == ENOENT || errno == ENOTDIR ? WEIGHTD_E_NOT_FOUND : WEIGHTD_E_IO,
-                      "%s: %s", a->path, strerror(errno));
-      return;
-    }
-    if (rt->n > 0 && !path_under_roots(a->resolved, (const char *const *)rt->dirs, rt->n))
-      a->rc = err_set(&a->err, WEIGHTD_E_PATH_DENIED, "%s: resolves to %s, outside the model roots", a->path,
-                      a->resolved);
+  case ACQ_RESOLVE: {
+    /* Resolved with lstat and readlink only, and judged against the roots without
+     * saying whether anything outside them exists (path_resolve). */
+    const struct path_roots roots = {(const char *const *)rt->dirs, rt->n};
+    char label[320];
+    struct path_resolved res;
+    a->rc = path_resolve(a->path, &roots, err_quote(a->path, strlen(a->path), label, sizeof label), &res, &a->err);
+    if (a->rc == 0) a->resolved = res.real;
     return;
+  }
   case ACQ_VERIFY:
     a->rc = ckpt_check_unchanged(a->entry->ck, &a->err);
     return;
   case ACQ_OPEN: {
-    struct ckpt_opts opts = {(const char *const *)rt->dirs, rt->n};
+    struct ckpt_opts opts = {(const char *const *)rt->dirs, rt->n, a->verdicts};
     struct ckpt *c = NULL;
     a->rc = ckpt_open(a->resolved, &opts, &c, &a->err);
     if (a->rc != 0) return;
@@ -440,6 +455,7 @@ static struct acquire *acquire_new(struct registry *r, const char *path) {
   a->job.done = acquire_done;
   a->reg = r;
   a->roots = roots_ref(r->roots);
+  a->verdicts = r->verdicts;
   a->stage = ACQ_RESOLVE;
   return a;
 }

@@ -181,12 +181,23 @@ static void test_model_roots(void) {
   CHECK_EQ_INT(out.err.code, WEIGHTD_E_PATH_DENIED);
   CHECK_STR_CONTAINS(out.err.msg, outside);
 
-  /* A symlink under the root that leads out: denied, naming where it leads. */
+  /* A symlink under the root that leads out: denied, naming the link and the
+   * rule but not where it leads (that would tell what exists outside). */
   struct acq esc = env_acquire(&e, link);
   CHECK(esc.ck == NULL);
   CHECK_EQ_INT(esc.err.code, WEIGHTD_E_PATH_DENIED);
   CHECK_STR_CONTAINS(esc.err.msg, link);
-  CHECK_STR_CONTAINS(esc.err.msg, outside);
+  CHECK_STR_CONTAINS(esc.err.msg, "outside the model roots");
+  CHECK(strstr(esc.err.msg, outside) == NULL);
+  /* The same link to something that does not exist gets the same answer. */
+  char dangling[PATH_MAX + 16];
+  snprintf(dangling, sizeof dangling, "%s-gone", outside);
+  CHECK_EQ_INT(unlink(link), 0);
+  CHECK_EQ_INT(symlink(dangling, link), 0);
+  struct acq gone = env_acquire(&e, link);
+  CHECK(gone.ck == NULL);
+  CHECK_EQ_INT(gone.err.code, WEIGHTD_E_PATH_DENIED);
+  CHECK(strcmp(gone.err.msg, esc.err.msg) == 0);
 
   /* Only the allowed checkpoint was opened. */
   CHECK_EQ_INT(count_entries(e.reg), 1);
@@ -487,7 +498,13 @@ static void test_resolve(void) {
   struct rs c = resolve(&e, link);
   CHECK(!c.got);
   CHECK_EQ_INT(c.err.code, WEIGHTD_E_PATH_DENIED);
-  CHECK_STR_CONTAINS(c.err.msg, ck);
+  CHECK_STR_CONTAINS(c.err.msg, link);
+  CHECK(strstr(c.err.msg, ck) == NULL);
+  /* Outside the roots, a missing path is denied too: no answer says what exists there. */
+  snprintf(p, sizeof p, "%s/absent", d);
+  struct rs c2 = resolve(&e, p);
+  CHECK(!c2.got);
+  CHECK_EQ_INT(c2.err.code, WEIGHTD_E_PATH_DENIED);
 
   /* Resolving opens nothing. */
   CHECK(reg_first(e.reg) == NULL);
