@@ -16,6 +16,9 @@
 /* Choices of the enumerated keys, parsed once when the config is read. */
 enum cfg_backend { CFG_BACKEND_AUTO, CFG_BACKEND_CUDA, CFG_BACKEND_HOST };
 enum cfg_load_method { CFG_LOAD_AUTO, CFG_LOAD_STAGED };
+/* In the order of enum plan_strided (plan_stage.h). */
+enum cfg_strided { CFG_STRIDED_GATHER, CFG_STRIDED_ROWS, CFG_STRIDED_AUTO };
+enum cfg_pin { CFG_PIN_AFTER_LOAD, CFG_PIN_ON_OPEN, CFG_PIN_OFF };
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
@@ -30,7 +33,8 @@ struct wd_config {
   size_t n_allowed_gids;
   enum cfg_backend backend;
   uint64_t device_memory_budget; /* bytes per device for resident sets; 0 = no limit */
-  uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier */
+  uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier; 0 = derived (hostmem.h) */
+  enum cfg_pin pin;            /* when checkpoints enter the pinned-resident tier by themselves */
   uint64_t fill_threads;       /* 0 = one per online CPU */
   uint64_t job_threads;      /* loads, prefetches, frees */
   uint64_t control_threads;  /* opens, checks, plans, status: never behind loads */
@@ -47,6 +51,7 @@ struct wd_config {
   enum log_level log_level;
   char *log_file; /* "" = none */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
+  enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */
 };
 
 /* Fills cfg with the defaults. */

@@ -1,4 +1,4 @@
-/* cmd_open.c - `weightctl open PATH` and `weightctl prefetch PATH [--pin] [--wait]`. */
+/* cmd_open.c - `weightctl open PATH` and `weightctl prefetch PATH [--pin] [--wait] [plan flags]`. */
 #include <stdio.h>
 #include <string.h>
 
@@ -35,7 +35,11 @@ int cmd_open(int argc, char **argv) {
 int cmd_prefetch(int argc, char **argv) {
   const char *path = NULL;
   int pin = 0, wait = 0;
+  struct ctl_plan_args pa = {.cmd = "prefetch"};
   for (int i = 1; i < argc; i++) {
+    int taken = ctl_plan_arg(&pa, argc, argv, &i);
+    if (taken < 0) return CTL_EXIT_USAGE;
+    if (taken) continue;
     if (strcmp(argv[i], "--json") == 0) ctl_opts.json = 1;
     else if (strcmp(argv[i], "--pin") == 0) pin = 1;
     else if (strcmp(argv[i], "--wait") == 0) wait = 1;
@@ -43,9 +47,13 @@ int cmd_prefetch(int argc, char **argv) {
     else return ctl_usage("prefetch");
   }
   if (path == NULL) return ctl_usage("prefetch");
+  cJSON *plan = NULL;
+  int prc = ctl_plan_spec(&pa, 0, &plan);
+  if (prc != 0) return prc;
   cJSON *req = ctl_request_new("prefetch");
   ctl_add_path(req, path);
   cJSON_AddBoolToObject(req, "pin", pin);
   cJSON_AddBoolToObject(req, "wait", wait);
+  if (plan != NULL) cJSON_AddItemToObject(req, "plan", plan);
   return run_checkpoint_op(req, wait ? "prefetched" : "prefetching");
 }
