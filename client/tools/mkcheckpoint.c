@@ -185,8 +185,8 @@ static int config_build(const struct ckpt_layout *l, char **text, size_t *len, s
  * and (for several shards) the index. Fills *seconds with the time the
  * writing took. Returns 0 or a negative code with err filled.
  */
-static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64_t seed, unsigned nthreads,
-                            double *seconds, struct wd_error *err) {
+static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64_t seed, unsigned nthreads, bool sparse,
+                            double *seconds, uint64_t *disk_bytes, struct wd_error *err) {
   struct stream st = {.l = l};
   struct stw_tensor *ts = NULL;
   struct stw_writer *w = NULL;
@@ -223,11 +223,13 @@ static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64
       .fill = tensor_generate,
       .fill_arg = &st,
       .threads = nthreads,
+      .sparse = sparse,
   };
   rc = stw_create(&spec, &w, err);
   if (rc == 0) rc = stw_run(w, err);
   if (rc < 0) goto fail;
   *seconds = clock_s() - t0;
+  *disk_bytes = stw_disk_bytes(w);
   stw_free(w);
   free(ts);
   free(st.keys);
@@ -244,7 +246,7 @@ fail:
 
 /* ---- the command ------------------------------------------------------------------ */
 
-enum opt_id { OPT_PRESET, OPT_OUT, OPT_LAYERS, OPT_EXPERTS, OPT_SEED, OPT_LIST, OPT_COUNT };
+enum opt_id { OPT_PRESET, OPT_OUT, OPT_LAYERS, OPT_EXPERTS, OPT_SEED, OPT_LIST, OPT_SPARSE, OPT_COUNT };
 enum opt_kind { OPT_KIND_STRING, OPT_KIND_U64, OPT_KIND_FLAG };
 
 /* The options, one row each. */
@@ -258,6 +260,7 @@ static const struct {
     [OPT_EXPERTS] = {"--experts", OPT_KIND_U64},
     [OPT_SEED] = {"--seed", OPT_KIND_U64},
     [OPT_LIST] = {"--list", OPT_KIND_FLAG},
+    [OPT_SPARSE] = {"--sparse", OPT_KIND_FLAG},
 };
 
 struct options {
@@ -367,6 +370,7 @@ int cmd_mkcheckpoint(int argc, char **argv) {
   struct ckpt_layout l = {0};
   const struct ckpt_preset *p = NULL;
   double seconds = 0;
+  uint64_t disk = 0;
 
   if (options_parse(argc, argv, &o) < 0) return ctl_usage("mkcheckpoint");
   if (o.given[OPT_PRESET]) {
@@ -392,9 +396,18 @@ int cmd_mkcheckpoint(int argc, char **argv) {
   unsigned nthreads = stw_cpus_usable();
   if (nthreads > STW_THREADS_MAX) nthreads = STW_THREADS_MAX;
   if (ckpt_layout_build(p, &v, &l, &err) < 0) goto fail;
-  if (checkpoint_write(&l, o.text[OPT_OUT], o.num[OPT_SEED], nthreads, &seconds, &err) < 0) goto fail;
+  bool sparse = o.given[OPT_SPARSE];
+  if (checkpoint_write(&l, o.text[OPT_OUT], o.num[OPT_SEED], nthreads, sparse, &seconds, &disk, &err) < 0) goto fail;
   char experts[48] = "";
   if (p->num_experts > 0) snprintf(experts, sizeof experts, ", %u of %u experts", l.model.num_experts, p->num_experts);
+  if (sparse) {
+    printf("wrote %s sparse (%u of %u layers%s): %zu tensors, %llu payload bytes as holes that read as zeros, "
+           "%u shard%s in %s; %llu bytes on disk; %.2f s\n",
+           p->name, l.layers, p->num_layers, experts, l.count, (unsigned long long)l.total_bytes, l.shards,
+           l.shards == 1 ? "" : "s", o.text[OPT_OUT], (unsigned long long)disk, seconds);
+    ckpt_layout_free(&l);
+    return CTL_EXIT_OK;
+  }
   printf("wrote %s (%u of %u layers%s): %zu tensors, %llu payload bytes, %u shard%s in %s; %.2f s, %.2f GB/s, "
          "%u thread%s\n",
          p->name, l.layers, p->num_layers, experts, l.count, (unsigned long long)l.total_bytes, l.shards,
