@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Reproduces docs/benchmarks.md on a GPU host: generates the Qwen3-4B layout
 # (7.49 GiB, 3 shards), starts weightd with the cuda backend on a private
-# socket, runs weightd-bench (table, then JSON) and stops the daemon.
+# socket (pin off, so that staged loads stay staged: the default pin policy
+# would register the checkpoint after the first one), runs weightd-bench
+# (table, then JSON) and stops the daemon. tests/gpu/speed.sh measures the
+# default configuration, strided staging, peers, DeepSeek-V3 and the cold path.
 #
 #   tests/gpu/bench.sh BUILD_DIR WORK_DIR [RUNS] [extra weightd-bench flags...]
 set -euo pipefail
@@ -11,7 +14,7 @@ mkdir -p "$work"
 ckpt=$work/qwen3-4b
 [ -f "$ckpt/model.safetensors.index.json" ] || "$build/weightctl" mkcheckpoint --preset qwen3-4b --seed 1 --out "$ckpt"
 sock=$work/weightd.sock
-"$build/weightd" --foreground --backend cuda --socket "$sock" --model-root "$work" 2>"$work/weightd.log" &
+"$build/weightd" --foreground --backend cuda --socket "$sock" --model-root "$work" --set pin=off 2>"$work/weightd.log" &
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
