@@ -501,6 +501,8 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
 
 /* ---- entry points ------------------------------------------------------------------------ */
 
+bool ld_can_direct(const struct loader *ld) { return ld->stagings != NULL && ld->method != CFG_LOAD_STAGED; }
+
 int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
   void *ctx = ld->backend->ctx;

@@ -59,6 +59,9 @@ struct ld_target {
   double alloc_seconds;
 };
 
+/* True when a load can go direct (a GPU-like backend, load_method not forced to staged): pins are of use. */
+bool ld_can_direct(const struct loader *ld);
+
 /*
  * Allocates t->slab and fills it per t->plan from t->ck's mappings (direct
  * when every source byte is registered, else memcpy into host slabs, else

@@ -499,7 +499,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   lj->ld = r->ld;
   lj->backend = r->backend;
   lj->to_free = evicted;
-  lj->want_ranges = reg_pin_wants_ranges(ck->reg);
+  lj->want_ranges = reg_pin_wants_ranges(ck->reg) && ld_can_direct(r->ld);
   log_msg(LOG_DEBUG, "loading set %s: %s, %zu tensors, %" PRIu64 " bytes", s->id, ck->path, plan->noutputs,
           plan->slab_bytes);
   jobs_submit(r->bulk, &lj->job);
