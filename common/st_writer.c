@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "jsonutil.h"
@@ -77,6 +78,8 @@ struct stw_writer {
   unsigned threads;
   uint64_t chunk;
   uint64_t total;
+  bool sparse;
+  uint64_t disk_bytes; /* allocated blocks of the files, after the run */
   bool ran;
   struct job *jobs;
   size_t njobs;
@@ -372,7 +375,7 @@ static int layout_build(struct stw_writer *w, const struct stw_spec *s, const si
 
 /* Checks the spec's scalars and companions; 0 or WEIGHTD_E_INVALID. */
 static int spec_check(const struct stw_spec *s, struct wd_error *err) {
-  if (s->dir == NULL || s->fill == NULL || (s->ntensors > 0 && s->tensors == NULL))
+  if (s->dir == NULL || (s->fill == NULL && !s->sparse) || (s->ntensors > 0 && s->tensors == NULL))
     return err_set(err, WEIGHTD_E_INVALID, "no directory, tensors or fill callback");
   if (s->name_digits > MAX_NAME_DIGITS)
     return err_set(err, WEIGHTD_E_INVALID, "%u digits in file names; at most %u", s->name_digits, MAX_NAME_DIGITS);
@@ -412,6 +415,7 @@ int stw_create(const struct stw_spec *s, struct stw_writer **out, struct wd_erro
   w->threads = s->threads ? s->threads : stw_cpus_usable();
   if (w->threads > STW_THREADS_MAX) w->threads = STW_THREADS_MAX;
   w->chunk = s->chunk_bytes ? s->chunk_bytes : STW_CHUNK_DEFAULT;
+  w->sparse = s->sparse != 0;
   file_of = malloc((s->ntensors ? s->ntensors : 1) * sizeof *file_of);
   if (file_of == NULL || (w->dir = strdup(s->dir)) == NULL) {
     rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory for the writer");
@@ -581,14 +585,14 @@ static int workers_run(struct stw_writer *w, struct wd_error *err) {
 
 /* ---- files ------------------------------------------------------------------------------------ */
 
-/* Creates o's .tmp file; for a safetensors file with its header and its full size. */
-static int out_create(struct out *o, struct wd_error *err) {
+/* Creates o's .tmp file; for a safetensors file with its header and its full size (data a hole when sparse). */
+static int out_create(struct out *o, bool sparse, struct wd_error *err) {
   o->fd = open(o->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (o->fd < 0) return err_set(err, WEIGHTD_E_IO, "%s: %s", o->tmp, strerror(errno));
   o->created = true;
   if (o->header == NULL) return 0;
   uint64_t size = o->header_len + o->data_bytes;
-  if (fallocate(o->fd, 0, 0, (off_t)size) < 0 && errno != EOPNOTSUPP && errno != ENOSYS)
+  if (!sparse && fallocate(o->fd, 0, 0, (off_t)size) < 0 && errno != EOPNOTSUPP && errno != ENOSYS)
     return err_set(err, WEIGHTD_E_IO, "%s: cannot reserve %" PRIu64 " bytes: %s", o->tmp, size, strerror(errno));
   if (ftruncate(o->fd, (off_t)size) < 0 || pwrite_all(o->fd, o->header, o->header_len, 0) < 0)
     return err_set(err, WEIGHTD_E_IO, "%s: %s", o->tmp, strerror(errno));
@@ -605,7 +609,7 @@ static int out_close(struct out *o, const char *what, struct wd_error *err) {
 
 /* Writes a companion or the index to its .tmp file. */
 static int out_text_write(struct out *o, struct wd_error *err) {
-  int rc = out_create(o, err);
+  int rc = out_create(o, false, err);
   if (rc == 0 && pwrite_all(o->fd, o->text, o->text_len, 0) < 0)
     rc = err_set(err, WEIGHTD_E_IO, "%s: %s", o->tmp, strerror(errno));
   if (rc == 0) return out_close(o, "", err);
@@ -637,19 +641,53 @@ static void stale_remove(const struct stw_writer *w) {
   closedir(d);
 }
 
+/*
+ * Checks that a file grown with ftruncate in dir stays a hole (the file
+ * systems weightd meets do; FAT-like ones fill it with zeros), with a 64 MiB
+ * probe that is removed again. 0, or WEIGHTD_E_IO.
+ */
+static int holes_check(const struct stw_writer *w, struct wd_error *err) {
+  char *probe = NULL;
+  if (asprintf(&probe, "%s/" STW_INDEX_NAME ".tmp", w->dir) < 0) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  int rc = 0, fd = open(probe, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  struct stat st;
+  if (fd < 0) {
+    rc = err_set(err, WEIGHTD_E_IO, "%s: %s", probe, strerror(errno));
+  } else {
+    if (ftruncate(fd, 64ll << 20) < 0 || fstat(fd, &st) < 0)
+      rc = err_set(err, WEIGHTD_E_IO, "%s: %s", probe, strerror(errno));
+    else if ((uint64_t)st.st_blocks * 512 > (1ull << 20))
+      rc = err_set(err, WEIGHTD_E_IO,
+                   "%s: the file system does not keep holes (a 64 MiB hole took %llu bytes): a sparse checkpoint "
+                   "would take its full size",
+                   w->dir, (unsigned long long)st.st_blocks * 512);
+    close(fd);
+    unlink(probe);
+  }
+  free(probe);
+  return rc;
+}
+
+uint64_t stw_disk_bytes(const struct stw_writer *w) { return w->disk_bytes; }
+
 int stw_run(struct stw_writer *w, struct wd_error *err) {
   int rc;
   if (w->ran) return err_set(err, WEIGHTD_E_INVALID, "this writer has run already");
   w->ran = true;
+  if (w->sparse && (rc = holes_check(w, err)) < 0) return rc;
   for (size_t k = 0; k < w->nfiles; k++) {
-    rc = out_create(&w->outs[k], err);
+    rc = out_create(&w->outs[k], w->sparse, err);
     if (rc < 0) goto fail;
   }
-  rc = jobs_build(w, err);
-  if (rc < 0) goto fail;
-  rc = workers_run(w, err);
-  if (rc < 0) goto fail;
+  if (!w->sparse) {
+    rc = jobs_build(w, err);
+    if (rc < 0) goto fail;
+    rc = workers_run(w, err);
+    if (rc < 0) goto fail;
+  }
   for (size_t k = 0; k < w->nfiles; k++) {
+    struct stat st;
+    if (fstat(w->outs[k].fd, &st) == 0) w->disk_bytes += (uint64_t)st.st_blocks * 512;
     rc = out_close(&w->outs[k], "close: ", err);
     if (rc < 0) goto fail;
   }

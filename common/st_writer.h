@@ -93,6 +93,13 @@ struct stw_spec {
   void *fill_arg;
   unsigned threads;    /* 0: one per usable CPU; at most STW_THREADS_MAX, at most one per job */
   uint64_t chunk_bytes; /* job size; 0: STW_CHUNK_DEFAULT */
+  /*
+   * Sparse: write only the headers; each file gets its full size, the data
+   * being a hole that reads as zeros and takes (almost) no disk. fill is
+   * never called. A file system that does not keep holes is refused
+   * (WEIGHTD_E_IO) before any large file is made.
+   */
+  int sparse;
 };
 
 struct stw_writer;
@@ -126,6 +133,9 @@ const char *stw_file_name(const struct stw_writer *w, size_t i);
  * until stw_free(): for a SIGBUS handler that must remove them.
  */
 const char *const *stw_tmp_paths(const struct stw_writer *w);
+
+/* Bytes the files take on disk (allocated blocks), measured after stw_run(); 0 before. */
+uint64_t stw_disk_bytes(const struct stw_writer *w);
 
 /* Tensor data bytes written so far and in all; safe from any thread. */
 void stw_progress_get(const struct stw_writer *w, uint64_t *done, uint64_t *total);

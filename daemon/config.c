@@ -32,13 +32,16 @@ struct cfg_key {
 
 /* Enumerated keys are stored as int through the table's offset. */
 _Static_assert(sizeof(enum cfg_backend) == sizeof(int) && sizeof(enum log_level) == sizeof(int) &&
-                   sizeof(enum cfg_load_method) == sizeof(int) && sizeof(enum cfg_cuda_handles) == sizeof(int),
+                   sizeof(enum cfg_load_method) == sizeof(int) && sizeof(enum cfg_cuda_handles) == sizeof(int) &&
+                   sizeof(enum cfg_strided) == sizeof(int) && sizeof(enum cfg_pin) == sizeof(int),
                "enumerated config keys are stored as int");
 
 static const char *const backend_names[] = {"auto", "cuda", "host", NULL};
 static const char *const log_level_names[] = {"error", "warn", "info", "debug", NULL};
 static const char *const load_method_names[] = {"auto", "staged", NULL};
 static const char *const cuda_handles_names[] = {"vmm", "legacy", NULL};
+static const char *const strided_names[] = {"gather", "rows", "auto", NULL};
+static const char *const pin_names[] = {"after_load", "on_open", "off", NULL};
 
 #define OFF(f) offsetof(struct wd_config, f)
 #define GiB (1ull << 30)
@@ -66,8 +69,13 @@ static const struct cfg_key keys[] = {
      "bytes of resident sets per device before unleased sets are evicted (0 = a GPU's own memory; "
      "for the host backend, half of physical memory)", .reload = true},
     {"host_pin_budget", CFG_BYTES, OFF(host_pin_budget), 0, 0, UINT64_MAX, "0",
-     "bytes of checkpoint files kept registered for direct DMA (prefetch --pin; 0 = half of "
-     "physical memory)", .reload = true},
+     "bytes of checkpoint files kept registered for direct DMA (0 = half of the memory the daemon may use: "
+     "MemTotal, or its cgroup's memory limit when lower, read whenever a pin is considered)", .reload = true},
+    {"pin", CFG_ENUM, OFF(pin), 0, 0, 0, "after_load",
+     "after_load | on_open | off: after_load registers the byte ranges a load read, in the background once it "
+     "finished, when they fit host_pin_budget, so later loads of them copy straight from the page cache; "
+     "on_open also registers a whole checkpoint that fits as soon as it is opened",
+     pin_names, .reload = true},
     {"fill_threads", CFG_UINT, OFF(fill_threads), 0, 0, 1024, "0",
      "threads copying from the page cache (0 = one per online CPU)"},
     {"job_threads", CFG_UINT, OFF(job_threads), 0, 1, 256, "4",
@@ -120,6 +128,11 @@ static const struct cfg_key keys[] = {
      "cudaIpcMemHandle, for clients that open only those (they get UNSUPPORTED for a vmm set). A GPU or driver "
      "without VMM descriptor export gets legacy, with a warning",
      cuda_handles_names},
+    {"staged_strided", CFG_ENUM, OFF(staged_strided), 0, 0, 0, "auto",
+     "gather | rows | auto: how staged loads stage strided pieces (column slices): gather their rows on the CPU, "
+     "or copy whole source rows and let the GPU's copy engine take each row's part (auto: rows only for short "
+     "rows, by a provisional rule; docs/benchmarks.md)",
+     strided_names},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])

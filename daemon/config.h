@@ -17,6 +17,9 @@
 enum cfg_backend { CFG_BACKEND_AUTO, CFG_BACKEND_CUDA, CFG_BACKEND_HOST };
 enum cfg_load_method { CFG_LOAD_AUTO, CFG_LOAD_STAGED };
 enum cfg_cuda_handles { CFG_CUDA_HANDLES_VMM, CFG_CUDA_HANDLES_LEGACY };
+/* In the order of enum plan_strided (plan_stage.h). */
+enum cfg_strided { CFG_STRIDED_GATHER, CFG_STRIDED_ROWS, CFG_STRIDED_AUTO };
+enum cfg_pin { CFG_PIN_AFTER_LOAD, CFG_PIN_ON_OPEN, CFG_PIN_OFF };
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
@@ -31,7 +34,8 @@ struct wd_config {
   size_t n_allowed_gids;
   enum cfg_backend backend;
   uint64_t device_memory_budget; /* bytes per device for resident sets; 0 = no limit */
-  uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier */
+  uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier; 0 = derived (hostmem.h) */
+  enum cfg_pin pin;            /* when checkpoints enter the pinned-resident tier by themselves */
   uint64_t fill_threads;       /* 0 = one per online CPU */
   uint64_t job_threads;      /* loads, prefetches, frees */
   uint64_t control_threads;  /* opens, checks, plans, status: never behind loads */
@@ -51,6 +55,7 @@ struct wd_config {
   uint64_t metrics_connections; /* HTTP connections served at once */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
+  enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */
 };
 
 /* Fills cfg with the defaults. */

@@ -94,7 +94,7 @@ static void ticker_stop(struct request *r) {
   uv_close((uv_handle_t *)&k->timer, ticker_closed);
 }
 
-static void prefetched(void *arg, struct reg_ckpt *ck, uint64_t resident, const struct wd_error *err) {
+static void prefetched(void *arg, struct reg_ckpt *ck, const struct reg_prefetched *res, const struct wd_error *err) {
   struct request *r = arg;
   r->prefetch = NULL;
   ticker_stop(r);
@@ -103,8 +103,76 @@ static void prefetched(void *arg, struct reg_ckpt *ck, uint64_t resident, const 
     return;
   }
   cJSON *reply = msg_reply_ok(r->id);
-  cJSON_AddItemToObject(reply, "checkpoint", ops_checkpoint_json(req_daemon(r), ck, resident));
+  cJSON_AddItemToObject(reply, "checkpoint", ops_checkpoint_json(req_daemon(r), ck, res->resident));
+  json_u64_add(reply, "registered_bytes", res->registered);
+  cJSON_AddNumberToObject(reply, "read_seconds", res->read_seconds);
+  cJSON_AddNumberToObject(reply, "pin_seconds", res->pin_seconds);
   req_reply(r, reply, NULL, 0);
+}
+
+/* Starts the prefetch of ranges (NULL: the whole checkpoint) and replies now or, with wait, when it is done. */
+static void prefetch_start(struct request *r, struct reg_ckpt *ck, const struct plan_range *ranges, size_t n) {
+  struct daemon *d = req_daemon(r);
+  struct msg_obj o;
+  bool wait = false, pin = false;
+  struct wd_error e = {0};
+  msg_get_bool(ops_args(r, &o), "wait", false, false, &wait, &e);
+  msg_get_bool(ops_args(r, &o), "pin", false, false, &pin, &e);
+  if (pin && (d->backend.ops->caps & WD_CAP_HOST_SLABS))
+    log_msg(LOG_DEBUG, "%s: the %s backend reads host memory directly; nothing to pin", ck->path, d->backend_name);
+  if (ck->prefetching && !wait && !pin && ranges == NULL) { /* a read of it is under way already */
+    ops_reply_checkpoint(r, ck);
+    return;
+  }
+  if (reg_prefetch_start(d->reg, ck, ranges, n, pin, wait ? prefetched : NULL, r, wait ? &r->prefetch : NULL, &e) !=
+      0) {
+    reg_unref(ck);
+    req_fail_err(r, &e);
+    return;
+  }
+  if (wait) {
+    reg_unref(ck);
+    ticker_start(r);
+  } else {
+    ops_reply_checkpoint(r, ck);
+  }
+}
+
+/* A prefetch with a plan: the plan is built and its byte ranges listed on a job (big checkpoints take a while). */
+struct ranges_job {
+  struct job job;
+  struct request *req;
+  struct reg_ckpt *ck;
+  const cJSON *spec; /* in the request, which does not change */
+  struct plan_range *ranges;
+  size_t n;
+  int rc;
+  struct wd_error err;
+};
+
+static void ranges_work(struct job *j) {
+  struct ranges_job *rj = (struct ranges_job *)j;
+  struct plan *p = NULL;
+  rj->rc = plan_build(rj->ck->ck, rj->spec, &p, &rj->err);
+  if (rj->rc == 0) rj->rc = reg_plan_ranges(rj->ck, p, &rj->ranges, &rj->n, &rj->err);
+  plan_free(p);
+}
+
+static void ranges_done(struct job *j) {
+  struct ranges_job *rj = (struct ranges_job *)j;
+  if (rj->rc == 0 && rj->req->canceled) {
+    reg_unref(rj->ck);
+    req_fail(rj->req, WEIGHTD_E_CANCELED, "prefetch canceled");
+  } else if (rj->rc != 0) {
+    reg_unref(rj->ck);
+    req_fail_err(rj->req, &rj->err);
+  } else if (rj->n == 0) { /* the plan reads nothing */
+    ops_reply_checkpoint(rj->req, rj->ck);
+  } else {
+    prefetch_start(rj->req, rj->ck, rj->ranges, rj->n);
+  }
+  free(rj->ranges);
+  free(rj);
 }
 
 static void prefetch_ready(void *arg, struct reg_ckpt *ck, const struct wd_error *err) {
@@ -119,36 +187,32 @@ static void prefetch_ready(void *arg, struct reg_ckpt *ck, const struct wd_error
     req_fail(r, WEIGHTD_E_CANCELED, "prefetch canceled");
     return;
   }
-  struct msg_obj o;
-  bool wait = false, pin = false;
-  struct wd_error e = {0};
-  msg_get_bool(ops_args(r, &o), "wait", false, false, &wait, &e);
-  msg_get_bool(ops_args(r, &o), "pin", false, false, &pin, &e);
-  if (pin && (d->backend.ops->caps & WD_CAP_HOST_SLABS))
-    log_msg(LOG_DEBUG, "%s: the %s backend reads host memory directly; nothing to pin", ck->path, d->backend_name);
-  if (ck->prefetching && !wait && !(pin && !atomic_load(&ck->pinned))) {
-    ops_reply_checkpoint(r, ck);
+  const cJSON *spec = cJSON_GetObjectItemCaseSensitive(r->root, "plan");
+  if (spec == NULL) {
+    prefetch_start(r, ck, NULL, 0);
     return;
   }
-  if (reg_prefetch_start(d->reg, ck, pin, wait ? prefetched : NULL, r, wait ? &r->prefetch : NULL, &e) != 0) {
+  struct ranges_job *rj = calloc(1, sizeof *rj);
+  if (rj == NULL) {
     reg_unref(ck);
-    req_fail_err(r, &e);
+    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
     return;
   }
-  if (wait) {
-    reg_unref(ck);
-    ticker_start(r);
-  } else {
-    ops_reply_checkpoint(r, ck);
-  }
+  rj->job.work = ranges_work;
+  rj->job.done = ranges_done;
+  rj->req = r;
+  rj->ck = ck;
+  rj->spec = spec;
+  jobs_submit(d->control_pool, &rj->job);
 }
 
 void op_prefetch(struct request *r) {
-  struct msg_obj o;
+  struct msg_obj o, plan;
   struct wd_error err = {0};
   bool b;
   if (msg_get_bool(ops_args(r, &o), "wait", false, false, &b, &err) < 0 ||
-      msg_get_bool(ops_args(r, &o), "pin", false, false, &b, &err) < 0) {
+      msg_get_bool(ops_args(r, &o), "pin", false, false, &b, &err) < 0 ||
+      msg_get_object(ops_args(r, &o), "plan", false, &plan, &err) < 0) {
     req_fail_err(r, &err);
     return;
   }

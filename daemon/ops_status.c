@@ -25,8 +25,10 @@ cJSON *ops_checkpoint_json(const struct daemon *d, const struct reg_ckpt *ck, ui
   json_u64_add(o, "tensors", ck->ck->ntensors);
   json_u64_add(o, "bytes", ck->ck->total_bytes);
   json_u64_add(o, "resident_bytes", resident);
-  cJSON_AddBoolToObject(o, "pinned", atomic_load(&ck->pinned));
-  json_u64_add(o, "pinned_bytes", ck->pinned_bytes);
+  cJSON_AddBoolToObject(o, "pinned", reg_pinned_whole(ck));
+  json_u64_add(o, "pinned_bytes", reg_pins_bytes(ck));
+  json_u64_add(o, "pinned_ranges", ck->npins);
+  cJSON_AddBoolToObject(o, "pinning", ck->pinning);
   cJSON_AddBoolToObject(o, "prefetching", ck->prefetching);
   json_u64_add(o, "sets", res_count_sets_of(d->res, ck));
   return o;
@@ -146,6 +148,12 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
   msg_add_string(o, "socket", d->socket_path);
   json_u64_add(o, "jobs", jobs_outstanding(d->control_pool) + jobs_outstanding(d->job_pool));
   json_u64_add(o, "fill_threads", fill_threads(d->fill));
+  msg_add_string(o, "load_method", config_enum_name(&d->cfg, "load_method"));
+  msg_add_string(o, "staged_strided", config_enum_name(&d->cfg, "staged_strided"));
+  msg_add_string(o, "pin", config_enum_name(&d->cfg, "pin"));
+  json_u64_add(o, "host_pin_budget", reg_pin_budget(d->reg));
+  msg_add_string(o, "host_pin_budget_from", reg_pin_budget_source(d->reg));
+  json_u64_add(o, "pinned_bytes", reg_pinned_bytes(d->reg));
   cJSON *devs = cJSON_AddArrayToObject(r, "devices");
   for (int i = 0; i < d->ndevices; i++) cJSON_AddItemToArray(devs, ops_device_json(d, i));
   cJSON *cks = cJSON_AddArrayToObject(r, "checkpoints");

@@ -55,9 +55,10 @@ int reload_apply(struct daemon *d, struct wd_config *next, struct wd_error *err)
     if (n > 0) log_msg(LOG_INFO, "reload: evicted %zu unleased set(s) to fit device_memory_budget", n);
   }
   if (changed(&df, "host_pin_budget")) {
-    size_t n = reg_pin_budget_set(d->reg, startup_pin_budget(&d->cfg));
+    size_t n = reg_pin_budget_set(d->reg, d->cfg.host_pin_budget);
     if (n > 0) log_msg(LOG_INFO, "reload: unpinning %zu checkpoint(s) to fit host_pin_budget", n);
   }
+  if (changed(&df, "pin")) reg_pin_mode_set(d->reg, startup_pin_mode(&d->cfg));
   log_msg(LOG_INFO, "reload: %zu key(s) applied, %zu kept until a restart", df.n, df.kept);
   return 0;
 }

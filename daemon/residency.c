@@ -237,6 +237,8 @@ static void set_destroy(struct res_set *s, struct slab_list *keep) {
     s->load.slab = NULL;
   }
   if (s->device >= 0 && s->device < r->ndevices) r->devices[s->device].used -= s->plan->slab_bytes;
+  free((void *)s->load.pins);
+  s->load.pins = NULL;
   plan_free(s->plan);
   reg_unref(s->ck);
   uv_timer_stop(&s->progress_timer);
@@ -384,6 +386,9 @@ struct load_job {
   const struct wd_backend *backend;
   struct slab_list to_free; /* evicted for this load: freed before it allocates */
   bool retried;
+  bool want_ranges; /* the pin policy wants the byte ranges a finished load read */
+  struct plan_range *ranges;
+  size_t nranges;
   int rc;
   struct wd_error err;
 };
@@ -394,6 +399,10 @@ static void load_work(struct job *j) {
   double t0 = clock_s();
   lj->rc = ld_fill(lj->ld, &lj->set->load, &lj->err);
   lj->set->seconds = clock_s() - t0;
+  /* Listed here, off the loop; a load that went direct read only registered bytes already. */
+  struct wd_error e2 = {0};
+  if (lj->rc == 0 && lj->want_ranges && strcmp(lj->set->load.method, "direct") != 0)
+    reg_plan_ranges(lj->set->ck, lj->set->plan, &lj->ranges, &lj->nranges, &e2);
 }
 
 static void load_done(struct job *j) {
@@ -428,6 +437,9 @@ static void load_done(struct job *j) {
   }
   reg_load_end(s->ck);
   count_load(r, s, lj->rc);
+  free((void *)s->load.pins); /* the registrations it could use: no longer needed */
+  s->load.pins = NULL;
+  s->load.npins = 0;
   uv_timer_stop(&s->progress_timer);
   struct res_waiter *w = s->waiters;
   s->waiters = NULL;
@@ -451,6 +463,9 @@ static void load_done(struct job *j) {
     else w->done(w, NULL, false, &lj->err);
     w = next;
   }
+  /* The pin policy after the waiters have their answer: registering runs in the background. */
+  if (lj->rc == 0 && lj->ranges != NULL) reg_pin_after_load(s->ck, lj->ranges, lj->nranges);
+  else free(lj->ranges);
   if (lj->rc != 0) set_destroy(s, NULL);
   free(lj->to_free.v);
   free(lj);
@@ -504,6 +519,9 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   s->load.ck = ck;
   s->load.device = device;
   s->load.method = "memcpy";
+  struct plan_range *pins = NULL;
+  if (reg_pins_copy(ck, &pins, &s->load.npins) != 0) s->load.npins = 0; /* no memory: it stages instead */
+  s->load.pins = pins;
   atomic_init(&s->load.bytes_done, 0);
   atomic_init(&s->load.cancel, false);
   s->last_used_ms = clock_ms();
@@ -521,6 +539,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   lj->ld = r->ld;
   lj->backend = r->backend;
   lj->to_free = evicted;
+  lj->want_ranges = reg_pin_wants_ranges(ck->reg) && ld_can_direct(r->ld);
   log_msg(LOG_DEBUG, "loading set %s: %s, %zu tensors, %" PRIu64 " bytes", s->id, ck->path, plan->noutputs,
           plan->slab_bytes);
   jobs_submit(r->bulk, &lj->job);

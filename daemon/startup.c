@@ -123,9 +123,13 @@ int startup_roots_apply(struct daemon *d, const struct wd_config *cfg, struct wd
   return rc;
 }
 
-uint64_t startup_pin_budget(const struct wd_config *cfg) {
-  if (cfg->host_pin_budget > 0) return cfg->host_pin_budget;
-  return (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE) / 2;
+enum reg_pin_mode startup_pin_mode(const struct wd_config *cfg) {
+  switch (cfg->pin) {
+  case CFG_PIN_AFTER_LOAD: return REG_PIN_AFTER_LOAD;
+  case CFG_PIN_ON_OPEN: return REG_PIN_ON_OPEN;
+  case CFG_PIN_OFF: return REG_PIN_OFF;
+  }
+  return REG_PIN_OFF;
 }
 
 void startup_budgets_cap(struct wd_config *cfg, const struct wd_device_info *devices, int n) {
@@ -147,6 +151,9 @@ void startup_budgets_cap(struct wd_config *cfg, const struct wd_device_info *dev
     cfg->host_pin_budget = phys;
   }
 }
+_Static_assert((int)CFG_STRIDED_GATHER == (int)PLAN_STRIDED_GATHER && (int)CFG_STRIDED_ROWS == (int)PLAN_STRIDED_ROWS &&
+                   (int)CFG_STRIDED_AUTO == (int)PLAN_STRIDED_AUTO,
+               "staged_strided's choices are plan_stage.h's modes in order");
 
 int startup_state(struct daemon *d, struct wd_error *err) {
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
@@ -164,15 +171,21 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                          .fill = d->fill,
                          .ndevices = d->ndevices,
                          .method = d->cfg.load_method,
+                         .strided = (enum plan_strided)d->cfg.staged_strided,
                          .staging_slots = (size_t)d->cfg.staging_slots,
                          .staging_slot_bytes = (size_t)d->cfg.staging_slot_bytes};
   struct reg_params gp = {.backend = &d->backend,
                           .control = d->control_pool,
                           .bulk = d->job_pool,
                           .fill = d->fill,
-                          .pin_budget = startup_pin_budget(&d->cfg)};
+                          .pin_budget = d->cfg.host_pin_budget,
+                          .pin_mode = startup_pin_mode(&d->cfg)};
   rc = ld_create(&lp, &d->ld, err);
   if (rc == 0) rc = reg_create(&gp, &d->reg, err);
+  if (rc == 0 && d->backend.ops->host_register != NULL)
+    log_msg(LOG_INFO, "pin %s; host_pin_budget %llu MiB now (from %s); staged_strided %s",
+            config_enum_name(&d->cfg, "pin"), (unsigned long long)(reg_pin_budget(d->reg) >> 20),
+            reg_pin_budget_source(d->reg), config_enum_name(&d->cfg, "staged_strided"));
   if (rc == 0) rc = startup_roots_apply(d, &d->cfg, err);
   if (rc == 0) {
     struct res_params rp = {.loop = d->loop,

@@ -31,8 +31,8 @@ int startup_state(struct daemon *d, struct wd_error *err);
 /* Resolves cfg's model roots and hands them to the registry. */
 int startup_roots_apply(struct daemon *d, const struct wd_config *cfg, struct wd_error *err);
 
-/* The pinned tier's budget: configured, or half of physical memory at the time of the call. */
-uint64_t startup_pin_budget(const struct wd_config *cfg);
+/* The registry's pin mode for the `pin` setting. */
+enum reg_pin_mode startup_pin_mode(const struct wd_config *cfg);
 
 /*
  * Caps cfg's budgets at what the machine has: device_memory_budget at the

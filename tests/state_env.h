@@ -49,6 +49,14 @@ struct env_opts {
   unsigned bulk_threads; /* 1: a gate holds back every load */
   bool residency;        /* also a loader and residency */
   uint64_t device_budget;
+  /* Optional (zero: the daemon's defaults on the host backend). */
+  const struct wd_backend_ops *ops; /* a test backend instead of the host backend (context NULL) */
+  enum cfg_load_method method;
+  enum plan_strided strided;
+  size_t staging_slots;      /* 0: 2 */
+  size_t staging_slot_bytes; /* 0: 64 MiB */
+  enum reg_pin_mode pin_mode;
+  uint64_t pin_budget;
 };
 
 static inline void env_tick(uv_timer_t *t) { (void)t; }
@@ -62,14 +70,26 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
   int rc = jobs_start(&e->loop, 2, &e->control, &err);
   if (rc == 0) rc = jobs_start(&e->loop, o->bulk_threads ? o->bulk_threads : 2, &e->bulk, &err);
   if (rc == 0 && fill_start(2, &e->fill) != 0) rc = err_set(&err, WEIGHTD_E_NOMEM, "fill_start");
-  if (rc == 0) rc = backend_host_create(&e->backend, &err);
+  if (rc == 0 && o->ops != NULL) e->backend = (struct wd_backend){o->ops, NULL};
+  else if (rc == 0) rc = backend_host_create(&e->backend, &err);
   if (rc == 0) {
-    struct reg_params gp = {.backend = &e->backend, .control = e->control, .bulk = e->bulk, .fill = e->fill};
+    struct reg_params gp = {.backend = &e->backend,
+                            .control = e->control,
+                            .bulk = e->bulk,
+                            .fill = e->fill,
+                            .pin_budget = o->pin_budget,
+                            .pin_mode = o->pin_mode};
     rc = reg_create(&gp, &e->reg, &err);
   }
   if (rc == 0) rc = e->backend.ops->device_info(e->backend.ctx, 0, &e->device, &err);
   if (rc == 0 && o->residency) {
-    struct ld_params lp = {.backend = &e->backend, .fill = e->fill, .ndevices = 1, .method = CFG_LOAD_AUTO};
+    struct ld_params lp = {.backend = &e->backend,
+                           .fill = e->fill,
+                           .ndevices = 1,
+                           .method = o->method,
+                           .strided = o->strided,
+                           .staging_slots = o->staging_slots ? o->staging_slots : 2,
+                           .staging_slot_bytes = o->staging_slot_bytes ? o->staging_slot_bytes : 64u << 20};
     rc = ld_create(&lp, &e->ld, &err);
     struct res_params rp = {.loop = &e->loop,
                             .backend = &e->backend,

@@ -346,11 +346,11 @@ struct pf {
   struct wd_error err;
 };
 
-static void pf_cb(void *arg, struct reg_ckpt *ck, uint64_t resident, const struct wd_error *err) {
+static void pf_cb(void *arg, struct reg_ckpt *ck, const struct reg_prefetched *res, const struct wd_error *err) {
   struct pf *p = arg;
   p->fired = true;
   p->ck = ck;
-  p->resident = resident;
+  p->resident = res->resident;
   p->failed = err != NULL;
   if (err != NULL) p->err = *err;
 }
@@ -383,7 +383,7 @@ static void test_prefetch_reports_resident_bytes(void) {
 
   struct pf r = {0};
   struct wd_error err = {0};
-  CHECK_EQ_INT(reg_prefetch(e.reg, a.ck, false, pf_cb, &r, &err), 0);
+  CHECK_EQ_INT(reg_prefetch(e.reg, a.ck, NULL, 0, false, pf_cb, &r, &err), 0);
   CHECK(a.ck->prefetching);
   CHECK_EQ_INT(a.ck->refs, 3); /* the registry's, ours, the prefetch's */
   CHECK(env_run_until(&e, env_flag_set, &r.fired));
@@ -396,11 +396,12 @@ static void test_prefetch_reports_resident_bytes(void) {
 
   /* Pinning asked of the host backend: nothing to register, nothing counted. */
   struct pf r2 = {0};
-  CHECK_EQ_INT(reg_prefetch(e.reg, a.ck, true, pf_cb, &r2, &err), 0);
+  CHECK_EQ_INT(reg_prefetch(e.reg, a.ck, NULL, 0, true, pf_cb, &r2, &err), 0);
   CHECK(env_run_until(&e, env_flag_set, &r2.fired));
   CHECK(!r2.failed);
   CHECK_EQ_INT(r2.resident, want);
-  CHECK(!atomic_load(&a.ck->pinned));
+  CHECK(!reg_pinned_whole(a.ck));
+  CHECK_EQ_INT(a.ck->npins, 0);
   CHECK_EQ_INT(reg_pinned_bytes(e.reg), 0);
 
   reg_unref(a.ck);
@@ -428,7 +429,7 @@ static void test_prefetch_truncated_shard(void) {
     CHECK_EQ_INT(truncate(p, 4096), 0);
     struct pf r = {0};
     struct wd_error err = {0};
-    CHECK_EQ_INT(reg_prefetch(e.reg, a.ck, false, pf_cb, &r, &err), 0);
+    CHECK_EQ_INT(reg_prefetch(e.reg, a.ck, NULL, 0, false, pf_cb, &r, &err), 0);
     CHECK(env_run_until(&e, env_flag_set, &r.fired));
     CHECK(r.failed);
     CHECK_EQ_INT(r.err.code, WEIGHTD_E_FAULT);

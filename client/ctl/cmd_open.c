@@ -1,4 +1,4 @@
-/* cmd_open.c - `weightctl open PATH` and `weightctl prefetch PATH [--pin] [--wait]`. */
+/* cmd_open.c - `weightctl open PATH` and `weightctl prefetch PATH [--pin] [--wait] [plan flags]`. */
 #include <stdio.h>
 #include <string.h>
 
@@ -56,11 +56,17 @@ static const struct optab_opt prefetch_opts[] = {
 };
 
 static int run_prefetch(const struct ctl_args *a) {
+  struct ctl_plan_args pa;
+  cJSON *plan = NULL;
+  int prc = ctl_plan_args_get(a, &pa);
+  if (prc == 0) prc = ctl_plan_spec(&pa, 0, &plan);
+  if (prc != 0) return prc;
   cJSON *req = ctl_request_new("prefetch");
   ctl_add_path(req, a->pos[0]);
   bool wait = ctl_has(a, CTL_OPT_WAIT);
   cJSON_AddBoolToObject(req, "pin", ctl_has(a, CTL_OPT_PIN));
   cJSON_AddBoolToObject(req, "wait", wait);
+  if (plan != NULL) cJSON_AddItemToObject(req, "plan", plan);
   return run_checkpoint_op(req, wait ? "prefetched" : "prefetching", wait);
 }
 
@@ -69,10 +75,12 @@ const struct ctl_cmd ctl_cmd_prefetch = {
     .args = "PATH",
     .min_args = 1,
     .max_args = 1,
-    .summary = "warm a checkpoint in the page cache (--pin: the pinned-resident tier)",
+    .summary = "warm a checkpoint in the page cache (--pin: the pinned-resident tier; a plan: only its bytes)",
     .description = "Has the daemon read the checkpoint at PATH into the page cache on its own threads, so that "
-                   "loads do not wait for the disk. Without --wait it answers at once and reads in the background.",
+                   "loads do not wait for the disk. Without --wait it answers at once and reads in the background. "
+                   "With plan flags only the byte ranges that rank's plan reads are read (and, with --pin, "
+                   "registered), so a rank of a model larger than host memory can be pinned.",
     .opts = CTL_OPTS(prefetch_opts),
-    .flags = CTL_CMD_DAEMON,
+    .flags = CTL_CMD_DAEMON | CTL_CMD_PLAN,
     .run = run_prefetch,
 };

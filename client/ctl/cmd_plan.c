@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "checkpoint.h"
 #include "ctl.h"
@@ -15,6 +16,8 @@
 
 /* Pieces shown per output line; the rest are counted (--json lists them all). */
 #define SHOWN_PIECES 8
+/* The daemon pins a plan's ranges closer than this as one (REG_PIN_MERGE_GAP in daemon/registry.h). */
+#define CTL_PIN_MERGE_GAP (2ull << 20)
 /* Rows of a per-rank table at most. */
 #define MAX_RANK_ROWS 4096
 
@@ -88,6 +91,15 @@ static void print_plan(const struct ckpt *ck, const struct plan *p) {
   char h[32];
   ctl_human_bytes(ck->total_bytes, h, sizeof h);
   printf(" of the checkpoint's %" PRIu64 " (%s)\n", ck->total_bytes, h);
+  /* What pinning this plan registers: its ranges widened to pages, as the daemon merges them. */
+  struct plan_range *r = NULL;
+  size_t n = 0;
+  struct wd_error err = {0};
+  if (plan_ranges(p, ck, (uint64_t)sysconf(_SC_PAGESIZE), CTL_PIN_MERGE_GAP, &r, &n, &err) == 0) {
+    print_bytes_line("pin bytes", plan_ranges_bytes(r, n));
+    printf(" in %zu range%s\n", n, n == 1 ? "" : "s");
+  }
+  free(r);
 }
 
 static int print_described(const struct plan *p) {

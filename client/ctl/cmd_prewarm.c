@@ -2,8 +2,9 @@
  * cmd_prewarm.c - `weightctl prewarm PATH [plan flags] [--device D]... [--pin]
  * [--timeout S]`: the autoscaler's hook. Makes one rank's plan of a
  * checkpoint resident on each named device and returns when it is:
- * open (validate, map), prefetch with wait (and pin), then load on each
- * device that does not hold the set yet.
+ * open (validate, map), prefetch with wait (and pin) of the bytes the plan
+ * reads (the whole checkpoint for the whole plan), then load on each device
+ * that does not hold the set yet.
  *
  * It is idempotent: the plan's key is built here from the checkpoint's
  * headers (as plan does) and compared with the sets status lists, so a set
@@ -26,8 +27,8 @@ static const struct optab_opt prewarm_opts[] = {
      "A device to make the set resident on: an index or a UUID; repeat for several (default 0).", OPTAB_REPEAT,
      NULL},
     {CTL_OPT_PIN, "pin", 0, OPTAB_SWITCH, NULL,
-     "Pin the checkpoint (the pinned-resident tier, within host_pin_budget) before loading, so that loads copy "
-     "by direct DMA.",
+     "Pin the bytes the plan reads (the pinned-resident tier, within host_pin_budget) before loading, so that "
+     "loads copy by direct DMA.",
      0, NULL},
 };
 
@@ -181,6 +182,8 @@ static int run_prewarm(const struct ctl_args *a) {
     cJSON_AddStringToObject(req, "path", path);
     cJSON_AddBoolToObject(req, "pin", ctl_has(a, CTL_OPT_PIN));
     cJSON_AddTrueToObject(req, "wait");
+    /* Only the rank's byte ranges: a rank of a checkpoint larger than host memory can be prewarmed (and pinned). */
+    if (spec != NULL) cJSON_AddItemToObject(req, "plan", cJSON_Duplicate(spec, 1));
     ctl_progress_begin("prefetch");
     rc = ctl_request(c, req, ctl_progress_cb, NULL, &reply);
     ctl_progress_end();
@@ -227,8 +230,8 @@ const struct ctl_cmd ctl_cmd_prewarm = {
     .summary = "make a rank's plan resident on each named device and wait for it (for autoscalers)",
     .description =
         "Makes one rank's plan of the checkpoint at PATH resident on each --device and returns when it is: the "
-        "daemon opens the checkpoint, reads it into the page cache (and pins it with --pin), then loads it on "
-        "every device that does not hold the set yet. It is idempotent: when every device already holds the "
+        "daemon opens the checkpoint, reads the bytes the plan reads into the page cache (and pins them with "
+        "--pin), then loads it on every device that does not hold the set yet. It is idempotent: when every device already holds the "
         "set it returns at once without reading the checkpoint. On a terminal progress lines show each step; "
         "Ctrl-C cancels the step in flight (exit 1) and so does --timeout (exit 4).\n\nWith --json: {\"ok\": "
         "true, \"path\", \"plan\" (the plan's key), \"prefetched\", \"sets\": [{\"device\", \"resident_before\", "

@@ -128,12 +128,19 @@ const char *ctl_str(const cJSON *o, const char *key) {
 }
 
 void ctl_print_checkpoint(const char *verb, const cJSON *ck) {
-  char total[32], resident[32];
-  uint64_t bytes = ctl_u64(ck, "bytes"), res = ctl_u64(ck, "resident_bytes");
+  char total[32], resident[32], pinned[48] = "";
+  uint64_t bytes = ctl_u64(ck, "bytes"), res = ctl_u64(ck, "resident_bytes"), pb = ctl_u64(ck, "pinned_bytes");
   ctl_human_bytes(bytes, total, sizeof total);
   ctl_human_bytes(res, resident, sizeof resident);
+  if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(ck, "pinned"))) {
+    snprintf(pinned, sizeof pinned, ", pinned");
+  } else if (pb > 0) {
+    char h[32];
+    ctl_human_bytes(pb, h, sizeof h);
+    snprintf(pinned, sizeof pinned, ", %s pinned", h);
+  }
   uint64_t shards = ctl_u64(ck, "shards");
   printf("%s %s\n  %s layout, %" PRIu64 " shard%s, %" PRIu64 " tensors, %s; %s in the page cache%s\n", verb,
          ctl_str(ck, "path"), ctl_str(ck, "layout"), shards, shards == 1 ? "" : "s", ctl_u64(ck, "tensors"),
-         total, resident, cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(ck, "pinned")) ? ", pinned" : "");
+         total, resident, pinned);
 }

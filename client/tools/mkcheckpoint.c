@@ -189,8 +189,8 @@ static int config_build(const struct ckpt_layout *l, char **text, size_t *len, s
  * and (for several shards) the index. Fills *seconds with the time the
  * writing took. Returns 0 or a negative code with err filled.
  */
-static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64_t seed, unsigned nthreads,
-                            double *seconds, struct wd_error *err) {
+static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64_t seed, unsigned nthreads, bool sparse,
+                            double *seconds, uint64_t *disk_bytes, struct wd_error *err) {
   struct stream st = {.l = l};
   struct stw_tensor *ts = NULL;
   struct stw_writer *w = NULL;
@@ -227,6 +227,7 @@ static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64
       .fill = tensor_generate,
       .fill_arg = &st,
       .threads = nthreads,
+      .sparse = sparse,
   };
   rc = stw_create(&spec, &w, err);
   if (rc == 0) {
@@ -236,6 +237,7 @@ static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64
   }
   if (rc < 0) goto fail;
   *seconds = clock_s() - t0;
+  *disk_bytes = stw_disk_bytes(w);
   stw_free(w);
   free(ts);
   free(st.keys);
@@ -252,7 +254,7 @@ fail:
 
 /* ---- the command ------------------------------------------------------------------ */
 
-enum opt_id { OPT_PRESET, OPT_OUT, OPT_LAYERS, OPT_EXPERTS, OPT_SEED, OPT_LIST, OPT_COUNT };
+enum opt_id { OPT_PRESET, OPT_OUT, OPT_LAYERS, OPT_EXPERTS, OPT_SEED, OPT_LIST, OPT_SPARSE, OPT_COUNT };
 enum opt_kind { OPT_KIND_STRING, OPT_KIND_U64, OPT_KIND_FLAG };
 
 /* The options, one row each: the command line's option and how its value reads. */
@@ -267,6 +269,7 @@ static const struct {
     [OPT_EXPERTS] = {CTL_OPT_EXPERTS, "--experts", OPT_KIND_U64},
     [OPT_SEED] = {CTL_OPT_SEED, "--seed", OPT_KIND_U64},
     [OPT_LIST] = {CTL_OPT_LIST, "--list", OPT_KIND_FLAG},
+    [OPT_SPARSE] = {CTL_OPT_SPARSE, "--sparse", OPT_KIND_FLAG},
 };
 
 struct options {
@@ -370,6 +373,7 @@ static int run_mkcheckpoint(const struct ctl_args *a) {
   struct ckpt_layout l = {0};
   const struct ckpt_preset *p = NULL;
   double seconds = 0;
+  uint64_t disk = 0;
 
   if (options_get(a, &o) < 0) return CTL_EXIT_USAGE;
   if (o.given[OPT_PRESET]) {
@@ -395,7 +399,8 @@ static int run_mkcheckpoint(const struct ctl_args *a) {
   unsigned nthreads = stw_cpus_usable();
   if (nthreads > STW_THREADS_MAX) nthreads = STW_THREADS_MAX;
   if (ckpt_layout_build(p, &v, &l, &err) < 0) goto fail;
-  if (checkpoint_write(&l, o.text[OPT_OUT], o.num[OPT_SEED], nthreads, &seconds, &err) < 0) goto fail;
+  bool sparse = o.given[OPT_SPARSE];
+  if (checkpoint_write(&l, o.text[OPT_OUT], o.num[OPT_SEED], nthreads, sparse, &seconds, &disk, &err) < 0) goto fail;
   char experts[48] = "";
   if (p->num_experts > 0) snprintf(experts, sizeof experts, ", %u of %u experts", l.model.num_experts, p->num_experts);
   double rate = seconds > 0 ? (double)l.total_bytes / (double)(1ull << 30) / seconds : 0.0;
@@ -409,15 +414,26 @@ static int run_mkcheckpoint(const struct ctl_args *a) {
     cJSON_AddItemToObject(r, "tensors", json_u64_create(l.count));
     cJSON_AddItemToObject(r, "payload_bytes", json_u64_create(l.total_bytes));
     cJSON_AddItemToObject(r, "shards", json_u64_create(l.shards));
+    cJSON_AddBoolToObject(r, "sparse", sparse);
+    if (sparse) cJSON_AddItemToObject(r, "disk_bytes", json_u64_create(disk));
     cJSON_AddNumberToObject(r, "seconds", seconds);
-    cJSON_AddNumberToObject(r, "gib_per_s", rate);
+    if (!sparse) cJSON_AddNumberToObject(r, "gib_per_s", rate);
     cJSON_AddItemToObject(r, "threads", json_u64_create(nthreads));
     ctl_json_print(r);
+  } else if (sparse) {
+    printf("wrote %s sparse (%u of %u layers%s): %zu tensors, %llu payload bytes as holes that read as zeros, "
+           "%u shard%s in %s; %llu bytes on disk; %.2f s\n",
+           p->name, l.layers, p->num_layers, experts, l.count, (unsigned long long)l.total_bytes, l.shards,
+           l.shards == 1 ? "" : "s", o.text[OPT_OUT], (unsigned long long)disk, seconds);
   } else {
     printf("wrote %s (%u of %u layers%s): %zu tensors, %llu payload bytes, %u shard%s in %s; %.2f s, %.2f GiB/s, "
            "%u thread%s\n",
            p->name, l.layers, p->num_layers, experts, l.count, (unsigned long long)l.total_bytes, l.shards,
            l.shards == 1 ? "" : "s", o.text[OPT_OUT], seconds, rate, nthreads, nthreads == 1 ? "" : "s");
+  }
+  if (sparse) {
+    ckpt_layout_free(&l);
+    return CTL_EXIT_OK;
   }
   ckpt_layout_free(&l);
   return CTL_EXIT_OK;
@@ -444,6 +460,11 @@ static const struct optab_opt mkcheckpoint_opts[] = {
     {CTL_OPT_LIST, "list", 0, OPTAB_SWITCH, NULL,
      "List the presets (or the one --preset names, cut as --layers and --experts say) with their tensors, bytes "
      "and shards, instead of writing.", 0, NULL},
+    {CTL_OPT_SPARSE, "sparse", 0, OPTAB_SWITCH, NULL,
+     "Write the tensor data as holes: files of the right size that read as zeros and take almost no disk (the "
+     "headers, index and config.json are real), so a 673 GB layout fits a small disk. The file system must keep "
+     "holes; one that does not is refused before anything large is written.",
+     0, NULL},
 };
 
 const struct ctl_cmd ctl_cmd_mkcheckpoint = {

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Reproduces docs/benchmarks.md on a GPU host: generates the Qwen3-4B layout
 # (7.49 GiB, 3 shards, 398 tensors), starts weightd with the cuda backend on a
-# private socket (cuda_handles=vmm, the default), runs weightd-bench (table,
-# then JSON) and stops the daemon; then starts a second daemon with
-# cuda_handles=legacy and times attaching there alone (weightd-bench
-# --attach-only), and prints both attach figures side by side.
+# private socket (cuda_handles=vmm, the default; pin off, so that staged loads
+# stay staged: the default pin policy would register the checkpoint after the
+# first one), runs weightd-bench (table, then JSON) and stops the daemon; then
+# starts a second daemon with cuda_handles=legacy (pin off too) and times
+# attaching there alone (weightd-bench --attach-only), and prints both attach
+# figures side by side. Both daemons run without metrics (metrics_address=).
+# tests/gpu/speed.sh measures the default configuration, strided staging,
+# peers, DeepSeek-V3 and the cold path.
 #
 #   tests/gpu/bench.sh BUILD_DIR WORK_DIR [RUNS] [extra weightd-bench flags...]
 set -euo pipefail
@@ -20,12 +24,12 @@ stop_daemon() {
 }
 trap stop_daemon EXIT
 
-# start_daemon HANDLES: a weightd with cuda_handles=HANDLES on $work/weightd-HANDLES.sock
+# start_daemon HANDLES: a weightd with cuda_handles=HANDLES and pin off on $work/weightd-HANDLES.sock
 start_daemon() {
   sock=$work/weightd-$1.sock
   rm -f "$sock"
   "$build/weightd" --foreground --backend cuda --socket "$sock" --model-root "$work" \
-    --set "cuda_handles=$1" --set metrics_address= 2>"$work/weightd-$1.log" &
+    --set "cuda_handles=$1" --set pin=off --set metrics_address= 2>"$work/weightd-$1.log" &
   pid=$!
   for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 }

@@ -22,7 +22,14 @@
  * process and leaving the bytes intact (set WD_TEST_NO_GPU_FAULT=1 to skip
  * that one: it provokes a GPU MMU fault, which the kernel log reports); and a
  * clear DEVICE_NOMEM when the GPU is full, after which the daemon keeps
- * serving. Exits 77 (skipped) without a GPU.
+ * serving. The main daemon runs with pin off, so that its staged loads stay
+ * staged; two more (with the same cuda_handles) check the other paths on the
+ * real device: staged_strided rows (2D copies out of the pinned slots) and
+ * the default pin policy (a rank's ranges registered after its first load
+ * with cudaHostRegister on parts of the mappings, the next load direct with
+ * its copies cut at registration boundaries), every byte read back. Every
+ * daemon runs without metrics (metrics_address=: no port shared with other
+ * tests). Exits 77 (skipped) without a GPU.
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -30,6 +37,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -74,33 +82,49 @@ static pid_t spawn(char *const argv[]) {
   return p;
 }
 
-static void start_daemon(void) {
+/* Starts a weightd (cuda backend, model root dir) on socket path with extra flags; its pid. */
+static pid_t daemon_start(const char *path, const char *log_name, const char *const *extra) {
   char log[PATH_MAX];
-  snprintf(sock, sizeof sock, "%s/wd.sock", dir);
-  snprintf(log, sizeof log, "%s/weightd.log", dir);
-  daemon_pid = fork();
-  if (daemon_pid == 0) {
+  snprintf(log, sizeof log, "%s/%s", dir, log_name);
+  pid_t pid = fork();
+  if (pid == 0) {
     int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, 2);
     char setting[64];
     snprintf(setting, sizeof setting, "cuda_handles=%s", mode);
-    execl(weightd_bin, weightd_bin, "--foreground", "--backend", "cuda", "--socket", sock, "--model-root", dir,
-          "--log-level", "debug", "--set", setting, "--set", "metrics_address=", (char *)NULL); /* no port shared with other tests */
+    /* No metrics: no port shared with other tests (or the other daemons here). */
+    const char *argv[40] = {weightd_bin, "--foreground", "--backend", "cuda", "--socket", path, "--model-root", dir,
+                            "--log-level", "debug", "--set", setting, "--set", "metrics_address="};
+    int n = 14;
+    for (; extra != NULL && *extra != NULL && n < 39; extra++) argv[n++] = *extra;
+    argv[n] = NULL;
+    execv(weightd_bin, (char *const *)argv);
     _exit(127);
   }
   for (int i = 0; i < 300; i++) {
     struct stat sb;
-    if (stat(sock, &sb) == 0) return;
+    if (stat(path, &sb) == 0) return pid;
     usleep(20000);
   }
+  return pid;
+}
+
+static void daemon_stop(pid_t pid) {
+  if (pid <= 0) return;
+  kill(pid, SIGTERM);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+static void start_daemon(void) {
+  static const char *const extra[] = {"--set", "pin=off", NULL};
+  snprintf(sock, sizeof sock, "%s/wd.sock", dir);
+  daemon_pid = daemon_start(sock, "weightd.log", extra);
 }
 
 static void stop_daemon(void) {
-  if (daemon_pid <= 0) return;
-  kill(daemon_pid, SIGTERM);
-  int st = 0;
-  waitpid(daemon_pid, &st, 0);
-  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  daemon_stop(daemon_pid);
   daemon_pid = -1;
 }
 
@@ -634,6 +658,90 @@ static void test_out_of_memory(void) {
   if (rc == 0) CHECK_EQ_INT(weightd_evict(c, set_id), 0);
 }
 
+/* The method of a load of spec through c (the load's reply), "" on failure; the set id goes to id. */
+static void load_method(weightd_client *c, const char *spec, char *method, size_t mlen, char *id, size_t idlen) {
+  char *req = NULL, *reply = NULL;
+  method[0] = id[0] = '\0';
+  if (asprintf(&req, "{\"op\":\"load\",\"path\":\"%s\"%s%s}", ckpt, spec ? ",\"plan\":" : "", spec ? spec : "") < 0) return;
+  int rc = weightd_request(c, req, &reply, NULL, NULL);
+  CHECK_EQ_INT(rc, 0);
+  const char *m = reply ? strstr(reply, "\"method\":\"") : NULL, *i = reply ? strstr(reply, "\"set\":\"") : NULL;
+  if (m != NULL) snprintf(method, mlen, "%.*s", (int)strcspn(m + 10, "\""), m + 10);
+  if (i != NULL) snprintf(id, idlen, "%.*s", (int)strcspn(i + 7, "\""), i + 7);
+  weightd_free(reply);
+  free(req);
+}
+
+/* Attaches set id through c, verifies every byte against spec, releases and evicts it. */
+static void verify_and_evict(weightd_client *c, const char *id, const char *spec) {
+  weightd_set *s = NULL;
+  CHECK_EQ_INT(weightd_attach(c, id, &s), 0);
+  if (s != NULL) {
+    verify_plan(s, g_ck, spec);
+    weightd_release(s);
+  }
+  CHECK_EQ_INT(weightd_evict(c, id), 0);
+}
+
+/* Staged loads with strided pieces staged as whole rows: 2D copies from the pinned slots. */
+static void test_staged_rows(void) {
+  static const char *const extra[] = {"--set", "pin=off", "--set", "staged_strided=rows", NULL};
+  char path[PATH_MAX];
+  snprintf(path, sizeof path, "%s/rows.sock", dir);
+  pid_t pid = daemon_start(path, "weightd-rows.log", extra);
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(path, &c), 0);
+  static const char *const specs[] = {"{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":1}",
+                                      "{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":0,\"fuse\":true}",
+                                      "{\"preset\":\"auto\",\"tp_size\":4,\"tp_rank\":3}"};
+  for (size_t i = 0; c != NULL && i < sizeof specs / sizeof specs[0]; i++) {
+    char method[16], id[32];
+    load_method(c, specs[i], method, sizeof method, id, sizeof id);
+    CHECK(strcmp(method, "staged") == 0);
+    verify_and_evict(c, id, specs[i]);
+  }
+  weightd_close(c);
+  daemon_stop(pid);
+}
+
+/* True once the daemon has registered part of the checkpoint and no pin job runs. */
+static bool wait_pinned(weightd_client *c) {
+  for (int i = 0; i < 1000; i++) {
+    char *reply = NULL;
+    bool done = false;
+    if (weightd_request(c, "{\"op\":\"status\"}", &reply, NULL, NULL) == 0 && reply != NULL) {
+      const char *b = strstr(reply, "\"checkpoints\"");
+      done = b != NULL && strstr(b, "\"pinning\":false") != NULL && strstr(b, "\"pinned_bytes\":0,") == NULL;
+    }
+    weightd_free(reply);
+    if (done) return true;
+    usleep(20000);
+  }
+  return false;
+}
+
+/* The default pin policy: a rank's first load stages, its ranges get pinned, the next load is direct. */
+static void test_pin_after_load(void) {
+  char path[PATH_MAX];
+  snprintf(path, sizeof path, "%s/auto.sock", dir);
+  pid_t pid = daemon_start(path, "weightd-auto.log", NULL);
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(path, &c), 0);
+  static const char *const specs[] = {"{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":1}", NULL};
+  for (size_t i = 0; c != NULL && i < 2; i++) {
+    char method[16], id[32];
+    load_method(c, specs[i], method, sizeof method, id, sizeof id);
+    CHECK(strcmp(method, "staged") == 0); /* the first: nothing registered (the whole set: not all of it) */
+    verify_and_evict(c, id, specs[i]);
+    CHECK(wait_pinned(c));
+    load_method(c, specs[i], method, sizeof method, id, sizeof id);
+    CHECK(strcmp(method, "direct") == 0);
+    verify_and_evict(c, id, specs[i]);
+  }
+  weightd_close(c);
+  daemon_stop(pid);
+}
+
 int main(int argc, char **argv) {
   self_bin = argv[0];
   if (argc == 4 && strcmp(argv[1], "--write-probe") == 0) return write_probe(argv[2], argv[3]);
@@ -692,6 +800,8 @@ int main(int argc, char **argv) {
   weightd_free(reply);
   RUN(test_rank_layouts); /* staged */
   RUN(test_moe_layouts);
+  RUN(test_staged_rows);
+  RUN(test_pin_after_load);
   RUN(test_read_only_write_refused); /* last: it makes a GPU fault in a process of its own */
   weightd_close(c);
   stop_daemon();

@@ -541,7 +541,7 @@ def test_reload_model_roots(service, tiny, outside_dir):
 
 
 @pytest.mark.parametrize("broken,why", [
-    ('{"log_level": "debug", ', "not a JSON object"),
+    ('{"log_level": "debug", ', "weightd.json:1:24: unexpected end of input in object"),
     ({"log_level": "debug", "bogus_key": 1}, "unknown key 'bogus_key'"),
     ({"log_level": "debug", "job_threads": 0}, "config 'job_threads': '0' is not an integer between 1 and 256"),
 ])
