@@ -69,7 +69,9 @@ listen=$(sed -n 's/^ListenStream=//p' "$socket")
 fdname=$(sed -n 's/^FileDescriptorName=//p' "$socket")
 cfg_socket=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("socket", ""))' "$dest$config")
 [ "$listen" = "$cfg_socket" ] || fail "weightd.socket listens on '$listen', the configuration says socket '$cfg_socket'"
-"$dest$bin" --help | grep -Eq "^  socket_fd_name +default $fdname " ||
+# grep reads the saved help: "--help | grep -q" fails under pipefail when grep exits
+# before weightd has written its last line (SIGPIPE).
+grep -Eq "^  socket_fd_name +default $fdname " "$tmp/help.out" ||
   fail "weightd.socket's FileDescriptorName=$fdname is not socket_fd_name's default"
 grep -q '^RuntimeDirectory=' "$service" && fail "RuntimeDirectory= would delete the socket's directory at every stop"
 
