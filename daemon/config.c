@@ -117,6 +117,9 @@ static const struct cfg_key keys[] = {
      "cudaIpcMemHandle, for clients that open only those (they get UNSUPPORTED for a vmm set). A GPU or driver "
      "without VMM descriptor export gets legacy, with a warning",
      cuda_handles_names},
+    {"test_load_gate", CFG_STRING, OFF(test_load_gate), 0, 0, 0, "",
+     "for tests only: a FIFO from which loads on the host backend read one byte before each 256 MiB window they "
+     "fill (end of file lets every window through), so that a test holds a load midway; \"\" (the default): none"},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])

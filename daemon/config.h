@@ -51,6 +51,7 @@ struct wd_config {
   uint64_t metrics_connections; /* HTTP connections served at once */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
+  char *test_load_gate; /* "" = none; for tests: a FIFO memcpy loads read a byte from before each window */
 };
 
 /* Fills cfg with the defaults. */

@@ -22,14 +22,20 @@
  * for the staging slots) and the target. Fill tasks run on the fill pool and
  * write disjoint byte ranges; the first error wins under `lock`. Each GPU's
  * staging slots, streams and events belong to one load at a time
- * (`staging.lock`). Progress is the target's atomic bytes_done; cancellation
- * is its atomic cancel flag, checked between windows.
+ * (`staging.lock`). Progress is the target's atomic bytes_done, the ready
+ * watermark its atomic ready_bytes (raised by whichever thread learns that a
+ * prefix of the slab is complete: a compare-and-swap that only grows it);
+ * cancellation is its atomic cancel flag, checked between windows.
  */
 #include "loader.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "clock.h"
 #include "fault.h"
@@ -40,6 +46,8 @@
 #define LD_TASK_MAX (8ull << 20)
 /* Bytes one direct copy moves at most (keeps progress and cancellation responsive). */
 #define LD_DIRECT_CHUNK (256ull << 20)
+/* Bytes a direct load issues between sync points, where the ready watermark moves (one drain each, ~10 ms of copies). */
+#define LD_DIRECT_SYNC (512ull << 20)
 
 struct staging {
   pthread_mutex_t lock;
@@ -56,7 +64,18 @@ struct loader {
   enum cfg_load_method method;
   struct staging *stagings; /* one per device, for backends without host-visible slabs */
   int nstagings;
+  char *gate; /* test_load_gate, or NULL */
 };
+
+/* Raises the target's ready watermark to v (never lowers it) and tells the hook. */
+static void publish_ready(struct ld_target *t, uint64_t v) {
+  uint_fast64_t cur = atomic_load(&t->ready_bytes);
+  while (cur < v)
+    if (atomic_compare_exchange_weak(&t->ready_bytes, &cur, v)) {
+      if (t->ready != NULL) t->ready(t, v);
+      return;
+    }
+}
 
 /* ---- gathering ---------------------------------------------------------------- */
 
@@ -101,7 +120,9 @@ struct window_fill {
   unsigned char *dst;
   size_t ntasks;
   uint64_t task;
-  pthread_mutex_t lock;
+  pthread_mutex_t lock; /* guards rc, err, finished, next */
+  unsigned char *finished; /* per task */
+  size_t next;             /* tasks [0, next) have all finished */
   int rc;
   struct wd_error err;
 };
@@ -122,6 +143,15 @@ static void fill_task(void *arg, size_t i) {
     return;
   }
   atomic_fetch_add(&r->set->bytes_done, b - a);
+  /* The window's tasks finish in any order; the watermark covers the finished prefix. */
+  pthread_mutex_lock(&r->lock);
+  r->finished[i] = 1;
+  size_t before = r->next;
+  while (r->next < r->ntasks && r->finished[r->next]) r->next++;
+  uint64_t upto = r->lo + (uint64_t)r->next * r->task;
+  int moved = r->next != before;
+  pthread_mutex_unlock(&r->lock);
+  if (moved) publish_ready(r->set, upto < r->hi ? upto : r->hi);
 }
 
 /* Per shard, where its data section starts in the mapping (a new array, or NULL). */
@@ -146,9 +176,12 @@ static int fill_window(struct loader *ld, struct ld_target *s, const unsigned ch
   struct window_fill r = {.ld = ld, .set = s, .data = data, .lo = lo, .hi = hi, .dst = dst};
   r.task = task_bytes(ld, hi - lo);
   r.ntasks = (size_t)((hi - lo + r.task - 1) / r.task);
+  r.finished = calloc(r.ntasks ? r.ntasks : 1, 1);
+  if (r.finished == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   pthread_mutex_init(&r.lock, NULL);
   fill_run(ld->fill, r.ntasks, fill_task, &r);
   pthread_mutex_destroy(&r.lock);
+  free(r.finished);
   if (r.rc != 0) *err = r.err;
   return r.rc;
 }
@@ -158,18 +191,46 @@ static int check_cancel(struct ld_target *s, struct wd_error *err) {
   return err_set(err, WEIGHTD_E_CANCELED, "load of %s canceled", s->ck->path);
 }
 
+/* ---- the test gate ------------------------------------------------------------------ */
+
+/*
+ * Waits for one byte from the test gate (a FIFO) before a window: 0 to go
+ * on, CANCELED when the load is canceled meanwhile. End of file (every writer
+ * gone) or a failed read closes *gate: from then on the gate is open.
+ */
+static int gate_pass(int *gate, struct ld_target *s, struct wd_error *err) {
+  while (*gate >= 0) {
+    char byte;
+    ssize_t n = read(*gate, &byte, 1);
+    if (n == 1) return 0;
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+      int rc = check_cancel(s, err);
+      if (rc != 0) return rc;
+      struct pollfd p = {.fd = *gate, .events = POLLIN};
+      poll(&p, 1, 20);
+      continue;
+    }
+    close(*gate);
+    *gate = -1;
+  }
+  return 0;
+}
+
 /* ---- memcpy: the slab is host memory ------------------------------------------------ */
 
 static int fill_memcpy(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const uint64_t window = 256ull << 20; /* cancellation is checked between windows */
   const unsigned char **data = shard_data(s);
   if (data == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  int gate = ld->gate != NULL ? open(ld->gate, O_RDONLY | O_NONBLOCK | O_CLOEXEC) : -1;
+  if (ld->gate != NULL && gate < 0) log_msg(LOG_WARN, "test_load_gate %s: %s (the gate stays open)", ld->gate, strerror(errno));
   int rc = 0;
   for (uint64_t lo = 0; lo < s->plan->slab_bytes && rc == 0; lo += window) {
-    if ((rc = check_cancel(s, err)) != 0) break;
+    if ((rc = gate_pass(&gate, s, err)) != 0 || (rc = check_cancel(s, err)) != 0) break;
     uint64_t hi = lo + window < s->plan->slab_bytes ? lo + window : s->plan->slab_bytes;
     rc = fill_window(ld, s, data, lo, hi, (unsigned char *)s->slab->host_view + lo, err);
   }
+  if (gate >= 0) close(gate);
   free(data);
   return rc;
 }
@@ -196,7 +257,9 @@ struct staged_run {
   uint64_t task;              /* bytes per task */
   atomic_size_t *left;        /* per window: tasks not finished */
   size_t *issued;             /* per slot: windows whose transfer has started */
-  pthread_mutex_t lock;       /* guards issued, rc, err */
+  unsigned char *complete;    /* per window: its transfer is known to have completed */
+  size_t next_complete;       /* windows [0, next_complete) have all completed */
+  pthread_mutex_t lock;       /* guards issued, complete, next_complete, rc, err */
   pthread_cond_t moved;       /* a transfer started, or the run failed */
   int rc;
   struct wd_error err;
@@ -210,6 +273,18 @@ static void staged_fail(struct staged_run *r, int rc, const struct wd_error *err
   }
   pthread_cond_broadcast(&r->moved);
   pthread_mutex_unlock(&r->lock);
+}
+
+/* Window w's transfer has completed (its slot's event was waited for): the watermark may pass it. */
+static void staged_complete(struct staged_run *r, size_t w) {
+  pthread_mutex_lock(&r->lock);
+  r->complete[w] = 1;
+  size_t before = r->next_complete;
+  while (r->next_complete < r->windows && r->complete[r->next_complete]) r->next_complete++;
+  uint64_t upto = (uint64_t)r->next_complete * r->st->slot_bytes;
+  int moved = r->next_complete != before;
+  pthread_mutex_unlock(&r->lock);
+  if (moved) publish_ready(r->set, upto < r->total ? upto : r->total);
 }
 
 static void staged_task(void *arg, size_t i) {
@@ -229,9 +304,12 @@ static void staged_task(void *arg, size_t i) {
     staged_fail(r, err.code, &err);
     return;
   }
-  if (w >= st->nslots && b->ops->event_wait(b->ctx, st->events[k], &err) != 0) {
-    staged_fail(r, err.code, &err);
-    return;
+  if (w >= st->nslots) {
+    if (b->ops->event_wait(b->ctx, st->events[k], &err) != 0) {
+      staged_fail(r, err.code, &err);
+      return;
+    }
+    staged_complete(r, w - st->nslots); /* the event was window w - S's, the last recorded on this slot */
   }
   uint64_t wlo = (uint64_t)w * st->slot_bytes;
   uint64_t whi = wlo + st->slot_bytes < r->total ? wlo + st->slot_bytes : r->total;
@@ -271,10 +349,12 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
   r.data = shard_data(s);
   r.left = malloc((r.windows ? r.windows : 1) * sizeof *r.left);
   r.issued = calloc(st->nslots, sizeof *r.issued);
-  if (r.data == NULL || r.left == NULL || r.issued == NULL) {
+  r.complete = calloc(r.windows ? r.windows : 1, 1);
+  if (r.data == NULL || r.left == NULL || r.issued == NULL || r.complete == NULL) {
     free(r.data);
     free(r.left);
     free(r.issued);
+    free(r.complete);
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
   for (size_t w = 0; w < r.windows; w++) atomic_init(&r.left[w], r.per_window);
@@ -298,6 +378,7 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
   free(r.data);
   free(r.left);
   free(r.issued);
+  free(r.complete);
   if (r.rc != 0) {
     *err = r.err;
     return r.rc;
@@ -308,6 +389,21 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
 
 /* ---- direct: the copy engines read the registered mappings ---------------------------- */
 
+/* Waits for every copy issued on the staging streams; keeps the first error in rc/err. */
+static int direct_sync(struct loader *ld, struct staging *st, int rc, struct wd_error *err) {
+  const struct wd_backend_ops *ops = ld->backend->ops;
+  for (size_t k = 0; k < st->nslots; k++) {
+    struct wd_error e2 = {0};
+    int r2 = ops->event_record(ld->backend->ctx, st->events[k], st->streams[k], &e2);
+    if (r2 == 0) r2 = ops->event_wait(ld->backend->ctx, st->events[k], &e2);
+    if (rc == 0 && r2 != 0) {
+      rc = r2;
+      *err = e2;
+    }
+  }
+  return rc;
+}
+
 static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
   void *ctx = ld->backend->ctx;
@@ -316,6 +412,7 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
   pthread_mutex_lock(&st->lock);
   int rc = 0;
   size_t n = 0;
+  uint64_t synced = 0; /* slab bytes below the last sync point */
   const struct plan *p = s->plan;
   for (size_t o = 0; o < p->noutputs && rc == 0; o++) {
     uint64_t dst = p->outputs[o].offset;
@@ -341,16 +438,14 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
       dst += len;
       atomic_fetch_add(&s->bytes_done, len);
     }
-  }
-  for (size_t k = 0; k < st->nslots; k++) {
-    struct wd_error e2 = {0};
-    int r2 = ops->event_record(ctx, st->events[k], st->streams[k], &e2);
-    if (r2 == 0) r2 = ops->event_wait(ctx, st->events[k], &e2);
-    if (rc == 0 && r2 != 0) {
-      rc = r2;
-      *err = e2;
+    /* A sync point: what was issued up to here has landed, so the watermark may pass it. */
+    uint64_t end = p->outputs[o].offset + p->outputs[o].nbytes;
+    if (rc == 0 && end - synced >= LD_DIRECT_SYNC && (rc = direct_sync(ld, st, rc, err)) == 0) {
+      synced = end;
+      publish_ready(s, end);
     }
   }
+  rc = direct_sync(ld, st, rc, err);
   pthread_mutex_unlock(&st->lock);
   return rc;
 }
@@ -360,11 +455,17 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
 int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
   void *ctx = ld->backend->ctx;
-  double t0 = clock_s();
-  s->slab = NULL;
-  int rc = ops->slab_alloc(ctx, s->device, s->plan->slab_bytes, &s->slab, err);
-  s->alloc_seconds = clock_s() - t0;
-  if (rc != 0) return rc;
+  int rc;
+  if (s->slab == NULL) { /* else a load run again: it refills the slab that clients may map already */
+    double t0 = clock_s();
+    rc = ops->slab_alloc(ctx, s->device, s->plan->slab_bytes, &s->slab, err);
+    s->alloc_seconds = clock_s() - t0;
+    if (rc != 0) {
+      s->slab = NULL;
+      return rc;
+    }
+    if (s->allocated != NULL) s->allocated(s);
+  }
   if (ld->method == CFG_LOAD_STAGED) {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
@@ -378,14 +479,13 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
   }
+  if (rc == 0) {
+    atomic_store(&s->bytes_done, s->plan->slab_bytes);
+    publish_ready(s, s->plan->slab_bytes);
+  }
   /* A shard rewritten while we copied would have given a mix of old and new bytes. */
   if (rc == 0) rc = ckpt_check_unchanged(s->ck->ck, err);
-  if (rc == 0) atomic_store(&s->bytes_done, s->plan->slab_bytes);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, s->slab, err);
-  if (rc != 0) {
-    ops->slab_free(ctx, s->slab);
-    s->slab = NULL;
-  }
   return rc;
 }
 
@@ -398,6 +498,10 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
   ld->fill = p->fill;
   ld->method = p->method;
   *out = ld;
+  if (p->test_load_gate != NULL && p->test_load_gate[0] != '\0') {
+    if ((ld->gate = strdup(p->test_load_gate)) == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    log_msg(LOG_WARN, "test_load_gate %s: memcpy loads wait for it at every window (for tests only)", ld->gate);
+  }
   /* Host slabs are filled in place and need no staging, unless staging is forced. */
   if ((ops->caps & WD_CAP_HOST_SLABS) && p->method != CFG_LOAD_STAGED) return 0;
   ld->stagings = calloc((size_t)p->ndevices, sizeof *ld->stagings);
@@ -441,5 +545,6 @@ void ld_destroy(struct loader *ld) {
     pthread_mutex_destroy(&st->lock);
   }
   free(ld->stagings);
+  free(ld->gate);
   free(ld);
 }

@@ -30,31 +30,57 @@ struct ld_params {
   enum cfg_load_method method;
   size_t staging_slots;      /* per GPU */
   size_t staging_slot_bytes;
+  /*
+   * For tests only (NULL or "": none): a FIFO from which memcpy loads read
+   * one byte before each window they fill; end of file lets every window
+   * through. A test holds a load at a window boundary with it.
+   */
+  const char *test_load_gate;
 };
 
 /* Allocates the staging slots (pinned host memory) of every GPU, once. */
 int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *err);
 void ld_destroy(struct loader *ld);
 
-/* One load: what to fill from where, and what the load reports back. */
+/*
+ * One load: what to fill from where, and what the load reports back.
+ *
+ * The slab fills in offset order, as far as anyone outside can tell:
+ * ready_bytes is a watermark below which every slab byte holds its final
+ * value (on a GPU, the copy that wrote it has completed). It only grows;
+ * memcpy loads raise it as each contiguous run of fill tasks finishes,
+ * staged loads as each window's transfer is known complete (its slot's event
+ * waited for), direct loads at sync points every LD_DIRECT_SYNC bytes.
+ */
 struct ld_target {
   const struct plan *plan;
   struct reg_ckpt *ck; /* open: its maps and ckpt never change */
   int device;
-  atomic_uint_fast64_t bytes_done; /* progress, in slab bytes (read by the loop) */
-  atomic_bool cancel;              /* set by the loop: the load stops between windows */
+  atomic_uint_fast64_t bytes_done;  /* progress, in slab bytes (read by the loop) */
+  atomic_uint_fast64_t ready_bytes; /* the watermark, in slab bytes */
+  atomic_bool cancel;               /* set by the loop: the load stops between windows */
+  /*
+   * Hooks, each may be NULL; they run on the load's threads. allocated runs
+   * once the slab exists (t->slab is set and stays so); ready each time
+   * ready_bytes grows (calls from several fill threads may overlap and come
+   * out of order: each passes the value it raised ready_bytes to).
+   */
+  void (*allocated)(struct ld_target *t);
+  void (*ready)(struct ld_target *t, uint64_t ready_bytes);
   /* Results (valid once ld_fill returns). */
-  struct wd_slab *slab; /* the filled slab, owned by the caller from then on */
+  struct wd_slab *slab; /* the slab, owned by the caller, also when the fill failed */
   const char *method;   /* "memcpy", "staged" or "direct" */
   double alloc_seconds;
 };
 
 /*
- * Allocates t->slab and fills it per t->plan from t->ck's mappings, then
+ * Fills t->slab per t->plan from t->ck's mappings, allocating it first when
+ * t->slab is NULL (a load that is run again refills the slab it has), then
  * checks that no shard changed meanwhile (WEIGHTD_E_STALE) and seals the slab
- * where the backend can. Runs on a job thread. On failure the slab is freed
- * and t->slab is NULL. Fails with WEIGHTD_E_CANCELED once t->cancel is set,
- * WEIGHTD_E_FAULT when a shard was truncated under its mapping.
+ * where the backend can. Runs on a job thread. On failure the slab (if it was
+ * allocated) stays in t->slab for the caller to free: clients that attached
+ * early may still map it. Fails with WEIGHTD_E_CANCELED once t->cancel is
+ * set, WEIGHTD_E_FAULT when a shard was truncated under its mapping.
  */
 int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err);
 
