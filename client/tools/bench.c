@@ -12,13 +12,20 @@
  * set, import + reserve + map + set access for a cuda_vmm set, whichever
  * the daemon's cuda_handles setting makes), and reads the daemon's anonymous
  * RSS. Each figure is printed with its ratio to the ceiling measured in this
- * same run. --attach-only skips the ceilings and loads: it loads the set
- * once and times the attaches (tests/gpu/bench.sh runs it against a second
- * daemon with the other handle kind).
+ * same run. Attach figures name the set's tensor count (the attach reply's
+ * size no longer grows with it: the table is a shared binary memfd).
+ * --early adds early attach: a fresh process attaches the set while it
+ * loads (evicted first) and times the attach, the moment the first layer's
+ * tensors (every tensor up to the last one named *.layers.0.* in slab
+ * order) are in place and usable, and the whole load, all from the attach
+ * call. --attach-only skips the ceilings and loads: it loads the set once
+ * and times the attaches (tests/gpu/bench.sh runs it against a second daemon
+ * with the other handle kind; tests/gpu/attach.sh at several tensor counts).
  *
  * weightd-bench --checkpoint DIR [--socket PATH] [--device N] [--runs N]
- *               [--fill-threads N] [--attach-only] [--json]
+ *               [--fill-threads N] [--plan JSON] [--attach-only] [--early] [--json]
  * weightd-bench --attach-probe SET --socket PATH   (the fresh process)
+ * weightd-bench --early-probe DIR --socket PATH    (the fresh process, early attach)
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -349,20 +356,21 @@ static int attach_probe(const char *set, const char *sock, int device) {
   weightd_set *s = NULL;
   t0 = clock_s();
   if (weightd_attach(c, set, &s) != 0) die("attach", weightd_last_error(c));
+  size_t ntensors = weightd_set_tensor_count(s);
   weightd_tensor t;
-  if (weightd_set_tensor(s, 0, &t) != 0 || t.data == NULL) die("attach", "no usable pointer");
+  if (weightd_set_tensor(s, ntensors / 2, &t) != 0 || t.data == NULL) die("attach", "no usable pointer");
   double t_attach = clock_s() - t0;
   /* Touch the memory through the pointer to show it is usable. */
   unsigned char byte;
   CUDA_OK(cudaMemcpy(&byte, t.data, 1, cudaMemcpyDeviceToHost));
-  printf("%.6f %.6f %.6f %.6f %s\n", t_ctx, t_attach, t_rt, t_open, kind_name);
+  printf("%.6f %.6f %.6f %.6f %s %zu\n", t_ctx, t_attach, t_rt, t_open, kind_name, ntensors);
   weightd_release(s);
   weightd_close(c);
   return 0;
 }
 
 static void probe_attach(const char *self, const char *sock, const char *set, int device, double *ctx,
-                         double *att, double *rt, double *open, char kind[16]) {
+                         double *att, double *rt, double *open, char kind[16], size_t *ntensors) {
   int p[2];
   if (pipe(p) != 0) die("pipe", strerror(errno));
   pid_t pid = fork();
@@ -379,13 +387,15 @@ static void probe_attach(const char *self, const char *sock, const char *set, in
   close(p[0]);
   int st;
   waitpid(pid, &st, 0);
-  if (n <= 0 || sscanf(buf, "%lf %lf %lf %lf %15s", ctx, att, rt, open, kind) != 5) die("attach probe", "no result");
+  if (n <= 0 || sscanf(buf, "%lf %lf %lf %lf %15s %zu", ctx, att, rt, open, kind, ntensors) != 6)
+    die("attach probe", "no result");
 }
 
 /* Attach figures: medians over the probes (fresh processes). */
 struct attach_figures {
   double ctx, attach, roundtrip, open;
   char handles[16]; /* the set's handle kind */
+  size_t tensors;
   int probes;
 };
 
@@ -399,7 +409,8 @@ static void measure_attach(const char *self, weightd_client *cl, const char *soc
   double ctx_all[16], att_all[16], rt_all[16], open_all[16];
   int probes = runs < 16 ? runs : 16;
   for (int i = 0; i < probes; i++)
-    probe_attach(self, sock, set, device, &ctx_all[i], &att_all[i], &rt_all[i], &open_all[i], out->handles);
+    probe_attach(self, sock, set, device, &ctx_all[i], &att_all[i], &rt_all[i], &open_all[i], out->handles,
+                 &out->tensors);
   out->ctx = median(ctx_all, probes);
   out->attach = median(att_all, probes);
   out->roundtrip = median(rt_all, probes);
@@ -415,35 +426,147 @@ static void print_attach(const struct attach_figures *a) {
   printf("%-44s %8.2f ms   (one-time per process)\n", "fresh process: CUDA context", a->ctx * 1e3);
   char label[64];
   snprintf(label, sizeof label, "fresh process: attach (%s handles)", a->handles);
-  printf("%-44s %8.3f ms   (to usable pointers; median of %d)\n", label, a->attach * 1e3, a->probes);
+  printf("%-44s %8.3f ms   (to usable pointers, %zu tensors; median of %d)\n", label, a->attach * 1e3, a->tensors,
+         a->probes);
   printf("%-44s %8.3f ms\n", "  of which: request/reply round trip", a->roundtrip * 1e3);
   printf("%-44s %8.3f ms\n", open_label(a->handles), a->open * 1e3);
 }
 
+/* ---- early attach ------------------------------------------------------------------- */
+
+/*
+ * The fresh process of an early attach: a context, then attach the
+ * checkpoint early (the parent evicted its set, so the load starts with
+ * the attach); prints "ctx_s attach_s first_layer_s all_s tensors
+ * first_layer_tensors", every time from the attach call.
+ */
+static int early_probe(const char *path, const char *sock, int device) {
+  double t0 = clock_s();
+  CUDA_OK(cudaSetDevice(device));
+  CUDA_OK(cudaFree(0));
+  double t_ctx = clock_s() - t0;
+  weightd_client *c = connect_or_die(sock);
+  char dev[16];
+  snprintf(dev, sizeof dev, "%d", device);
+  struct weightd_load_options o = {.struct_size = sizeof o, .device = dev, .plan_json = plan_json,
+                                   .flags = WEIGHTD_ATTACH_EARLY};
+  weightd_set *s = NULL;
+  t0 = clock_s();
+  if (weightd_attach_path(c, path, &o, &s) != 0) die("early attach", weightd_last_error(c));
+  double t_attach = clock_s() - t0;
+  size_t n = weightd_set_tensor_count(s), last = 0;
+  weightd_tensor t;
+  for (size_t i = 0; i < n; i++)
+    if (weightd_set_tensor(s, i, &t) == 0 && strstr(t.name, ".layers.0.") != NULL) last = i;
+  int rc = weightd_set_wait_tensor(s, last, 600000);
+  if (rc != 0) die("waiting for the first layer", weightd_strerror(rc));
+  weightd_set_tensor(s, last, &t);
+  unsigned char byte;
+  CUDA_OK(cudaMemcpy(&byte, t.data, 1, cudaMemcpyDeviceToHost)); /* usable: a read through its pointer */
+  double t_first = clock_s() - t0;
+  if ((rc = weightd_set_wait(s, NULL, 600000)) != 0) die("waiting for the set", weightd_strerror(rc));
+  double t_all = clock_s() - t0;
+  printf("%.6f %.6f %.6f %.6f %zu %zu\n", t_ctx, t_attach, t_first, t_all, n, last + 1);
+  weightd_release(s);
+  weightd_close(c);
+  return 0;
+}
+
+struct early_figures {
+  double attach, first, all;
+  size_t tensors, first_tensors;
+  int probes;
+};
+
+/* Evicts the device's sets, then times fresh processes attaching the checkpoint early (medians). */
+static void measure_early(const char *self, weightd_client *cl, const char *sock, const char *abs, int device,
+                          int runs, int settle_ms, struct early_figures *out) {
+  double att[16], first[16], all[16], ctx;
+  int probes = runs < 16 ? runs : 16;
+  for (int i = 0; i < probes; i++) {
+    char req[64];
+    snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":%d}", device);
+    weightd_free(request_or_die(cl, req));
+    if (settle_ms > 0) usleep((useconds_t)settle_ms * 1000);
+    int p[2];
+    if (pipe(p) != 0) die("pipe", strerror(errno));
+    pid_t pid = fork();
+    if (pid == 0) {
+      dup2(p[1], 1);
+      char dev[16];
+      snprintf(dev, sizeof dev, "%d", device);
+      if (plan_json != NULL)
+        execl(self, self, "--early-probe", abs, "--socket", sock, "--device", dev, "--plan", plan_json, (char *)NULL);
+      else
+        execl(self, self, "--early-probe", abs, "--socket", sock, "--device", dev, (char *)NULL);
+      _exit(127);
+    }
+    close(p[1]);
+    char buf[256] = "";
+    ssize_t n = read(p[0], buf, sizeof buf - 1);
+    close(p[0]);
+    int st;
+    waitpid(pid, &st, 0);
+    if (n <= 0 || sscanf(buf, "%lf %lf %lf %lf %zu %zu", &ctx, &att[i], &first[i], &all[i], &out->tensors,
+                         &out->first_tensors) != 6)
+      die("early probe", "no result");
+  }
+  out->attach = median(att, probes);
+  out->first = median(first, probes);
+  out->all = median(all, probes);
+  out->probes = probes;
+}
+
+static void print_early(const struct early_figures *e) {
+  printf("%-44s %8.3f ms   (the set still loading; median of %d)\n", "early attach: attach returns", e->attach * 1e3,
+         e->probes);
+  char label[64];
+  snprintf(label, sizeof label, "early attach: first layer usable (%zu tensors)", e->first_tensors);
+  printf("%-44s %8.1f ms   (%.1f%% of the whole load; target <= 10%%)\n", label, e->first * 1e3,
+         100 * e->first / e->all);
+  snprintf(label, sizeof label, "early attach: whole set ready (%zu tensors)", e->tensors);
+  printf("%-44s %8.1f ms   (from the attach call: plan, allocation and load)\n", label, e->all * 1e3);
+}
+
+static void json_early(const struct early_figures *e) {
+  printf(",\"early_attach_s\":%.6f,\"early_first_layer_s\":%.6f,\"early_all_s\":%.6f,\"early_first_layer_tensors\":%zu,"
+         "\"early_first_layer_ratio\":%.4f,\"early_probes\":%d",
+         e->attach, e->first, e->all, e->first_tensors, e->first / e->all, e->probes);
+}
+
 /* Only the attach figures (--attach-only): for a daemon with the other cuda_handles. */
-static int attach_only(const char *self, const char *sock, const char *abs, int device, int runs, int json) {
+static int attach_only(const char *self, const char *sock, const char *abs, int device, int runs, int json,
+                       int early, int settle_ms) {
   weightd_client *cl = connect_or_die(sock);
   if (strcmp(weightd_backend(cl), "cuda") != 0) die("daemon", "the daemon does not use the cuda backend");
   struct attach_figures a;
+  struct early_figures e;
   measure_attach(self, cl, sock, abs, device, runs, &a);
-  if (json)
-    printf("{\"checkpoint\":\"%s\",\"attach_handles\":\"%s\",\"attach_context_s\":%.6f,\"attach_s\":%.6f,"
-           "\"attach_roundtrip_s\":%.6f,\"attach_open_s\":%.6f,\"attach_probes\":%d}\n",
-           abs, a.handles, a.ctx, a.attach, a.roundtrip, a.open, a.probes);
-  else
+  if (early) measure_early(self, cl, sock, abs, device, runs, settle_ms, &e);
+  if (json) {
+    printf("{\"checkpoint\":\"%s\",\"attach_handles\":\"%s\",\"attach_tensors\":%zu,\"attach_context_s\":%.6f,"
+           "\"attach_s\":%.6f,\"attach_roundtrip_s\":%.6f,\"attach_open_s\":%.6f,\"attach_probes\":%d",
+           abs, a.handles, a.tensors, a.ctx, a.attach, a.roundtrip, a.open, a.probes);
+    if (early) json_early(&e);
+    printf("}\n");
+  } else {
     print_attach(&a);
+    if (early) print_early(&e);
+  }
   weightd_close(cl);
   return 0;
 }
 
 int main(int argc, char **argv) {
-  const char *path = NULL, *sock = NULL, *probe = NULL;
-  int device = 0, runs = 5, json = 0, settle_ms = 500, only_attach = 0;
+  const char *path = NULL, *sock = NULL, *probe = NULL, *eprobe = NULL;
+  int device = 0, runs = 5, json = 0, settle_ms = 500, only_attach = 0, early = 0;
   unsigned fill_threads = (unsigned)sysconf(_SC_NPROCESSORS_ONLN);
   for (int i = 1; i < argc; i++) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (strcmp(argv[i], "--json") == 0) json = 1;
     else if (strcmp(argv[i], "--attach-only") == 0) only_attach = 1;
+    else if (strcmp(argv[i], "--early") == 0) early = 1;
+    else if (v && strcmp(argv[i], "--early-probe") == 0) eprobe = argv[++i];
     else if (v && strcmp(argv[i], "--checkpoint") == 0) path = argv[++i];
     else if (v && strcmp(argv[i], "--socket") == 0) sock = argv[++i];
     else if (v && strcmp(argv[i], "--device") == 0) device = atoi(argv[++i]);
@@ -455,11 +578,13 @@ int main(int argc, char **argv) {
     else {
       fprintf(stderr,
               "usage: weightd-bench --checkpoint DIR [--socket PATH] [--device N] [--runs N]\n"
-              "                     [--fill-threads N] [--settle-ms MS] [--plan JSON] [--attach-only] [--json]\n");
+              "                     [--fill-threads N] [--settle-ms MS] [--plan JSON] [--attach-only] [--early]\n"
+              "                     [--json]\n");
       return 2;
     }
   }
   if (probe) return attach_probe(probe, sock, device);
+  if (eprobe) return early_probe(eprobe, sock, device);
   if (path == NULL || runs < 1 || fill_threads < 1) {
     fprintf(stderr, "weightd-bench: --checkpoint DIR is required\n");
     return 2;
@@ -476,7 +601,7 @@ int main(int argc, char **argv) {
   cJSON_Delete(spec);
   uint64_t bytes = plan->payload_bytes; /* what this rank moves */
   if (only_attach) {
-    int rc = attach_only(argv[0], sock, abs, device, runs, json);
+    int rc = attach_only(argv[0], sock, abs, device, runs, json, early, settle_ms);
     free(abs);
     plan_free(plan);
     ckpt_free(c);
@@ -525,7 +650,9 @@ int main(int argc, char **argv) {
 
   /* A resident set for the attach probes. */
   struct attach_figures a;
+  struct early_figures e;
   measure_attach(argv[0], cl, sock, abs, device, runs, &a);
+  if (early) measure_early(argv[0], cl, sock, abs, device, runs, settle_ms, &e);
   uint64_t rss = daemon_rss_anon(cl);
 
   struct cudaDeviceProp prop;
@@ -536,11 +663,13 @@ int main(int argc, char **argv) {
            "\"ceiling_h2d_s\":%.6f,\"fill_rate_s\":%.6f,\"staged_s\":%.6f,\"staged_method\":\"%s\","
            "\"pinned_s\":%.6f,\"pinned_method\":\"%s\",\"settle_ms\":%d,\"staged_back_to_back_s\":%.6f,"
            "\"pinned_back_to_back_s\":%.6f,\"pin_once_s\":%.6f,\"attach_context_s\":%.6f,"
-           "\"attach_handles\":\"%s\",\"attach_s\":%.6f,\"attach_roundtrip_s\":%.6f,\"attach_open_s\":%.6f,"
-           "\"daemon_rss_anon_bytes\":%" PRIu64 ",\"staged_runs_s\":[",
+           "\"attach_handles\":\"%s\",\"attach_tensors\":%zu,\"attach_s\":%.6f,\"attach_roundtrip_s\":%.6f,"
+           "\"attach_open_s\":%.6f,\"daemon_rss_anon_bytes\":%" PRIu64,
            prop.name, plan->key, abs, bytes, runs, fill_threads, ceiling, fill, staged, m_staged, direct, m_direct, settle_ms,
            staged_b2b, direct_b2b, t_pin,
-           a.ctx, a.handles, a.attach, a.roundtrip, a.open, rss);
+           a.ctx, a.handles, a.tensors, a.attach, a.roundtrip, a.open, rss);
+    if (early) json_early(&e);
+    printf(",\"staged_runs_s\":[");
     for (int i = 0; i < runs; i++) printf("%s%.6f", i ? "," : "", staged_all[i]);
     printf("],\"pinned_runs_s\":[");
     for (int i = 0; i < runs; i++) printf("%s%.6f", i ? "," : "", direct_all[i]);
@@ -567,6 +696,7 @@ int main(int argc, char **argv) {
            gb / direct_b2b, 100 * ceiling / direct_b2b);
     printf("%-44s %8.1f ms   (one-time)\n", "pinning the checkpoint (prefetch --pin)", t_pin * 1e3);
     print_attach(&a);
+    if (early) print_early(&e);
     printf("%-44s %8.1f MiB\n", "daemon RssAnon (smaps_rollup Anonymous)", (double)rss / (1 << 20));
   }
   free(v);

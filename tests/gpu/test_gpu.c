@@ -22,7 +22,10 @@
  * process and leaving the bytes intact (set WD_TEST_NO_GPU_FAULT=1 to skip
  * that one: it provokes a GPU MMU fault, which the kernel log reports); and a
  * clear DEVICE_NOMEM when the GPU is full, after which the daemon keeps
- * serving. Exits 77 (skipped) without a GPU.
+ * serving; early attach of a set while it loads, staged and direct, every
+ * tensor read back from the GPU as soon as libweightd says it is in place
+ * and compared with the files, and the binary tensor table equal to the
+ * JSON one a raw client gets. Exits 77 (skipped) without a GPU.
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -108,7 +111,14 @@ static void stop_daemon(void) {
  * Compares every tensor of an attached set with what the plan spec says it
  * holds, computed here from the checkpoint's files (NULL spec: whole tensors).
  */
+static void verify_plan_waiting(weightd_set *s, const struct ckpt *c, const char *spec_json, int wait_each);
+
 static void verify_plan(weightd_set *s, const struct ckpt *c, const char *spec_json) {
+  verify_plan_waiting(s, c, spec_json, 0);
+}
+
+/* verify_plan; wait_each: first waits for each tensor to be in place (an early attach), in slab order. */
+static void verify_plan_waiting(weightd_set *s, const struct ckpt *c, const char *spec_json, int wait_each) {
   CHECK_EQ_INT(weightd_set_memory_kind(s), WEIGHTD_MEMORY_CUDA);
   cJSON *spec = spec_json ? cJSON_Parse(spec_json) : NULL;
   struct plan *p = NULL;
@@ -138,6 +148,12 @@ static void verify_plan(weightd_set *s, const struct ckpt *c, const char *spec_j
     if (o == NULL) continue;
     CHECK_EQ_INT(t.nbytes, o->nbytes);
     CHECK_EQ_INT(t.offset % 256, 0);
+    if (wait_each) {
+      int rc = weightd_set_wait_tensor(s, i, 120000);
+      CHECK_EQ_INT(rc, 0);
+      CHECK(weightd_set_ready_bytes(s) >= t.offset + t.nbytes);
+      if (rc != 0) break;
+    }
     for (uint64_t off = 0; off < t.nbytes; off += cap) {
       size_t len = t.nbytes - off < cap ? (size_t)(t.nbytes - off) : cap;
       plan_gather(p, data, o->offset + off, o->offset + off + len, want);
@@ -560,6 +576,45 @@ static void test_pinned_direct(void) {
   }
 }
 
+/*
+ * Early attach: the set is attached while it loads (evicted first, so the
+ * load starts with the attach), each tensor read back as soon as it is
+ * reported in place; method is the load's ("staged" or "direct").
+ */
+static void early_attach_every_tensor(const char *method) {
+  weightd_client *c = g_c;
+  char req[64];
+  snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":0}");
+  char *reply = NULL;
+  CHECK_EQ_INT(weightd_request(c, req, &reply, NULL, NULL), 0);
+  weightd_free(reply);
+  struct weightd_load_options o = {.struct_size = sizeof o, .flags = WEIGHTD_ATTACH_EARLY};
+  weightd_set *s = NULL;
+  int rc = weightd_attach_path(c, ckpt, &o, &s);
+  CHECK_EQ_INT(rc, 0);
+  if (s == NULL) {
+    fprintf(stderr, "early attach: %s\n", weightd_last_error(c));
+    return;
+  }
+  enum weightd_set_state st = weightd_set_state(s);
+  printf("  early attach (%s): state %d, %llu of %llu bytes in place at attach\n", method, (int)st,
+         (unsigned long long)weightd_set_ready_bytes(s), (unsigned long long)weightd_set_bytes(s));
+  CHECK(st == WEIGHTD_SET_LOADING || st == WEIGHTD_SET_READY);
+  verify_plan_waiting(s, g_ck, NULL, 1);
+  CHECK_EQ_INT(weightd_set_wait(s, NULL, 120000), 0);
+  CHECK_EQ_INT(weightd_set_state(s), WEIGHTD_SET_READY);
+  reply = NULL;
+  CHECK_EQ_INT(weightd_request(c, "{\"op\":\"status\"}", &reply, NULL, NULL), 0);
+  char want[64];
+  snprintf(want, sizeof want, "\"method\":\"%s\"", method);
+  CHECK_STR_CONTAINS(reply, want);
+  weightd_free(reply);
+  release_and_evict(c, s);
+}
+
+static void test_early_attach_direct(void) { early_attach_every_tensor("direct"); }
+static void test_early_attach_staged(void) { early_attach_every_tensor("staged"); }
+
 /* Per-rank layouts on the GPU: staged and direct loads of sliced, fused and replicated outputs. */
 static void test_rank_layouts(void) {
   static const char *const specs[] = {
@@ -685,12 +740,14 @@ int main(int argc, char **argv) {
   RUN(test_out_of_memory);
   RUN(test_pinned_direct);
   RUN(test_rank_layouts); /* direct (the checkpoint is pinned now) */
+  RUN(test_early_attach_direct);
   char req[PATH_MAX + 64];
   snprintf(req, sizeof req, "{\"op\":\"close\",\"path\":\"%s\"}", ckpt);
   char *reply = NULL;
   CHECK_EQ_INT(weightd_request(c, req, &reply, NULL, NULL), 0); /* unpins */
   weightd_free(reply);
   RUN(test_rank_layouts); /* staged */
+  RUN(test_early_attach_staged);
   RUN(test_moe_layouts);
   RUN(test_read_only_write_refused); /* last: it makes a GPU fault in a process of its own */
   weightd_close(c);
