@@ -242,7 +242,9 @@ int weightd_evict(weightd_client *c, const char *set_id);
  * the reply is an error; the return value is 0 or the reply's error code
  * (*reply is NULL when no reply came). Progress events are passed to progress
  * when given. Descriptors that come with a reply are closed: use
- * weightd_attach to map a set.
+ * weightd_attach to map a set. (This library asks the daemon for the binary
+ * tensor table in hello, so a raw attach reply names it as "tensor_table",
+ * a descriptor closed here, rather than listing "tensors".)
  */
 int weightd_request(weightd_client *c, const char *request_json, char **reply,
                     weightd_progress_fn progress, void *progress_arg);

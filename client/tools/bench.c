@@ -369,8 +369,13 @@ static int attach_probe(const char *set, const char *sock, int device) {
   return 0;
 }
 
-static void probe_attach(const char *self, const char *sock, const char *set, int device, double *ctx,
-                         double *att, double *rt, double *open, char kind[16], size_t *ntensors) {
+/*
+ * Runs this program as a fresh process, `self flag arg --socket S --device D
+ * [--plan P]`, and reads what it prints into buf (NUL-terminated; empty when
+ * it printed nothing).
+ */
+static void run_probe(const char *self, const char *flag, const char *arg, const char *sock, int device, char *buf,
+                      size_t len) {
   int p[2];
   if (pipe(p) != 0) die("pipe", strerror(errno));
   pid_t pid = fork();
@@ -378,17 +383,25 @@ static void probe_attach(const char *self, const char *sock, const char *set, in
     dup2(p[1], 1);
     char dev[16];
     snprintf(dev, sizeof dev, "%d", device);
-    execl(self, self, "--attach-probe", set, "--socket", sock, "--device", dev, (char *)NULL);
+    if (plan_json != NULL)
+      execl(self, self, flag, arg, "--socket", sock, "--device", dev, "--plan", plan_json, (char *)NULL);
+    else
+      execl(self, self, flag, arg, "--socket", sock, "--device", dev, (char *)NULL);
     _exit(127);
   }
   close(p[1]);
-  char buf[128] = "";
-  ssize_t n = read(p[0], buf, sizeof buf - 1);
+  ssize_t n = read(p[0], buf, len - 1);
+  buf[n > 0 ? n : 0] = '\0';
   close(p[0]);
   int st;
   waitpid(pid, &st, 0);
-  if (n <= 0 || sscanf(buf, "%lf %lf %lf %lf %15s %zu", ctx, att, rt, open, kind, ntensors) != 6)
-    die("attach probe", "no result");
+}
+
+static void probe_attach(const char *self, const char *sock, const char *set, int device, double *ctx,
+                         double *att, double *rt, double *open, char kind[16], size_t *ntensors) {
+  char buf[128];
+  run_probe(self, "--attach-probe", set, sock, device, buf, sizeof buf);
+  if (sscanf(buf, "%lf %lf %lf %lf %15s %zu", ctx, att, rt, open, kind, ntensors) != 6) die("attach probe", "no result");
 }
 
 /* Attach figures: medians over the probes (fresh processes). */
@@ -488,27 +501,10 @@ static void measure_early(const char *self, weightd_client *cl, const char *sock
     snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":%d}", device);
     weightd_free(request_or_die(cl, req));
     if (settle_ms > 0) usleep((useconds_t)settle_ms * 1000);
-    int p[2];
-    if (pipe(p) != 0) die("pipe", strerror(errno));
-    pid_t pid = fork();
-    if (pid == 0) {
-      dup2(p[1], 1);
-      char dev[16];
-      snprintf(dev, sizeof dev, "%d", device);
-      if (plan_json != NULL)
-        execl(self, self, "--early-probe", abs, "--socket", sock, "--device", dev, "--plan", plan_json, (char *)NULL);
-      else
-        execl(self, self, "--early-probe", abs, "--socket", sock, "--device", dev, (char *)NULL);
-      _exit(127);
-    }
-    close(p[1]);
-    char buf[256] = "";
-    ssize_t n = read(p[0], buf, sizeof buf - 1);
-    close(p[0]);
-    int st;
-    waitpid(pid, &st, 0);
-    if (n <= 0 || sscanf(buf, "%lf %lf %lf %lf %zu %zu", &ctx, &att[i], &first[i], &all[i], &out->tensors,
-                         &out->first_tensors) != 6)
+    char buf[256];
+    run_probe(self, "--early-probe", abs, sock, device, buf, sizeof buf);
+    if (sscanf(buf, "%lf %lf %lf %lf %zu %zu", &ctx, &att[i], &first[i], &all[i], &out->tensors,
+               &out->first_tensors) != 6)
       die("early probe", "no result");
   }
   out->attach = median(att, probes);

@@ -159,6 +159,15 @@ def gated(start_daemon, workdir):
     gate.open()
 
 
+def hold_after_first_window(m, fds, gate):
+    """The early attach's page, once the load filled its first window and waits at the gate."""
+    assert m["state"] == "loading", m
+    page = ProgressPage(fds["page"])
+    gate.let_one_window_through()
+    wait_until(lambda: page.ready == WINDOW, timeout=60 * SLOW, what="the first window")
+    return page
+
+
 def slab_order(tensors):
     return sorted(tensors, key=lambda t: t["offset"])
 
@@ -228,10 +237,7 @@ def test_a_load_that_fails_midway_is_seen_failed(gated, ckpt_small, model_root):
     with d.connect(features=TABLE) as c:
         m, fds = binary_attach(c, path=path, device=0, early=True)
         try:
-            assert m["state"] == "loading"
-            page = ProgressPage(fds["page"])
-            gate.let_one_window_through()
-            wait_until(lambda: page.ready == WINDOW, timeout=60 * SLOW, what="the first window")
+            page = hold_after_first_window(m, fds, gate)
             # The shard loses its data while the load waits at the gate; then the gate opens.
             with open(shard, "rb") as f:
                 (n,) = struct.unpack("<Q", f.read(8))
@@ -269,10 +275,7 @@ def test_a_load_canceled_midway_is_seen_canceled(gated, ckpt_sharded):
         a.start("load", id="L", path=ckpt_sharded, device=0)
         m, fds = binary_attach(b, path=ckpt_sharded, device=0, early=True)
         try:
-            assert m["state"] == "loading"
-            page = ProgressPage(fds["page"])
-            gate.let_one_window_through()
-            wait_until(lambda: page.ready == WINDOW, timeout=60 * SLOW, what="the first window")
+            page = hold_after_first_window(m, fds, gate)
             assert a.call("cancel", target="L")["canceled"] is True
             r, _ = a.wait("L")
             assert r["error"]["code"] == "CANCELED", r
