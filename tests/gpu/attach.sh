@@ -31,13 +31,14 @@ gen() { # gen DIR ARGS...: a checkpoint, generated once
 }
 gen "$work/qwen3-4b" --preset qwen3-4b
 gen "$work/qwen3-30b-a3b-24l" --preset qwen3-30b-a3b --layers 24
-layouts=("qwen3-4b|$work/qwen3-4b|{\"preset\":\"whole\"}|{\"preset\":\"auto\"}"
-         "qwen3-30b-a3b-24l|$work/qwen3-30b-a3b-24l|{\"preset\":\"whole\"}|{\"preset\":\"auto\"}")
+# name|checkpoint|plan for attach|plan for early attach (the model's own preset: layer order)|prefetch first
+layouts=("qwen3-4b|$work/qwen3-4b|{\"preset\":\"whole\"}|{\"preset\":\"auto\"}|yes"
+         "qwen3-30b-a3b-24l|$work/qwen3-30b-a3b-24l|{\"preset\":\"whole\"}|{\"preset\":\"auto\"}|yes")
 if "$ctl" mkcheckpoint --help 2>&1 | grep -q -- "--sparse"; then
   # The DeepSeek-V3 layout, sparse (holes read as zeros): one EP8 rank, ~11,000 tensors.
   gen "$work/deepseek-v3-sparse" --preset deepseek-v3 --sparse
   ep='{"preset":"auto","ep_size":8,"ep_rank":0}'
-  layouts+=("deepseek-v3-ep8-rank0|$work/deepseek-v3-sparse|$ep|$ep")
+  layouts+=("deepseek-v3-ep8-rank0|$work/deepseek-v3-sparse|$ep|$ep|no") # 673 GB of holes: no prefetch
 else
   # TODO(speed issue): the sparse generator (mkcheckpoint --sparse) is not in this build yet; once it is,
   # the branch above measures the DeepSeek-V3 EP8 rank (target: attach <= 5 ms).
@@ -57,9 +58,9 @@ for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 
 results=()
 for l in "${layouts[@]}"; do
-  IFS='|' read -r name path plan early_plan <<<"$l"
+  IFS='|' read -r name path plan early_plan warm <<<"$l"
   echo "== $name"
-  "$build/weightctl" --socket "$sock" prefetch "$path" --wait >/dev/null # page cache warm
+  if [ "$warm" = yes ]; then "$build/weightctl" --socket "$sock" prefetch "$path" --wait >/dev/null; fi
   "$build/weightd-bench" --checkpoint "$path" --socket "$sock" --runs "$runs" --plan "$plan" --attach-only --json \
     >"$work/attach-$name.json"
   "$build/weightd-bench" --checkpoint "$path" --socket "$sock" --runs 3 --plan "$early_plan" --attach-only --early \
