@@ -313,3 +313,39 @@ def test_early_attach_of_a_ready_set_and_descriptor_counts(daemon, tiny):
         for _ in range(200):
             cycle()
         assert daemon.fd_count() == before
+
+
+def test_staged_loads_raise_the_watermark_per_completed_window(start_daemon, ckpt_small):
+    """The staged pipeline (forced on the host backend, 1 MiB slots): whole windows, each checked as it shows."""
+    slot = 1 << 20
+    d = start_daemon({"load_method": "staged", "staging_slot_bytes": "1MiB", "staging_slots": 2})
+    ckpt = Checkpoint(ckpt_small)
+    with d.connect(features=TABLE) as c:
+        m, fds = binary_attach(c, path=ckpt_small, device=0, early=True)
+        try:
+            total = m["bytes"]
+            tensors = slab_order(table_of(m, fds))
+            page = ProgressPage(fds["page"])
+            slab = mmap.mmap(fds["slab"], total, mmap.MAP_SHARED, mmap.PROT_READ)
+            checked, seen = 0, set()
+            deadline = time.monotonic() + 120 * SLOW
+            while True:
+                _, state, ready, _, error, _ = page.read()
+                seen.add(ready)
+                while checked < len(tensors) and tensors[checked]["offset"] + tensors[checked]["nbytes"] <= ready:
+                    t = tensors[checked]
+                    src, b, e = ckpt.tensor_bytes(t["name"])
+                    assert ranges_equal(slab, t["offset"], src, b, e - b), f"{t['name']} differs from the file"
+                    checked += 1
+                if state != "loading":
+                    break
+                assert time.monotonic() < deadline, page.read()
+                time.sleep(0.0005)
+            assert (state, error, checked) == ("ready", 0, len(tensors)), page.read()
+            assert all(r % slot == 0 or r == total for r in seen), sorted(r for r in seen if r % slot)
+            slab.close()
+            page.close()
+        finally:
+            close_all(fds)
+    assert d.status()["sets"][0]["method"] == "staged"
+    ckpt.close()
