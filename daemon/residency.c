@@ -19,11 +19,10 @@
 
 #include <inttypes.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include <stddef.h>
 #include <unistd.h>
 
 #include "clock.h"
@@ -263,12 +262,18 @@ static void timer_closed(uv_handle_t *h) {
   free(s);
 }
 
+/* Takes s out of the list it is on (the sets, or the orphans). */
+static void set_unlink(struct res_set *s) {
+  struct res_set **pp = s->orphan ? &s->res->orphans : &s->res->sets;
+  while (*pp != NULL && *pp != s) pp = &(*pp)->next;
+  if (*pp == s) *pp = s->next;
+  s->next = NULL;
+}
+
 /* Unlinks and frees a set; its slab goes to `keep` when given, else to a free job. */
 static void set_destroy(struct res_set *s, struct slab_list *keep) {
   struct residency *r = s->res;
-  struct res_set **pp = s->orphan ? &r->orphans : &r->sets;
-  while (*pp != NULL && *pp != s) pp = &(*pp)->next;
-  if (*pp == s) *pp = s->next;
+  set_unlink(s);
   if (s->load.slab != NULL) {
     struct slab_list one = {0};
     slab_list_push(r, keep != NULL ? keep : &one, s->load.slab);
@@ -538,9 +543,7 @@ static void load_done(struct job *j) {
   }
   if (lj->rc != 0 && s->leases > 0) {
     /* Early attachers still map the slab: off the list now, freed with the last lease. */
-    struct res_set **pp = &r->sets;
-    while (*pp != NULL && *pp != s) pp = &(*pp)->next;
-    if (*pp == s) *pp = s->next;
+    set_unlink(s);
     s->orphan = true;
     s->next = r->orphans;
     r->orphans = s;
