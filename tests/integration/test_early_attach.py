@@ -168,6 +168,19 @@ def hold_after_first_window(m, fds, gate):
     return page
 
 
+def check_newly_ready(slab, tensors, checked, ready, ckpt):
+    """Compares the tensors (slab order) from number `checked` on that lie below `ready` with the files.
+
+    Returns how many are checked now: each tensor is checked once, as soon as the watermark shows it.
+    """
+    while checked < len(tensors) and tensors[checked]["offset"] + tensors[checked]["nbytes"] <= ready:
+        t = tensors[checked]
+        src, b, e = ckpt.tensor_bytes(t["name"])
+        assert ranges_equal(slab, t["offset"], src, b, e - b), f"{t['name']} differs from the file"
+        checked += 1
+    return checked
+
+
 def slab_order(tensors):
     return sorted(tensors, key=lambda t: t["offset"])
 
@@ -196,11 +209,7 @@ def test_each_tensor_matches_the_file_as_soon_as_it_is_ready(gated, ckpt_sharded
                 seq, state, ready, page_total, error, msg = page.read()
                 assert page_total == total and error == 0, page.read()
                 # Every tensor below the watermark holds the file's bytes, checked as soon as it shows.
-                while checked < len(tensors) and tensors[checked]["offset"] + tensors[checked]["nbytes"] <= ready:
-                    t = tensors[checked]
-                    src, b, e = ckpt.tensor_bytes(t["name"])
-                    assert ranges_equal(slab, t["offset"], src, b, e - b), f"{t['name']} differs from the file"
-                    checked += 1
+                checked = check_newly_ready(slab, tensors, checked, ready, ckpt)
                 if state != "loading":
                     break
                 # The load stops at each window's end until the next byte: the watermark is exactly there.
@@ -332,11 +341,7 @@ def test_staged_loads_raise_the_watermark_per_completed_window(start_daemon, ckp
             while True:
                 _, state, ready, _, error, _ = page.read()
                 seen.add(ready)
-                while checked < len(tensors) and tensors[checked]["offset"] + tensors[checked]["nbytes"] <= ready:
-                    t = tensors[checked]
-                    src, b, e = ckpt.tensor_bytes(t["name"])
-                    assert ranges_equal(slab, t["offset"], src, b, e - b), f"{t['name']} differs from the file"
-                    checked += 1
+                checked = check_newly_ready(slab, tensors, checked, ready, ckpt)
                 if state != "loading":
                     break
                 assert time.monotonic() < deadline, page.read()
