@@ -17,6 +17,7 @@ shift 3 || shift $#
 mkdir -p "$work"
 ckpt=$work/qwen3-4b
 [ -f "$ckpt/model.safetensors.index.json" ] || "$build/weightctl" mkcheckpoint --preset qwen3-4b --seed 1 --out "$ckpt"
+sync # loads timed while the generated checkpoint is written back run at half speed (tests/gpu/speed.sh)
 
 pid=
 stop_daemon() {

@@ -113,6 +113,10 @@ if want S && [ ! -f "$dsv3/model.safetensors.index.json" ]; then
   [ -n "${SPEED_DSV3_EXPERTS:-}" ] && cut+=(--experts "$SPEED_DSV3_EXPERTS")
   run "generate deepseek-v3 (sparse)" 120 "$build/weightctl" mkcheckpoint --preset deepseek-v3 --sparse "${cut[@]}" --out "$dsv3"
 fi
+# A checkpoint written just now is still being written back (7.49 GiB at the
+# host's ~1 GB/s takes seconds): loads timed meanwhile ran at half speed on the
+# H200 host (322, 305, 263, 232 ms, then 194 ms). Measure the steady state.
+run "sync (write back the generated checkpoints)" 300 sync
 TP2='{"preset":"auto","tp_size":2,"tp_rank":0,"fuse":true}'
 EP8='{"preset":"auto","ep_size":8,"ep_rank":0}'
 cat /proc/meminfo | head -3
