@@ -167,7 +167,7 @@ fi
 if want S && [ -f "$dsv3/model.safetensors.index.json" ]; then
   rank=$("$build/weightctl" plan "$dsv3" --preset auto --ep-size 8 --ep-rank 0 | awk '/^payload bytes/ {print $3}')
   mem=$(($(awk '/^MemTotal/ {print $2}' /proc/meminfo) * 1024))
-  phases=open,ceiling,prefetch,staged
+  phases=open,ceiling,prefetch,fill,staged # fill: what limits the staged load
   # Pinning the rank holds all of it in memory at once: only with 24 GiB (or a fifth of memory) to spare.
   spare=$((24 << 30))
   [ $((mem / 5)) -lt "$spare" ] && spare=$((mem / 5))

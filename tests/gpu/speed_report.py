@@ -175,6 +175,10 @@ def section_dsv3(t, s, name, title):
     t.add("H2D ceiling (measured on 16 GiB, scaled)", ceil, nbytes, ceil)
     if "prefetch_s" in j:
         t.add("prefetch of the rank's ranges (page cache warm)", j["prefetch_s"], nbytes)
+    for mode in ("gather", "rows"):  # what limits the staged load
+        if f"fill_{mode}_s" in j:
+            t.add(f"host fill, {mode} ({int(j['fill_threads'])} threads)", j[f"fill_{mode}_s"], nbytes, ceil,
+                  note=f"{j[f'fill_{mode}_copied_bytes'] / GiB:.2f} GiB copied")
     loads(t, j, "staged", "load, staged", ceil, nbytes, 0.85)
     if "pin_once_s" in j:
         t.add("pinning the rank's ranges once", j["pin_once_s"], None,
