@@ -93,10 +93,23 @@ def drop():
         return "fadvise"
 
 version = "?"
+
+
+def dist_version(module, dist):
+    """The module's __version__, else its installed distribution's version (not every wheel sets one)."""
+    v = getattr(module, "__version__", None)
+    if v:
+        return v
+    try:
+        import importlib.metadata
+        return importlib.metadata.version(dist)
+    except Exception:
+        return "?"
+
 if name.startswith("instanttensor"):
     import instanttensor
     from instanttensor import safe_open
-    version = getattr(instanttensor, "__version__", "?")
+    version = dist_version(instanttensor, "instanttensor")
     takes_copy = "copy" in inspect.signature(safe_open).parameters
     def load():
         out = {}
@@ -107,7 +120,7 @@ if name.startswith("instanttensor"):
 elif name.startswith("fastsafetensors"):
     import fastsafetensors
     from fastsafetensors import SafeTensorsFileLoader, SingleGroup
-    version = getattr(fastsafetensors, "__version__", "?")
+    version = dist_version(fastsafetensors, "fastsafetensors")
     keys = [k for f in files for k in names_of(f)]
     def load():
         loader = SafeTensorsFileLoader(SingleGroup(), dev, nogds=True)
@@ -118,7 +131,7 @@ elif name.startswith("fastsafetensors"):
 elif name.startswith("runai"):
     import runai_model_streamer
     from runai_model_streamer import SafetensorsStreamer
-    version = getattr(runai_model_streamer, "__version__", "?")
+    version = dist_version(runai_model_streamer, "runai-model-streamer")
     def load():
         out = {}
         with SafetensorsStreamer() as s:
@@ -135,7 +148,7 @@ elif name.startswith("runai"):
 else:
     import safetensors
     from safetensors.torch import load_file
-    version = getattr(safetensors, "__version__", "?")
+    version = dist_version(safetensors, "safetensors")
     def load():
         out = {}
         for f in files:
