@@ -17,6 +17,7 @@
 enum cfg_backend { CFG_BACKEND_AUTO, CFG_BACKEND_CUDA, CFG_BACKEND_HOST };
 enum cfg_load_method { CFG_LOAD_AUTO, CFG_LOAD_STAGED };
 enum cfg_cuda_handles { CFG_CUDA_HANDLES_VMM, CFG_CUDA_HANDLES_LEGACY };
+enum cfg_switch { CFG_SWITCH_AUTO, CFG_SWITCH_OFF }; /* a feature the daemon uses where it helps, or never */
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
@@ -51,6 +52,14 @@ struct wd_config {
   uint64_t metrics_connections; /* HTTP connections served at once */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
+  /* Several devices (docs/multi-gpu.md). */
+  enum cfg_switch replicas;  /* a set resident on a peer is copied device to device */
+  enum cfg_switch striping;  /* a load borrows idle neighbours' host links */
+  char *link_rates;          /* host-to-device GiB/s per device ("" = equal, unmeasured) */
+  uint64_t stripe_min_bytes; /* smaller loads are never striped */
+  enum cfg_switch numa;      /* fill threads and staging memory placed per NUMA node */
+  uint64_t host_devices;     /* host backend: devices it presents */
+  char *host_peers;          /* host backend: pairs with "peer access" */
 };
 
 /* Fills cfg with the defaults. */

@@ -34,6 +34,7 @@
 #include "clock.h"
 #include "fault.h"
 #include "log.h"
+#include "multigpu.h"
 
 /* Bytes one fill task gathers: enough tasks per window to keep every fill thread busy. */
 #define LD_TASK_MIN (1ull << 20)
@@ -53,9 +54,11 @@ struct staging {
 struct loader {
   const struct wd_backend *backend;
   struct fillpool *fill;
+  struct mg *mg;
   enum cfg_load_method method;
   struct staging *stagings; /* one per device, for backends without host-visible slabs */
   int nstagings;
+  int *nodes; /* per device, its NUMA node (-1: none) */
 };
 
 /* ---- gathering ---------------------------------------------------------------- */
@@ -357,15 +360,25 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
 
 /* ---- entry points ------------------------------------------------------------------------ */
 
+const unsigned char **ld_shard_data(const struct ld_target *t) { return shard_data(t); }
+
+int ld_fault_error(const struct ld_target *t, uint64_t off, struct wd_error *err) { return fault_error(t, off, err); }
+
 int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
   void *ctx = ld->backend->ctx;
   double t0 = clock_s();
   s->slab = NULL;
+  s->source_device = -1;
+  s->nshares = 0;
+  fill_set_home(ld->nodes != NULL ? ld->nodes[s->device] : -1); /* fill threads near the device first */
   int rc = ops->slab_alloc(ctx, s->device, s->plan->slab_bytes, &s->slab, err);
   s->alloc_seconds = clock_s() - t0;
-  if (rc != 0) return rc;
-  if (ld->method == CFG_LOAD_STAGED) {
+  bool filled = false;
+  if (rc == 0) rc = mg_fill(ld->mg, s, &filled, err); /* a replica from a peer, or striped over neighbours */
+  if (rc != 0 || filled) {
+    /* no slab, or mg_fill moved the bytes: nothing more to copy */
+  } else if (ld->method == CFG_LOAD_STAGED) {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
   } else if (s->slab->host_view != NULL) {
@@ -383,10 +396,19 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   if (rc == 0) atomic_store(&s->bytes_done, s->plan->slab_bytes);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, s->slab, err);
   if (rc != 0) {
-    ops->slab_free(ctx, s->slab);
+    if (s->slab != NULL) ops->slab_free(ctx, s->slab);
     s->slab = NULL;
   }
+  fill_set_home(-1);
   return rc;
+}
+
+void ld_reserve(struct loader *ld, int device) {
+  if (ld != NULL) mg_reserve(ld->mg, device);
+}
+
+void ld_unreserve(struct loader *ld, int device) {
+  if (ld != NULL) mg_release(ld->mg, device);
 }
 
 int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *err) {
@@ -396,8 +418,14 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
   if (ld == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   ld->backend = p->backend;
   ld->fill = p->fill;
+  ld->mg = p->mg;
   ld->method = p->method;
   *out = ld;
+  if (p->device_nodes != NULL && p->ndevices > 0) {
+    if ((ld->nodes = malloc((size_t)p->ndevices * sizeof *ld->nodes)) == NULL)
+      return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    memcpy(ld->nodes, p->device_nodes, (size_t)p->ndevices * sizeof *ld->nodes);
+  }
   /* Host slabs are filled in place and need no staging, unless staging is forced. */
   if ((ops->caps & WD_CAP_HOST_SLABS) && p->method != CFG_LOAD_STAGED) return 0;
   ld->stagings = calloc((size_t)p->ndevices, sizeof *ld->stagings);
@@ -413,6 +441,7 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
     st->events = calloc(st->nslots, sizeof *st->events);
     if (st->slots == NULL || st->streams == NULL || st->events == NULL)
       return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    if (p->place != NULL) p->place(p->place_arg, d);
     for (size_t k = 0; k < st->nslots; k++) {
       int rc = ops->pinned_alloc(ctx, d, st->slot_bytes, &st->slots[k], err);
       if (rc == 0) rc = ops->stream_create(ctx, d, &st->streams[k], err);
@@ -441,5 +470,6 @@ void ld_destroy(struct loader *ld) {
     pthread_mutex_destroy(&st->lock);
   }
   free(ld->stagings);
+  free(ld->nodes);
   free(ld);
 }

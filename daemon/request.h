@@ -25,6 +25,7 @@
 
 struct request;
 struct conn;
+struct ops_group;
 
 /*
  * The transport's side, which the server fills in for every connection, so
@@ -96,6 +97,7 @@ struct request {
   bool canceled;
   bool started; /* dispatched (counted in conn->inflight), not just queued */
   struct res_waiter wait; /* load and attach: waiting for a set */
+  struct ops_group *group; /* load_group: its ranks (ops_multi.c) */
   uint64_t mem;           /* request memory charged for root (released with it) */
   struct request *next_in_conn;
 };

@@ -34,6 +34,7 @@ struct residency {
   struct res_set *sets;
   struct lease *leases;
   struct res_stats stats;
+  bool replicas;
 };
 
 const char *res_method_name(enum res_method m) {
@@ -90,6 +91,7 @@ int res_create(const struct res_params *p, struct residency **out, struct wd_err
   r->ld = p->ld;
   r->ndevices = p->ndevices;
   r->device_budget = p->device_budget;
+  r->replicas = p->replicas;
   for (int i = 0; i < p->ndevices; i++) r->devices[i].info = p->devices[i];
   *out = r;
   return 0;
@@ -219,6 +221,8 @@ static void free_later(struct residency *r, struct free_job *f, struct slab_list
 
 static void timer_closed(uv_handle_t *h) {
   struct res_set *s = h->data;
+  free(s->copy_from);
+  free((void *)s->load.sources);
   free(s->table_cache);
   free(s->key);
   free(s);
@@ -248,6 +252,8 @@ static void set_destroy(struct res_set *s, struct slab_list *keep) {
 static int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err) {
   if (s->state == SET_LOADING) return err_set(err, WEIGHTD_E_BUSY, "set %s is still loading", s->id);
   if (s->leases > 0) return err_set(err, WEIGHTD_E_BUSY, "set %s has %d lease(s)", s->id, s->leases);
+  if (s->copying > 0)
+    return err_set(err, WEIGHTD_E_BUSY, "set %s is being copied to another device by %u load(s)", s->id, s->copying);
   log_msg(LOG_INFO, "evicted set %s (%s, %" PRIu64 " bytes; %s)", s->id, s->ck->path, s->plan->slab_bytes,
           res_evict_reason_name(why));
   s->res->stats.evictions[why]++;
@@ -256,7 +262,7 @@ static int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_r
 }
 
 static bool evictable(const struct res_set *s, int device) {
-  return s->device == device && s->state == SET_READY && s->leases == 0;
+  return s->device == device && s->state == SET_READY && s->leases == 0 && s->copying == 0;
 }
 
 uint64_t res_device_budget(const struct residency *r, int device) {
@@ -272,7 +278,7 @@ static bool make_room(struct residency *r, int device, uint64_t need, struct sla
   /* What eviction cannot free (leased or loading sets) must leave room, or nothing is evicted. */
   uint64_t pinned = 0;
   for (struct res_set *s = r->sets; s != NULL; s = s->next)
-    if (s->device == device && (s->state != SET_READY || s->leases > 0)) pinned += s->plan->slab_bytes;
+    if (s->device == device && (s->state != SET_READY || s->leases > 0 || s->copying > 0)) pinned += s->plan->slab_bytes;
   if (need > budget || pinned > budget - need) return false;
   for (;;) {
     if (r->devices[device].used + need <= budget) return true;
@@ -427,6 +433,10 @@ static void load_done(struct job *j) {
     }
   }
   reg_load_end(s->ck);
+  ld_unreserve(r->ld, s->device);
+  for (size_t i = 0; i < s->ncopy_from; i++) s->copy_from[i]->copying--;
+  s->ncopy_from = 0;
+  s->load.nsources = 0;
   count_load(r, s, lj->rc);
   uv_timer_stop(&s->progress_timer);
   struct res_waiter *w = s->waiters;
@@ -454,6 +464,38 @@ static void load_done(struct job *j) {
   if (lj->rc != 0) set_destroy(s, NULL);
   free(lj->to_free.v);
   free(lj);
+}
+
+/*
+ * Offers a new set's load the ready copies of the same checkpoint and plan
+ * on other devices (a replica may be copied from one of them), and keeps
+ * them from eviction until the load is done. Without memory it offers none.
+ */
+static void offer_copies(struct residency *r, struct res_set *s) {
+  if (!r->replicas) return;
+  size_t n = 0;
+  for (struct res_set *c = r->sets; c != NULL; c = c->next)
+    n += c->ck == s->ck && c->device != s->device && c->state == SET_READY && strcmp(c->plan->key, s->plan->key) == 0;
+  if (n == 0) return;
+  struct ld_source *src = calloc(n, sizeof *src);
+  struct res_set **from = calloc(n, sizeof *from);
+  if (src == NULL || from == NULL) {
+    free(src);
+    free(from);
+    return;
+  }
+  size_t k = 0;
+  for (struct res_set *c = r->sets; c != NULL && k < n; c = c->next) {
+    if (c->ck != s->ck || c->device == s->device || c->state != SET_READY || strcmp(c->plan->key, s->plan->key) != 0)
+      continue;
+    src[k] = (struct ld_source){.slab = c->load.slab, .device = c->device};
+    from[k++] = c;
+    c->copying++;
+  }
+  s->load.sources = src;
+  s->load.nsources = k;
+  s->copy_from = from;
+  s->ncopy_from = k;
 }
 
 void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, struct res_waiter *w) {
@@ -500,6 +542,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   s->device = device;
   s->plan = plan;
   s->state = SET_LOADING;
+  offer_copies(r, s);
   s->load.plan = plan;
   s->load.ck = ck;
   s->load.device = device;
@@ -523,6 +566,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   lj->to_free = evicted;
   log_msg(LOG_DEBUG, "loading set %s: %s, %zu tensors, %" PRIu64 " bytes", s->id, ck->path, plan->noutputs,
           plan->slab_bytes);
+  ld_reserve(r->ld, device);
   jobs_submit(r->bulk, &lj->job);
 }
 

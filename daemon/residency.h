@@ -13,7 +13,10 @@
  * A set with a lease is never freed; unleased READY sets are evicted least
  * recently used first when a device's budget (or the device itself) has no
  * room for a new set. A request that arrives while an identical set loads
- * waits for it instead of loading again.
+ * waits for it instead of loading again. The same checkpoint and plan on
+ * another device is another set; when one is ready, a load of it onto a new
+ * device is offered it as a source to copy from (the loader decides), and it
+ * is not evicted while that load runs.
  */
 #ifndef WD_RESIDENCY_H
 #define WD_RESIDENCY_H
@@ -50,6 +53,11 @@ struct res_set {
   struct res_waiter *waiters; /* waiting for SET_LOADING */
   char *table_cache;          /* the attach table as the op handlers serialise it, built once */
   uv_timer_t progress_timer;
+  /* Replicas (docs/multi-gpu.md): while this set loads, the ready copies on other devices it may be
+   * copied from (load.sources) are kept resident; `copying` counts the loads holding this one so. */
+  struct res_set **copy_from;
+  size_t ncopy_from;
+  unsigned copying;
   struct res_set *next;
 };
 
@@ -121,6 +129,7 @@ struct res_params {
   int ndevices;
   const struct wd_device_info *devices; /* copied */
   uint64_t device_budget; /* bytes per device; 0: the device's own memory (host: half of it) */
+  bool replicas; /* offer a load the ready copies of its set on other devices (replicas = auto) */
 };
 
 int res_create(const struct res_params *p, struct residency **out, struct wd_error *err);
