@@ -339,7 +339,7 @@ static int parse_peers(struct host_ctx *c, const char *spec, struct wd_error *er
       b = strtol(q, &end, 10);
       if (end == q) b = -1;
     }
-    if (a < 0 || b < 0 || a >= n || b >= n || a == b || (*end != ',' && *end != '\0'))
+    if (a < 0 || b < 0 || a >= n || b >= n || a == b || (*end != ',' && *end != '\0') || (*end == ',' && end[1] == '\0'))
       return err_set(err, WEIGHTD_E_INVALID,
                      "host_peers: '%s' is not all, none, or pairs of distinct devices below %d such as 0-1,2-3", spec,
                      n);
