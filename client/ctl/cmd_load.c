@@ -1,4 +1,8 @@
-/* cmd_load.c - `weightctl load PATH [--device D] [plan flags]`: load one rank's plan onto a device. */
+/*
+ * cmd_load.c - `weightctl load PATH [--device D] [plan flags]`: load one
+ * rank's plan onto a device; with --all-ranks, every rank of the group
+ * (ctl_group.c).
+ */
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
@@ -6,7 +10,8 @@
 #include "ctl.h"
 
 int cmd_load(int argc, char **argv) {
-  const char *path = NULL, *device = NULL;
+  const char *path = NULL, *device = NULL, *devices = NULL;
+  int all_ranks = 0;
   struct ctl_plan_args pa = {.cmd = "load"};
   for (int i = 1; i < argc; i++) {
     int taken = ctl_plan_arg(&pa, argc, argv, &i);
@@ -14,10 +19,34 @@ int cmd_load(int argc, char **argv) {
     if (taken) continue;
     if (strcmp(argv[i], "--json") == 0) ctl_opts.json = 1;
     else if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) device = argv[++i];
+    else if (strcmp(argv[i], "--all-ranks") == 0) all_ranks = 1;
+    else if (strcmp(argv[i], "--devices") == 0 && i + 1 < argc) devices = argv[++i];
     else if (argv[i][0] != '-' && path == NULL) path = argv[i];
     else return ctl_usage("load");
   }
   if (path == NULL) return ctl_usage("load");
+  if (devices != NULL && !all_ranks) {
+    ctl_errorf("load: --devices lists one device per rank of --all-ranks (one rank: --device D)");
+    return CTL_EXIT_USAGE;
+  }
+  if (all_ranks && device != NULL) {
+    ctl_errorf("load: --all-ranks places ranks with --devices D,D,... (one per rank), not --device");
+    return CTL_EXIT_USAGE;
+  }
+  if (all_ranks) {
+    cJSON *group = NULL, *base = NULL;
+    int grc = ctl_group_spec(&pa, devices, &group, &base);
+    weightd_client *gc = NULL;
+    if (grc == 0 && ctl_connect(&gc) != 0) grc = CTL_EXIT_FAIL;
+    if (grc != 0) {
+      cJSON_Delete(group);
+      cJSON_Delete(base);
+      return grc;
+    }
+    grc = ctl_group_load(gc, path, group, base);
+    weightd_close(gc);
+    return grc;
+  }
   cJSON *plan = NULL;
   int prc = ctl_plan_spec(&pa, 0, &plan);
   if (prc != 0) return prc;

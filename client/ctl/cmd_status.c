@@ -6,6 +6,21 @@
 
 #include "ctl.h"
 
+/* A device's NUMA node and peers, when the daemon has several devices. */
+static void print_peers(const cJSON *dev) {
+  const cJSON *peers = cJSON_GetObjectItemCaseSensitive(dev, "peers"), *p;
+  const cJSON *node = cJSON_GetObjectItemCaseSensitive(dev, "numa_node");
+  if (cJSON_GetArraySize(peers) == 0) return;
+  printf("     NUMA node %d, peers:", cJSON_IsNumber(node) ? (int)node->valuedouble : -1);
+  int any = 0;
+  cJSON_ArrayForEach(p, peers) {
+    if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(p, "access"))) continue;
+    printf("%s %" PRIu64 " (%s)", any ? "," : "", ctl_u64(p, "index"), ctl_str(p, "link"));
+    any = 1;
+  }
+  printf("%s\n", any ? "" : " none with peer access");
+}
+
 static void print_status(const cJSON *r) {
   const cJSON *d = cJSON_GetObjectItemCaseSensitive(r, "daemon");
   const cJSON *up = cJSON_GetObjectItemCaseSensitive(d, "uptime_s");
@@ -27,6 +42,7 @@ static void print_status(const cJSON *r) {
       printf(", budget %s", a);
     }
     printf(", sets shared through %s handles\n", ctl_str(x, "handles"));
+    print_peers(x);
   }
 
   const cJSON *cks = cJSON_GetObjectItemCaseSensitive(r, "checkpoints");
@@ -50,6 +66,12 @@ static void print_status(const cJSON *r) {
            ctl_str(x, "set"), ctl_str(x, "state"), a, ctl_u64(x, "leases"), ctl_u64(x, "leases") == 1 ? " " : "s",
            cJSON_IsNumber(secs) ? secs->valuedouble : 0.0, ctl_str(x, "device"), ctl_str(x, "path"),
            plan ? plan : "?");
+    const cJSON *links = cJSON_GetObjectItemCaseSensitive(x, "links");
+    if (cJSON_GetObjectItemCaseSensitive(x, "source") != NULL) {
+      printf("         %s from %s", ctl_str(x, "method"), ctl_str(x, "source"));
+      if (links != NULL) printf(", over the host links of %d devices", cJSON_GetArraySize(links));
+      printf("\n");
+    }
     free(plan);
   }
 }

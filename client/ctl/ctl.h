@@ -192,6 +192,23 @@ uint64_t ctl_plan_read_bytes(const struct plan *p);
  */
 void ctl_sigbus_guard(const char *what, const char *const *cleanup);
 
+/* ---- whole groups (ctl_group.c) ------------------------------------------ */
+
+/* The flags a command that loads takes to load every rank of a group. */
+#define CTL_GROUP_USAGE "[--all-ranks [--devices D,D,...]]"
+
+/*
+ * --all-ranks: builds the load_group request's "group" (the sizes of
+ * --tp-size and --ep-size, and the devices of --devices LIST, one per rank)
+ * and its base "plan" (the preset, auto by default, and --fuse) from the
+ * plan flags; ranks, --experts and --plan FILE are usage errors. Returns 0,
+ * CTL_EXIT_USAGE after one line saying why, or CTL_EXIT_FAIL.
+ */
+int ctl_group_spec(const struct ctl_plan_args *a, const char *devices, cJSON **group, cJSON **plan);
+
+/* Sends load_group (group and plan are consumed) and prints each rank's result; returns the exit code. */
+int ctl_group_load(weightd_client *c, const char *path, cJSON *group, cJSON *plan);
+
 /* ---- attach --verify (cmd_verify.c) ------------------------------------- */
 
 struct ctl_verify_result {
