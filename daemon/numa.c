@@ -76,7 +76,7 @@ int numa_cpulist_parse(const char *text, int **cpus, size_t *n) {
     }
   }
   if (*p == '\n' && p[1] != '\0') goto bad;
-  qsort(v, count, sizeof *v, cmp_int);
+  if (count > 1) qsort(v, count, sizeof *v, cmp_int);
   *cpus = v;
   *n = count;
   return 0;

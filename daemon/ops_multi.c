@@ -80,8 +80,10 @@ void ops_multi_set_fields(const struct daemon *d, const struct res_set *s, cJSON
 cJSON *ops_multi_topology_json(const struct daemon *d) {
   cJSON *o = cJSON_CreateObject();
   const struct topology *t = d->topo;
-  msg_add_string(o, "replicas", d->mg != NULL ? config_enum_name(&d->cfg, "replicas") : "off");
-  msg_add_string(o, "striping", d->mg != NULL ? config_enum_name(&d->cfg, "striping") : "off");
+  /* active: several devices and a backend with peer copies; else replicas and striping have nothing to do. */
+  cJSON_AddBoolToObject(o, "active", d->mg != NULL);
+  msg_add_string(o, "replicas", config_enum_name(&d->cfg, "replicas"));
+  msg_add_string(o, "striping", config_enum_name(&d->cfg, "striping"));
   json_u64_add(o, "stripe_min_bytes", d->cfg.stripe_min_bytes);
   cJSON_AddBoolToObject(o, "link_rates_measured", t != NULL && t->rates_measured);
   msg_add_string(o, "numa", config_enum_name(&d->cfg, "numa"));

@@ -19,6 +19,7 @@
  * weightd-bench --checkpoint DIR [--socket PATH] [--device N] [--runs N]
  *               [--fill-threads N] [--attach-only] [--json]
  * weightd-bench --attach-probe SET --socket PATH   (the fresh process)
+ * weightd-bench --multi MODE ...                   (several GPUs: bench_multi.c)
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -37,6 +38,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_multi.h"
 #include "checkpoint.h"
 #include "clock.h"
 #include "msg.h"
@@ -437,6 +439,8 @@ static int attach_only(const char *self, const char *sock, const char *abs, int 
 }
 
 int main(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--multi") == 0) return bench_multi_main(argc - 1, argv + 1);
   const char *path = NULL, *sock = NULL, *probe = NULL;
   int device = 0, runs = 5, json = 0, settle_ms = 500, only_attach = 0;
   unsigned fill_threads = (unsigned)sysconf(_SC_NPROCESSORS_ONLN);

@@ -60,18 +60,19 @@ def test_topology_in_status_and_hello(start_daemon):
                 assert p["access"] is want and p["link"] == ("host" if want else "none"), (i, p)
                 assert p["uuid"] == u[j]
         topo = st["topology"]
-        assert topo["replicas"] == "auto" and topo["striping"] == "off" and topo["link_rates_measured"] is False
+        assert topo["active"] is True and topo["replicas"] == "auto" and topo["striping"] == "off"
+        assert topo["link_rates_measured"] is False
         assert topo["busy"] == [0, 0, 0] and topo["stripe_min_bytes"] == 512 << 20
         assert isinstance(topo["numa_nodes"], list)
 
 
 def test_one_device_status_unchanged(daemon):
-    """One device: no peers listed, replicas and striping shown off (nothing to do)."""
+    """One device: no peers listed, and the multi-device paths inactive (nothing to do)."""
     with daemon.connect() as c:
         st = c.status()
         (dev,) = st["devices"]
         assert dev["peers"] == [] and dev["index"] == 0 and "-" not in dev["uuid"][len("host-"):]
-        assert st["topology"]["replicas"] == "off" and st["topology"]["striping"] == "off"
+        assert st["topology"]["active"] is False and st["topology"]["busy"] == [0]
 
 
 def test_bad_multi_settings_refused(workdir, binaries):
