@@ -388,8 +388,9 @@ fail:
   return rc;
 }
 
-static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err) {
-  const struct cuda_ctx *c = ctx;
+/* A slab of `kind` on device: VMM (exported once) or one cudaMalloc. */
+static int slab_make(const struct cuda_ctx *c, int device, uint64_t bytes, enum wd_handle_kind kind,
+                     struct wd_slab **out, struct wd_error *err) {
   *out = NULL;
   if (device < 0 || device >= c->ndev)
     return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", device, c->ndev);
@@ -402,7 +403,6 @@ static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab *
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
   cs->fd = -1;
-  enum wd_handle_kind kind = c->dev[device].kind;
   int rc = kind == WD_HANDLE_CUDA_VMM ? vmm_alloc(c, device, bytes, cs, err) : ipc_alloc(device, bytes, cs, err);
   if (rc != 0) {
     free(cs);
@@ -415,6 +415,15 @@ static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab *
   s->impl = cs;
   *out = s;
   return 0;
+}
+
+static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err) {
+  const struct cuda_ctx *c = ctx;
+  if (device < 0 || device >= c->ndev) {
+    *out = NULL;
+    return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", device, c->ndev);
+  }
+  return slab_make(c, device, bytes, c->dev[device].kind, out, err);
 }
 
 /* An export costs no driver call for VMM slabs (a dup), one cheap call for legacy ones. */
@@ -726,29 +735,7 @@ static int cu_copy_peer(void *ctx, struct wd_slab *dst, uint64_t dst_offset, con
 
 /* A bounce buffer: cudaMalloc memory (freed by cu_slab_free as a legacy slab), never exported. */
 static int cu_scratch_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err) {
-  const struct cuda_ctx *c = ctx;
-  *out = NULL;
-  if (device < 0 || device >= c->ndev)
-    return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", device, c->ndev);
-  CK(cudaSetDevice(device), "cudaSetDevice");
-  struct wd_slab *s = calloc(1, sizeof *s);
-  struct cuda_slab *cs = calloc(1, sizeof *cs);
-  int rc = s == NULL || cs == NULL ? err_set(err, WEIGHTD_E_NOMEM, "out of memory") : 0;
-  if (rc == 0) {
-    cs->fd = -1;
-    rc = ipc_alloc(device, bytes, cs, err);
-  }
-  if (rc != 0) {
-    free(cs);
-    free(s);
-    return rc;
-  }
-  s->device = device;
-  s->kind = WD_HANDLE_CUDA_IPC;
-  s->bytes = bytes;
-  s->impl = cs;
-  *out = s;
-  return 0;
+  return slab_make(ctx, device, bytes, WD_HANDLE_CUDA_IPC, out, err);
 }
 
 static int cu_pci_bus_id(void *ctx, int device, char *buf, size_t len, struct wd_error *err) {

@@ -145,12 +145,10 @@ struct staged {
   struct wd_error err;
 };
 
-static void staged_fail(struct staged *r, int rc, const struct wd_error *err) {
+/* The first failure stops the run: every waiting task wakes and returns. */
+static void staged_fail(struct staged *r, const struct wd_error *err) {
   pthread_mutex_lock(&r->lock);
-  if (r->rc == 0) {
-    r->rc = rc;
-    r->err = *err;
-  }
+  if (r->rc == 0) r->err = *err, r->rc = err->code ? err->code : WEIGHTD_E_INTERNAL;
   pthread_cond_broadcast(&r->moved);
   pthread_mutex_unlock(&r->lock);
 }
@@ -184,7 +182,7 @@ static void staged_task(void *arg, size_t i) {
   if (failed) return;
   if (canceled(jb->t, &err) != 0 ||
       (w->j >= STRIPE_SLOTS && jb->backend->ops->event_wait(jb->backend->ctx, k->events[s], &err) != 0)) {
-    staged_fail(r, err.code, &err);
+    staged_fail(r, &err);
     return;
   }
   uint64_t a = w->lo + (uint64_t)(i % r->per_window) * r->task;
@@ -193,13 +191,13 @@ static void staged_task(void *arg, size_t i) {
     struct gather_part g = {jb->t->plan, r->data, a, b, (unsigned char *)k->slots[s] + (a - w->lo)};
     if (fault_call(gather_part, &g) != 0) {
       ld_fault_error(jb->t, a, &err);
-      staged_fail(r, err.code, &err);
+      staged_fail(r, &err);
       return;
     }
   }
   if (atomic_fetch_sub(&r->left[i / r->per_window], 1) != 1) return;
   if (window_send(jb, w, true, &err) != 0) {
-    staged_fail(r, err.code, &err);
+    staged_fail(r, &err);
     return;
   }
   atomic_fetch_add(&jb->t->bytes_done, w->hi - w->lo);

@@ -182,6 +182,16 @@ static double median(double *v, int n) {
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
+/* The median of b->runs loads onto device, each after evicting the device; the last reply's method and source. */
+static double median_load(const struct bench_ctx *b, weightd_client *c, int device, char method[24], char source[80]) {
+  double runs[64];
+  for (int k = 0; k < b->runs; k++) {
+    evict_device(c, device);
+    runs[k] = timed_load(c, b, device, method, source);
+  }
+  return median(runs, b->runs);
+}
+
 static int needs_two(const struct bench_ctx *b, const char *mode) {
   if (b->ngpus >= 2) return 0;
   if (b->json) printf("{\"mode\":\"%s\",\"skipped\":\"needs >= 2 GPUs\",\"gpus\":%d}\n", mode, b->ngpus);
@@ -220,7 +230,7 @@ static int mode_all(const struct bench_ctx *b) {
   double at_once = (double)n * (double)b->bytes / GIB / wall;
   weightd_client *c = client(b);
   double runs[64];
-  int nruns = b->runs < 64 ? b->runs : 64;
+  int nruns = b->runs;
   char method[24] = "?";
   for (int k = 0; k < nruns; k++) {
     for (int i = 0; i < n; i++) evict_device(c, i);
@@ -262,16 +272,10 @@ static int mode_replica(const struct bench_ctx *b) {
   int src[1] = {0};
   double ceiling = peer_ceiling(src, 1, 1, b->bytes);
   weightd_client *c = client(b);
-  double runs[64];
-  int nruns = b->runs < 64 ? b->runs : 64;
   char method[24] = "?", source[80] = "?";
   timed_load(c, b, 0, NULL, NULL); /* the copy on GPU 0 (resident after the first time) */
-  for (int k = 0; k < nruns; k++) {
-    evict_device(c, 1);
-    runs[k] = timed_load(c, b, 1, method, source);
-  }
+  double t = median_load(b, c, 1, method, source), rate = (double)b->bytes / GIB / t;
   weightd_close(c);
-  double t = median(runs, nruns), rate = (double)b->bytes / GIB / t;
   if (b->json)
     printf("{\"mode\":\"replica\",\"bytes\":%" PRIu64 ",\"peer_ceiling_gib_s\":%.2f,\"weightd_gib_s\":%.2f,"
            "\"weightd_s\":%.6f,\"method\":\"%s\",\"source\":\"%s\"}\n",
@@ -280,7 +284,7 @@ static int mode_replica(const struct bench_ctx *b) {
     printf("weightd-bench --multi replica: %.2f GiB onto GPU 1, resident on GPU 0, median of %d\n"
            "  peer copy GPU 0 -> 1 (ceiling)        %8.1f GiB/s\n"
            "  weightd load onto GPU 1              %8.1f GiB/s  %.0f%% of the ceiling (%s from %s)\n",
-           (double)b->bytes / GIB, nruns, ceiling, rate, 100 * rate / ceiling, method, source);
+           (double)b->bytes / GIB, b->runs, ceiling, rate, 100 * rate / ceiling, method, source);
   return 0;
 }
 
@@ -291,16 +295,10 @@ static int mode_striped(const struct bench_ctx *b) {
   double own = link_alone(0, b->bytes);
   double nvlink = peer_ceiling(others, n, 0, b->bytes / (uint64_t)n);
   weightd_client *c = client(b);
-  for (int i = 0; i < b->ngpus; i++) evict_device(c, i);
-  double runs[64];
-  int nruns = b->runs < 64 ? b->runs : 64;
+  for (int i = 0; i < b->ngpus; i++) evict_device(c, i); /* every neighbour idle and empty */
   char method[24] = "?";
-  for (int k = 0; k < nruns; k++) {
-    evict_device(c, 0);
-    runs[k] = timed_load(c, b, 0, method, NULL);
-  }
+  double t = median_load(b, c, 0, method, NULL), rate = (double)b->bytes / GIB / t;
   weightd_close(c);
-  double t = median(runs, nruns), rate = (double)b->bytes / GIB / t;
   if (b->json)
     printf("{\"mode\":\"striped\",\"gpus\":%d,\"bytes\":%" PRIu64 ",\"own_link_gib_s\":%.2f,\"nvlink_inbound_gib_s\":%.2f,"
            "\"weightd_gib_s\":%.2f,\"weightd_s\":%.6f,\"method\":\"%s\"}\n",
@@ -310,7 +308,7 @@ static int mode_striped(const struct bench_ctx *b) {
            "  GPU 0's own link                      %8.1f GiB/s\n"
            "  peer copies into GPU 0 (NVLink in)    %8.1f GiB/s\n"
            "  weightd load onto GPU 0               %8.1f GiB/s  %.2fx its own link (%s)\n",
-           (double)b->bytes / GIB, n, nruns, own, nvlink, rate, rate / own, method);
+           (double)b->bytes / GIB, n, b->runs, own, nvlink, rate, rate / own, method);
     if (strcmp(method, "striped") != 0)
       printf("  (the load was not striped: run the daemon with \"striping\": \"auto\" and \"stripe_min_bytes\" below "
              "the rank's size)\n");
@@ -336,7 +334,7 @@ static int mode_group(const struct bench_ctx *b) {
   struct weightd_group_options o = {.struct_size = sizeof o, .tp_size = (unsigned)tp, .devices = dev_names,
                                     .ndevices = (size_t)tp, .plan_json = b->plan_json};
   double runs[64];
-  int nruns = b->runs < 64 ? b->runs : 64;
+  int nruns = b->runs;
   uint64_t bytes = 0;
   char method[24] = "?";
   for (int k = 0; k < nruns; k++) {
@@ -390,6 +388,7 @@ int bench_multi_main(int argc, char **argv) {
       return 2;
     }
   }
+  if (b.runs > 64) b.runs = 64;
   if (mode == NULL || path == NULL || b.runs < 1) {
     fprintf(stderr, "weightd-bench --multi: MODE and --checkpoint DIR are required\n");
     return 2;

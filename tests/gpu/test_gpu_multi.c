@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdint.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -42,13 +43,13 @@ static pid_t daemon_pid = -1;
 static int ngpus;
 static weightd_client *g_c;
 
+extern char **environ;
+
+/* Runs argv to its end; its exit status (127: it could not start). */
 static int run(char *const argv[]) {
-  pid_t p = fork();
-  if (p == 0) {
-    execv(argv[0], argv);
-    _exit(127);
-  }
+  pid_t p;
   int st = 0;
+  if (posix_spawn(&p, argv[0], NULL, NULL, argv, environ) != 0) return 127;
   waitpid(p, &st, 0);
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
@@ -155,33 +156,29 @@ out:
 
 /* ---- against the daemon ---------------------------------------------------------------------- */
 
-static void start_daemon(void) {
+/* A weightd with the cuda backend, replicas and striping on (with no peer they find nothing to do); a client of it. */
+static weightd_client *start_daemon(void) {
   char log[PATH_MAX];
   snprintf(sock, sizeof sock, "%s/wd.sock", dir);
   snprintf(log, sizeof log, "%s/weightd.log", dir);
+  char *argv[] = {(char *)weightd_bin, "--foreground", "--backend", "cuda", "--socket", sock, "--model-root", dir,
+                  "--log-level", "debug", "--set", "replicas=auto", "--set", "striping=auto",
+                  "--set", "stripe_min_bytes=0", "--set", "metrics_address=", NULL};
   daemon_pid = fork();
   if (daemon_pid == 0) {
     int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    dup2(fd, 2);
-    execl(weightd_bin, weightd_bin, "--foreground", "--backend", "cuda", "--socket", sock, "--model-root", dir,
-          "--log-level", "debug", "--set", "replicas=auto", "--set", "striping=auto", "--set", "stripe_min_bytes=0",
-          "--set", "metrics_address=", (char *)NULL);
+    dup2(fd, STDERR_FILENO);
+    execv(argv[0], argv);
     _exit(127);
   }
-  for (int i = 0; i < 300; i++) {
-    struct stat sb;
-    if (stat(sock, &sb) == 0) return;
-    usleep(20000);
+  weightd_client *c = NULL;
+  for (int tries = 0; tries < 600 && waitpid(daemon_pid, NULL, WNOHANG) == 0; tries++, usleep(50000)) {
+    if (weightd_connect(sock, &c) == 0) return c;
+    weightd_close(c);
+    c = NULL;
   }
-}
-
-static void stop_daemon(void) {
-  if (daemon_pid <= 0) return;
-  kill(daemon_pid, SIGTERM);
-  int st = 0;
-  waitpid(daemon_pid, &st, 0);
-  CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
-  daemon_pid = -1;
+  fprintf(stderr, "weightd did not answer (its log: %s)\n", log);
+  return NULL;
 }
 
 /* The reply to one request, parsed (NULL when it failed: *rc says how). */
@@ -289,11 +286,9 @@ int main(void) {
     fprintf(stderr, "mkcheckpoint failed\n");
     return 1;
   }
-  start_daemon();
-  weightd_client *c = NULL;
-  if (weightd_connect(sock, &c) != 0) {
-    fprintf(stderr, "connect: %s\n", weightd_last_error(c));
-    stop_daemon();
+  weightd_client *c = start_daemon();
+  if (c == NULL) {
+    if (daemon_pid > 0) kill(daemon_pid, SIGKILL);
     return 1;
   }
   CHECK(strcmp(weightd_backend(c), "cuda") == 0);
@@ -301,7 +296,14 @@ int main(void) {
   RUN(test_group_on_one_gpu);
   RUN(test_no_peer);
   weightd_close(c);
-  stop_daemon();
+  /* A clean stop: SIGTERM, exit status 0. */
+  int st = -1;
+  kill(daemon_pid, SIGTERM);
+  waitpid(daemon_pid, &st, 0);
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+    fprintf(stderr, "weightd exited with status %d\n", st);
+    return 1;
+  }
   fx_rmtree(dir);
   free(dir);
   return tu_finish();
