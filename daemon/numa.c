@@ -144,6 +144,9 @@ void numa_free(struct numa_map *m) {
 
 int numa_pci_node(const char *root, const char *bus_id) {
   if (bus_id == NULL || bus_id[0] == '\0' || strchr(bus_id, '/') != NULL || strstr(bus_id, "..") != NULL) return -1;
+  /* sysfs names the domain with 4 digits; some tools write 8 ("00000000:1b:00.0"). */
+  const char *colon = strchr(bus_id, ':');
+  if (colon == bus_id + 8 && strncmp(bus_id, "0000", 4) == 0) bus_id += 4;
   char path[PATH_MAX], text[32];
   snprintf(path, sizeof path, "%s/bus/pci/devices/%s/numa_node", sysroot(root), bus_id);
   if (read_small(path, text, sizeof text) != 0) return -1;

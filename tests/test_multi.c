@@ -222,6 +222,7 @@ static void test_numa_sysfs_tree(void) {
   }
   numa_free(&m);
   CHECK_EQ_INT(numa_pci_node(root, "0000:1b:00.0"), 1);
+  CHECK_EQ_INT(numa_pci_node(root, "00000000:1b:00.0"), 1); /* an 8-digit domain */
   CHECK_EQ_INT(numa_pci_node(root, "0000:3c:00.0"), -1);
   CHECK_EQ_INT(numa_pci_node(root, "0000:ff:00.0"), -1);
   CHECK_EQ_INT(numa_pci_node(root, "../../etc"), -1);
