@@ -718,13 +718,13 @@ static int cu_copy_peer(void *ctx, struct wd_slab *dst, uint64_t dst_offset, con
       bytes > src->bytes - src_offset)
     return err_set(err, WEIGHTD_E_INTERNAL, "peer copy past the end of a slab");
   int on = s != NULL ? s->device : src->device;
+  CK(cudaSetDevice(on), "cudaSetDevice"); /* the copying device's context is current for the grants too */
   int rc = grant_access(c, src, on, err);
   if (rc == 0) rc = grant_access(c, dst, on, err);
   if (rc != 0) return rc;
   char *d = (char *)((const struct cuda_slab *)dst->impl)->base + dst_offset;
   const char *p = (const char *)((const struct cuda_slab *)src->impl)->base + src_offset;
   cudaStream_t st = s ? s->s : 0;
-  CK(cudaSetDevice(on), "cudaSetDevice");
   if (src->device != dst->device && src->kind != WD_HANDLE_CUDA_VMM && dst->kind != WD_HANDLE_CUDA_VMM)
     CK(cudaMemcpyPeerAsync(d, dst->device, p, src->device, (size_t)bytes, st), "cudaMemcpyPeerAsync");
   else
