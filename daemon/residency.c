@@ -38,7 +38,7 @@ struct residency {
 };
 
 const char *res_method_name(enum res_method m) {
-  static const char *const names[] = {"memcpy", "staged", "direct"};
+  static const char *const names[] = {"memcpy", "staged", "direct", "peer", "striped"};
   return m < RES_METHOD_COUNT ? names[m] : "?";
 }
 

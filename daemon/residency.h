@@ -99,7 +99,14 @@ struct res_device {
 };
 
 /* What residency counts, for metrics and status (loop thread). */
-enum res_method { RES_METHOD_MEMCPY, RES_METHOD_STAGED, RES_METHOD_DIRECT, RES_METHOD_COUNT };
+enum res_method {
+  RES_METHOD_MEMCPY,
+  RES_METHOD_STAGED,
+  RES_METHOD_DIRECT,
+  RES_METHOD_PEER,    /* a replica copied from a peer's copy */
+  RES_METHOD_STRIPED, /* over several devices' host links */
+  RES_METHOD_COUNT
+};
 enum res_result { RES_RESULT_OK, RES_RESULT_FAILED, RES_RESULT_CANCELED, RES_RESULT_COUNT };
 enum res_evict_reason { RES_EVICT_BUDGET, RES_EVICT_DEVICE_FULL, RES_EVICT_REQUEST, RES_EVICT_RELOAD, RES_EVICT_COUNT };
 /* Upper bounds (seconds) of the load-duration histogram's buckets; a last bucket takes the rest. */

@@ -242,8 +242,12 @@ def test_replica_copied_from_peer(start_daemon, ckpt_small):
             assert verify_attached(att, fd, ck) == ck.payload_bytes()
         finally:
             os.close(fd)
-        sets = {s["set"]: s for s in c.status()["sets"]}
+        st = c.status()
+        sets = {s["set"]: s for s in st["sets"]}
         assert sets[second["set"]]["source"] == "peer:" + u[0] and sets[second["set"]]["method"] == "peer"
+        loads = {(x["labels"]["result"], x["labels"]["method"]): x["value"]
+                 for x in st["metrics"]["weightd_loads_total"]["samples"]}
+        assert loads[("ok", "peer")] == 1 and loads[("ok", "memcpy")] == 1, loads
         assert sets[first["set"]]["source"] == "host"
         # The copy holds nothing: the first set may go now.
         assert c.call("evict", set=first["set"])["evicted"] == [first["set"]]
