@@ -1,6 +1,11 @@
 /* backend.c - what every backend shares: destruction, and the cuda fallback. */
 #include "backend.h"
 
+const char *wd_link_name(enum wd_link l) {
+  static const char *const names[] = {"none", "peer", "pcie", "nvlink", "host"};
+  return (unsigned)l < sizeof names / sizeof names[0] ? names[l] : "?";
+}
+
 void backend_destroy(struct wd_backend *b) {
   if (b == NULL || b->ops == NULL) return;
   if (b->ops->destroy) b->ops->destroy(b->ctx);

@@ -11,10 +11,17 @@
  * (legacy cuda_ipc handles). A slab's handle kind is fixed when it is
  * allocated.
  *
+ * Several devices: a backend may present any number (the host backend
+ * presents host_devices of them, for tests of placement), and may say which
+ * pairs can copy device to device (peer access, over NVLink or PCIe) and do
+ * such copies; those operations are optional (NULL: no peers), so a backend
+ * with one device needs none of them.
+ *
  * Threads: device queries, slab allocation and export run on the daemon's
  * loader threads or the loop thread; copies run on loader threads. A backend
  * guards its own shared state; slabs, streams and events are used by one
- * thread at a time.
+ * thread at a time, except that a slab may be the source of several peer
+ * copies at once.
  */
 #ifndef WD_BACKEND_H
 #define WD_BACKEND_H
@@ -71,6 +78,25 @@ struct wd_slab {
 
 struct wd_stream;
 struct wd_event;
+
+/* How two devices are connected, as far as the backend can tell. */
+enum wd_link {
+  WD_LINK_NONE,    /* no device-to-device path (copies would go through host memory) */
+  WD_LINK_PEER,    /* peer access, over a link the backend cannot name */
+  WD_LINK_PCIE,    /* peer access over PCIe */
+  WD_LINK_NVLINK,  /* peer access over NVLink */
+  WD_LINK_HOST,    /* host backend: "devices" share host memory; a peer copy is a memcpy */
+};
+
+/* The name of a link kind, as status shows it ("nvlink"). */
+const char *wd_link_name(enum wd_link l);
+
+/* What one ordered pair of devices can do (peer_query): src's memory read by a copy to dst. */
+struct wd_peer_info {
+  int access;           /* copy_peer from src to dst runs device to device */
+  enum wd_link link;
+  int performance_rank; /* the driver's relative rank of the path, lower is faster; -1 unknown */
+};
 
 /*
  * Capabilities a backend states (wd_backend_ops.caps), so that callers ask
@@ -129,6 +155,34 @@ struct wd_backend_ops {
                   const void *src, size_t src_pitch, size_t width, size_t height,
                   struct wd_stream *s, struct wd_error *err);
 
+  /*
+   * Several devices (all optional; NULL: the backend has no peers, and a
+   * replica or a striped load never runs device to device).
+   *
+   * peer_query: what src -> dst can do (src == dst is not a peer: access 0).
+   * WEIGHTD_E_NOT_FOUND for a device the backend does not have.
+   */
+  int (*peer_query)(void *ctx, int src, int dst, struct wd_peer_info *out, struct wd_error *err);
+  /*
+   * copy_peer: `bytes` from src (a slab of any device, filled and possibly
+   * sealed) at src_offset to dst (writable: not yet sealed) at dst_offset,
+   * asynchronous on s, a stream of either device (its device's copy engine
+   * does the copy); src must stay allocated until an event recorded after it
+   * has completed. It gives the stream's device whatever access the copy
+   * needs (CUDA VMM: cuMemSetAccess on the daemon's mappings). Works on one
+   * device too (a device-to-device copy).
+   */
+  int (*copy_peer)(void *ctx, struct wd_slab *dst, uint64_t dst_offset, const struct wd_slab *src,
+                   uint64_t src_offset, uint64_t bytes, struct wd_stream *s, struct wd_error *err);
+  /* A device buffer that is never exported (a bounce buffer), freed with slab_free. */
+  int (*scratch_alloc)(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err);
+  /*
+   * The device's PCI bus id ("0000:1b:00.0", lowercase) into buf, for its
+   * NUMA node (/sys/bus/pci/devices/ID/numa_node). NULL, or an error: not a
+   * PCI device (host memory).
+   */
+  int (*pci_bus_id)(void *ctx, int device, char *buf, size_t len, struct wd_error *err);
+
   void (*destroy)(void *ctx);
 };
 
@@ -137,8 +191,21 @@ struct wd_backend {
   void *ctx;
 };
 
-/* Creates the host backend. */
+/* Creates the host backend with one device. */
 int backend_host_create(struct wd_backend *out, struct wd_error *err);
+
+/*
+ * The host backend with several "devices" (each its own memfd slabs, all in
+ * host memory), for tests of multi-device placement: device 0 is
+ * host-<machine id> as with one device, device i is host-<machine id>-i.
+ * peers says which ordered pairs have "peer access" (a copy_peer is then a
+ * memcpy): "all", "none", or pairs "0-1,1-2" (each both ways).
+ */
+struct wd_host_options {
+  int devices;       /* 1 or more */
+  const char *peers; /* NULL: "all" */
+};
+int backend_host_create_devices(struct wd_backend *out, const struct wd_host_options *o, struct wd_error *err);
 
 /*
  * Creates the cuda backend: WEIGHTD_E_UNSUPPORTED when weightd was built

@@ -13,6 +13,14 @@
  * cudaGetDriverEntryPointByVersion, so that weightd still starts (with the
  * host backend) on a machine that has the toolkit but no driver.
  *
+ * Several GPUs: at creation every ordered pair is asked for peer access
+ * (cudaDeviceCanAccessPeer both ways), its performance rank
+ * (cudaDeviceGetP2PAttribute) and, where NVML can be loaded at run time, for
+ * an NVLink path (nvmlDeviceGetP2PStatus); pairs with access get
+ * cudaDeviceEnablePeerAccess both ways (what legacy allocations need for a
+ * direct copy). A peer copy of a VMM slab first grants the copying device
+ * access to the daemon's mapping (cuMemSetAccess), once per slab and device.
+ *
  * Every CUDA call is checked; a failure becomes WEIGHTD_E_DEVICE (or
  * WEIGHTD_E_DEVICE_NOMEM for allocation failures) with the CUDA error's name
  * in the message. The CUDA runtime and driver are thread-safe; each entry
@@ -20,9 +28,11 @@
  * thread, and makes the device's primary context current for the driver
  * calls too). The context below is written only by backend_cuda_create.
  */
+#include <ctype.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -84,7 +94,8 @@ struct cuda_dev {
 struct cuda_ctx {
   int ndev;
   struct cuda_dev *dev;
-  struct cu_vmm_api api; /* complete when any device uses VMM */
+  struct cu_vmm_api api;     /* complete when any device uses VMM */
+  struct wd_peer_info *peer; /* ndev * ndev: peer[src * ndev + dst], measured at creation */
 };
 
 /* wd_slab.impl */
@@ -94,6 +105,7 @@ struct cuda_slab {
   CUmemGenericAllocationHandle h;  /* VMM: the allocation */
   int fd;                          /* VMM: the exported descriptor, dup'ed for each attach; else -1 */
   unsigned char alloc_id[WD_ALLOC_ID_BYTES];
+  atomic_uint_fast64_t granted;    /* VMM: devices (bits) given access to the mapping for peer copies */
 };
 
 struct wd_stream {
@@ -376,8 +388,9 @@ fail:
   return rc;
 }
 
-static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err) {
-  const struct cuda_ctx *c = ctx;
+/* A slab of `kind` on device: VMM (exported once) or one cudaMalloc. */
+static int slab_make(const struct cuda_ctx *c, int device, uint64_t bytes, enum wd_handle_kind kind,
+                     struct wd_slab **out, struct wd_error *err) {
   *out = NULL;
   if (device < 0 || device >= c->ndev)
     return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", device, c->ndev);
@@ -390,7 +403,6 @@ static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab *
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
   cs->fd = -1;
-  enum wd_handle_kind kind = c->dev[device].kind;
   int rc = kind == WD_HANDLE_CUDA_VMM ? vmm_alloc(c, device, bytes, cs, err) : ipc_alloc(device, bytes, cs, err);
   if (rc != 0) {
     free(cs);
@@ -404,6 +416,15 @@ static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab *
   s->impl = cs;
   *out = s;
   return 0;
+}
+
+static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err) {
+  const struct cuda_ctx *c = ctx;
+  if (device < 0 || device >= c->ndev) {
+    *out = NULL;
+    return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", device, c->ndev);
+  }
+  return slab_make(c, device, bytes, c->dev[device].kind, out, err);
 }
 
 /* An export costs no driver call for VMM slabs (a dup), one cheap call for legacy ones. */
@@ -574,9 +595,163 @@ static int cu_copy_h2d(void *ctx, struct wd_slab *dst, uint64_t dst_offset, size
   return 0;
 }
 
+/* ---- several GPUs --------------------------------------------------------------------- */
+
+/* The few NVML entry points the link probe uses, loaded at run time (nvml.h is not needed to build). */
+typedef struct nvml_device *nvml_device_t;
+#define NVML_OK 0
+#define NVML_P2P_CAPS_INDEX_NVLINK 2
+#define NVML_P2P_STATUS_OK 0
+struct nvml_api {
+  void *lib;
+  int (*init)(void);
+  int (*shutdown)(void);
+  int (*by_uuid)(const char *uuid, nvml_device_t *out);
+  int (*p2p_status)(nvml_device_t a, nvml_device_t b, int caps_index, int *status);
+};
+
+/* Loads and starts NVML; 0, or -1 (no NVML: links are named only as peer access). */
+static int nvml_open(struct nvml_api *n) {
+  memset(n, 0, sizeof *n);
+  n->lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (n->lib == NULL) return -1;
+  /* Function pointers travel as void *, as dlsym's do (POSIX guarantees the conversion). */
+  *(void **)&n->init = dlsym(n->lib, "nvmlInit_v2");
+  *(void **)&n->shutdown = dlsym(n->lib, "nvmlShutdown");
+  *(void **)&n->by_uuid = dlsym(n->lib, "nvmlDeviceGetHandleByUUID");
+  *(void **)&n->p2p_status = dlsym(n->lib, "nvmlDeviceGetP2PStatus");
+  if (n->init == NULL || n->shutdown == NULL || n->by_uuid == NULL || n->p2p_status == NULL ||
+      n->init() != NVML_OK) {
+    dlclose(n->lib);
+    n->lib = NULL;
+    return -1;
+  }
+  return 0;
+}
+
+static void nvml_close(struct nvml_api *n) {
+  if (n->lib == NULL) return;
+  n->shutdown();
+  dlclose(n->lib);
+  n->lib = NULL;
+}
+
+/* The NVML handle of GPU i (by its UUID), or NULL. */
+static nvml_device_t nvml_device(const struct nvml_api *n, int i) {
+  struct cudaDeviceProp prop;
+  char uuid[WD_UUID_MAX];
+  nvml_device_t h = NULL;
+  if (n->lib == NULL || cudaGetDeviceProperties(&prop, i) != cudaSuccess) return NULL;
+  format_uuid((const unsigned char *)prop.uuid.bytes, uuid, sizeof uuid);
+  return n->by_uuid(uuid, &h) == NVML_OK ? h : NULL;
+}
+
+/* Measures every ordered pair (c->peer) and enables peer access where the driver allows it. */
+static int peer_probe(struct cuda_ctx *c) {
+  int n = c->ndev;
+  c->peer = calloc((size_t)n * (size_t)n, sizeof *c->peer);
+  if (c->peer == NULL) return -1;
+  struct nvml_api nv;
+  int have_nvml = n > 1 && nvml_open(&nv) == 0;
+  nvml_device_t *h = have_nvml ? calloc((size_t)n, sizeof *h) : NULL;
+  for (int i = 0; h != NULL && i < n; i++) h[i] = nvml_device(&nv, i);
+  for (int a = 0; a < n; a++)
+    for (int b = 0; b < n; b++) {
+      struct wd_peer_info *p = &c->peer[a * n + b];
+      p->performance_rank = -1;
+      int ab = 0, ba = 0, rank = -1, st = -1;
+      if (a == b || cudaDeviceCanAccessPeer(&ab, b, a) != cudaSuccess || cudaDeviceCanAccessPeer(&ba, a, b) != cudaSuccess) {
+        cudaGetLastError();
+        continue;
+      }
+      if (!ab || !ba) continue;
+      p->access = 1;
+      if (cudaDeviceGetP2PAttribute(&rank, cudaDevP2PAttrPerformanceRank, a, b) == cudaSuccess) p->performance_rank = rank;
+      cudaGetLastError();
+      p->link = WD_LINK_PEER;
+      if (h != NULL && h[a] != NULL && h[b] != NULL)
+        p->link = nv.p2p_status(h[a], h[b], NVML_P2P_CAPS_INDEX_NVLINK, &st) == NVML_OK && st == NVML_P2P_STATUS_OK
+                      ? WD_LINK_NVLINK
+                      : WD_LINK_PCIE;
+      /* Legacy allocations copy directly only with peer access enabled (VMM ones use cuMemSetAccess). */
+      if (cudaSetDevice(b) == cudaSuccess && cudaDeviceEnablePeerAccess(a, 0) != cudaSuccess) cudaGetLastError();
+    }
+  free(h);
+  if (have_nvml) nvml_close(&nv);
+  return 0;
+}
+
+static int cu_peer_query(void *ctx, int src, int dst, struct wd_peer_info *out, struct wd_error *err) {
+  const struct cuda_ctx *c = ctx;
+  if (src < 0 || src >= c->ndev) return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", src, c->ndev);
+  if (dst < 0 || dst >= c->ndev) return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", dst, c->ndev);
+  *out = c->peer[src * c->ndev + dst];
+  return 0;
+}
+
+/* Lets `device` read and write a VMM slab of another device through the daemon's mapping (once). */
+static int grant_access(const struct cuda_ctx *c, const struct wd_slab *s, int device, struct wd_error *err) {
+  struct cuda_slab *cs = s->impl;
+  if (s->kind != WD_HANDLE_CUDA_VMM || s->device == device) return 0;
+  if (device < 0 || device >= 64 || device >= c->ndev)
+    return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", device, c->ndev);
+  uint64_t bit = 1ull << device;
+  if (atomic_load(&cs->granted) & bit) return 0;
+  CUmemAccessDesc access;
+  memset(&access, 0, sizeof access);
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = c->dev[device].cudev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CUresult r = c->api.set_access((CUdeviceptr)(uintptr_t)cs->base, (size_t)cs->alloc_bytes, &access, 1);
+  if (r != CUDA_SUCCESS) {
+    char what[96];
+    snprintf(what, sizeof what, "cuMemSetAccess for GPU %d on a slab of GPU %d", device, s->device);
+    return cu_fail(c, err, r, what);
+  }
+  atomic_fetch_or(&cs->granted, bit);
+  return 0;
+}
+
+static int cu_copy_peer(void *ctx, struct wd_slab *dst, uint64_t dst_offset, const struct wd_slab *src,
+                        uint64_t src_offset, uint64_t bytes, struct wd_stream *s, struct wd_error *err) {
+  const struct cuda_ctx *c = ctx;
+  if (dst_offset > dst->bytes || bytes > dst->bytes - dst_offset || src_offset > src->bytes ||
+      bytes > src->bytes - src_offset)
+    return err_set(err, WEIGHTD_E_INTERNAL, "peer copy past the end of a slab");
+  int on = s != NULL ? s->device : src->device;
+  CK(cudaSetDevice(on), "cudaSetDevice"); /* the copying device's context is current for the grants too */
+  int rc = grant_access(c, src, on, err);
+  if (rc == 0) rc = grant_access(c, dst, on, err);
+  if (rc != 0) return rc;
+  char *d = (char *)((const struct cuda_slab *)dst->impl)->base + dst_offset;
+  const char *p = (const char *)((const struct cuda_slab *)src->impl)->base + src_offset;
+  cudaStream_t st = s ? s->s : 0;
+  if (src->device != dst->device && src->kind != WD_HANDLE_CUDA_VMM && dst->kind != WD_HANDLE_CUDA_VMM)
+    CK(cudaMemcpyPeerAsync(d, dst->device, p, src->device, (size_t)bytes, st), "cudaMemcpyPeerAsync");
+  else
+    CK(cudaMemcpyAsync(d, p, (size_t)bytes, cudaMemcpyDeviceToDevice, st), "cudaMemcpyAsync D2D");
+  if (s == NULL) CK(cudaStreamSynchronize(0), "cudaStreamSynchronize");
+  return 0;
+}
+
+/* A bounce buffer: cudaMalloc memory (freed by cu_slab_free as a legacy slab), never exported. */
+static int cu_scratch_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err) {
+  return slab_make(ctx, device, bytes, WD_HANDLE_CUDA_IPC, out, err);
+}
+
+static int cu_pci_bus_id(void *ctx, int device, char *buf, size_t len, struct wd_error *err) {
+  const struct cuda_ctx *c = ctx;
+  if (device < 0 || device >= c->ndev)
+    return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", device, c->ndev);
+  CK(cudaDeviceGetPCIBusId(buf, (int)len, device), "cudaDeviceGetPCIBusId");
+  for (char *p = buf; *p; p++) *p = (char)tolower((unsigned char)*p);
+  return 0;
+}
+
 static void cu_destroy(void *ctx) {
   struct cuda_ctx *c = ctx;
   if (c == NULL) return;
+  free(c->peer);
   free(c->dev);
   free(c);
 }
@@ -601,6 +776,10 @@ static const struct wd_backend_ops cuda_ops = {
     .event_record = cu_event_record,
     .event_wait = cu_event_wait,
     .copy_h2d = cu_copy_h2d,
+    .peer_query = cu_peer_query,
+    .copy_peer = cu_copy_peer,
+    .scratch_alloc = cu_scratch_alloc,
+    .pci_bus_id = cu_pci_bus_id,
     .destroy = cu_destroy,
 };
 
@@ -630,6 +809,10 @@ int backend_cuda_create(struct wd_backend *out, enum wd_handle_kind handles, str
     c->dev[i].kind = WD_HANDLE_CUDA_IPC;
     if (vmm) vmm_probe(c, i);
     else if (handles == WD_HANDLE_CUDA_VMM) snprintf(c->dev[i].why, sizeof c->dev[i].why, "%s", why);
+  }
+  if (peer_probe(c) != 0) {
+    cu_destroy(c);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
   out->ops = &cuda_ops;
   out->ctx = c;

@@ -11,7 +11,14 @@
  * copy is a memcpy on the calling thread, so streams and events are
  * trivially complete.
  *
- * Threads: no shared mutable state; each slab is used by one thread at a time.
+ * Several devices (backend_host_create_devices): each "device" is host memory
+ * under its own UUID, and the pairs the options name have "peer access",
+ * where a peer copy is a memcpy from the source slab (mapped read-only for
+ * the copy once it is sealed). So multi-device placement, replicas and
+ * striping run their real decisions and data paths in CI.
+ *
+ * Threads: the context is written only at creation; each slab is used by one
+ * thread at a time, or read by several peer copies at once.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -40,10 +47,15 @@ struct wd_event {
   int unused;
 };
 
-static int host_device_count(void *ctx) {
-  (void)ctx;
-  return 1;
-}
+struct host_ctx {
+  int ndev;
+  unsigned char *peer; /* ndev * ndev: peer[src * ndev + dst] */
+};
+
+/* The context of backend_host_create: one device, no peers. */
+static struct host_ctx host_one = {.ndev = 1};
+
+static int host_device_count(void *ctx) { return ((const struct host_ctx *)ctx)->ndev; }
 
 /*
  * Reads MemTotal and MemAvailable ("Key:   123 kB") from /proc/meminfo; a key
@@ -63,13 +75,19 @@ static int meminfo_read(uint64_t *total, uint64_t *available, struct wd_error *e
   return 0;
 }
 
+static int no_device(const struct host_ctx *c, int device, struct wd_error *err) {
+  if (c->ndev == 1) return err_set(err, WEIGHTD_E_NOT_FOUND, "host backend has one device (0), not %d", device);
+  return err_set(err, WEIGHTD_E_NOT_FOUND, "host backend has %d devices (0 to %d), not %d", c->ndev, c->ndev - 1,
+                 device);
+}
+
 static int host_device_info(void *ctx, int device, struct wd_device_info *out, struct wd_error *err) {
-  (void)ctx;
-  if (device != 0) return err_set(err, WEIGHTD_E_NOT_FOUND, "host backend has one device (0), not %d", device);
+  const struct host_ctx *c = ctx;
+  if (device < 0 || device >= c->ndev) return no_device(c, device, err);
   memset(out, 0, sizeof *out);
   int rc = meminfo_read(&out->memory_total, &out->memory_free, err);
   if (rc != 0) return rc;
-  out->index = 0;
+  out->index = device;
   snprintf(out->name, sizeof out->name, "host memory");
   char id[64] = "";
   FILE *f = fopen("/etc/machine-id", "re");
@@ -79,15 +97,16 @@ static int host_device_info(void *ctx, int device, struct wd_device_info *out, s
   }
   id[strcspn(id, "\r\n")] = '\0';
   if (strlen(id) > 32) id[32] = '\0';
-  snprintf(out->uuid, sizeof out->uuid, "host-%.32s", id[0] ? id : "0");
+  if (device == 0) snprintf(out->uuid, sizeof out->uuid, "host-%.32s", id[0] ? id : "0");
+  else snprintf(out->uuid, sizeof out->uuid, "host-%.32s-%d", id[0] ? id : "0", device);
   out->handles = WD_HANDLE_FD;
   return 0;
 }
 
 static int host_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out,
                            struct wd_error *err) {
-  (void)ctx;
   *out = NULL;
+  if (device < 0 || device >= ((const struct host_ctx *)ctx)->ndev) return no_device(ctx, device, err);
   int rc = 0;
   struct wd_slab *s = calloc(1, sizeof *s);
   struct host_slab *h = calloc(1, sizeof *h);
@@ -244,7 +263,47 @@ static int host_copy_h2d(void *ctx, struct wd_slab *dst, uint64_t dst_offset, si
   return 0;
 }
 
-static void host_destroy(void *ctx) { (void)ctx; }
+/* ---- several devices ------------------------------------------------------------- */
+
+static int host_peer_query(void *ctx, int src, int dst, struct wd_peer_info *out, struct wd_error *err) {
+  const struct host_ctx *c = ctx;
+  if (src < 0 || src >= c->ndev) return no_device(c, src, err);
+  if (dst < 0 || dst >= c->ndev) return no_device(c, dst, err);
+  memset(out, 0, sizeof *out);
+  out->access = src != dst && c->peer != NULL && c->peer[src * c->ndev + dst];
+  out->link = out->access ? WD_LINK_HOST : WD_LINK_NONE;
+  out->performance_rank = out->access ? 0 : -1;
+  return 0;
+}
+
+/* A peer copy is a memcpy; a sealed source is mapped read-only for it. */
+static int host_copy_peer(void *ctx, struct wd_slab *dst, uint64_t dst_offset, const struct wd_slab *src,
+                          uint64_t src_offset, uint64_t bytes, struct wd_stream *s, struct wd_error *err) {
+  (void)ctx;
+  (void)s;
+  if (dst->host_view == NULL) return err_set(err, WEIGHTD_E_INTERNAL, "peer copy into a sealed slab");
+  if (dst_offset > dst->bytes || bytes > dst->bytes - dst_offset || src_offset > src->bytes ||
+      bytes > src->bytes - src_offset)
+    return err_set(err, WEIGHTD_E_INTERNAL, "peer copy past the end of a slab");
+  const struct host_slab *h = src->impl;
+  const char *view = src->host_view;
+  if (view == NULL) {
+    view = mmap(NULL, h->map_len, PROT_READ, MAP_SHARED, h->fd, 0);
+    if (view == MAP_FAILED)
+      return err_set(err, errno == ENOMEM ? WEIGHTD_E_DEVICE_NOMEM : WEIGHTD_E_DEVICE,
+                     "mapping the source of a peer copy: %s", strerror(errno));
+  }
+  memcpy((char *)dst->host_view + dst_offset, view + src_offset, (size_t)bytes);
+  if (view != src->host_view) munmap((void *)view, h->map_len);
+  return 0;
+}
+
+static void host_destroy(void *ctx) {
+  struct host_ctx *c = ctx;
+  if (c == NULL || c == &host_one) return;
+  free(c->peer);
+  free(c);
+}
 
 static const struct wd_backend_ops host_ops = {
     .name = "host",
@@ -266,12 +325,65 @@ static const struct wd_backend_ops host_ops = {
     .event_record = host_event_record,
     .event_wait = host_event_wait,
     .copy_h2d = host_copy_h2d,
+    .peer_query = host_peer_query,
+    .copy_peer = host_copy_peer,
+    .scratch_alloc = host_slab_alloc, /* a slab that is never sealed nor exported */
+    .pci_bus_id = NULL,               /* host memory is no PCI device */
     .destroy = host_destroy,
 };
 
 int backend_host_create(struct wd_backend *out, struct wd_error *err) {
   (void)err;
   out->ops = &host_ops;
+  out->ctx = &host_one;
+  return 0;
+}
+
+/* Reads "all", "none" or "A-B,C-D" into c->peer; 0 or INVALID naming the bad part. */
+static int parse_peers(struct host_ctx *c, const char *spec, struct wd_error *err) {
+  int n = c->ndev;
+  if (spec == NULL || strcmp(spec, "all") == 0) {
+    for (int a = 0; a < n; a++)
+      for (int b = 0; b < n; b++) c->peer[a * n + b] = a != b;
+    return 0;
+  }
+  if (strcmp(spec, "none") == 0 || spec[0] == '\0') return 0;
+  const char *p = spec;
+  while (*p != '\0') {
+    char *end;
+    long a = strtol(p, &end, 10), b = -1;
+    if (end != p && *end == '-') {
+      const char *q = end + 1;
+      b = strtol(q, &end, 10);
+      if (end == q) b = -1;
+    }
+    if (a < 0 || b < 0 || a >= n || b >= n || a == b || (*end != ',' && *end != '\0') || (*end == ',' && end[1] == '\0'))
+      return err_set(err, WEIGHTD_E_INVALID,
+                     "host_peers: '%s' is not all, none, or pairs of distinct devices below %d such as 0-1,2-3", spec,
+                     n);
+    c->peer[a * n + b] = c->peer[b * n + a] = 1;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return 0;
+}
+
+int backend_host_create_devices(struct wd_backend *out, const struct wd_host_options *o, struct wd_error *err) {
+  out->ops = NULL;
   out->ctx = NULL;
+  if (o == NULL || o->devices <= 1) return backend_host_create(out, err);
+  struct host_ctx *c = calloc(1, sizeof *c);
+  if (c != NULL) c->peer = calloc((size_t)o->devices * (size_t)o->devices, 1);
+  if (c == NULL || c->peer == NULL) {
+    free(c);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  c->ndev = o->devices;
+  int rc = parse_peers(c, o->peers, err);
+  if (rc != 0) {
+    host_destroy(c);
+    return rc;
+  }
+  out->ops = &host_ops;
+  out->ctx = c;
   return 0;
 }

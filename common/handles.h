@@ -84,19 +84,26 @@ static inline int wd_handle_kind_has_fd(enum wd_handle_kind k) {
 }
 
 /*
- * Features of attach a client asks for in hello ("features", a list of these
- * names; the daemon's reply lists those it has). Unknown names are ignored
- * both ways, so either side may be newer (docs/protocol.md, "hello"):
+ * Features a client asks for in hello ("features", a list of these names;
+ * the daemon's reply lists those it has). Unknown names are ignored both
+ * ways, so either side may be newer (docs/protocol.md, "hello"):
  *   tensor_table  attach replies carry the tensor table as a sealed memfd in
  *                 the binary format of common/tensor_table.h ("tensor_table")
  *                 instead of the JSON "tensors" list
  *   early_attach  the daemon answers an attach with "early": true while the
  *                 set loads, with its progress page (common/progress_page.h);
  *                 listed by the daemon only (a client asks per attach)
+ *   load_group    the daemon takes load_group (every rank of a group in one
+ *                 request); listed by the daemon only
+ *   topology      devices carry numa_node, link_rate and peers, sets their
+ *                 source (a replica may come from a peer's copy, a load be
+ *                 striped), and status has "topology"; listed by the daemon only
  */
 #define WD_FEATURE_MAP(XX)              \
   XX(TENSOR_TABLE, "tensor_table")      \
-  XX(EARLY_ATTACH, "early_attach")
+  XX(EARLY_ATTACH, "early_attach")      \
+  XX(LOAD_GROUP, "load_group")          \
+  XX(TOPOLOGY, "topology")
 
 enum wd_feature {
 #define WD_XX_(e, name) WD_FEATURE_##e,

@@ -129,4 +129,28 @@ int plan_ranges(const struct plan *p, const struct ckpt *c, uint64_t page, uint6
 /* The bytes n ranges cover. */
 uint64_t plan_ranges_bytes(const struct plan_range *r, size_t n);
 
+/*
+ * One run of the slab image: `height` rows of `width` bytes that land packed
+ * at slab offset dst (row r at dst + r * width), read from piece pc's source
+ * starting `src` bytes after the piece's first source byte, rows src_pitch
+ * apart; pc NULL (an alignment gap or a piece of zeros): width * height zero
+ * bytes.
+ */
+struct plan_segment {
+  const struct plan_piece *pc;
+  uint64_t dst, src, src_pitch, width, height;
+};
+
+typedef int (*plan_segment_fn)(void *arg, const struct plan_segment *sg);
+
+/*
+ * Cuts the slab image of bytes [lo, hi) into segments, in slab order, that
+ * cover it exactly: a contiguous piece is one segment, a strided one at most
+ * three (a partial first row, whole rows as one 2D run, a partial last row).
+ * Calls fn for each and stops at its first non-zero return, which it
+ * returns; 0 once every segment was given. plan_gather writes what they
+ * say; a loader that has the copy engines read the mappings copies them.
+ */
+int plan_segments(const struct plan *p, uint64_t lo, uint64_t hi, plan_segment_fn fn, void *arg);
+
 #endif

@@ -33,7 +33,8 @@ struct cfg_key {
 /* Enumerated keys are stored as int through the table's offset. */
 _Static_assert(sizeof(enum cfg_backend) == sizeof(int) && sizeof(enum log_level) == sizeof(int) &&
                    sizeof(enum cfg_load_method) == sizeof(int) && sizeof(enum cfg_cuda_handles) == sizeof(int) &&
-                   sizeof(enum cfg_strided) == sizeof(int) && sizeof(enum cfg_pin) == sizeof(int),
+                   sizeof(enum cfg_strided) == sizeof(int) && sizeof(enum cfg_pin) == sizeof(int) &&
+                   sizeof(enum cfg_switch) == sizeof(int),
                "enumerated config keys are stored as int");
 
 static const char *const backend_names[] = {"auto", "cuda", "host", NULL};
@@ -42,6 +43,7 @@ static const char *const load_method_names[] = {"auto", "staged", NULL};
 static const char *const cuda_handles_names[] = {"vmm", "legacy", NULL};
 static const char *const strided_names[] = {"gather", "rows", "auto", NULL};
 static const char *const pin_names[] = {"after_load", "on_open", "off", NULL};
+static const char *const switch_names[] = {"auto", "off", NULL};
 
 #define OFF(f) offsetof(struct wd_config, f)
 #define GiB (1ull << 30)
@@ -79,7 +81,8 @@ static const struct cfg_key keys[] = {
     {"fill_threads", CFG_UINT, OFF(fill_threads), 0, 0, 1024, "0",
      "threads copying from the page cache (0 = one per online CPU)"},
     {"job_threads", CFG_UINT, OFF(job_threads), 0, 1, 256, "4",
-     "loads, prefetches and frees that run at once"},
+     "loads, prefetches and frees that run at once (with several devices, at least one per device and two "
+     "more, so that a whole tensor-parallel group loads at once)"},
     {"control_threads", CFG_UINT, OFF(control_threads), 0, 1, 64, "2",
      "threads for quick work (opening and checking checkpoints, plans, status), apart from loads"},
     {"staging_slots", CFG_UINT, OFF(staging_slots), 0, 2, 64, "2", "pinned staging slots per GPU"},
@@ -133,6 +136,30 @@ static const struct cfg_key keys[] = {
      "or copy whole source rows and let the GPU's copy engine take each row's part (auto: rows only for short "
      "rows, by a provisional rule; docs/benchmarks.md)",
      strided_names},
+    /* Several devices (docs/multi-gpu.md): read at start. */
+    {"replicas", CFG_ENUM, OFF(replicas), 0, 0, 0, "auto",
+     "auto | off: a set already resident on another device with peer access to the target (NVLink) is copied "
+     "device to device instead of from host memory; falls back to host memory when the peer is busy or absent",
+     switch_names},
+    {"striping", CFG_ENUM, OFF(striping), 0, 0, 0, "off",
+     "off | auto: a load onto one GPU borrows idle neighbours' host links (a share of the bytes through a bounce "
+     "buffer on the neighbour, forwarded over the peer link); off until a multi-GPU run of weightd-bench measures it",
+     switch_names},
+    {"link_rates", CFG_STRING, OFF(link_rates), 0, 0, 0, "",
+     "host-to-device GiB/s of each device's link, comma-separated in device order (weightd-bench --multi all "
+     "prints them); striping shares bytes in proportion. Empty: all equal, shown as unmeasured"},
+    {"stripe_min_bytes", CFG_BYTES, OFF(stripe_min_bytes), 0, 0, UINT64_MAX, "512MiB",
+     "loads smaller than this are never striped"},
+    {"numa", CFG_ENUM, OFF(numa), 0, 0, 0, "auto",
+     "auto | off: on a machine with several NUMA nodes, fill threads are spread over the nodes and feed the "
+     "devices of their own node first, and staging memory is allocated near its device",
+     switch_names},
+    {"host_devices", CFG_UINT, OFF(host_devices), 0, 1, 64, "1",
+     "host backend: how many devices it presents (each its own memfd slabs in host memory, sharing it); for "
+     "tests of multi-device placement"},
+    {"host_peers", CFG_STRING, OFF(host_peers), 0, 0, 0, "all",
+     "host backend: which device pairs have peer access (a peer copy is a memcpy): all, none, or pairs such as "
+     "0-1,2-3"},
     {"test_load_gate", CFG_STRING, OFF(test_load_gate), 0, 0, 0, "",
      "for tests only: a FIFO from which loads read one byte before each window they fill (memcpy loads: each "
      "256 MiB window; staged loads: each staging window, once every window before it has landed; end of file lets "

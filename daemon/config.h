@@ -20,6 +20,7 @@ enum cfg_cuda_handles { CFG_CUDA_HANDLES_VMM, CFG_CUDA_HANDLES_LEGACY };
 /* In the order of enum plan_strided (plan_stage.h). */
 enum cfg_strided { CFG_STRIDED_GATHER, CFG_STRIDED_ROWS, CFG_STRIDED_AUTO };
 enum cfg_pin { CFG_PIN_AFTER_LOAD, CFG_PIN_ON_OPEN, CFG_PIN_OFF };
+enum cfg_switch { CFG_SWITCH_AUTO, CFG_SWITCH_OFF }; /* a feature the daemon uses where it helps, or never */
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
@@ -57,6 +58,14 @@ struct wd_config {
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
   enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */
   char *test_load_gate; /* "" = none; for tests: a FIFO loads read a byte from before each window */
+  /* Several devices (docs/multi-gpu.md). */
+  enum cfg_switch replicas;  /* a set resident on a peer is copied device to device */
+  enum cfg_switch striping;  /* a load borrows idle neighbours' host links */
+  char *link_rates;          /* host-to-device GiB/s per device ("" = equal, unmeasured) */
+  uint64_t stripe_min_bytes; /* smaller loads are never striped */
+  enum cfg_switch numa;      /* fill threads and staging memory placed per NUMA node */
+  uint64_t host_devices;     /* host backend: devices it presents */
+  char *host_peers;          /* host backend: pairs with "peer access" */
 };
 
 /* Fills cfg with the defaults. */

@@ -49,6 +49,8 @@ struct daemon_stats {
 
 struct telemetry;
 struct http;
+struct topology;
+struct mg;
 
 struct daemon {
   uv_loop_t *loop;
@@ -62,6 +64,8 @@ struct daemon {
   struct registry *reg;
   struct residency *res;
   struct loader *ld;
+  struct topology *topo; /* the devices as a group: NUMA nodes, peers, link rates (immutable) */
+  struct mg *mg;         /* replicas and striped loads; NULL with one device */
   struct server *srv;
   struct telemetry *tel; /* metrics' cached measurements and readiness */
   struct http *http;     /* the metrics and probe endpoints, when configured */

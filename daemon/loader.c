@@ -14,6 +14,8 @@
  *           whole source rows) into a pinned staging slot, a stream copies
  *           the slot to the GPU (2D for whole rows) while the next slot
  *           fills; the only wait is for a slot's previous transfers.
+ * With several devices, multigpu.c is asked first: it may copy a replica
+ * from a peer's copy, or stripe the load over idle neighbours' links.
  *
  * The ready watermark (ld_target.ready_bytes, for early attach) promises that
  * every slab byte below it holds its final value, on the device: memcpy
@@ -21,7 +23,8 @@
  * the schedule's windows whose transfers are known complete (the slot's event
  * waited for: by the next window that reuses the slot, at a test-gate stop,
  * or in the final drain), each window being one contiguous slab range; direct
- * at sync points, after every stream has drained.
+ * at sync points, after every stream has drained. Replicas and striped loads
+ * (multigpu.c) raise it once, at the end, and never stop at the test gate.
  *
  * Gathering is one routine: plan_gather writes the slab image of [lo, hi),
  * which is each output's pieces in order (rows of strided pieces one after
@@ -52,6 +55,7 @@
 #include "clock.h"
 #include "fault.h"
 #include "log.h"
+#include "multigpu.h"
 
 /* Bytes one fill task gathers: enough tasks per window to keep every fill thread busy. */
 #define LD_TASK_MIN (1ull << 20)
@@ -73,11 +77,13 @@ struct staging {
 struct loader {
   const struct wd_backend *backend;
   struct fillpool *fill;
+  struct mg *mg;
   enum cfg_load_method method;
   enum plan_strided strided;
   struct staging *stagings; /* one per device, for backends without host-visible slabs */
   int nstagings;
   char *gate; /* test_load_gate, or NULL */
+  int *nodes; /* per device, its NUMA node (-1: none) */
 };
 
 /* Raises the target's ready watermark to v (never lowers it) and tells the hook. */
@@ -683,10 +689,19 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
 
 bool ld_can_direct(const struct loader *ld) { return ld->stagings != NULL && ld->method != CFG_LOAD_STAGED; }
 
+bool ld_plan_pinned(const struct ld_target *t) { return plan_pinned(t); }
+
+uint64_t ld_pinned_run(const struct ld_target *t, uint32_t shard, uint64_t off) { return pinned_run(t, shard, off); }
+
+const unsigned char **ld_shard_data(const struct ld_target *t) { return shard_data(t); }
+
+int ld_fault_error(const struct ld_target *t, uint64_t off, struct wd_error *err) { return fault_error(t, off, err); }
 int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
   void *ctx = ld->backend->ctx;
   int rc;
+  s->source_device = -1;
+  s->nshares = 0;
   if (s->slab == NULL) { /* else a load run again: it refills the slab that clients may map already */
     double t0 = clock_s();
     rc = ops->slab_alloc(ctx, s->device, s->plan->slab_bytes, &s->slab, err);
@@ -697,7 +712,12 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
     }
     if (s->allocated != NULL) s->allocated(s);
   }
-  if (ld->method == CFG_LOAD_STAGED) {
+  fill_set_home(ld->nodes != NULL ? ld->nodes[s->device] : -1); /* fill threads near the device first */
+  bool filled = false;
+  rc = mg_fill(ld->mg, s, &filled, err); /* a replica from a peer, or striped over neighbours */
+  if (rc != 0 || filled) {
+    /* mg_fill moved the bytes, or failed: nothing more to copy */
+  } else if (ld->method == CFG_LOAD_STAGED) {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
   } else if (ld->stagings != NULL && plan_pinned(s)) {
@@ -717,7 +737,16 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   /* A shard rewritten while we copied would have given a mix of old and new bytes. */
   if (rc == 0) rc = ckpt_check_unchanged(s->ck->ck, err);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, s->slab, err);
+  fill_set_home(-1);
   return rc;
+}
+
+void ld_reserve(struct loader *ld, int device) {
+  if (ld != NULL) mg_reserve(ld->mg, device);
+}
+
+void ld_unreserve(struct loader *ld, int device) {
+  if (ld != NULL) mg_release(ld->mg, device);
 }
 
 int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *err) {
@@ -727,12 +756,18 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
   if (ld == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   ld->backend = p->backend;
   ld->fill = p->fill;
+  ld->mg = p->mg;
   ld->method = p->method;
   ld->strided = p->strided;
   *out = ld;
   if (p->test_load_gate != NULL && p->test_load_gate[0] != '\0') {
     if ((ld->gate = strdup(p->test_load_gate)) == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     log_msg(LOG_WARN, "test_load_gate %s: loads wait for it at every window (for tests only)", ld->gate);
+  }
+  if (p->device_nodes != NULL && p->ndevices > 0) {
+    if ((ld->nodes = malloc((size_t)p->ndevices * sizeof *ld->nodes)) == NULL)
+      return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    memcpy(ld->nodes, p->device_nodes, (size_t)p->ndevices * sizeof *ld->nodes);
   }
   /* Host slabs are filled in place and need no staging, unless staging is forced. */
   if ((ops->caps & WD_CAP_HOST_SLABS) && p->method != CFG_LOAD_STAGED) return 0;
@@ -749,6 +784,7 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
     st->events = calloc(st->nslots, sizeof *st->events);
     if (st->slots == NULL || st->streams == NULL || st->events == NULL)
       return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    if (p->place != NULL) p->place(p->place_arg, d);
     for (size_t k = 0; k < st->nslots; k++) {
       int rc = ops->pinned_alloc(ctx, d, st->slot_bytes, &st->slots[k], err);
       if (rc == 0) rc = ops->stream_create(ctx, d, &st->streams[k], err);
@@ -778,5 +814,6 @@ void ld_destroy(struct loader *ld) {
   }
   free(ld->stagings);
   free(ld->gate);
+  free(ld->nodes);
   free(ld);
 }

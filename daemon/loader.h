@@ -23,6 +23,7 @@
 #include "registry.h"
 
 struct loader;
+struct mg;
 
 struct ld_params {
   const struct wd_backend *backend;
@@ -40,11 +41,31 @@ struct ld_params {
    * at a window boundary with it.
    */
   const char *test_load_gate;
+  struct mg *mg; /* loads over several devices (multigpu.h); NULL: each load uses its own device only */
+  const int *device_nodes; /* per device, its NUMA node (-1: none), for the fill threads; NULL: none */
+  /* Called on the creating thread before device d's staging slots are allocated (NUMA placement); may be NULL. */
+  void (*place)(void *arg, int device);
+  void *place_arg;
 };
 
 /* Allocates the staging slots (pinned host memory) of every GPU, once. */
 int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *err);
 void ld_destroy(struct loader *ld);
+
+/* The most devices one striped load uses: its own and up to LD_MAX_LINKS - 1 neighbours. */
+#define LD_MAX_LINKS 16
+
+/* A ready copy of the same set on another device, which a replica may be copied from. */
+struct ld_source {
+  const struct wd_slab *slab;
+  int device;
+};
+
+/* A share of a striped load: slab bytes [lo, hi) came over `device`'s host link. */
+struct ld_share {
+  int device;
+  uint64_t lo, hi;
+};
 
 /*
  * One load: what to fill from where, and what the load reports back.
@@ -57,7 +78,7 @@ void ld_destroy(struct loader *ld);
  * contiguous slab range, its image runs and 2D copies of whole rows alike) is
  * known complete (its slot's event waited for) together with every window
  * before it, direct loads at sync points every LD_DIRECT_SYNC bytes (every
- * stream drained).
+ * stream drained), replicas and striped loads once, when they finish.
  */
 struct ld_target {
   const struct plan *plan;
@@ -67,7 +88,8 @@ struct ld_target {
    * The checkpoint's registered ranges when the load was queued (sorted by
    * shard and offset, disjoint; owned by the caller, which keeps them from
    * being unregistered until ld_fill returns): a load whose every source
-   * byte lies in them copies straight from the mappings ("direct").
+   * byte lies in them copies straight from the mappings ("direct", or a
+   * striped load's direct shares).
    */
   const struct plan_range *pins;
   size_t npins;
@@ -82,20 +104,41 @@ struct ld_target {
    */
   void (*allocated)(struct ld_target *t);
   void (*ready)(struct ld_target *t, uint64_t ready_bytes);
+  /* Copies of the same set on other devices, kept resident by the caller until ld_fill returns. */
+  const struct ld_source *sources;
+  size_t nsources;
   /* Results (valid once ld_fill returns). */
   struct wd_slab *slab; /* the slab, owned by the caller, also when the fill failed */
-  const char *method;   /* "memcpy", "staged" or "direct" */
+  const char *method;   /* "memcpy", "staged", "direct", "peer" (a replica) or "striped" */
   double alloc_seconds;
+  int source_device;    /* method "peer": the device whose copy was copied; else -1 (host memory) */
+  size_t nshares;       /* method "striped": the links that moved the bytes, the target's first */
+  struct ld_share shares[LD_MAX_LINKS];
 };
 
 /* True when a load can go direct (a GPU-like backend, load_method not forced to staged): pins are of use. */
 bool ld_can_direct(const struct loader *ld);
 
 /*
+ * The per-plan pin test: true when every source byte of t's plan lies in
+ * t->pins, so that the copy engines may read the mappings themselves.
+ */
+bool ld_plan_pinned(const struct ld_target *t);
+
+/*
+ * Bytes from file offset off of shard `shard` that lie in one of t->pins
+ * (a direct copy never crosses from one registration into the next), or 0
+ * when off is not registered.
+ */
+uint64_t ld_pinned_run(const struct ld_target *t, uint32_t shard, uint64_t off);
+
+/*
  * Fills t->slab per t->plan from t->ck's mappings, allocating it first when
- * t->slab is NULL (a load that is run again refills the slab it has): direct
- * when every source byte is registered, else memcpy into host slabs, else
- * staged (load_method staged forces staged). Then checks that no shard
+ * t->slab is NULL (a load that is run again refills the slab it has): a
+ * replica copied from t->sources or a load striped over idle neighbours
+ * where the multi-device context decides so (multigpu.h), else direct when
+ * every source byte is registered, else memcpy into host slabs, else staged
+ * (load_method staged forces staged). Then checks that no shard
  * changed meanwhile (WEIGHTD_E_STALE) and seals the slab where the backend
  * can. Runs on a job thread. On failure the slab (if it was allocated) stays
  * in t->slab for the caller to free: clients that attached early may still
@@ -103,5 +146,19 @@ bool ld_can_direct(const struct loader *ld);
  * WEIGHTD_E_FAULT when a shard was truncated under its mapping.
  */
 int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err);
+
+/*
+ * A load onto device was queued, or has finished (the loop thread, around
+ * the load job): the device counts as busy meanwhile, so a striped load
+ * does not borrow its link nor a replica read from it.
+ */
+void ld_reserve(struct loader *ld, int device);
+void ld_unreserve(struct loader *ld, int device);
+
+/* Per shard of t's checkpoint, where its data section starts in the mapping (a new array, or NULL). */
+const unsigned char **ld_shard_data(const struct ld_target *t);
+
+/* A FAULT error naming the tensor at slab offset off (a shard truncated while it was read). */
+int ld_fault_error(const struct ld_target *t, uint64_t off, struct wd_error *err);
 
 #endif

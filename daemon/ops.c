@@ -233,6 +233,7 @@ static void (*const handlers[MSG_OP_COUNT])(struct request *r) = {
     [MSG_OP_PREFETCH] = op_prefetch, [MSG_OP_LOAD] = op_load,       [MSG_OP_CANCEL] = op_cancel,
     [MSG_OP_ATTACH] = op_attach,     [MSG_OP_RELEASE] = op_release, [MSG_OP_EVICT] = op_evict,
     [MSG_OP_STATUS] = op_status,     [MSG_OP_SHUTDOWN] = op_shutdown, [MSG_OP_HEALTH] = op_health,
+    [MSG_OP_LOAD_GROUP] = op_load_group,
 };
 
 void ops_dispatch(struct request *r) {
@@ -248,6 +249,7 @@ void ops_dispatch(struct request *r) {
 }
 
 void ops_request_gone(struct request *r) {
+  if (ops_group_gone(r)) return;
   if (res_waiter_leave(&r->wait)) req_finish(r);
 }
 

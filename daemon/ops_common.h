@@ -58,4 +58,16 @@ void op_status(struct request *r);
 /* Cancels a request of this connection that waits in the sets code (load, attach); true if it waited. */
 bool ops_sets_cancel(struct request *target);
 
+/* Several devices (ops_multi.c): the load_group op, its cancel and its requester going away. */
+void op_load_group(struct request *r);
+bool ops_group_cancel(struct request *target);
+/* The group request's connection closed: stop waiting (true when r is a group request). */
+bool ops_group_gone(struct request *r);
+/* Adds a device's NUMA node, link rate and peers to its JSON view. */
+void ops_multi_device_fields(const struct daemon *d, int i, cJSON *o);
+/* Adds where a ready set's bytes came from ("source") and a striped load's "links". */
+void ops_multi_set_fields(const struct daemon *d, const struct res_set *s, cJSON *o);
+/* The status reply's "topology": the multi-device settings, NUMA nodes and fill threads, busy devices. */
+cJSON *ops_multi_topology_json(const struct daemon *d);
+
 #endif

@@ -240,6 +240,7 @@ static void reply_loaded(struct request *r, struct res_set *s, bool shared) {
                           s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0);
   cJSON_AddBoolToObject(rep, "shared", shared);
   msg_add_string(rep, "method", s->load.method);
+  ops_multi_set_fields(d, s, rep);
   req_reply(r, rep, NULL, 0);
 }
 
@@ -463,6 +464,7 @@ bool ops_sets_cancel(struct request *t) {
     else t->canceled = true;
     return true;
   }
+  if (t->op == MSG_OP_LOAD_GROUP) return ops_group_cancel(t);
   if (t->op != MSG_OP_LOAD && t->op != MSG_OP_ATTACH) return false;
   struct res_set *s = t->wait.set;
   if (s == NULL) {

@@ -45,6 +45,7 @@ cJSON *ops_device_json(const struct daemon *d, int i) {
   json_u64_add(o, "budget", d->cfg.device_memory_budget);
   json_u64_add(o, "used", dev->used);
   msg_add_string(o, "handles", wd_handle_kind_name(dev->info.handles));
+  ops_multi_device_fields(d, i, o);
   return o;
 }
 
@@ -65,6 +66,7 @@ cJSON *ops_set_json(const struct daemon *d, const struct res_set *s) {
     msg_add_string(o, "method", s->load.method);
     if (s->load.slab != NULL) msg_add_string(o, "handles", wd_handle_kind_name(s->load.slab->kind));
   }
+  ops_multi_set_fields(d, s, o);
   return o;
 }
 
@@ -177,6 +179,7 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
       cJSON_AddItemToArray(reqs, request_json(d, t, now));
   }
   cJSON_AddItemToObject(r, "metrics", telemetry_json(d));
+  cJSON_AddItemToObject(r, "topology", ops_multi_topology_json(d));
 }
 
 static void info_done(struct job *j) {

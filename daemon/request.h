@@ -25,6 +25,7 @@
 
 struct request;
 struct conn;
+struct ops_group;
 
 /*
  * The transport's side, which the server fills in for every connection, so
@@ -108,6 +109,7 @@ struct request {
   uint64_t created_ms;    /* when it was read */
   struct reg_prefetch *prefetch; /* prefetch with wait: the running read, until it answers */
   struct ops_ticker *ticker;     /* prefetch with wait: the timer of its progress events */
+  struct ops_group *group;       /* load_group: its ranks (ops_multi.c) */
   uint64_t mem;           /* request memory charged for root (released with it) */
   struct request *next_in_conn;
 };

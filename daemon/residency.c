@@ -44,10 +44,11 @@ struct residency {
   struct lease *leases;
   struct res_stats stats;
   uv_async_t notify; /* a load allocated its slab: answer early waiters */
+  bool replicas;
 };
 
 const char *res_method_name(enum res_method m) {
-  static const char *const names[] = {"memcpy", "staged", "direct"};
+  static const char *const names[] = {"memcpy", "staged", "direct", "peer", "striped"};
   return m < RES_METHOD_COUNT ? names[m] : "?";
 }
 
@@ -108,6 +109,7 @@ int res_create(const struct res_params *p, struct residency **out, struct wd_err
   r->ld = p->ld;
   r->ndevices = p->ndevices;
   r->device_budget = p->device_budget;
+  r->replicas = p->replicas;
   for (int i = 0; i < p->ndevices; i++) r->devices[i].info = p->devices[i];
   if (uv_async_init(r->loop, &r->notify, on_notify) != 0) {
     free(r->devices);
@@ -257,6 +259,8 @@ static void timer_closed(uv_handle_t *h) {
   struct res_set *s = h->data;
   ppage_destroy(s->page, s->page_fd);
   if (s->table_fd >= 0) close(s->table_fd);
+  free(s->copy_from);
+  free((void *)s->load.sources);
   free(s->table_cache);
   free(s->key);
   free(s);
@@ -294,6 +298,8 @@ static void set_destroy(struct res_set *s, struct slab_list *keep) {
 static int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err) {
   if (s->state == SET_LOADING) return err_set(err, WEIGHTD_E_BUSY, "set %s is still loading", s->id);
   if (s->leases > 0) return err_set(err, WEIGHTD_E_BUSY, "set %s has %d lease(s)", s->id, s->leases);
+  if (s->copying > 0)
+    return err_set(err, WEIGHTD_E_BUSY, "set %s is being copied to another device by %u load(s)", s->id, s->copying);
   log_msg(LOG_INFO, "evicted set %s (%s, %" PRIu64 " bytes; %s)", s->id, s->ck->path, s->plan->slab_bytes,
           res_evict_reason_name(why));
   s->res->stats.evictions[why]++;
@@ -302,7 +308,7 @@ static int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_r
 }
 
 static bool evictable(const struct res_set *s, int device) {
-  return s->device == device && s->state == SET_READY && s->leases == 0;
+  return s->device == device && s->state == SET_READY && s->leases == 0 && s->copying == 0;
 }
 
 uint64_t res_device_budget(const struct residency *r, int device) {
@@ -318,7 +324,8 @@ static bool make_room(struct residency *r, int device, uint64_t need, struct sla
   /* What eviction cannot free (leased or loading sets) must leave room, or nothing is evicted. */
   uint64_t pinned = 0;
   for (struct res_set *s = r->sets; s != NULL; s = s->next)
-    if (s->device == device && (s->state != SET_READY || s->leases > 0)) pinned += s->plan->slab_bytes;
+    if (s->device == device && (s->state != SET_READY || s->leases > 0 || s->copying > 0))
+      pinned += s->plan->slab_bytes;
   for (struct res_set *s = r->orphans; s != NULL; s = s->next)
     if (s->device == device) pinned += s->plan->slab_bytes;
   if (need > budget || pinned > budget - need) return false;
@@ -483,9 +490,13 @@ static void load_work(struct job *j) {
   double t0 = clock_s();
   lj->rc = ld_fill(lj->ld, &lj->set->load, &lj->err);
   lj->set->seconds = clock_s() - t0;
-  /* Listed here, off the loop; a load that went direct read only registered bytes already. */
+  /*
+   * Listed here, off the loop; a load that went direct read only registered
+   * bytes already, and a replica read no host memory at all.
+   */
   struct wd_error e2 = {0};
-  if (lj->rc == 0 && lj->want_ranges && strcmp(lj->set->load.method, "direct") != 0)
+  const char *m = lj->set->load.method;
+  if (lj->rc == 0 && lj->want_ranges && strcmp(m, "direct") != 0 && strcmp(m, "peer") != 0)
     reg_plan_ranges(lj->set->ck, lj->set->plan, &lj->ranges, &lj->nranges, &e2);
 }
 
@@ -520,6 +531,10 @@ static void load_done(struct job *j) {
     }
   }
   reg_load_end(s->ck);
+  ld_unreserve(r->ld, s->device);
+  for (size_t i = 0; i < s->ncopy_from; i++) s->copy_from[i]->copying--;
+  s->ncopy_from = 0;
+  s->load.nsources = 0;
   count_load(r, s, lj->rc);
   free((void *)s->load.pins); /* the registrations it could use: no longer needed */
   s->load.pins = NULL;
@@ -570,6 +585,38 @@ static void load_done(struct job *j) {
   free(lj);
 }
 
+/*
+ * Offers a new set's load the ready copies of the same checkpoint and plan
+ * on other devices (a replica may be copied from one of them), and keeps
+ * them from eviction until the load is done. Without memory it offers none.
+ */
+static void offer_copies(struct residency *r, struct res_set *s) {
+  if (!r->replicas) return;
+  size_t n = 0;
+  for (struct res_set *c = r->sets; c != NULL; c = c->next)
+    n += c->ck == s->ck && c->device != s->device && c->state == SET_READY && strcmp(c->plan->key, s->plan->key) == 0;
+  if (n == 0) return;
+  struct ld_source *src = calloc(n, sizeof *src);
+  struct res_set **from = calloc(n, sizeof *from);
+  if (src == NULL || from == NULL) {
+    free(src);
+    free(from);
+    return;
+  }
+  size_t k = 0;
+  for (struct res_set *c = r->sets; c != NULL && k < n; c = c->next) {
+    if (c->ck != s->ck || c->device == s->device || c->state != SET_READY || strcmp(c->plan->key, s->plan->key) != 0)
+      continue;
+    src[k] = (struct ld_source){.slab = c->load.slab, .device = c->device};
+    from[k++] = c;
+    c->copying++;
+  }
+  s->load.sources = src;
+  s->load.nsources = k;
+  s->copy_from = from;
+  s->ncopy_from = k;
+}
+
 void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, struct res_waiter *w) {
   w->set = NULL;
   char *key = NULL;
@@ -614,6 +661,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   s->device = device;
   s->plan = plan;
   s->state = SET_LOADING;
+  offer_copies(r, s);
   s->load.plan = plan;
   s->load.ck = ck;
   s->load.device = device;
@@ -649,6 +697,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   lj->want_ranges = reg_pin_wants_ranges(ck->reg) && ld_can_direct(r->ld);
   log_msg(LOG_DEBUG, "loading set %s: %s, %zu tensors, %" PRIu64 " bytes", s->id, ck->path, plan->noutputs,
           plan->slab_bytes);
+  ld_reserve(r->ld, device);
   jobs_submit(r->bulk, &lj->job);
 }
 

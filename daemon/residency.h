@@ -13,7 +13,10 @@
  * A set with a lease is never freed; unleased READY sets are evicted least
  * recently used first when a device's budget (or the device itself) has no
  * room for a new set. A request that arrives while an identical set loads
- * waits for it instead of loading again.
+ * waits for it instead of loading again. The same checkpoint and plan on
+ * another device is another set; when one is ready, a load of it onto a new
+ * device is offered it as a source to copy from (the loader decides), and it
+ * is not evicted while that load runs.
  *
  * Early attach: a waiter that says `early` is answered while the set still
  * loads, as soon as its slab exists and may be shared, and may lease it; how
@@ -65,6 +68,11 @@ struct res_set {
   atomic_bool allocated;         /* the load job has allocated load.slab (then readable on the loop) */
   bool orphan;                   /* failed or canceled while leased: off the list until its last lease ends */
   uv_timer_t progress_timer;
+  /* Replicas (docs/multi-gpu.md): while this set loads, the ready copies on other devices it may be
+   * copied from (load.sources) are kept resident; `copying` counts the loads holding this one so. */
+  struct res_set **copy_from;
+  size_t ncopy_from;
+  unsigned copying;
   struct res_set *next;
 };
 
@@ -109,7 +117,14 @@ struct res_device {
 };
 
 /* What residency counts, for metrics and status (loop thread). */
-enum res_method { RES_METHOD_MEMCPY, RES_METHOD_STAGED, RES_METHOD_DIRECT, RES_METHOD_COUNT };
+enum res_method {
+  RES_METHOD_MEMCPY,
+  RES_METHOD_STAGED,
+  RES_METHOD_DIRECT,
+  RES_METHOD_PEER,    /* a replica copied from a peer's copy */
+  RES_METHOD_STRIPED, /* over several devices' host links */
+  RES_METHOD_COUNT
+};
 enum res_result { RES_RESULT_OK, RES_RESULT_FAILED, RES_RESULT_CANCELED, RES_RESULT_COUNT };
 enum res_evict_reason { RES_EVICT_BUDGET, RES_EVICT_DEVICE_FULL, RES_EVICT_REQUEST, RES_EVICT_RELOAD, RES_EVICT_COUNT };
 /* Upper bounds (seconds) of the load-duration histogram's buckets; a last bucket takes the rest. */
@@ -139,6 +154,7 @@ struct res_params {
   int ndevices;
   const struct wd_device_info *devices; /* copied */
   uint64_t device_budget; /* bytes per device; 0: the device's own memory (host: half of it) */
+  bool replicas; /* offer a load the ready copies of its set on other devices (replicas = auto) */
 };
 
 int res_create(const struct res_params *p, struct residency **out, struct wd_error *err);

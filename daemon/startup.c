@@ -3,6 +3,9 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,7 +14,9 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "multigpu.h"
 #include "server.h"
+#include "topology.h"
 
 char *startup_default_socket(void) {
   char buf[PATH_MAX];
@@ -44,18 +49,21 @@ static const char *nvidia_node(void) {
   return NULL;
 }
 
+/* The host backend, with the devices and peers the configuration asks for. */
+static int host_backend(struct daemon *d, struct wd_error *err) {
+  struct wd_host_options o = {.devices = (int)d->cfg.host_devices, .peers = d->cfg.host_peers};
+  d->backend_name = "host";
+  return backend_host_create_devices(&d->backend, &o, err);
+}
+
 int startup_backend(struct daemon *d, struct wd_error *err) {
   enum cfg_backend want = d->cfg.backend;
-  if (want == CFG_BACKEND_HOST) {
-    d->backend_name = "host";
-    return backend_host_create(&d->backend, err);
-  }
+  if (want == CFG_BACKEND_HOST) return host_backend(d, err);
   const char *node = nvidia_node();
   if (want == CFG_BACKEND_AUTO && node == NULL) {
     log_msg(LOG_WARN, "backend auto: no NVIDIA device nodes (/dev/nvidiactl, /dev/nvidia0): using the host backend, "
                       "which serves sets from host memory");
-    d->backend_name = "host";
-    return backend_host_create(&d->backend, err);
+    return host_backend(d, err);
   }
   struct wd_error cerr = {0};
   enum wd_handle_kind handles = d->cfg.cuda_handles == CFG_CUDA_HANDLES_LEGACY ? WD_HANDLE_CUDA_IPC : WD_HANDLE_CUDA_VMM;
@@ -65,8 +73,7 @@ int startup_backend(struct daemon *d, struct wd_error *err) {
   }
   if (want == CFG_BACKEND_AUTO && cerr.code == WEIGHTD_E_UNSUPPORTED) {
     log_msg(LOG_WARN, "backend auto: %s although %s exists: using the host backend", cerr.msg, node);
-    d->backend_name = "host";
-    return backend_host_create(&d->backend, err);
+    return host_backend(d, err);
   }
   if (want == CFG_BACKEND_AUTO)
     return err_set(err, cerr.code ? cerr.code : WEIGHTD_E_DEVICE,
@@ -155,18 +162,75 @@ _Static_assert((int)CFG_STRIDED_GATHER == (int)PLAN_STRIDED_GATHER && (int)CFG_S
                    (int)CFG_STRIDED_AUTO == (int)PLAN_STRIDED_AUTO,
                "staged_strided's choices are plan_stage.h's modes in order");
 
+/* Binds the starting thread near `device` (ld_params.place): pinned memory allocated now lands on its node. */
+static void place_near(void *arg, int device) {
+  struct daemon *d = arg;
+  if (d->cfg.numa != CFG_SWITCH_AUTO) return;
+  const struct numa_node *n = topo_node(d->topo, topo_device_node(d->topo, device));
+  if (n != NULL) numa_bind(pthread_self(), n);
+}
+
+/* Logs the devices as a group: NUMA nodes, peers and how they connect. */
+static void log_topology(const struct daemon *d, unsigned bound) {
+  const struct topology *t = d->topo;
+  if (t->numa.n > 1)
+    log_msg(LOG_INFO, "%zu NUMA nodes: %u fill threads bound to their nodes%s", t->numa.n, bound,
+            d->cfg.numa == CFG_SWITCH_AUTO ? "" : " (numa is off)");
+  if (t->ndev < 2) return;
+  for (int i = 0; i < t->ndev; i++) {
+    char peers[256] = "";
+    size_t n = 0;
+    for (int j = 0; j < t->ndev; j++) {
+      const struct wd_peer_info *p = topo_peer(t, i, j);
+      if (!p->access) continue;
+      int w = snprintf(peers + n, sizeof peers - n, "%s%d (%s)", n ? ", " : "", j, wd_link_name(p->link));
+      if (w < 0 || (size_t)w >= sizeof peers - n) break;
+      n += (size_t)w;
+    }
+    log_msg(LOG_INFO, "device %d: NUMA node %d, link rate %.1f%s, peers: %s", i, t->dev[i].numa_node,
+            t->dev[i].link_rate, t->rates_measured ? " GiB/s" : " (unmeasured)", n ? peers : "none");
+  }
+}
+
 int startup_state(struct daemon *d, struct wd_error *err) {
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   unsigned fill = d->cfg.fill_threads ? (unsigned)d->cfg.fill_threads : (unsigned)(ncpu > 0 ? ncpu : 1);
   /* fill_run's caller helps, so the pool has one thread fewer than asked. */
   if (fill_start(fill > 1 ? fill - 1 : 0, &d->fill) != 0) return err_set(err, WEIGHTD_E_NOMEM, "cannot start fill threads");
-  if (jobs_start(d->loop, (unsigned)d->cfg.control_threads, &d->control_pool, err) != 0 ||
-      jobs_start(d->loop, (unsigned)d->cfg.job_threads, &d->job_pool, err) != 0)
-    return err->code;
   struct wd_device_info *devices = NULL;
   int rc = query_devices(d, &devices, err);
   if (rc != 0) return rc;
   startup_budgets_cap(&d->cfg, devices, d->ndevices);
+  /* With several devices, a load per device (a whole TP group) and two more run at once. */
+  unsigned job_threads = (unsigned)d->cfg.job_threads;
+  if (d->ndevices > 1 && job_threads < (unsigned)d->ndevices + 2) job_threads = (unsigned)d->ndevices + 2;
+  if (jobs_start(d->loop, (unsigned)d->cfg.control_threads, &d->control_pool, err) != 0 ||
+      jobs_start(d->loop, job_threads, &d->job_pool, err) != 0 ||
+      topo_create(&d->backend, d->ndevices, NULL, d->cfg.link_rates, &d->topo, err) != 0) {
+    free(devices);
+    return err->code;
+  }
+  unsigned bound = d->cfg.numa == CFG_SWITCH_AUTO ? fill_bind(d->fill, &d->topo->numa) : 0;
+  log_topology(d, bound);
+  /* Staging memory is allocated near each device; the starting thread runs anywhere again afterwards. */
+  cpu_set_t affinity;
+  bool restore = pthread_getaffinity_np(pthread_self(), sizeof affinity, &affinity) == 0;
+  struct mg_params mp = {.backend = &d->backend,
+                         .fill = d->fill,
+                         .topo = d->topo,
+                         .replicas = d->cfg.replicas == CFG_SWITCH_AUTO,
+                         .striping = d->cfg.striping == CFG_SWITCH_AUTO,
+                         .staged_only = d->cfg.load_method == CFG_LOAD_STAGED,
+                         .stripe_min_bytes = d->cfg.stripe_min_bytes,
+                         .window_bytes = (size_t)d->cfg.staging_slot_bytes,
+                         .place = place_near,
+                         .place_arg = d};
+  rc = mg_create(&mp, &d->mg, err);
+  int *nodes = calloc((size_t)d->ndevices, sizeof *nodes);
+  for (int i = 0; nodes != NULL && i < d->ndevices; i++)
+    nodes[i] = d->cfg.numa == CFG_SWITCH_AUTO && topo_node(d->topo, topo_device_node(d->topo, i)) != NULL
+                   ? topo_device_node(d->topo, i)
+                   : -1;
   struct ld_params lp = {.backend = &d->backend,
                          .fill = d->fill,
                          .ndevices = d->ndevices,
@@ -174,14 +238,21 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                          .strided = (enum plan_strided)d->cfg.staged_strided,
                          .staging_slots = (size_t)d->cfg.staging_slots,
                          .staging_slot_bytes = (size_t)d->cfg.staging_slot_bytes,
-                         .test_load_gate = d->cfg.test_load_gate};
+                         .test_load_gate = d->cfg.test_load_gate,
+                         .mg = d->mg,
+                         .device_nodes = nodes,
+                         .place = place_near,
+                         .place_arg = d};
   struct reg_params gp = {.backend = &d->backend,
                           .control = d->control_pool,
                           .bulk = d->job_pool,
                           .fill = d->fill,
                           .pin_budget = d->cfg.host_pin_budget,
                           .pin_mode = startup_pin_mode(&d->cfg)};
-  rc = ld_create(&lp, &d->ld, err);
+  if (rc == 0 && nodes == NULL) rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  if (rc == 0) rc = ld_create(&lp, &d->ld, err);
+  free(nodes);
+  if (restore) pthread_setaffinity_np(pthread_self(), sizeof affinity, &affinity);
   if (rc == 0) rc = reg_create(&gp, &d->reg, err);
   if (rc == 0 && d->backend.ops->host_register != NULL)
     log_msg(LOG_INFO, "pin %s; host_pin_budget %llu MiB now (from %s); staged_strided %s",
@@ -195,7 +266,8 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                             .ld = d->ld,
                             .ndevices = d->ndevices,
                             .devices = devices,
-                            .device_budget = d->cfg.device_memory_budget};
+                            .device_budget = d->cfg.device_memory_budget,
+                            .replicas = d->mg != NULL && d->cfg.replicas == CFG_SWITCH_AUTO};
     rc = res_create(&rp, &d->res, err);
   }
   free(devices);
@@ -214,6 +286,10 @@ void startup_free(struct daemon *d) {
   d->srv = NULL;
   ld_destroy(d->ld);
   d->ld = NULL;
+  mg_destroy(d->mg);
+  d->mg = NULL;
+  topo_destroy(d->topo);
+  d->topo = NULL;
   backend_destroy(&d->backend);
   fill_stop(d->fill);
   d->fill = NULL;

@@ -11,6 +11,10 @@
  * closed. A gate is a job that holds a pool's thread until it is opened, so
  * that a test decides what a load job sees when it finally runs.
  *
+ * Several devices (env_opts.host_devices > 1): the host backend presents
+ * them with the peers host_peers names, and the env builds the topology and
+ * the multi-device context (replicas, striping) as startup.c does.
+ *
  * Include testutil.h first.
  */
 #ifndef WD_STATE_ENV_H
@@ -27,11 +31,15 @@
 #include "jobs.h"
 #include "loader.h"
 #include "log.h"
+#include "multigpu.h"
 #include "registry.h"
 #include "residency.h"
+#include "topology.h"
 
 /* A hang guard, not a measurement: far beyond anything these tests wait for. */
 #define ENV_DEADLINE_MS 60000u
+
+#define ENV_MAX_DEVICES 8
 
 struct env {
   uv_loop_t loop;
@@ -42,7 +50,12 @@ struct env {
   struct registry *reg;
   struct loader *ld;
   struct residency *res;
-  struct wd_device_info device; /* the host backend's one device */
+  struct wd_device_info device; /* the host backend's first device */
+  /* Several devices. */
+  int ndevices;
+  struct wd_device_info devices[ENV_MAX_DEVICES];
+  struct topology *topo;
+  struct mg *mg;
 };
 
 struct env_opts {
@@ -50,13 +63,20 @@ struct env_opts {
   bool residency;        /* also a loader and residency */
   uint64_t device_budget;
   /* Optional (zero: the daemon's defaults on the host backend). */
-  const struct wd_backend_ops *ops; /* a test backend instead of the host backend (context NULL) */
+  const struct wd_backend_ops *ops; /* a test backend instead of the host backend (on its one-device context) */
   enum cfg_load_method method;
   enum plan_strided strided;
   size_t staging_slots;      /* 0: 2 */
   size_t staging_slot_bytes; /* 0: 64 MiB */
   enum reg_pin_mode pin_mode;
   uint64_t pin_budget;
+  /* Several devices (0 or 1: one, and nothing below applies). */
+  int host_devices;
+  const char *host_peers;   /* NULL: all */
+  bool replicas, striping;
+  const char *link_rates;   /* NULL: unmeasured */
+  uint64_t stripe_min_bytes;
+  size_t window_bytes;      /* a striped window (kit); 0: 64 KiB */
 };
 
 static inline void env_tick(uv_timer_t *t) { (void)t; }
@@ -70,8 +90,25 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
   int rc = jobs_start(&e->loop, 2, &e->control, &err);
   if (rc == 0) rc = jobs_start(&e->loop, o->bulk_threads ? o->bulk_threads : 2, &e->bulk, &err);
   if (rc == 0 && fill_start(2, &e->fill) != 0) rc = err_set(&err, WEIGHTD_E_NOMEM, "fill_start");
-  if (rc == 0 && o->ops != NULL) e->backend = (struct wd_backend){o->ops, NULL};
-  else if (rc == 0) rc = backend_host_create(&e->backend, &err);
+  /* A test backend wraps the host backend's operations: it runs on the host backend's one-device context. */
+  struct wd_host_options ho = {.devices = o->host_devices > 1 && o->ops == NULL ? o->host_devices : 1,
+                               .peers = o->host_peers};
+  if (rc == 0) rc = backend_host_create_devices(&e->backend, &ho, &err);
+  if (rc == 0 && o->ops != NULL) e->backend.ops = o->ops;
+  e->ndevices = ho.devices < ENV_MAX_DEVICES ? ho.devices : ENV_MAX_DEVICES;
+  for (int i = 0; rc == 0 && i < e->ndevices; i++)
+    rc = e->backend.ops->device_info(e->backend.ctx, i, &e->devices[i], &err);
+  if (rc == 0 && e->ndevices > 1) rc = topo_create(&e->backend, e->ndevices, NULL, o->link_rates, &e->topo, &err);
+  if (rc == 0 && e->topo != NULL) {
+    struct mg_params mp = {.backend = &e->backend,
+                           .fill = e->fill,
+                           .topo = e->topo,
+                           .replicas = o->replicas,
+                           .striping = o->striping,
+                           .stripe_min_bytes = o->stripe_min_bytes,
+                           .window_bytes = o->window_bytes ? o->window_bytes : (64u << 10)};
+    rc = mg_create(&mp, &e->mg, &err);
+  }
   if (rc == 0) {
     struct reg_params gp = {.backend = &e->backend,
                             .control = e->control,
@@ -85,19 +122,21 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
   if (rc == 0 && o->residency) {
     struct ld_params lp = {.backend = &e->backend,
                            .fill = e->fill,
-                           .ndevices = 1,
+                           .ndevices = e->ndevices,
                            .method = o->method,
                            .strided = o->strided,
                            .staging_slots = o->staging_slots ? o->staging_slots : 2,
-                           .staging_slot_bytes = o->staging_slot_bytes ? o->staging_slot_bytes : 64u << 20};
+                           .staging_slot_bytes = o->staging_slot_bytes ? o->staging_slot_bytes : 64u << 20,
+                           .mg = e->mg};
     rc = ld_create(&lp, &e->ld, &err);
     struct res_params rp = {.loop = &e->loop,
                             .backend = &e->backend,
                             .bulk = e->bulk,
                             .ld = e->ld,
-                            .ndevices = 1,
-                            .devices = &e->device,
-                            .device_budget = o->device_budget};
+                            .ndevices = e->ndevices,
+                            .devices = e->devices,
+                            .device_budget = o->device_budget,
+                            .replicas = e->mg != NULL && o->replicas};
     if (rc == 0) rc = res_create(&rp, &e->res, &err);
   }
   if (rc != 0) fprintf(stderr, "env_start: %s\n", err.msg);
@@ -139,6 +178,8 @@ static inline void env_stop(struct env *e) {
   uv_run(&e->loop, UV_RUN_DEFAULT);
   CHECK_EQ_INT(uv_loop_close(&e->loop), 0);
   ld_destroy(e->ld);
+  mg_destroy(e->mg);
+  topo_destroy(e->topo);
   fill_stop(e->fill);
   backend_destroy(&e->backend);
 }

@@ -3,7 +3,8 @@
  * socket: load, attach (twice by set, once by path: one mapping), every byte
  * of every tensor against the file, evict of a leased set, leases ended by
  * close, early attach (each tensor waited for, then compared with the file;
- * the states and the watermark), path confinement, and a clean shutdown.
+ * the states and the watermark), path confinement, a group load
+ * (weightd_load_group), and a clean shutdown.
  *
  * The backend comes from argv[1] ("host" by default, "cuda" for the GPU run,
  * which reads device memory back through the dlopen'd driver). The test skips
@@ -13,6 +14,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -237,6 +239,49 @@ static void test_errors(void) {
   weightd_close(c);
 }
 
+/* weightd_load_group: a group of one rank (whole tensors) on device 0, its set's bytes, and a group that cannot plan. */
+static void test_group(void) {
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(sock, &c), 0);
+  const char *devices[] = {"0"};
+  struct weightd_group_options o = {.struct_size = sizeof o, .devices = devices, .ndevices = 1,
+                                    .plan_json = "{\"preset\":\"whole\"}"};
+  weightd_group *g = NULL;
+  CHECK_EQ_INT(weightd_load_group(c, ckpt, &o, &g), 0);
+  CHECK_EQ_INT(weightd_group_size(g), 1);
+  struct weightd_group_rank r = {.struct_size = sizeof r};
+  CHECK_EQ_INT(weightd_group_rank(g, 0, &r), 0);
+  CHECK_EQ_INT(r.error, 0);
+  CHECK(strcmp(r.source, "host") == 0 && r.set_id[0] == 's' && r.bytes > 0);
+  weightd_set *s = NULL;
+  CHECK_EQ_INT(weightd_attach(c, r.set_id, &s), 0);
+  if (s != NULL) {
+    CHECK(strcmp(weightd_set_device(s), r.device) == 0);
+    CHECK(set_matches_file(s));
+    weightd_release(s);
+  }
+  /* The version field decides what is written: a caller's struct one field long gets only that. */
+  struct weightd_group_rank small = {.struct_size = offsetof(struct weightd_group_rank, tp_rank), .tp_rank = 77};
+  CHECK_EQ_INT(weightd_group_rank(g, 0, &small), 0);
+  CHECK_EQ_INT(small.tp_rank, 77);
+  CHECK_EQ_INT(weightd_group_rank(g, 1, &r), WEIGHTD_E_NOT_FOUND);
+  weightd_group_free(g);
+  /* The whole preset has no ranks: every rank's plan fails, nothing loads, and no group comes back. */
+  o.tp_size = 2;
+  const char *two[] = {"0", "0"};
+  o.devices = two;
+  o.ndevices = 2;
+  g = (weightd_group *)1;
+  CHECK_EQ_INT(weightd_load_group(c, ckpt, &o, &g), WEIGHTD_E_BAD_PLAN);
+  CHECK(g == NULL);
+  CHECK_STR_CONTAINS(weightd_last_error(c), "rank 0 (tp_rank 0 of 2");
+  o.struct_size = 0;
+  CHECK_EQ_INT(weightd_load_group(c, ckpt, &o, &g), WEIGHTD_E_INVALID);
+  CHECK_EQ_INT(weightd_group_size(NULL), 0);
+  weightd_group_free(NULL);
+  weightd_close(c);
+}
+
 static void test_shutdown(void) {
   weightd_client *c = NULL;
   CHECK_EQ_INT(weightd_connect(sock, &c), 0);
@@ -288,6 +333,7 @@ int main(int argc, char **argv) {
   RUN(test_load_attach_verify);
   RUN(test_early_attach);
   RUN(test_errors);
+  RUN(test_group);
   RUN(test_shutdown);
   if (tu_tests_failed) show_log();
   if (daemon_pid > 0) {

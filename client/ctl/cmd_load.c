@@ -1,4 +1,8 @@
-/* cmd_load.c - `weightctl load PATH [--device D] [plan flags]`: load one rank's plan onto a device. */
+/*
+ * cmd_load.c - `weightctl load PATH [--device D] [plan flags]`: load one
+ * rank's plan onto a device; with --all-ranks, every rank of the group
+ * (ctl_group.c).
+ */
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
@@ -9,14 +13,44 @@ static const struct optab_opt load_opts[] = {
     {CTL_OPT_DEVICE, "device", 0, OPTAB_VALUE, "D",
      "The device to load onto: the daemon's index (0, 1, ...) or a UUID (GPU-..., host-...); default 0.", 0,
      NULL},
+    {CTL_OPT_ALL_RANKS, "all-ranks", 0, OPTAB_SWITCH, NULL,
+     "Load every rank of the group that --tp-size and --ep-size describe (the plan from --preset, auto by "
+     "default, and --fuse), each onto its device, in one request; not with --tp-rank, --ep-rank, --experts, "
+     "--plan or --device.",
+     0, NULL},
+    {CTL_OPT_DEVICES, "devices", 0, OPTAB_VALUE, "D,D,...",
+     "With --all-ranks: the device of each rank, in rank order (indexes or UUIDs; a device may be named for "
+     "several ranks); default: rank r on device r mod the device count.",
+     0, NULL},
 };
+
+/* --all-ranks: one load_group for the whole group. */
+static int run_load_group(const struct ctl_args *a, const struct ctl_plan_args *pa) {
+  if (ctl_has(a, CTL_OPT_DEVICE))
+    return ctl_usage_error("--all-ranks places ranks with --devices D,D,... (one per rank), not --device");
+  cJSON *group = NULL, *plan = NULL;
+  int rc = ctl_group_spec(pa, ctl_val(a, CTL_OPT_DEVICES), &group, &plan);
+  if (rc != 0) return rc;
+  weightd_client *c;
+  if ((rc = ctl_connect(&c)) != 0) {
+    cJSON_Delete(group);
+    cJSON_Delete(plan);
+    return rc;
+  }
+  rc = ctl_group_load(c, a->pos[0], group, plan);
+  ctl_disconnect(c);
+  return rc;
+}
 
 static int run_load(const struct ctl_args *a) {
   struct ctl_plan_args pa;
   cJSON *plan = NULL;
   int rc = ctl_plan_args_get(a, &pa);
-  if (rc == 0) rc = ctl_plan_spec(&pa, 0, &plan);
   if (rc != 0) return rc;
+  if (ctl_has(a, CTL_OPT_ALL_RANKS)) return run_load_group(a, &pa);
+  if (ctl_has(a, CTL_OPT_DEVICES))
+    return ctl_usage_error("--devices lists one device per rank of --all-ranks (one rank: --device D)");
+  if ((rc = ctl_plan_spec(&pa, 0, &plan)) != 0) return rc;
   weightd_client *c;
   if ((rc = ctl_connect(&c)) != 0) {
     cJSON_Delete(plan);
@@ -39,6 +73,13 @@ static int run_load(const struct ctl_args *a) {
            ctl_str(reply, "set"), ctl_str(reply, "device"), ctl_u64(reply, "tensors"), bytes, b,
            ctl_num(reply, "seconds"), ctl_num(reply, "gib_per_s"), ctl_str(reply, "method"),
            cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(reply, "shared")) ? "; already resident, shared" : "");
+    const cJSON *links = cJSON_GetObjectItemCaseSensitive(reply, "links");
+    const cJSON *source = cJSON_GetObjectItemCaseSensitive(reply, "source");
+    if ((cJSON_IsString(source) && strcmp(source->valuestring, "host") != 0) || links != NULL) {
+      printf("  from %s", ctl_str(reply, "source"));
+      if (links != NULL) printf(", over the host links of %d devices", cJSON_GetArraySize(links));
+      printf("\n");
+    }
     cJSON_Delete(reply);
   }
   ctl_disconnect(c);
@@ -50,12 +91,17 @@ const struct ctl_cmd ctl_cmd_load = {
     .args = "PATH",
     .min_args = 1,
     .max_args = 1,
-    .summary = "load a checkpoint (one rank's plan) onto a device and print its resident set",
+    .summary = "load a checkpoint (one rank's plan, or every rank of a group) and print the resident sets",
     .description =
         "Loads the tensors of one rank's plan of the checkpoint at PATH into one slab of device memory (a "
-        "resident set) and prints the set's id, its size, the time and the rate. A set that is already resident "
-        "is shared, not loaded again. On a terminal a progress line shows the bytes, rate and time left; Ctrl-C "
-        "cancels the load.",
+        "resident set) and prints the set's id, its size, the time and the rate, and where the bytes came from "
+        "when not from the files (a peer's copy) or over several host links (striped). A set that is already "
+        "resident is shared, not loaded again. On a terminal a progress line shows the bytes, rate and time left; "
+        "Ctrl-C cancels the load.\n\nWith --all-ranks, every rank of the group that --tp-size and --ep-size "
+        "describe loads at once, each onto its device (--devices, or rank r on device r mod the device count), "
+        "in one load_group request; it prints the group's bytes, time and rate, then one line per rank: its "
+        "tp and ep ranks, device, set, method and source, or its error (ranks that loaded stay resident). With "
+        "--json: the daemon's load_group reply, per-rank errors included.",
     .opts = CTL_OPTS(load_opts),
     .flags = CTL_CMD_DAEMON | CTL_CMD_PLAN,
     .run = run_load,

@@ -23,6 +23,39 @@ static void print_client(const cJSON *x) {
   if (strcmp(name, "?") != 0 && name[0] != '\0') printf("  client '%s' (self-reported)", name);
 }
 
+/* A device's NUMA node and peers, when the daemon has several devices. */
+static void print_peers(const cJSON *dev) {
+  const cJSON *peers = cJSON_GetObjectItemCaseSensitive(dev, "peers"), *p;
+  const cJSON *node = cJSON_GetObjectItemCaseSensitive(dev, "numa_node");
+  if (cJSON_GetArraySize(peers) == 0) return;
+  printf("     NUMA node %d, peers:", cJSON_IsNumber(node) ? (int)node->valuedouble : -1);
+  int any = 0;
+  cJSON_ArrayForEach(p, peers) {
+    if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(p, "access"))) continue;
+    printf("%s %" PRIu64 " (%s)", any ? "," : "", ctl_u64(p, "index"), ctl_str(p, "link"));
+    any = 1;
+  }
+  printf("%s\n", any ? "" : " none with peer access");
+}
+
+/* How the daemon uses several devices (status "topology"), when it does. */
+static void print_topology(const cJSON *r) {
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(r, "topology");
+  if (t == NULL) return;
+  const cJSON *nodes = cJSON_GetObjectItemCaseSensitive(t, "numa_nodes");
+  if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(t, "active"))) {
+    printf("topology: one device, or no peer copies: no replicas from peers, no striping");
+  } else {
+    char b[32];
+    ctl_human_bytes(ctl_u64(t, "stripe_min_bytes"), b, sizeof b);
+    printf("topology: replicas %s, striping %s (loads of %s or more; link rates %s)", ctl_str(t, "replicas"),
+           ctl_str(t, "striping"), b,
+           cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(t, "link_rates_measured")) ? "measured" : "unmeasured");
+  }
+  if (cJSON_GetArraySize(nodes) > 1) printf(", %d NUMA nodes (numa %s)", cJSON_GetArraySize(nodes), ctl_str(t, "numa"));
+  printf("\n");
+}
+
 static void print_status(const cJSON *r) {
   const cJSON *d = cJSON_GetObjectItemCaseSensitive(r, "daemon");
   printf("weightd %s, pid %" PRIu64 ", backend %s, up %.1f s, %" PRIu64 " connection%s\n  socket %s\n",
@@ -43,7 +76,9 @@ static void print_status(const cJSON *r) {
       printf(", budget %s", a);
     }
     printf(", sets shared through %s handles\n", ctl_str(x, "handles"));
+    print_peers(x);
   }
+  print_topology(r);
 
   const cJSON *cks = cJSON_GetObjectItemCaseSensitive(r, "checkpoints");
   printf("checkpoints (%d)\n", cJSON_GetArraySize(cks));
@@ -64,6 +99,12 @@ static void print_status(const cJSON *r) {
     printf("  %-6s %-8s %10s  %" PRIu64 " lease%s  loaded in %.3f s  on %s\n         %s\n         plan %s\n",
            ctl_str(x, "set"), ctl_str(x, "state"), a, ctl_u64(x, "leases"), ctl_u64(x, "leases") == 1 ? " " : "s",
            ctl_num(x, "seconds"), ctl_str(x, "device"), ctl_str(x, "path"), plan ? plan : "?");
+    const cJSON *links = cJSON_GetObjectItemCaseSensitive(x, "links");
+    if (cJSON_GetObjectItemCaseSensitive(x, "source") != NULL) {
+      printf("         %s from %s", ctl_str(x, "method"), ctl_str(x, "source"));
+      if (links != NULL) printf(", over the host links of %d devices", cJSON_GetArraySize(links));
+      printf("\n");
+    }
     free(plan);
   }
 
@@ -120,8 +161,10 @@ const struct ctl_cmd ctl_cmd_status = {
     .args = "",
     .summary = "show the daemon's devices, checkpoints, sets, leases (and who holds them) and requests",
     .description =
-        "Shows the daemon (version, pid, backend, uptime, socket), its devices with the memory sets use, the "
-        "checkpoints it has open with how much of them is in the page cache, the resident sets, every lease "
+        "Shows the daemon (version, pid, backend, uptime, socket), its devices with the memory sets use (with "
+        "several devices: each one's NUMA node and peers, and whether replicas and striping are in use), the "
+        "checkpoints it has open with how much of them is in the page cache, the resident sets (each with how "
+        "it was loaded and from where: the files, or a peer's copy), every lease "
         "(its id, set, the holder's pid and uid as the kernel reports them, the client name the holder gave, "
         "which is self-reported, and how long it has been held) and every request in progress or queued, by "
         "its daemon-wide id (rN), which cancel takes.",

@@ -65,6 +65,8 @@ enum ctl_opt_id {
   CTL_OPT_GENERATE_MAN,
   CTL_OPT_GENERATE_COMPLETION,
   CTL_OPT_DEVICE,
+  CTL_OPT_DEVICES,
+  CTL_OPT_ALL_RANKS,
   CTL_OPT_PIN,
   CTL_OPT_WAIT,
   CTL_OPT_VERIFY,
@@ -393,6 +395,26 @@ uint64_t ctl_plan_read_bytes(const struct plan *p);
  * replaces the message and the list.
  */
 void ctl_sigbus_guard(const char *what, const char *const *cleanup);
+
+/* ---- whole groups (ctl_group.c) ------------------------------------------ */
+
+/*
+ * --all-ranks: builds the load_group request's "group" (the sizes of
+ * --tp-size and --ep-size, and the devices of --devices LIST, one per rank;
+ * devices NULL: the daemon's default) and its base "plan" (the preset, auto
+ * by default, and --fuse) from the plan flags; ranks, --experts and --plan
+ * FILE are usage errors. Returns 0, CTL_EXIT_USAGE after one line saying
+ * why (ctl_usage_error), or CTL_EXIT_FAIL.
+ */
+int ctl_group_spec(const struct ctl_plan_args *a, const char *devices, cJSON **group, cJSON **plan);
+
+/*
+ * Sends load_group for the checkpoint at path (group and plan are consumed)
+ * with a progress line, and prints the group and each rank's result, also
+ * each failed rank's error when the group failed (with --json: the reply,
+ * or the error reply with its ranks). Returns the exit code.
+ */
+int ctl_group_load(weightd_client *c, const char *path, cJSON *group, cJSON *plan);
 
 /* ---- attach --verify (cmd_verify.c) ------------------------------------- */
 

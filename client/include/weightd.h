@@ -263,6 +263,63 @@ int weightd_release(weightd_set *s);
 /* Evicts a set that no one leases. */
 int weightd_evict(weightd_client *c, const char *set_id);
 
+/* ---- tensor- and expert-parallel groups ----------------------------------
+ *
+ * One call loads every rank of a group, each onto its device, at once (the
+ * daemon's load_group op). A group has max(tp_size, ep_size) ranks, and rank
+ * r holds tp_rank r mod tp_size and ep_rank r mod ep_size: vLLM's layout,
+ * where expert parallelism spans the data- and tensor-parallel ranks (so the
+ * larger size must be a multiple of the smaller). Each rank is a resident set
+ * of its own; an engine rank attaches its set by id.
+ */
+
+typedef struct weightd_group weightd_group;
+
+/* Options of weightd_load_group; set struct_size to sizeof the struct you compiled against. */
+struct weightd_group_options {
+  size_t struct_size;
+  unsigned tp_size;           /* 0 or 1: no tensor parallelism */
+  unsigned ep_size;           /* 0 or 1: no expert parallelism */
+  const char *const *devices; /* one device per rank (UUIDs, or indexes as text); NULL: rank r on the
+                                 daemon's device r mod its device count (several ranks may share one) */
+  size_t ndevices;
+  const char *plan_json;      /* a preset plan object without sizes or ranks, e.g. {"preset":"auto","fuse":true};
+                                 NULL: {"preset":"auto"} */
+  weightd_progress_fn progress; /* the group's bytes, summed over its ranks; may be NULL */
+  void *progress_arg;
+};
+
+/* One rank of a loaded group; set struct_size. Strings belong to the group. */
+struct weightd_group_rank {
+  size_t struct_size;
+  unsigned rank, tp_rank, ep_rank;
+  const char *device;  /* its device's UUID */
+  const char *set_id;  /* its resident set ("" when it failed) */
+  int error;           /* 0, or the WEIGHTD_E code of its failure */
+  const char *message; /* the daemon's message when it failed, else "" */
+  const char *method;  /* how its bytes moved: memcpy, staged, direct, peer (a replica), striped ("" when it failed) */
+  const char *source;  /* where they came from: "host", or "peer:<uuid>" for a replica ("" when it failed) */
+  uint64_t bytes;      /* its slab's bytes */
+  double seconds;      /* its load */
+};
+
+/*
+ * Loads every rank of the group of path (opts NULL: one rank, auto plan).
+ * Returns 0 when every rank loaded, else the first failed rank's error, whose
+ * message (weightd_last_error) names the rank. Whenever the daemon answered,
+ * *out holds every rank's result (ranks that loaded stay resident when
+ * another failed); free it with weightd_group_free. A daemon without groups
+ * answers WEIGHTD_E_BAD_REQUEST (unknown op).
+ */
+int weightd_load_group(weightd_client *c, const char *path, const struct weightd_group_options *opts,
+                       weightd_group **out);
+/* The number of ranks (0 for NULL). */
+size_t weightd_group_size(const weightd_group *g);
+/* Rank i's result; WEIGHTD_E_NOT_FOUND past the end. */
+int weightd_group_rank(const weightd_group *g, size_t i, struct weightd_group_rank *out);
+/* NULL-safe. The sets stay resident. */
+void weightd_group_free(weightd_group *g);
+
 /*
  * Sends one request (a JSON object without "id"; one is added) and returns the
  * final reply as JSON text in *reply (free it with weightd_free), also when

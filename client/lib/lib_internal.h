@@ -3,6 +3,7 @@
  *
  *   libweightd.c  connections: socket search, hello, the request/reply loop
  *   lib_ops.c     the ops: open, prefetch, load, evict, attach, release
+ *   lib_group.c   tensor- and expert-parallel groups (load_group)
  *   lib_set.c     attached sets: the tensor table and its accessors
  *   lib_map.c     the process-wide table of mapped slabs (one per set)
  *   cuda_import.c the CUDA driver, loaded on demand

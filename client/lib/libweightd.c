@@ -249,7 +249,7 @@ static int call(weightd_client *c, cJSON *req, weightd_progress_fn progress, voi
     err_clear(&e);
     rc = wire_recv_frame(c->sock, c->timeout_ms, &f, &e);
     if (rc == WEIGHTD_E_TIMEOUT) {
-      if (strcmp(op, "load") == 0) {
+      if (strcmp(op, "load") == 0 || strcmp(op, "load_group") == 0) {
         /* Nobody waits for this load any more: let the daemon stop it. */
         cJSON *cancel = lib_request_new("cancel");
         if (cancel != NULL && cJSON_AddNumberToObject(cancel, "target", (double)id) == NULL) {

@@ -26,6 +26,7 @@
  *               [--early] [--json] [--json-out FILE]
  * weightd-bench --attach-probe SET --socket PATH   (the fresh process)
  * weightd-bench --early-probe DIR --socket PATH    (the fresh process, early attach)
+ * weightd-bench --multi MODE ...                   (several GPUs: bench_multi.c)
  *
  * Phases (comma-separated; default ceiling,fill,staged,pin,pinned,attach,rss):
  *   open     the daemon's `open` of the checkpoint, closed first (every shard
@@ -80,6 +81,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_multi.h"
 #include "checkpoint.h"
 #include "clock.h"
 #include "msg.h"
@@ -911,6 +913,8 @@ static void phase_cold(const char *abs, const struct ckpt *c, const struct plan 
 }
 
 int main(int argc, char **argv) {
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--multi") == 0) return bench_multi_main(argc - 1, argv + 1);
   const char *probe = NULL, *eprobe = NULL;
   int attach_only = 0, early = 0;
   opt.fill_threads = (unsigned)sysconf(_SC_NPROCESSORS_ONLN);
@@ -939,7 +943,8 @@ int main(int argc, char **argv) {
               "usage: weightd-bench --checkpoint DIR --socket PATH [--device N] [--runs N] [--plan JSON]\n"
               "                     [--phases LIST] [--alt-socket PATH] [--label TEXT] [--fill-threads N]\n"
               "                     [--settle-ms MS] [--no-b2b] [--ceiling-max-gib N] [--attach-only]\n"
-              "                     [--early] [--json] [--json-out FILE]\n");
+              "                     [--early] [--json] [--json-out FILE]\n"
+              "       weightd-bench --multi all|replica|striped|group ... (several GPUs)\n");
       return 2;
     }
   }

@@ -20,8 +20,8 @@ import ctypes.util
 import glob
 import os
 
-__all__ = ["lib", "path", "LibraryNotFound", "Tensor", "LoadOptions", "PROGRESS_FN", "MEMORY_HOST", "MEMORY_CUDA",
-           "HANDLE_KINDS", "SET_STATES", "ATTACH_EARLY", "has"]
+__all__ = ["lib", "path", "LibraryNotFound", "Tensor", "LoadOptions", "GroupOptions", "GroupRank", "PROGRESS_FN",
+           "MEMORY_HOST", "MEMORY_CUDA", "HANDLE_KINDS", "SET_STATES", "ATTACH_EARLY", "has"]
 
 #: The library's soname major version this package speaks (SOVERSION in CMakeLists.txt).
 ABI_MAJOR = 0
@@ -76,8 +76,43 @@ class LoadOptions(ctypes.Structure):
     ]
 
 
+class GroupOptions(ctypes.Structure):
+    """struct weightd_group_options (struct_size-versioned: set it to ctypes.sizeof)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("tp_size", ctypes.c_uint),
+        ("ep_size", ctypes.c_uint),
+        ("devices", ctypes.POINTER(ctypes.c_char_p)),
+        ("ndevices", ctypes.c_size_t),
+        ("plan_json", ctypes.c_char_p),
+        ("progress", PROGRESS_FN),
+        ("progress_arg", ctypes.c_void_p),
+    ]
+
+
+class GroupRank(ctypes.Structure):
+    """struct weightd_group_rank (struct_size-versioned: set it to ctypes.sizeof)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("rank", ctypes.c_uint),
+        ("tp_rank", ctypes.c_uint),
+        ("ep_rank", ctypes.c_uint),
+        ("device", ctypes.c_char_p),
+        ("set_id", ctypes.c_char_p),
+        ("error", ctypes.c_int),
+        ("message", ctypes.c_char_p),
+        ("method", ctypes.c_char_p),
+        ("source", ctypes.c_char_p),
+        ("bytes", ctypes.c_uint64),
+        ("seconds", ctypes.c_double),
+    ]
+
+
 _client_p = ctypes.c_void_p
 _set_p = ctypes.c_void_p
+_group_p = ctypes.c_void_p
 _c = ctypes
 
 # name: (restype, argtypes), in the order of weightd.h.
@@ -122,6 +157,10 @@ _OPTIONAL = {
     "weightd_set_load_error": (_c.c_char_p, [_set_p]),
     "weightd_set_wait": (_c.c_int, [_set_p, _c.c_char_p, _c.c_int]),
     "weightd_set_wait_tensor": (_c.c_int, [_set_p, _c.c_size_t, _c.c_int]),
+    "weightd_load_group": (_c.c_int, [_client_p, _c.c_char_p, _c.POINTER(GroupOptions), _c.POINTER(_group_p)]),
+    "weightd_group_size": (_c.c_size_t, [_group_p]),
+    "weightd_group_rank": (_c.c_int, [_group_p, _c.c_size_t, _c.POINTER(GroupRank)]),
+    "weightd_group_free": (None, [_group_p]),
 }
 
 

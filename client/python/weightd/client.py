@@ -9,7 +9,7 @@ from typing import Any, Iterable, Optional, Union
 
 from . import _cuda
 from ._conn import _Conn
-from ._lib import ATTACH_EARLY, PROGRESS_FN, LoadOptions, has, lib
+from ._lib import ATTACH_EARLY, PROGRESS_FN, GroupOptions, GroupRank, LoadOptions, has, lib
 from .errors import by_name, error_from_code
 from .progress import Progress, ProgressFn, resolve
 from .sets import TENSOR_TYPES, AttachedSet
@@ -222,6 +222,55 @@ class Client:
             rc = lib.weightd_load(c, os.fsencode(path), ctypes.byref(opts), out, _SET_ID_LEN)
             call.check(rc)
         return out.value.decode()
+
+    def load_group(self, path: Union[str, os.PathLike], *, tp_size: int = 1, ep_size: int = 1,
+                   devices: Optional[Iterable[Device]] = None, progress: Progress = None, plan: Optional[dict] = None,
+                   preset: Optional[str] = None, fuse: bool = False) -> list[dict]:
+        """Loads every rank of a tensor/expert-parallel group, each onto its device, at once.
+
+        The group has ``max(tp_size, ep_size)`` ranks; rank r holds tp_rank
+        ``r % tp_size`` and ep_rank ``r % ep_size`` (vLLM's layout). ``devices``
+        gives one device per rank (as :meth:`device_arg` reads each); None lets
+        the daemon put rank r on its device ``r % count``. ``plan`` (or
+        ``preset``/``fuse``) is a preset plan without sizes or ranks. Returns one
+        dict per rank: rank, tp_rank, ep_rank, device (UUID), set, method,
+        source ("host" or "peer:<uuid>"), bytes, seconds. When a rank fails, its
+        error is raised, with every rank's result (failed ones carry "error")
+        in the exception's ``ranks``; the ranks that loaded stay resident.
+        """
+        if not has("weightd_load_group"):
+            raise by_name["UNSUPPORTED"]("this libweightd has no weightd_load_group: update the library")
+        spec = plan_from_args(plan, preset=preset, fuse=fuse)
+        conn = self._c
+        devs = [self.device_arg(d) for d in devices] if devices is not None else None
+        if devs is not None and any(d is None for d in devs):
+            raise ValueError("each of devices must name a device (None is not one here)")
+        dev_array = (ctypes.c_char_p * len(devs))(*[d.encode() for d in devs]) if devs is not None else None
+        call = _Call(conn, resolve(progress, f"weightd load_group {os.fspath(path)}"), load=True)
+        opts = GroupOptions(ctypes.sizeof(GroupOptions), tp_size, ep_size, dev_array, len(devs) if devs else 0,
+                            json.dumps(spec).encode() if spec is not None else None, call.cfn, None)
+        group = ctypes.c_void_p()
+        with conn.call() as c, call:
+            rc = lib.weightd_load_group(c, os.fsencode(path), ctypes.byref(opts), ctypes.byref(group))
+            try:
+                ranks = []
+                for i in range(lib.weightd_group_size(group) if group.value else 0):
+                    r = GroupRank(ctypes.sizeof(GroupRank))
+                    lib.weightd_group_rank(group, i, ctypes.byref(r))
+                    ranks.append({"rank": r.rank, "tp_rank": r.tp_rank, "ep_rank": r.ep_rank,
+                                  "device": r.device.decode(), "set": r.set_id.decode() or None,
+                                  "method": r.method.decode() or None, "source": r.source.decode() or None,
+                                  "bytes": r.bytes, "seconds": r.seconds,
+                                  "error": error_from_code(r.error, r.message.decode(errors="replace"))
+                                  if r.error else None})
+            finally:
+                lib.weightd_group_free(group)
+            try:
+                call.check(rc)
+            except Exception as e:
+                e.ranks = ranks  # type: ignore[attr-defined]
+                raise
+        return ranks
 
     def attach(self, path: Union[str, os.PathLike, None] = None, *, set_id: Optional[str] = None,
                device: Device = None, progress: Progress = None, tensor_type: str = "auto",
