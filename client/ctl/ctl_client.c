@@ -92,6 +92,13 @@ int ctl_request(weightd_client *c, cJSON *req, weightd_progress_fn progress, voi
     ctl_errorf("out of memory");
     return WEIGHTD_E_NOMEM;
   }
+  /* An interrupt or the deadline stops a command of several steps between
+   * them too: a step that finished although canceled is not followed by the next. */
+  if (ctl_guard_reason() != CTL_GUARD_NONE) {
+    free(text);
+    ctl_fail(c, WEIGHTD_E_CANCELED, what);
+    return WEIGHTD_E_CANCELED;
+  }
   char *out = NULL;
   int rc = weightd_request(c, text, &out, progress, arg);
   free(text);
