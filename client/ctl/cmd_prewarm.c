@@ -26,6 +26,15 @@ static const struct optab_opt prewarm_opts[] = {
     {CTL_OPT_DEVICE, "device", 0, OPTAB_VALUE, "D",
      "A device to make the set resident on: an index or a UUID; repeat for several (default 0).", OPTAB_REPEAT,
      NULL},
+    {CTL_OPT_ALL_RANKS, "all-ranks", 0, OPTAB_SWITCH, NULL,
+     "Prewarm every rank of the group that --tp-size and --ep-size describe: the checkpoint is prefetched "
+     "whole (and pinned with --pin), then one load_group loads each rank onto its device (ranks already "
+     "resident are shared, not loaded again); not with --tp-rank, --ep-rank, --experts, --plan or --device.",
+     0, NULL},
+    {CTL_OPT_DEVICES, "devices", 0, OPTAB_VALUE, "D,D,...",
+     "With --all-ranks: the device of each rank, in rank order; default: rank r on device r mod the device "
+     "count.",
+     0, NULL},
     {CTL_OPT_PIN, "pin", 0, OPTAB_SWITCH, NULL,
      "Pin the bytes the plan reads (the pinned-resident tier, within host_pin_budget) before loading, so that "
      "loads copy by direct DMA.",
@@ -136,12 +145,50 @@ static void print_result(const char *path, const char *key, const struct target 
   }
 }
 
+/* --all-ranks: open, prefetch the whole checkpoint (every rank reads most of it), one load_group. */
+static int run_prewarm_group(const struct ctl_args *a, const struct ctl_plan_args *pa) {
+  if (ctl_has(a, CTL_OPT_DEVICE))
+    return ctl_usage_error("--all-ranks places ranks with --devices D,D,... (one per rank), not --device");
+  cJSON *group = NULL, *plan = NULL, *reply = NULL;
+  int rc = ctl_group_spec(pa, ctl_val(a, CTL_OPT_DEVICES), &group, &plan);
+  if (rc != 0) return rc;
+  weightd_client *c = NULL;
+  int exit_code = ctl_connect(&c);
+  if (exit_code != 0) goto out;
+  cJSON *req = ctl_request_new("open");
+  ctl_add_path(req, a->pos[0]);
+  if ((rc = ctl_request(c, req, NULL, NULL, &reply)) != 0) goto fail;
+  cJSON_Delete(reply);
+  req = ctl_request_new("prefetch");
+  ctl_add_path(req, a->pos[0]);
+  cJSON_AddBoolToObject(req, "pin", ctl_has(a, CTL_OPT_PIN));
+  cJSON_AddTrueToObject(req, "wait");
+  ctl_progress_begin("prefetch");
+  rc = ctl_request(c, req, ctl_progress_cb, NULL, &reply);
+  ctl_progress_end();
+  if (rc != 0) goto fail;
+  cJSON_Delete(reply);
+  exit_code = ctl_group_load(c, a->pos[0], group, plan); /* consumes group and plan */
+  group = plan = NULL;
+  goto out;
+fail:
+  exit_code = ctl_exit_for(rc);
+out:
+  cJSON_Delete(group);
+  cJSON_Delete(plan);
+  ctl_disconnect(c);
+  return exit_code;
+}
+
 static int run_prewarm(const struct ctl_args *a) {
   struct ctl_plan_args pa;
   cJSON *spec = NULL;
   int rc = ctl_plan_args_get(a, &pa);
-  if (rc == 0) rc = ctl_plan_spec(&pa, 0, &spec);
   if (rc != 0) return rc;
+  if (ctl_has(a, CTL_OPT_ALL_RANKS)) return run_prewarm_group(a, &pa);
+  if (ctl_has(a, CTL_OPT_DEVICES))
+    return ctl_usage_error("--devices lists one device per rank of --all-ranks (one rank: --device D)");
+  if ((rc = ctl_plan_spec(&pa, 0, &spec)) != 0) return rc;
   /* The devices, as given, each once. */
   struct target t[CTL_MAX_VALUES];
   size_t n = 0;
@@ -236,7 +283,8 @@ const struct ctl_cmd ctl_cmd_prewarm = {
         "Ctrl-C cancels the step in flight (exit 1) and so does --timeout (exit 4).\n\nWith --json: {\"ok\": "
         "true, \"path\", \"plan\" (the plan's key), \"prefetched\", \"sets\": [{\"device\", \"resident_before\", "
         "\"set\", \"bytes\", \"load_s\", \"gib_per_s\", \"shared\", \"method\"}], \"timings\": {\"open_s\", "
-        "\"prefetch_s\", \"load_s\", \"total_s\"}}.",
+        "\"prefetch_s\", \"load_s\", \"total_s\"}}. With --all-ranks the checkpoint is prefetched whole and one "
+        "load_group loads the group; the output is load --all-ranks's.",
     .opts = CTL_OPTS(prewarm_opts),
     .flags = CTL_CMD_DAEMON | CTL_CMD_PLAN,
     .run = run_prewarm,

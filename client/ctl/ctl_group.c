@@ -103,6 +103,10 @@ int ctl_group_load(weightd_client *c, const char *path, cJSON *group, cJSON *pla
     return CTL_EXIT_FAIL;
   }
   /* Not ctl_request: a failed group's error reply still lists every rank, and is printed too. */
+  if (ctl_guard_reason() != CTL_GUARD_NONE) { /* a step before this one was canceled (prewarm) */
+    free(text);
+    return ctl_fail(c, WEIGHTD_E_CANCELED, "load_group");
+  }
   char *out = NULL;
   ctl_progress_begin("load_group");
   int rc = weightd_request(c, text, &out, ctl_progress_cb, NULL);

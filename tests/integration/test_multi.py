@@ -221,6 +221,24 @@ def test_weightctl_load_all_ranks(start_daemon, ckpt_small):
     assert r.returncode == 1 and "group.devices[1]" in r.stderr, r.stderr
 
 
+def test_weightctl_prewarm_all_ranks(start_daemon, ckpt_small):
+    """prewarm --all-ranks: each rank on its device, byte for byte; a second run shares them, loads nothing."""
+    d = start_daemon(settings=devices_settings(2))
+    rep = json.loads(ctl(d, "--json", "prewarm", ckpt_small, "--all-ranks", "--tp-size", "2", "--devices", "1,0").stdout)
+    with d.connect() as c:
+        assert [x["device"] for x in rep["ranks"]] == [uuids(c)[1], uuids(c)[0]]
+    assert [x["tp_rank"] for x in rep["ranks"]] == [0, 1], rep
+    for x in rep["ranks"]:
+        verify_set(d, x["set"])
+    again = json.loads(ctl(d, "--json", "prewarm", ckpt_small, "--all-ranks", "--tp-size", "2", "--devices", "1,0").stdout)
+    assert [x["set"] for x in again["ranks"]] == [x["set"] for x in rep["ranks"]], again
+    assert all(x["shared"] for x in again["ranks"]), again
+    for args, text in ((["--all-ranks", "--device", "0"], "not --device"),
+                       (["--devices", "0,1"], "--devices lists one device per rank")):
+        r = ctl(d, "prewarm", ckpt_small, *args, check=False)
+        assert r.returncode == 2 and text in r.stderr, (args, r.returncode, r.stderr)
+
+
 # ---- replicas ------------------------------------------------------------------------------
 
 
