@@ -364,6 +364,15 @@ const char *weightd_set_load_error(const weightd_set *s);
  * so: waiting for it succeeds after a failure too. name NULL waits for the
  * whole set and succeeds only when the load ended READY. On a GPU, a tensor
  * in place is visible to kernels the caller launches afterwards.
+ *
+ * A daemon that dies mid-load cannot say so on the page: a wait then ends
+ * with WEIGHTD_E_CLOSED within about 100 ms of its death, and the state
+ * reads FAILED ("the daemon exited before the load finished"). The library
+ * knows the daemon's process from the connection's peer credentials (a
+ * pidfd on Linux 5.3 and later, else kill(pid, 0)); where it cannot (the
+ * daemon in a pid namespace this process does not see, or a socket the
+ * service manager listened on), waits cannot tell, and only the timeout ends
+ * them: give one.
  */
 int weightd_set_wait(const weightd_set *s, const char *name, int timeout_ms);
 /* The same for the tensor at index i (weightd_set_tensor's order). */
