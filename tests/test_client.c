@@ -62,6 +62,7 @@ struct fake {
   char last_device[64];
   char hello_handles[128]; /* the "handles" list of the last hello, as JSON ("" when absent) */
   int cancels;
+  int release_delay_ms;    /* how long release waits before it answers */
 };
 
 static unsigned char slab_byte(size_t i) { return (unsigned char)((i * 7u + 3u) & 0xFF); }
@@ -262,6 +263,10 @@ static int handle(struct fake *f, int fd, const cJSON *req) {
     }
   } else if (strcmp(op, "release") == 0) {
     const cJSON *lease = cJSON_GetObjectItemCaseSensitive(req, "lease");
+    pthread_mutex_lock(&f->lock);
+    int delay = f->release_delay_ms;
+    pthread_mutex_unlock(&f->lock);
+    if (delay > 0) sleep_ms(delay);
     pthread_mutex_lock(&f->lock);
     f->releases++;
     snprintf(f->last_released, sizeof f->last_released, "%s", cJSON_IsString(lease) ? lease->valuestring : "?");
@@ -744,6 +749,34 @@ static void test_timeout(void) {
   fake_stop(f);
 }
 
+/*
+ * A release answered after the handle's timeout still ends (0): it is not
+ * subject to the per-frame timeout, so a lease is never left to a late reply.
+ */
+static void test_release_outlasts_the_timeout(void) {
+  struct fake *f = fake_start(FAKE_NORMAL);
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(f->sock_path, &c), 0);
+  weightd_set *s = NULL;
+  CHECK_EQ_INT(weightd_attach(c, "s1", &s), 0);
+  pthread_mutex_lock(&f->lock);
+  f->release_delay_ms = 300;
+  pthread_mutex_unlock(&f->lock);
+  weightd_set_timeout(c, 20);
+  CHECK_EQ_INT(weightd_release(s), 0);
+  pthread_mutex_lock(&f->lock);
+  CHECK_EQ_INT(f->releases, 1);
+  CHECK(strcmp(f->last_released, "l1") == 0);
+  pthread_mutex_unlock(&f->lock);
+  CHECK_EQ_INT(slab_mappings(), 0);
+  /* The timeout still holds for other calls, and the stream is in step. */
+  CHECK_EQ_INT(weightd_request(c, "{\"op\":\"status\",\"slow_ms\":300}", NULL, NULL, NULL), WEIGHTD_E_TIMEOUT);
+  weightd_set_timeout(c, 0);
+  CHECK_EQ_INT(weightd_open(c, "/denied"), WEIGHTD_E_PATH_DENIED);
+  weightd_close(c);
+  fake_stop(f);
+}
+
 static void test_shutdown_event(void) {
   struct fake *f = fake_start(FAKE_NORMAL);
   weightd_client *c = NULL;
@@ -823,6 +856,7 @@ int main(void) {
   RUN(test_attach_path);
   RUN(test_bad_handles_release_lease);
   RUN(test_timeout);
+  RUN(test_release_outlasts_the_timeout);
   RUN(test_shutdown_event);
   RUN(test_close_detaches_sets);
   RUN(test_fork_child);

@@ -256,7 +256,9 @@ int weightd_attach_early(weightd_client *c, const char *set_id, weightd_set **ou
  * Releases the lease and unmaps the set (once no other attach in this process
  * uses it), then frees s, also when the daemon's answer is an error (which is
  * returned). A set whose handle was closed or whose connection died only
- * unmaps. NULL-safe.
+ * unmaps. The handle's timeout (weightd_set_timeout) does not apply: the
+ * call waits for the daemon's answer, which needs no I/O, so that a lease is
+ * never left behind a reply nobody waits for. NULL-safe.
  */
 int weightd_release(weightd_set *s);
 
