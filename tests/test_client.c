@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -559,9 +560,25 @@ static void test_attach_shared_mapping(void) {
   CHECK_EQ_INT(weightd_set_tensor_count(a), 3);
   CHECK_EQ_INT(slab_mappings(), 1);
 
-  weightd_tensor t;
+  weightd_tensor t = {.struct_size = sizeof t};
   CHECK_EQ_INT(weightd_set_tensor(a, 2, &t), 0);
   CHECK(strcmp(t.name, "lm_head.weight") == 0);
+  CHECK_EQ_INT(t.struct_size, sizeof t);
+  /* A caller built against a smaller struct gets only its fields; 0 means the original (whole) struct. */
+  weightd_tensor small = {.struct_size = sizeof small};
+  memset(&small, 0xA5, sizeof small);
+  small.struct_size = offsetof(weightd_tensor, offset);
+  CHECK_EQ_INT(weightd_set_tensor(a, 2, &small), 0);
+  CHECK(strcmp(small.name, "lm_head.weight") == 0 && small.ndim == t.ndim && small.shape == t.shape);
+  CHECK_EQ_INT(small.struct_size, offsetof(weightd_tensor, offset));
+  unsigned char past[sizeof small - offsetof(weightd_tensor, offset)];
+  memset(past, 0xA5, sizeof past);
+  CHECK(memcmp((char *)&small + offsetof(weightd_tensor, offset), past, sizeof past) == 0);
+  weightd_tensor zero = {0};
+  CHECK_EQ_INT(weightd_set_find(a, "lm_head.weight", &zero), 0);
+  CHECK(zero.data == t.data && zero.nbytes == t.nbytes && zero.struct_size == 0);
+  weightd_tensor tiny = {.struct_size = 2};
+  CHECK_EQ_INT(weightd_set_tensor(a, 2, &tiny), WEIGHTD_E_INVALID);
   CHECK_EQ_INT(weightd_set_tensor(a, 3, &t), WEIGHTD_E_NOT_FOUND);
   CHECK_EQ_INT(weightd_set_find(a, "model.norm.weight", &t), 0);
   CHECK(strcmp(t.dtype, "F32") == 0);
@@ -796,7 +813,7 @@ static void test_close_detaches_sets(void) {
   CHECK_EQ_INT(weightd_attach(c, "s1", &s), 0);
   weightd_close(c);
   /* The set stays mapped and readable; release only unmaps (nothing is sent). */
-  weightd_tensor t;
+  weightd_tensor t = {.struct_size = sizeof t};
   CHECK_EQ_INT(weightd_set_find(s, "lm_head.weight", &t), 0);
   CHECK(check_tensor_bytes(&t));
   CHECK_EQ_INT(slab_mappings(), 1);
@@ -816,7 +833,7 @@ static void test_fork_child(void) {
   if (pid == 0) {
     /* The child may not use the parent's handle, and its release sends nothing. */
     int ok = weightd_open(c, "/x") == WEIGHTD_E_INVALID && strstr(weightd_last_error(c), "fork") != NULL;
-    weightd_tensor t;
+    weightd_tensor t = {.struct_size = sizeof t};
     ok = ok && weightd_set_find(s, "lm_head.weight", &t) == 0 && check_tensor_bytes(&t);
     ok = ok && weightd_release(s) == 0;
     _exit(ok ? 0 : 1);

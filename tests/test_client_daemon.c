@@ -88,7 +88,7 @@ static int set_matches_file(const weightd_set *s) {
   int ok = fd >= 0 && weightd_set_tensor_count(s) == NTENSORS;
   for (size_t i = 0; ok && i < h->ntensors; i++) {
     const struct st_tensor *t = &h->tensors[i];
-    weightd_tensor wt;
+    weightd_tensor wt = {.struct_size = sizeof wt};
     if (weightd_set_find(s, t->name, &wt) != 0 || wt.nbytes != t->end - t->begin) {
       ok = 0;
       break;
@@ -197,7 +197,7 @@ static void test_early_attach(void) {
   CHECK_EQ_INT(weightd_set_tensor_count(s), NTENSORS);
   uint64_t last = 0;
   for (size_t i = 0; i < weightd_set_tensor_count(s); i++) {
-    weightd_tensor t;
+    weightd_tensor t = {.struct_size = sizeof t};
     CHECK_EQ_INT(weightd_set_wait_tensor(s, i, 30000), 0);
     CHECK_EQ_INT(weightd_set_tensor(s, i, &t), 0);
     uint64_t ready = weightd_set_ready_bytes(s);

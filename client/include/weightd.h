@@ -299,7 +299,17 @@ enum weightd_handle_kind {
   WEIGHTD_HANDLE_CUDA_VMM = 3, /* a CUDA VMM allocation's file descriptor, imported and mapped */
 };
 
+/*
+ * One tensor of a set, filled by weightd_set_tensor / weightd_set_find.
+ * Versioned like the options structs: the caller sets struct_size to
+ * sizeof(weightd_tensor) as it was compiled, and the library fills only the
+ * fields that fit in it (later versions add fields at the end). struct_size
+ * 0 stands for this first version's size, so a zero-initialised struct
+ * works; from 1 to sizeof(size_t) - 1 it is WEIGHTD_E_INVALID. The library
+ * never writes struct_size.
+ */
 typedef struct weightd_tensor {
+  size_t struct_size;    /* set by the caller: sizeof(weightd_tensor), or 0 */
   const char *name;
   const char *dtype;     /* safetensors dtype name: "BF16", "F8_E4M3", ... */
   int ndim;

@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -331,6 +332,20 @@ size_t weightd_set_tensor_count(const weightd_set *s) {
   return s == NULL ? 0 : s->table != NULL ? (size_t)s->table->t.count : s->ntensors;
 }
 
+/* The size of weightd_tensor's first version, which struct_size 0 stands for. */
+#define TENSOR_V1_BYTES (offsetof(weightd_tensor, data) + sizeof(void *))
+_Static_assert(TENSOR_V1_BYTES == sizeof(weightd_tensor), "struct_size 0 means the whole first version");
+
+/* Copies t into the caller's out, as much of it as out's struct_size holds (see weightd.h). */
+static int tensor_out(const weightd_tensor *t, weightd_tensor *out) {
+  size_t n = out->struct_size == 0 ? TENSOR_V1_BYTES : out->struct_size;
+  if (n < sizeof out->struct_size) return WEIGHTD_E_INVALID;
+  if (n > sizeof *t) n = sizeof *t;
+  const size_t skip = sizeof out->struct_size;
+  memcpy((char *)out + skip, (const char *)t + skip, n - skip);
+  return 0;
+}
+
 /* Tensor i of a binary table as the public struct: pointers into the table. */
 static void table_tensor(const weightd_set *s, size_t i, weightd_tensor *out) {
   struct ttab_entry e;
@@ -347,9 +362,10 @@ static void table_tensor(const weightd_set *s, size_t i, weightd_tensor *out) {
 int weightd_set_tensor(const weightd_set *s, size_t i, weightd_tensor *out) {
   if (s == NULL || out == NULL) return WEIGHTD_E_INVALID;
   if (i >= weightd_set_tensor_count(s)) return WEIGHTD_E_NOT_FOUND;
-  if (s->table != NULL) table_tensor(s, i, out);
-  else *out = s->tensors[i];
-  return 0;
+  if (s->table == NULL) return tensor_out(&s->tensors[i], out);
+  weightd_tensor t;
+  table_tensor(s, i, &t);
+  return tensor_out(&t, out);
 }
 
 /* The number of the tensor called name in slab order, or -1. */
@@ -412,7 +428,7 @@ int weightd_set_wait_tensor(const weightd_set *s, size_t index, int timeout_ms) 
   if (s == NULL) return WEIGHTD_E_INVALID;
   if (index >= weightd_set_tensor_count(s)) return WEIGHTD_E_NOT_FOUND;
   if (s->page == NULL) return 0;
-  weightd_tensor t;
+  weightd_tensor t = {.struct_size = sizeof t};
   weightd_set_tensor(s, index, &t);
   return ppage_wait(s->page, t.offset + t.nbytes, timeout_ms < 0 ? -1 : timeout_ms, daemon_alive, s);
 }
