@@ -129,29 +129,41 @@ static int64_t now_ms(void) {
   return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-int ppage_wait(const struct wd_progress_page *p, uint64_t end, int timeout_ms) {
+/* What the page says about a wait for end: 0, an error code, or 1 while it is still loading. */
+static int page_verdict(const struct wd_progress_page *p, uint64_t end) {
+  if (atomic_load_explicit(&p->ready_bytes, memory_order_acquire) >= end) return 0;
+  uint32_t state = atomic_load_explicit(&p->state, memory_order_acquire);
+  if (state == WD_PAGE_READY) return 0;
+  if (state == WD_PAGE_CANCELED) return WEIGHTD_E_CANCELED;
+  if (state != WD_PAGE_LOADING) {
+    int code = atomic_load_explicit(&p->error, memory_order_acquire);
+    return code < 0 ? code : WEIGHTD_E_INTERNAL;
+  }
+  return 1;
+}
+
+int ppage_wait(const struct wd_progress_page *p, uint64_t end, int timeout_ms, ppage_alive_fn alive,
+               const void *arg) {
   /* The page is mapped read-only: FUTEX_WAIT only reads the word, which such a mapping allows. */
   _Atomic uint32_t *seqp = (_Atomic uint32_t *)(uintptr_t)&p->seq;
   int64_t deadline = timeout_ms > 0 ? now_ms() + timeout_ms : 0;
   for (;;) {
     uint32_t seq = atomic_load_explicit(seqp, memory_order_acquire);
-    if (atomic_load_explicit(&p->ready_bytes, memory_order_acquire) >= end) return 0;
-    uint32_t state = atomic_load_explicit(&p->state, memory_order_acquire);
-    if (state == WD_PAGE_READY) return 0;
-    if (state == WD_PAGE_CANCELED) return WEIGHTD_E_CANCELED;
-    if (state != WD_PAGE_LOADING) {
-      int code = atomic_load_explicit(&p->error, memory_order_acquire);
-      return code < 0 ? code : WEIGHTD_E_INTERNAL;
+    int v = page_verdict(p, end);
+    if (v <= 0) return v;
+    if (alive != NULL && !alive(arg)) {
+      /* Whatever the writer stored before it died is on the page: look once more. */
+      v = page_verdict(p, end);
+      return v <= 0 ? v : WEIGHTD_E_CLOSED;
     }
     if (timeout_ms == 0) return WEIGHTD_E_TIMEOUT;
-    struct timespec ts, *tsp = NULL;
+    int64_t left = alive != NULL ? PPAGE_SLICE_MS : -1;
     if (timeout_ms > 0) {
-      int64_t left = deadline - now_ms();
-      if (left <= 0) return WEIGHTD_E_TIMEOUT;
-      ts.tv_sec = left / 1000;
-      ts.tv_nsec = (long)(left % 1000) * 1000000;
-      tsp = &ts;
+      int64_t until = deadline - now_ms();
+      if (until <= 0) return WEIGHTD_E_TIMEOUT;
+      if (left < 0 || until < left) left = until;
     }
-    syscall(SYS_futex, seqp, FUTEX_WAIT, seq, tsp, NULL, 0);
+    struct timespec ts = {(time_t)(left / 1000), (long)(left % 1000) * 1000000};
+    syscall(SYS_futex, seqp, FUTEX_WAIT, seq, left >= 0 ? &ts : NULL, NULL, 0);
   }
 }

@@ -85,6 +85,9 @@ void ppage_finish(struct wd_progress_page *p, enum wd_page_state state, int code
 int ppage_map(int fd, const struct wd_progress_page **out, struct wd_error *err);
 void ppage_unmap(const struct wd_progress_page *p);
 
+/* Whether the page's writer (the daemon) still runs: nonzero yes, 0 no. */
+typedef int (*ppage_alive_fn)(const void *arg);
+
 /*
  * Waits until the watermark reaches end (0), or the load failed or was
  * canceled (its code: the page's error, WEIGHTD_E_CANCELED), at most
@@ -92,7 +95,14 @@ void ppage_unmap(const struct wd_progress_page *p);
  * the watermark stay in place whatever happens later, so a wait for them
  * succeeds after a failure too; end UINT64_MAX waits for the final state
  * and succeeds only when it is READY.
+ *
+ * A page whose writer died says LOADING for good. With alive not NULL the
+ * wait sleeps in slices of PPAGE_SLICE_MS and asks alive(arg) between them:
+ * once it says the writer is gone (and the page, read again, still lacks
+ * what was waited for), WEIGHTD_E_CLOSED.
  */
-int ppage_wait(const struct wd_progress_page *p, uint64_t end, int timeout_ms);
+#define PPAGE_SLICE_MS 100
+int ppage_wait(const struct wd_progress_page *p, uint64_t end, int timeout_ms, ppage_alive_fn alive,
+               const void *arg);
 
 #endif

@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +63,7 @@ struct fake {
   char last_device[64];
   char hello_handles[128]; /* the "handles" list of the last hello, as JSON ("" when absent) */
   int cancels;
+  int release_delay_ms;    /* how long release waits before it answers */
 };
 
 static unsigned char slab_byte(size_t i) { return (unsigned char)((i * 7u + 3u) & 0xFF); }
@@ -262,6 +264,10 @@ static int handle(struct fake *f, int fd, const cJSON *req) {
     }
   } else if (strcmp(op, "release") == 0) {
     const cJSON *lease = cJSON_GetObjectItemCaseSensitive(req, "lease");
+    pthread_mutex_lock(&f->lock);
+    int delay = f->release_delay_ms;
+    pthread_mutex_unlock(&f->lock);
+    if (delay > 0) sleep_ms(delay);
     pthread_mutex_lock(&f->lock);
     f->releases++;
     snprintf(f->last_released, sizeof f->last_released, "%s", cJSON_IsString(lease) ? lease->valuestring : "?");
@@ -554,9 +560,25 @@ static void test_attach_shared_mapping(void) {
   CHECK_EQ_INT(weightd_set_tensor_count(a), 3);
   CHECK_EQ_INT(slab_mappings(), 1);
 
-  weightd_tensor t;
+  weightd_tensor t = {.struct_size = sizeof t};
   CHECK_EQ_INT(weightd_set_tensor(a, 2, &t), 0);
   CHECK(strcmp(t.name, "lm_head.weight") == 0);
+  CHECK_EQ_INT(t.struct_size, sizeof t);
+  /* A caller built against a smaller struct gets only its fields; 0 means the original (whole) struct. */
+  weightd_tensor small = {.struct_size = sizeof small};
+  memset(&small, 0xA5, sizeof small);
+  small.struct_size = offsetof(weightd_tensor, offset);
+  CHECK_EQ_INT(weightd_set_tensor(a, 2, &small), 0);
+  CHECK(strcmp(small.name, "lm_head.weight") == 0 && small.ndim == t.ndim && small.shape == t.shape);
+  CHECK_EQ_INT(small.struct_size, offsetof(weightd_tensor, offset));
+  unsigned char past[sizeof small - offsetof(weightd_tensor, offset)];
+  memset(past, 0xA5, sizeof past);
+  CHECK(memcmp((char *)&small + offsetof(weightd_tensor, offset), past, sizeof past) == 0);
+  weightd_tensor zero = {0};
+  CHECK_EQ_INT(weightd_set_find(a, "lm_head.weight", &zero), 0);
+  CHECK(zero.data == t.data && zero.nbytes == t.nbytes && zero.struct_size == 0);
+  weightd_tensor tiny = {.struct_size = 2};
+  CHECK_EQ_INT(weightd_set_tensor(a, 2, &tiny), WEIGHTD_E_INVALID);
   CHECK_EQ_INT(weightd_set_tensor(a, 3, &t), WEIGHTD_E_NOT_FOUND);
   CHECK_EQ_INT(weightd_set_find(a, "model.norm.weight", &t), 0);
   CHECK(strcmp(t.dtype, "F32") == 0);
@@ -744,6 +766,34 @@ static void test_timeout(void) {
   fake_stop(f);
 }
 
+/*
+ * A release answered after the handle's timeout still ends (0): it is not
+ * subject to the per-frame timeout, so a lease is never left to a late reply.
+ */
+static void test_release_outlasts_the_timeout(void) {
+  struct fake *f = fake_start(FAKE_NORMAL);
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(f->sock_path, &c), 0);
+  weightd_set *s = NULL;
+  CHECK_EQ_INT(weightd_attach(c, "s1", &s), 0);
+  pthread_mutex_lock(&f->lock);
+  f->release_delay_ms = 300;
+  pthread_mutex_unlock(&f->lock);
+  weightd_set_timeout(c, 20);
+  CHECK_EQ_INT(weightd_release(s), 0);
+  pthread_mutex_lock(&f->lock);
+  CHECK_EQ_INT(f->releases, 1);
+  CHECK(strcmp(f->last_released, "l1") == 0);
+  pthread_mutex_unlock(&f->lock);
+  CHECK_EQ_INT(slab_mappings(), 0);
+  /* The timeout still holds for other calls, and the stream is in step. */
+  CHECK_EQ_INT(weightd_request(c, "{\"op\":\"status\",\"slow_ms\":300}", NULL, NULL, NULL), WEIGHTD_E_TIMEOUT);
+  weightd_set_timeout(c, 0);
+  CHECK_EQ_INT(weightd_open(c, "/denied"), WEIGHTD_E_PATH_DENIED);
+  weightd_close(c);
+  fake_stop(f);
+}
+
 static void test_shutdown_event(void) {
   struct fake *f = fake_start(FAKE_NORMAL);
   weightd_client *c = NULL;
@@ -763,7 +813,7 @@ static void test_close_detaches_sets(void) {
   CHECK_EQ_INT(weightd_attach(c, "s1", &s), 0);
   weightd_close(c);
   /* The set stays mapped and readable; release only unmaps (nothing is sent). */
-  weightd_tensor t;
+  weightd_tensor t = {.struct_size = sizeof t};
   CHECK_EQ_INT(weightd_set_find(s, "lm_head.weight", &t), 0);
   CHECK(check_tensor_bytes(&t));
   CHECK_EQ_INT(slab_mappings(), 1);
@@ -783,7 +833,7 @@ static void test_fork_child(void) {
   if (pid == 0) {
     /* The child may not use the parent's handle, and its release sends nothing. */
     int ok = weightd_open(c, "/x") == WEIGHTD_E_INVALID && strstr(weightd_last_error(c), "fork") != NULL;
-    weightd_tensor t;
+    weightd_tensor t = {.struct_size = sizeof t};
     ok = ok && weightd_set_find(s, "lm_head.weight", &t) == 0 && check_tensor_bytes(&t);
     ok = ok && weightd_release(s) == 0;
     _exit(ok ? 0 : 1);
@@ -823,6 +873,7 @@ int main(void) {
   RUN(test_attach_path);
   RUN(test_bad_handles_release_lease);
   RUN(test_timeout);
+  RUN(test_release_outlasts_the_timeout);
   RUN(test_shutdown_event);
   RUN(test_close_detaches_sets);
   RUN(test_fork_child);

@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -89,7 +90,7 @@ static int set_matches_file(const weightd_set *s) {
   int ok = fd >= 0 && weightd_set_tensor_count(s) == NTENSORS;
   for (size_t i = 0; ok && i < h->ntensors; i++) {
     const struct st_tensor *t = &h->tensors[i];
-    weightd_tensor wt;
+    weightd_tensor wt = {.struct_size = sizeof wt};
     if (weightd_set_find(s, t->name, &wt) != 0 || wt.nbytes != t->end - t->begin) {
       ok = 0;
       break;
@@ -198,7 +199,7 @@ static void test_early_attach(void) {
   CHECK_EQ_INT(weightd_set_tensor_count(s), NTENSORS);
   uint64_t last = 0;
   for (size_t i = 0; i < weightd_set_tensor_count(s); i++) {
-    weightd_tensor t;
+    weightd_tensor t = {.struct_size = sizeof t};
     CHECK_EQ_INT(weightd_set_wait_tensor(s, i, 30000), 0);
     CHECK_EQ_INT(weightd_set_tensor(s, i, &t), 0);
     uint64_t ready = weightd_set_ready_bytes(s);
@@ -224,6 +225,60 @@ static void test_early_attach(void) {
   CHECK_EQ_INT(weightd_release(s), 0);
   CHECK_EQ_INT(weightd_set_state(NULL), 0);
   weightd_close(c);
+}
+
+/*
+ * A second daemon whose loads the test gate (a FIFO nobody writes) holds
+ * before the first window, killed while an early set of it is loading: the
+ * wait must end with CLOSED and the set say FAILED. 60 s bounds the wait
+ * only so that the old behaviour (waiting forever) fails instead of hanging.
+ */
+static void test_wait_after_daemon_death(void) {
+  const char *exe = getenv("WEIGHTD");
+  char gate[PATH_MAX + 16], sock2[PATH_MAX + 16], log2[PATH_MAX + 16];
+  snprintf(gate, sizeof gate, "%s/gate", dir);
+  snprintf(sock2, sizeof sock2, "%s/gated.sock", dir);
+  snprintf(log2, sizeof log2, "%s/gated.log", dir);
+  CHECK_EQ_INT(mkfifo(gate, 0600), 0);
+  int writer = open(gate, O_RDWR | O_NONBLOCK | O_CLOEXEC); /* keeps the gate shut: no byte, no end of file */
+  char setting[PATH_MAX + 32];
+  snprintf(setting, sizeof setting, "test_load_gate=%s", gate);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int fd = open(log2, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, STDOUT_FILENO);
+    dup2(fd, STDERR_FILENO);
+    execl(exe, exe, "--foreground", "--backend", backend, "--socket", sock2, "--model-root", dir, "--set",
+          "metrics_address=", "--set", setting, (char *)NULL);
+    _exit(127);
+  }
+  weightd_client *c = NULL;
+  for (int i = 0; i < 400 && weightd_connect(sock2, &c) != 0; i++) {
+    weightd_close(c);
+    c = NULL;
+    sleep_ms(50);
+  }
+  CHECK(c != NULL);
+  weightd_set *s = NULL;
+  struct weightd_load_options o = {.struct_size = sizeof o, .flags = WEIGHTD_ATTACH_EARLY};
+  if (c != NULL) CHECK_EQ_INT(weightd_attach_path(c, ckpt, &o, &s), 0);
+  if (s != NULL) {
+    CHECK_EQ_INT(weightd_set_state(s), WEIGHTD_SET_LOADING);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    pid = -1;
+    CHECK_EQ_INT(weightd_set_wait(s, NULL, 60000), WEIGHTD_E_CLOSED);
+    CHECK_EQ_INT(weightd_set_wait_tensor(s, 0, 60000), WEIGHTD_E_CLOSED);
+    CHECK_EQ_INT(weightd_set_state(s), WEIGHTD_SET_FAILED);
+    CHECK_STR_CONTAINS(weightd_set_load_error(s), "exited");
+    CHECK_EQ_INT(weightd_release(s), 0);
+  }
+  weightd_close(c);
+  if (pid > 0) {
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+  }
+  if (writer >= 0) close(writer);
 }
 
 static void test_errors(void) {
@@ -334,6 +389,7 @@ int main(int argc, char **argv) {
   RUN(test_early_attach);
   RUN(test_errors);
   RUN(test_group);
+  RUN(test_wait_after_daemon_death);
   RUN(test_shutdown);
   if (tu_tests_failed) show_log();
   if (daemon_pid > 0) {

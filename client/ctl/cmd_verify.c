@@ -137,12 +137,12 @@ int ctl_verify_set(const weightd_set *s, const char *ckpt_path, const cJSON *spe
   ctl_sigbus_guard("verify", NULL);
   size_t n = weightd_set_tensor_count(s);
   for (size_t i = 0; i < n; i++) {
-    weightd_tensor t;
+    weightd_tensor t = {.struct_size = sizeof t};
     if (weightd_set_tensor(s, i, &t) == 0) v.total += t.nbytes;
   }
   ctl_progress_begin("verify");
   for (size_t i = 0; i < n; i++) {
-    weightd_tensor t;
+    weightd_tensor t = {.struct_size = sizeof t};
     weightd_set_tensor(s, i, &t);
     const struct plan_output *o = output_find(by_name, p->noutputs, t.name);
     if (o == NULL) {
@@ -155,7 +155,7 @@ int ctl_verify_set(const weightd_set *s, const char *ckpt_path, const cJSON *spe
     res->bytes += t.nbytes;
   }
   for (size_t i = 0; i < p->noutputs; i++) {
-    weightd_tensor t;
+    weightd_tensor t = {.struct_size = sizeof t};
     if (weightd_set_find(s, p->outputs[i].name, &t) != 0) {
       ctl_errorf("verify: output '%s' of plan %s is missing from set %s", p->outputs[i].name, p->key,
                  weightd_set_id(s));

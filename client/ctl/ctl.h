@@ -249,7 +249,11 @@ int ctl_request(weightd_client *c, cJSON *req, weightd_progress_fn progress, voi
 /* A new request {"op": op}; exits on out-of-memory (there is nothing useful left to do). */
 cJSON *ctl_request_new(const char *op);
 
-/* Adds "path": the path made absolute against the current directory. */
+/*
+ * Adds "path": the path made absolute against the current directory. When
+ * it cannot be (no working directory, too long), says so naming the path
+ * and exits with CTL_EXIT_FAIL, as lib_add_path fails.
+ */
 void ctl_add_path(cJSON *req, const char *path);
 
 /* Adds "device": D as given (a UUID or an index, which the daemon accepts as text). */

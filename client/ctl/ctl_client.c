@@ -1,4 +1,5 @@
 /* ctl_client.c - what weightctl's daemon commands share: connecting, requests, errors, output. */
+#include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
@@ -69,13 +70,26 @@ cJSON *ctl_request_new(const char *op) {
 }
 
 void ctl_add_path(cJSON *req, const char *path) {
-  char buf[2 * PATH_MAX + 2], cwd[PATH_MAX];
+  char buf[PATH_MAX], cwd[PATH_MAX];
   const char *p = path;
-  if (path[0] != '/' && getcwd(cwd, sizeof cwd) != NULL) {
+  if (path[0] != '/') {
+    /* A relative path sent as it is would be resolved in the daemon's directory: refuse it. */
+    if (getcwd(cwd, sizeof cwd) == NULL) {
+      ctl_errorx(weightd_err_name(WEIGHTD_E_IO), "%s: cannot make the path absolute: %s", path, strerror(errno));
+      exit(CTL_EXIT_FAIL);
+    }
     int n = snprintf(buf, sizeof buf, "%s/%s", strcmp(cwd, "/") == 0 ? "" : cwd, path);
-    if (n > 0 && (size_t)n < sizeof buf) p = buf;
+    if (n < 0 || (size_t)n >= sizeof buf) {
+      ctl_errorx(weightd_err_name(WEIGHTD_E_INVALID), "%.200s%s: path too long to make absolute (over %d bytes)",
+                 path, strlen(path) > 200 ? "..." : "", PATH_MAX - 1);
+      exit(CTL_EXIT_FAIL);
+    }
+    p = buf;
   }
-  cJSON_AddStringToObject(req, "path", p);
+  if (cJSON_AddStringToObject(req, "path", p) == NULL) {
+    ctl_errorf("out of memory");
+    exit(CTL_EXIT_FAIL);
+  }
 }
 
 void ctl_add_device(cJSON *req, const char *device) {

@@ -256,7 +256,9 @@ int weightd_attach_early(weightd_client *c, const char *set_id, weightd_set **ou
  * Releases the lease and unmaps the set (once no other attach in this process
  * uses it), then frees s, also when the daemon's answer is an error (which is
  * returned). A set whose handle was closed or whose connection died only
- * unmaps. NULL-safe.
+ * unmaps. The handle's timeout (weightd_set_timeout) does not apply: the
+ * call waits for the daemon's answer, which needs no I/O, so that a lease is
+ * never left behind a reply nobody waits for. NULL-safe.
  */
 int weightd_release(weightd_set *s);
 
@@ -354,7 +356,17 @@ enum weightd_handle_kind {
   WEIGHTD_HANDLE_CUDA_VMM = 3, /* a CUDA VMM allocation's file descriptor, imported and mapped */
 };
 
+/*
+ * One tensor of a set, filled by weightd_set_tensor / weightd_set_find.
+ * Versioned like the options structs: the caller sets struct_size to
+ * sizeof(weightd_tensor) as it was compiled, and the library fills only the
+ * fields that fit in it (later versions add fields at the end). struct_size
+ * 0 stands for this first version's size, so a zero-initialised struct
+ * works; from 1 to sizeof(size_t) - 1 it is WEIGHTD_E_INVALID. The library
+ * never writes struct_size.
+ */
 typedef struct weightd_tensor {
+  size_t struct_size;    /* set by the caller: sizeof(weightd_tensor), or 0 */
   const char *name;
   const char *dtype;     /* safetensors dtype name: "BF16", "F8_E4M3", ... */
   int ndim;
@@ -421,6 +433,15 @@ const char *weightd_set_load_error(const weightd_set *s);
  * so: waiting for it succeeds after a failure too. name NULL waits for the
  * whole set and succeeds only when the load ended READY. On a GPU, a tensor
  * in place is visible to kernels the caller launches afterwards.
+ *
+ * A daemon that dies mid-load cannot say so on the page: a wait then ends
+ * with WEIGHTD_E_CLOSED within about 100 ms of its death, and the state
+ * reads FAILED ("the daemon exited before the load finished"). The library
+ * knows the daemon's process from the connection's peer credentials (a
+ * pidfd on Linux 5.3 and later, else kill(pid, 0)); where it cannot (the
+ * daemon in a pid namespace this process does not see, or a socket the
+ * service manager listened on), waits cannot tell, and only the timeout ends
+ * them: give one.
  */
 int weightd_set_wait(const weightd_set *s, const char *name, int timeout_ms);
 /* The same for the tensor at index i (weightd_set_tensor's order). */

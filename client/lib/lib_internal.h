@@ -87,6 +87,8 @@ struct weightd_set {
   struct lib_mapping *map;
   struct lib_table *table;         /* the binary table; NULL: the JSON table below */
   const struct wd_progress_page *page; /* an early attach's progress page; NULL: the set was ready */
+  pid_t daemon_pid;                /* with a page: the daemon that writes it (SO_PEERCRED); 0 unknown */
+  int daemon_pidfd;                /* with a page: a pidfd of daemon_pid, or -1 (kill(pid, 0) is asked) */
   size_t ntensors;
   struct weightd_tensor *tensors; /* slab order, data filled in */
   size_t *by_name;                /* indexes into tensors, sorted by name */

@@ -197,7 +197,15 @@ int weightd_release(weightd_set *s) {
         cJSON_Delete(req);
         rc = lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
       } else {
+        /*
+         * No per-frame timeout: a release given up on would report an error
+         * for a lease the daemon still ends, and leave its reply to be
+         * skipped later. The daemon answers release without I/O.
+         */
+        int saved = c->timeout_ms;
+        c->timeout_ms = -1;
         rc = simple_call(c, req);
+        c->timeout_ms = saved;
         /* A connection that died meanwhile took the lease with it. */
         if (c->broken && (rc == WEIGHTD_E_CLOSED || rc == WEIGHTD_E_SHUTDOWN)) rc = 0;
       }

@@ -5,10 +5,20 @@
  * name is a binary search over its index; nothing is allocated per tensor)
  * or, from a daemon without it, the JSON list copied into arrays here.
  * An early attach's progress page is read in place too; waiting on it is a
- * FUTEX_WAIT, which touches no handle, so any thread may wait.
+ * FUTEX_WAIT, which touches no handle, so any thread may wait. Only the
+ * daemon writes that page, so a daemon that dies mid-load would leave it
+ * saying "loading" for good: the set follows the daemon's process (its pid
+ * from SO_PEERCRED, through a pidfd where the kernel has them) and a wait
+ * asks between slices whether it still runs.
  */
+#include <errno.h>
+#include <poll.h>
+#include <signal.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "lib_internal.h"
@@ -147,6 +157,42 @@ static int map_page(weightd_client *c, weightd_set *s, const struct sj_node *pg,
   return 0;
 }
 
+/* ---- the daemon's process ------------------------------------------------------------ */
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434 /* Linux 5.3, the same number on every architecture */
+#endif
+
+/*
+ * Records which process writes the set's page: the peer of the connection
+ * the attach reply came on, which is running now (it just answered), opened
+ * as a pidfd so that a later reuse of the pid cannot pass for it. The pid is
+ * unknown (0: waits then cannot tell) when the daemon lives in a pid
+ * namespace this process does not see. Under socket activation the peer is
+ * the service manager that listened, which outlives the daemon: waits then
+ * behave as without this.
+ */
+static void daemon_watch(weightd_client *c, weightd_set *s) {
+  struct ucred cred;
+  socklen_t len = sizeof cred;
+  if (getsockopt(c->sock, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) return;
+  s->daemon_pid = cred.pid;
+  long fd = syscall(SYS_pidfd_open, cred.pid, 0);
+  s->daemon_pidfd = fd >= 0 ? (int)fd : -1;
+}
+
+/* Whether the daemon that writes s's page still runs (ppage_alive_fn): unknown counts as running. */
+static int daemon_alive(const void *arg) {
+  const weightd_set *s = arg;
+  if (s->daemon_pidfd >= 0) {
+    /* A pidfd turns readable when its process has exited. */
+    struct pollfd p = {.fd = s->daemon_pidfd, .events = POLLIN};
+    return poll(&p, 1, 0) <= 0;
+  }
+  if (s->daemon_pid > 0) return kill(s->daemon_pid, 0) == 0 || errno != ESRCH;
+  return 1;
+}
+
 /* ---- handles ------------------------------------------------------------------------ */
 
 /* Maps the reply's single slab handle. */
@@ -214,6 +260,7 @@ int lib_set_from_reply(weightd_client *c, const struct sj_node *reply, struct wi
   weightd_set *s = calloc(1, sizeof *s);
   if (s == NULL) return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
   s->pid = getpid();
+  s->daemon_pidfd = -1;
   const char *id = lib_sj_str(reply, "set"), *lease = lib_sj_str(reply, "lease");
   const char *device = lib_sj_str(reply, "device");
   int rc;
@@ -232,6 +279,7 @@ int lib_set_from_reply(weightd_client *c, const struct sj_node *reply, struct wi
   const struct sj_node *tt = lib_sj_get(reply, "tensor_table"), *pg = lib_sj_get(reply, "progress");
   if ((rc = tt != NULL ? read_table(c, s, tt, frame) : read_tensors(c, s, reply)) != 0) goto fail;
   if (pg != NULL && (rc = map_page(c, s, pg, frame)) != 0) goto fail;
+  if (pg != NULL) daemon_watch(c, s);
   if ((rc = map_handle(c, s, reply, frame)) != 0) goto fail;
   for (size_t i = 0; i < s->ntensors; i++)
     s->tensors[i].data = s->map->base ? (char *)s->map->base + s->tensors[i].offset : NULL;
@@ -253,6 +301,7 @@ void lib_set_free(weightd_set *s) {
   free(s->device);
   lib_table_put(s->table);
   ppage_unmap(s->page);
+  if (s->daemon_pidfd >= 0) close(s->daemon_pidfd);
   free(s->tensors);
   free(s->by_name);
   free(s->strings);
@@ -283,6 +332,20 @@ size_t weightd_set_tensor_count(const weightd_set *s) {
   return s == NULL ? 0 : s->table != NULL ? (size_t)s->table->t.count : s->ntensors;
 }
 
+/* The size of weightd_tensor's first version, which struct_size 0 stands for. */
+#define TENSOR_V1_BYTES (offsetof(weightd_tensor, data) + sizeof(void *))
+_Static_assert(TENSOR_V1_BYTES == sizeof(weightd_tensor), "struct_size 0 means the whole first version");
+
+/* Copies t into the caller's out, as much of it as out's struct_size holds (see weightd.h). */
+static int tensor_out(const weightd_tensor *t, weightd_tensor *out) {
+  size_t n = out->struct_size == 0 ? TENSOR_V1_BYTES : out->struct_size;
+  if (n < sizeof out->struct_size) return WEIGHTD_E_INVALID;
+  if (n > sizeof *t) n = sizeof *t;
+  const size_t skip = sizeof out->struct_size;
+  memcpy((char *)out + skip, (const char *)t + skip, n - skip);
+  return 0;
+}
+
 /* Tensor i of a binary table as the public struct: pointers into the table. */
 static void table_tensor(const weightd_set *s, size_t i, weightd_tensor *out) {
   struct ttab_entry e;
@@ -299,9 +362,10 @@ static void table_tensor(const weightd_set *s, size_t i, weightd_tensor *out) {
 int weightd_set_tensor(const weightd_set *s, size_t i, weightd_tensor *out) {
   if (s == NULL || out == NULL) return WEIGHTD_E_INVALID;
   if (i >= weightd_set_tensor_count(s)) return WEIGHTD_E_NOT_FOUND;
-  if (s->table != NULL) table_tensor(s, i, out);
-  else *out = s->tensors[i];
-  return 0;
+  if (s->table == NULL) return tensor_out(&s->tensors[i], out);
+  weightd_tensor t;
+  table_tensor(s, i, &t);
+  return tensor_out(&t, out);
 }
 
 /* The number of the tensor called name in slab order, or -1. */
@@ -336,6 +400,11 @@ enum weightd_set_state weightd_set_state(const weightd_set *s) {
   if (s == NULL) return (enum weightd_set_state)0;
   if (s->page == NULL) return WEIGHTD_SET_READY;
   uint32_t st = atomic_load_explicit(&s->page->state, memory_order_acquire);
+  /* The daemon's last words are on the page before it exits: look again once it is gone. */
+  if (st == WD_PAGE_LOADING && !daemon_alive(s)) {
+    st = atomic_load_explicit(&s->page->state, memory_order_acquire);
+    if (st == WD_PAGE_LOADING) return WEIGHTD_SET_FAILED;
+  }
   return st <= WD_PAGE_CANCELED ? from_page[st] : WEIGHTD_SET_FAILED;
 }
 
@@ -349,6 +418,8 @@ uint64_t weightd_set_ready_bytes(const weightd_set *s) {
 const char *weightd_set_load_error(const weightd_set *s) {
   enum weightd_set_state st = weightd_set_state(s);
   if (st != WEIGHTD_SET_FAILED && st != WEIGHTD_SET_CANCELED) return "";
+  if (atomic_load_explicit(&s->page->state, memory_order_acquire) == WD_PAGE_LOADING)
+    return "the daemon exited before the load finished";
   /* Written before the state: complete now. A message without its NUL is no message. */
   return memchr(s->page->message, '\0', sizeof s->page->message) != NULL ? s->page->message : "";
 }
@@ -357,14 +428,14 @@ int weightd_set_wait_tensor(const weightd_set *s, size_t index, int timeout_ms) 
   if (s == NULL) return WEIGHTD_E_INVALID;
   if (index >= weightd_set_tensor_count(s)) return WEIGHTD_E_NOT_FOUND;
   if (s->page == NULL) return 0;
-  weightd_tensor t;
+  weightd_tensor t = {.struct_size = sizeof t};
   weightd_set_tensor(s, index, &t);
-  return ppage_wait(s->page, t.offset + t.nbytes, timeout_ms < 0 ? -1 : timeout_ms);
+  return ppage_wait(s->page, t.offset + t.nbytes, timeout_ms < 0 ? -1 : timeout_ms, daemon_alive, s);
 }
 
 int weightd_set_wait(const weightd_set *s, const char *name, int timeout_ms) {
   if (s == NULL) return WEIGHTD_E_INVALID;
-  if (name == NULL) return s->page == NULL ? 0 : ppage_wait(s->page, UINT64_MAX, timeout_ms < 0 ? -1 : timeout_ms);
+  if (name == NULL) return s->page == NULL ? 0 : ppage_wait(s->page, UINT64_MAX, timeout_ms < 0 ? -1 : timeout_ms, daemon_alive, s);
   int64_t i = find_index(s, name);
   return i < 0 ? WEIGHTD_E_NOT_FOUND : weightd_set_wait_tensor(s, (size_t)i, timeout_ms);
 }

@@ -540,7 +540,7 @@ static int attach_probe(const char *set, const char *sock, int device) {
   t0 = clock_s();
   if (weightd_attach(c, set, &s) != 0) die("attach", weightd_last_error(c));
   size_t ntensors = weightd_set_tensor_count(s);
-  weightd_tensor t;
+  weightd_tensor t = {.struct_size = sizeof t};
   if (weightd_set_tensor(s, ntensors / 2, &t) != 0 || t.data == NULL) die("attach", "no usable pointer");
   double t_attach = clock_s() - t0;
   /* Touch the memory through the pointer to show it is usable. */
@@ -616,7 +616,7 @@ static int early_probe(const char *path, const char *sock, int device) {
   if (weightd_attach_path(c, path, &o, &s) != 0) die("early attach", weightd_last_error(c));
   double t_attach = clock_s() - t0;
   size_t n = weightd_set_tensor_count(s), last = 0;
-  weightd_tensor t;
+  weightd_tensor t = {.struct_size = sizeof t};
   for (size_t i = 0; i < n; i++)
     if (weightd_set_tensor(s, i, &t) == 0 && strstr(t.name, ".layers.0.") != NULL) last = i;
   int rc = weightd_set_wait_tensor(s, last, 600000);

@@ -164,7 +164,7 @@ static void verify_plan_waiting(weightd_set *s, const struct ckpt *c, const char
   size_t cap = 64u << 20, bad = 0;
   unsigned char *dev = malloc(cap), *want = malloc(cap);
   for (size_t i = 0; i < n; i++) {
-    weightd_tensor t;
+    weightd_tensor t = {.struct_size = sizeof t};
     CHECK_EQ_INT(weightd_set_tensor(s, i, &t), 0);
     const struct plan_output *o = NULL;
     for (size_t k = 0; k < p->noutputs; k++)
@@ -360,7 +360,7 @@ static int attach_cycle(const char *set_id, unsigned char *out, size_t *n) {
     fprintf(stderr, "attach: %s\n", weightd_last_error(g_c));
     return -1;
   }
-  weightd_tensor t;
+  weightd_tensor t = {.struct_size = sizeof t};
   int rc = weightd_set_tensor(s, 0, &t) == 0 ? 0 : -1;
   *n = rc == 0 && t.nbytes < *n ? (size_t)t.nbytes : *n;
   if (rc == 0 && cudaMemcpy(out, t.data, *n, cudaMemcpyDeviceToHost) != cudaSuccess) rc = -1;

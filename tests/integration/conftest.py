@@ -246,6 +246,7 @@ class Daemon:
         self.log_level = log_level or os.environ.get("WD_DAEMON_LOG_LEVEL", "info")
         self.proc = None
         self.exit_code = None
+        self.expect_exit = 0  # the status stop() checks; a test that kills the daemon sets it
         self.stopped = False
 
     def argv(self):
@@ -418,7 +419,7 @@ class Daemon:
                 self.stop_seconds = time.monotonic() - t0
             else:
                 self.wait_exit(1)
-        self.check_exit()
+        self.check_exit(self.expect_exit)
 
     def check_exit(self, expect=0):
         rc = self.proc.returncode

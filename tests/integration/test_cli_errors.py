@@ -114,3 +114,24 @@ def test_cancel_of_another_uids_request_is_refused(start_daemon, ckpt_sharded):
         assert loader.returncode == 0, "nobody's cancel stopped root's load"
         return
     pytest.fail("five loads finished before nobody's cancel reached them")
+
+
+# ---- paths the client cannot make absolute --------------------------------------------------------
+
+
+def test_a_relative_path_with_no_working_directory_is_refused(tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    # The working directory is removed under the command: getcwd fails, and the relative path
+    # must not travel as it is (the daemon would resolve it in its own directory).
+    p = subprocess.run(["sh", "-c", 'cd "$1" && rmdir "$1" && exec "$2" --socket "$3" open model-x', "sh",
+                        str(gone), WEIGHTCTL, str(tmp_path / "none.sock")], capture_output=True, text=True,
+                       timeout=60 * SLOW)
+    assert p.returncode == 1, (p.returncode, p.stderr)
+    assert "model-x" in p.stderr and "cannot make the path absolute" in p.stderr, p.stderr
+
+
+def test_a_relative_path_too_long_to_make_absolute_is_refused(tmp_path):
+    name = "d" * 5000
+    res = ctl("--socket", tmp_path / "none.sock", "open", name)
+    one_error_line(res, 1, "path too long", name[:40])

@@ -6,7 +6,9 @@ the binding reports it ready, and the daemon's test gate holds a load midway
 where a test needs one stopped there.
 """
 import os
+import signal
 import tempfile
+import threading
 
 import pytest
 
@@ -90,3 +92,33 @@ def test_a_canceled_load_is_seen_by_the_early_set(gated_daemon, ckpt_small):
             s.release()
         wait_leases(d, 0)
         wait_until(lambda: d.status()["devices"][0]["used"] == 0, timeout=10 * SLOW, what="the slab to be freed")
+
+
+def test_a_wait_ends_when_the_daemon_dies_mid_load(gated_daemon, ckpt_small):
+    d, gate = gated_daemon
+    with weightd.Client(d.socket) as c:
+        s = c.attach(ckpt_small, early=True)
+        try:
+            assert s.state == "loading"
+            outcome = []
+
+            def waiter():
+                try:
+                    s.wait()
+                    outcome.append("returned")
+                except weightd.Error as e:
+                    outcome.append(e)
+
+            t = threading.Thread(target=waiter, daemon=True)
+            t.start()
+            d.expect_exit = -signal.SIGKILL
+            d.proc.send_signal(signal.SIGKILL)  # the gate holds the first window: the page says "loading" for good
+            t.join(timeout=60 * SLOW)  # a bound against hanging, not a measure of speed
+            assert not t.is_alive(), "the wait did not notice that the daemon died"
+            assert len(outcome) == 1 and isinstance(outcome[0], weightd.ClosedError), outcome
+            assert "exited" in str(outcome[0])
+            assert s.state == "failed" and "exited" in s.load_error
+            with pytest.raises(weightd.ClosedError):
+                s.wait(min(s.infos(), key=lambda i: i.offset).name, timeout=60 * SLOW)
+        finally:
+            s.release()

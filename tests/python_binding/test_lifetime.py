@@ -142,3 +142,72 @@ def test_calling_the_client_from_its_progress_callback_is_refused(client, ckpt_f
     client.load(ckpt_for_slow_load, progress=on_progress)
     assert seen
     assert client.status()["sets"]
+
+
+class _FreedWatch:
+    """Stands in for libweightd in weightd.sets and weightd._conn: records the sets released, and
+    holds one reader's C call open (after it took the set's pointer) until told to go on."""
+
+    def __init__(self, real, held):
+        self.real, self.held = real, held
+        self.freed, self.used_after_free = set(), []
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        real = getattr(self.real, name)
+        if name == "weightd_release":
+            def release(ptr):
+                self.freed.add(ptr)
+                return real(ptr)
+            return release
+        if name == self.held:
+            def held(ptr, *args):
+                if not self.entered.is_set():
+                    self.entered.set()
+                    self.go.wait(timeout=30)
+                if ptr in self.freed:
+                    self.used_after_free.append(name)
+                    return -2  # NOT_FOUND: the real call would read freed memory
+                return real(ptr, *args)
+            return held
+        return real
+
+
+@pytest.mark.parametrize("reader", ["getitem", "info", "contains", "names", "infos", "state"])
+def test_release_waits_for_a_read_in_progress_on_another_thread(client, tiny, monkeypatch, reader):
+    import weightd._conn
+    import weightd.sets
+
+    held = {"names": "weightd_set_tensor", "infos": "weightd_set_tensor",
+            "state": "weightd_set_state"}.get(reader, "weightd_set_find")
+    watch = _FreedWatch(weightd.sets.lib, held)
+    monkeypatch.setattr(weightd.sets, "lib", watch)
+    monkeypatch.setattr(weightd._conn, "lib", watch)
+    s = client.attach(tiny["a"])
+    name = s.names()[0]
+    read = {"getitem": lambda: s[name], "info": lambda: s.info(name), "contains": lambda: name in s,
+            "names": s.names, "infos": s.infos, "state": lambda: s.state}[reader]
+    if reader == "names":
+        s._names = None  # read from the table again
+    outcome = []
+
+    def reader_thread():
+        try:
+            outcome.append(read())
+        except (weightd.Error, KeyError) as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=reader_thread)
+    t.start()
+    assert watch.entered.wait(timeout=30)
+    releaser = threading.Thread(target=s.release)
+    releaser.start()
+    releaser.join(timeout=1)  # the old code freed the set here, under the reader's call
+    watch.go.set()
+    t.join(timeout=30)
+    releaser.join(timeout=30)
+    assert not t.is_alive() and not releaser.is_alive()
+    assert watch.used_after_free == []
+    assert len(outcome) == 1 and not isinstance(outcome[0], (weightd.Error, KeyError)), outcome
+    with pytest.raises(weightd.InvalidError):
+        s._make_slab()

@@ -50,9 +50,10 @@ ATTACH_EARLY = 1
 
 
 class Tensor(ctypes.Structure):
-    """struct weightd_tensor."""
+    """struct weightd_tensor (struct_size-versioned: set to ctypes.sizeof on construction)."""
 
     _fields_ = [
+        ("struct_size", ctypes.c_size_t),
         ("name", ctypes.c_char_p),
         ("dtype", ctypes.c_char_p),
         ("ndim", ctypes.c_int),
@@ -61,6 +62,9 @@ class Tensor(ctypes.Structure):
         ("nbytes", ctypes.c_uint64),
         ("data", ctypes.c_void_p),
     ]
+
+    def __init__(self) -> None:
+        super().__init__(ctypes.sizeof(Tensor))
 
 
 class LoadOptions(ctypes.Structure):

@@ -321,6 +321,7 @@ class Client:
         with conn.call() as c, call:
             rc = lib.weightd_attach_path(c, os.fsencode(path), ctypes.byref(opts), ctypes.byref(out))
             if rc == 0 and call.exc is not None:  # the progress callback raised: give the set back
+                lib.weightd_set_timeout(c, conn.timeout_ms)  # the callback set 1 ms to stop the call
                 lib.weightd_release(out.value)
             call.check(rc)
         return self._wrap_set(conn, out.value, tensor_type)

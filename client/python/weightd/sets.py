@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
+from contextlib import contextmanager
 from typing import Any, Iterator, NamedTuple
 
 from . import _cuda, _wrap
@@ -97,8 +98,10 @@ class AttachedSet(Mapping):
         self._slab: _wrap.Slab | None = None
         self._cache: dict[str, Any] = {}
         self._names: list[str] | None = None
-        self._waits = threading.Condition()  # release() waits for waits in progress
-        self._waiting = 0
+        # Every read of _ptr and the C call on it count as a reader; release() waits for readers
+        # in progress, so that no call reads a set it freed (waits come back within a slice).
+        self._readers_cv = threading.Condition()
+        self._readers = 0
 
     # ---- state ------------------------------------------------------------------
 
@@ -117,6 +120,19 @@ class AttachedSet(Mapping):
             raise by_name["INVALID"](f"set {self.id} was released; its arrays stay valid, the set gives no more")
         return self._ptr
 
+    @contextmanager
+    def _reading(self) -> Iterator[int]:
+        """The set's pointer, valid until the block ends: release() waits for the block."""
+        with self._readers_cv:
+            ptr = self._live()
+            self._readers += 1
+        try:
+            yield ptr
+        finally:
+            with self._readers_cv:
+                self._readers -= 1
+                self._readers_cv.notify_all()
+
     # ---- early attach: the load's progress ---------------------------------------
 
     @property
@@ -124,21 +140,24 @@ class AttachedSet(Mapping):
         """"loading", "ready", "failed" or "canceled" (a set not attached early is "ready")."""
         if not has("weightd_set_state"):
             return "ready"
-        return SET_STATES.get(lib.weightd_set_state(self._live()), "failed")
+        with self._reading() as ptr:
+            return SET_STATES.get(lib.weightd_set_state(ptr), "failed")
 
     @property
     def ready_bytes(self) -> int:
         """Slab bytes in place: a tensor is ready once its offset + nbytes is at most this."""
         if not has("weightd_set_ready_bytes"):
             return self.nbytes
-        return lib.weightd_set_ready_bytes(self._live())
+        with self._reading() as ptr:
+            return lib.weightd_set_ready_bytes(ptr)
 
     @property
     def load_error(self) -> str:
         """The daemon's message when the load failed or was canceled, else ""."""
         if not has("weightd_set_load_error"):
             return ""
-        return lib.weightd_set_load_error(self._live()).decode(errors="replace")
+        with self._reading() as ptr:
+            return lib.weightd_set_load_error(ptr).decode(errors="replace")
 
     # Waits run in slices, so that Ctrl-C and release() from another thread get through.
     _SLICE_MS = 100
@@ -146,16 +165,9 @@ class AttachedSet(Mapping):
     def _wait(self, call: Any, what: str, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            with self._waits:
-                ptr = self._live()
-                self._waiting += 1
-            try:
+            with self._reading() as ptr:
                 left = self._SLICE_MS if deadline is None else max(0, min(self._SLICE_MS, int((deadline - time.monotonic()) * 1000)))
                 rc = call(ptr, left)
-            finally:
-                with self._waits:
-                    self._waiting -= 1
-                    self._waits.notify_all()
             if rc == 0:
                 return
             name = lib.weightd_err_name(rc).decode()
@@ -202,52 +214,60 @@ class AttachedSet(Mapping):
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
             return False
-        return name in self._cache or lib.weightd_set_find(self._live(), name.encode(), Tensor()) == 0
+        if name in self._cache:
+            return True
+        with self._reading() as ptr:
+            return lib.weightd_set_find(ptr, name.encode(), Tensor()) == 0
 
     def __getitem__(self, name: str) -> Any:
         t = self._cache.get(name)
         if t is not None:
             return t
-        ptr = self._live()
-        info = Tensor()  # one per call: a set may be read from several threads
-        if not isinstance(name, str) or lib.weightd_set_find(ptr, name.encode(), info) != 0:
-            raise KeyError(name)
-        slab = self._slab or self._make_slab()
-        t = slab.view(name, info.dtype.decode(), tuple(info.shape[:info.ndim]), info.offset, info.nbytes)
-        self._cache[name] = t
-        return t
+        with self._reading() as ptr:
+            info = Tensor()  # one per call: a set may be read from several threads
+            if not isinstance(name, str) or lib.weightd_set_find(ptr, name.encode(), info) != 0:
+                raise KeyError(name)
+            slab = self._slab or self._make_slab()
+            t = slab.view(name, info.dtype.decode(), tuple(info.shape[:info.ndim]), info.offset, info.nbytes)
+            self._cache[name] = t
+            return t
 
     # Identity, not Mapping's element-wise comparison of arrays.
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
-    def _entries(self) -> Iterator[Tensor]:
-        """The table's entries in slab order (one struct, refilled: read it before the next)."""
-        ptr = self._live()
-        t = Tensor()
-        for i in range(self._count):
-            lib.weightd_set_tensor(ptr, i, t)
-            yield t
+    def _entries(self, convert: Any) -> list[Any]:
+        """convert(entry) for the table's entries in slab order (read while the set cannot go)."""
+        with self._reading() as ptr:
+            t = Tensor()
+            out = []
+            for i in range(self._count):
+                lib.weightd_set_tensor(ptr, i, t)
+                out.append(convert(t))
+            return out
 
     def names(self) -> list[str]:
         """Every tensor's name, in slab order (read from the table once)."""
         if self._names is None:
-            self._names = [t.name.decode() for t in self._entries()]
+            self._names = self._entries(lambda t: t.name.decode())
         return list(self._names)
 
     def info(self, name: str) -> TensorInfo:
         """The table entry of one tensor (no array is made)."""
         t = Tensor()
-        if lib.weightd_set_find(self._live(), name.encode(), t) != 0:
-            raise KeyError(name)
-        return _info(t)
+        with self._reading() as ptr:
+            if lib.weightd_set_find(ptr, name.encode(), t) != 0:
+                raise KeyError(name)
+            return _info(t)
 
     def infos(self) -> list[TensorInfo]:
         """Every table entry, in slab order."""
-        return [_info(t) for t in self._entries()]
+        return self._entries(_info)
 
     def _make_slab(self) -> _wrap.Slab:
         keeper = self._keeper
+        if keeper is None:
+            raise by_name["INVALID"](f"set {self.id} was released; its arrays stay valid, the set gives no more")
         if self.memory == "cuda":
             self._slab = _wrap.cuda_torch(self.base, self.nbytes, keeper, _cuda.index_of(self.device))
         elif self.memory == "host" and self.tensor_type == "torch":
@@ -278,12 +298,12 @@ class AttachedSet(Mapping):
         """
         if self._ptr is None:
             return not self._finalizer.alive
-        with self._waits:
+        with self._readers_cv:
             ptr, conn = self._ptr, self._conn
             self._ptr = None
             self._conn = None
-            while self._waiting:  # a wait on another thread ends within a slice
-                self._waits.wait()
+            while self._readers:  # a read on another thread ends; a wait within a slice
+                self._readers_cv.wait()
         self._cache.clear()
         self._slab = None
         self._keeper = None  # the finalizer runs here if no array holds the keeper
