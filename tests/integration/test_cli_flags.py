@@ -187,7 +187,7 @@ def test_bash_completion():
     assert complete("weightctl lo") == ["load"]
     assert complete("weightctl pre") == ["prefetch", "prewarm"]
     assert complete("weightctl load /x --tp-s") == ["--tp-size"]
-    assert complete("weightctl --json prewarm /x --d") == ["--device"]
+    assert complete("weightctl --json prewarm /x --d") == ["--device", "--devices"]
     assert complete("weightctl plan /x --preset ") == ["auto", "deepseek_v3", "dense", "qwen3_moe", "whole"]
     assert complete("weightctl help ev") == ["evict"]
     assert "--verify" in complete("weightctl attach s1 --")
