@@ -139,10 +139,9 @@ static void reply_attached(struct request *r, struct res_set *s) {
     req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
     return;
   }
-  /* A descriptor for the reply must leave the daemon room to accept and to work. */
-  uint64_t headroom = 64 + d->stats.connections + d->cfg.reserved_connections;
-  if ((b->ops->caps & WD_CAP_HOST_SLABS) && d->stats.fd_limit > 0 &&
-      d->stats.fds_queued + headroom + res_set_count(d->res) >= d->stats.fd_limit) {
+  /* A descriptor for the reply must leave the daemon room to accept (root too) and to work. */
+  if ((b->ops->caps & WD_CAP_HOST_SLABS) &&
+      d->stats.connections + d->stats.fds_queued + d->cfg.reserved_connections >= daemon_fd_budget(d)) {
     req_fail(r, WEIGHTD_E_LIMIT,
              "the daemon is near its descriptor limit (%" PRIu64 ", %" PRIu64 " waiting in unread replies); retry",
              d->stats.fd_limit, d->stats.fds_queued);

@@ -36,11 +36,15 @@ struct conn;
  *   finish  frees a request after its final reply (or without one)
  *   unqueue takes a queued, not yet started request with this id out of the
  *           connection's queue (for cancel); NULL if none
+ *   drop_args frees the parsed request (root) once nothing needs it (a
+ *           waiting load keeps only its id) and gives its request memory
+ *           back, so that connections waiting for that memory go on
  */
 struct conn_ops {
   int (*send)(struct conn *c, cJSON *msg, const int *fds, size_t nfds);
   void (*finish)(struct request *r);
   struct request *(*unqueue)(struct conn *c, const cJSON *id);
+  void (*drop_args)(struct request *r);
 };
 
 struct conn {
@@ -97,15 +101,6 @@ struct request {
   uint64_t mem;           /* request memory charged for root (released with it) */
   struct request *next_in_conn;
 };
-
-/* Frees the parsed request (once nothing needs it: a waiting load keeps only its id) and its memory charge. */
-static inline void req_args_free(struct request *r) {
-  cJSON_Delete(r->root);
-  r->root = NULL;
-  r->conn->request_mem -= r->mem;
-  r->conn->d->stats.request_mem -= r->mem;
-  r->mem = 0;
-}
 
 /* Root, or the daemon's own uid. */
 static inline bool conn_is_privileged(const struct conn *c) { return c->uid == 0 || c->uid == geteuid(); }

@@ -62,12 +62,6 @@ int res_device_count(const struct residency *r) { return r->ndevices; }
 struct res_device *res_device(struct residency *r, int device) { return &r->devices[device]; }
 void res_device_budget_set(struct residency *r, uint64_t budget) { r->device_budget = budget; }
 
-size_t res_set_count(const struct residency *r) {
-  size_t n = 0;
-  for (const struct res_set *s = r->sets; s != NULL; s = s->next) n++;
-  return n;
-}
-
 size_t res_count_sets_of(const struct residency *r, const struct reg_ckpt *ck) {
   size_t n = 0;
   for (const struct res_set *s = r->sets; s != NULL; s = s->next) n += s->ck == ck;

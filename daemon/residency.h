@@ -112,8 +112,6 @@ struct res_device *res_device(struct residency *r, int device);
 /* The budget of device's resident sets: configured, or derived (host: half of memory); 0 = none. */
 uint64_t res_device_budget(const struct residency *r, int device);
 void res_device_budget_set(struct residency *r, uint64_t budget);
-/* Sets of every state. */
-size_t res_set_count(const struct residency *r);
 /* Sets of ck (any state). */
 size_t res_count_sets_of(const struct residency *r, const struct reg_ckpt *ck);
 
