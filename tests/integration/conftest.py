@@ -10,6 +10,7 @@ is detected and run with detect_leaks=1). A failing test prints the log.
 """
 import faulthandler
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -199,7 +200,7 @@ def tiny(model_root):
 class Daemon:
     """One weightd process on a private socket."""
 
-    def __init__(self, workdir, model_root, settings=None, roots=None, log_level=None, public=False):
+    def __init__(self, workdir, model_root, settings=None, roots=None, log_level=None, public=False, nofile=None):
         self.dir = tempfile.mkdtemp(prefix="d-", dir=workdir)
         self.socket = os.path.join(self.dir, "weightd.sock")
         if len(self.socket) > 100 or public:  # sun_path holds 108 bytes
@@ -212,6 +213,7 @@ class Daemon:
         self.settings = dict(settings or {})
         self.roots = roots if roots is not None else [model_root]
         self.log_level = log_level or os.environ.get("WD_DAEMON_LOG_LEVEL", "info")
+        self.nofile = nofile  # (soft, hard) RLIMIT_NOFILE the daemon starts with, or None: inherited
         self.proc = None
         self.exit_code = None
         self.stopped = False
@@ -235,8 +237,14 @@ class Daemon:
         env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
         env.pop("WEIGHTD_SOCKET", None)
         self.log = open(self.log_path, "wb")
+        nofile = self.nofile
+
+        def limit_descriptors():
+            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
         self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env)
+                                     stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=limit_descriptors if nofile else None)
         deadline = time.monotonic() + timeout
         while "weightd: listening on " + self.socket not in self.log_text():
             if self.proc.poll() is not None:
@@ -322,6 +330,24 @@ class Daemon:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1])
         raise AssertionError("no VmRSS")
+
+    def rss_anon_kib(self):
+        """RssAnon: the daemon's own heap (not the memfd slabs, not the mapped shards)."""
+        return self.proc_status("RssAnon")
+
+    def proc_status(self, key):
+        """A field of /proc/PID/status in KiB (VmRSS, VmHWM, RssAnon, ...)."""
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        raise AssertionError(f"no {key} in /proc/{self.pid}/status")
+
+    def cpu_seconds(self):
+        """User plus system CPU time the daemon has used so far."""
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def threads(self):
         return len(os.listdir(f"/proc/{self.pid}/task"))
