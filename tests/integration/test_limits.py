@@ -409,6 +409,11 @@ def test_request_memory_bounds_many_large_requests(start_daemon):
         base = d.proc_status("VmRSS")
         reset_peak(d)
         conns = [d.connect() for _ in range(8)]
+        for k in conns:
+            # A socket's timeout bounds a whole sendall (4 MiB here, sent as the daemon takes it in): under
+            # ASan on a busy machine that is more than a minute, and a sender that gave up midway would leave
+            # its frame cut short.
+            k.settimeout(600)
         data = b"".join(pad_request("status", i, req) for i in range(16))
         senders = [threading.Thread(target=k.sock.sendall, args=(data,)) for k in conns]
         for t in senders:
