@@ -9,7 +9,8 @@ void backend_destroy(struct wd_backend *b) {
 }
 
 #ifndef WEIGHTD_HAVE_CUDA
-int backend_cuda_create(struct wd_backend *out, struct wd_error *err) {
+int backend_cuda_create(struct wd_backend *out, enum wd_handle_kind handles, struct wd_error *err) {
+  (void)handles;
   out->ops = NULL;
   out->ctx = NULL;
   return err_set(err, WEIGHTD_E_UNSUPPORTED, "this weightd was built without CUDA");

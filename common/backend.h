@@ -5,8 +5,11 @@
  * ggml's backends. Optional operations may be NULL and say so. Two backends
  * exist: `host`, where device memory is a sealed memfd handed to clients over
  * SCM_RIGHTS and a copy is a memcpy (CPU engines share weights through it,
- * and every daemon test runs on it), and `cuda`, where a slab is one
- * cudaMalloc allocation exported with cudaIpcGetMemHandle.
+ * and every daemon test runs on it), and `cuda`, where a slab is one CUDA VMM
+ * allocation exported once as a POSIX file descriptor (cuda_vmm handles, the
+ * default) or one cudaMalloc allocation exported with cudaIpcGetMemHandle
+ * (legacy cuda_ipc handles). A slab's handle kind is fixed when it is
+ * allocated.
  *
  * Threads: device queries, slab allocation and export run on the daemon's
  * loader threads or the loop thread; copies run on loader threads. A backend
@@ -22,7 +25,7 @@
 #include "error.h"
 
 #define WD_UUID_MAX 64
-#include "ipc_handle.h"
+#include "handles.h"
 
 struct wd_device_info {
   int index;               /* the daemon's index */
@@ -30,23 +33,29 @@ struct wd_device_info {
   char uuid[WD_UUID_MAX];  /* "GPU-8f0e...", "host-<machine id>" */
   uint64_t memory_total;
   uint64_t memory_free;
+  enum wd_handle_kind handles; /* the kind of handle this device's slabs get */
+  char handles_why[192];       /* why that is not the kind asked for ("" when it is) */
 };
 
-enum wd_handle_kind {
-  WD_HANDLE_FD,       /* a file descriptor the client maps (host backend) */
-  WD_HANDLE_CUDA_IPC, /* a cudaIpcMemHandle_t the client opens (cuda backend) */
-};
-
+/*
+ * One export of a slab. For WD_HANDLE_FD and WD_HANDLE_CUDA_VMM, fd is a new
+ * descriptor owned by the caller; for WD_HANDLE_CUDA_IPC it is -1 and ipc
+ * holds the handle. bytes is what the client maps: the slab's bytes (fd,
+ * cuda_ipc) or the whole allocation, a multiple of the VMM granularity
+ * (cuda_vmm).
+ */
 struct wd_handle {
   enum wd_handle_kind kind;
-  int fd; /* WD_HANDLE_FD: a new descriptor owned by the caller */
+  int fd;
   unsigned char ipc[WD_IPC_HANDLE_BYTES];
+  unsigned char alloc_id[WD_ALLOC_ID_BYTES]; /* cuda_vmm: the allocation's identity */
   uint64_t bytes;
 };
 
 /* One device allocation holding a resident set's tensors. */
 struct wd_slab {
   int device;
+  enum wd_handle_kind kind; /* fixed at allocation: what slab_export makes */
   uint64_t bytes;
   void *host_view; /* a writable host mapping while filling (host backend), else NULL */
   void *impl;      /* backend-private */
@@ -122,9 +131,12 @@ int backend_host_create(struct wd_backend *out, struct wd_error *err);
 
 /*
  * Creates the cuda backend: WEIGHTD_E_UNSUPPORTED when weightd was built
- * without CUDA, WEIGHTD_E_DEVICE when no usable GPU is present.
+ * without CUDA, WEIGHTD_E_DEVICE when no usable GPU is present. handles is
+ * the kind of handle slabs get, WD_HANDLE_CUDA_VMM or WD_HANDLE_CUDA_IPC; a
+ * device (or a driver) that cannot export VMM memory as file descriptors gets
+ * WD_HANDLE_CUDA_IPC instead, which its wd_device_info says, with why.
  */
-int backend_cuda_create(struct wd_backend *out, struct wd_error *err);
+int backend_cuda_create(struct wd_backend *out, enum wd_handle_kind handles, struct wd_error *err);
 
 /* Frees a backend created by one of the above (NULL-safe on an empty struct). */
 void backend_destroy(struct wd_backend *b);

@@ -1,34 +1,99 @@
 /*
- * backend_cuda.c - the cuda backend: one cudaMalloc slab per resident set,
- * exported with cudaIpcGetMemHandle; pinned staging buffers from
- * cudaHostAlloc; the pinned-resident tier through cudaHostRegister.
+ * backend_cuda.c - the cuda backend: one device allocation per resident set,
+ * shared with clients through a handle whose kind is fixed at allocation:
+ *   cuda_vmm (the default): cuMemCreate with POSIX-descriptor export, mapped
+ *     read-write in the daemon to fill it; exported once, at allocation, to a
+ *     descriptor the slab keeps, so an attach only dup()s it.
+ *   cuda_ipc (legacy): one cudaMalloc, exported with cudaIpcGetMemHandle.
+ * Pinned staging buffers come from cudaHostAlloc; the pinned-resident tier is
+ * cudaHostRegister. Copies use the runtime on either kind of slab (a VMM
+ * mapping is an ordinary device address to cudaMemcpyAsync).
+ *
+ * The daemon links the runtime only: the driver's VMM entry points come from
+ * cudaGetDriverEntryPointByVersion, so that weightd still starts (with the
+ * host backend) on a machine that has the toolkit but no driver.
  *
  * Every CUDA call is checked; a failure becomes WEIGHTD_E_DEVICE (or
  * WEIGHTD_E_DEVICE_NOMEM for allocation failures) with the CUDA error's name
- * in the message. The CUDA runtime is thread-safe; each entry point selects
- * its device on the calling thread first (cudaSetDevice is per thread).
+ * in the message. The CUDA runtime and driver are thread-safe; each entry
+ * point selects its device on the calling thread first (cudaSetDevice is per
+ * thread, and makes the device's primary context current for the driver
+ * calls too). The context below is written only by backend_cuda_create.
  */
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "backend.h"
 
 /*
- * Slabs are allocated in whole 2 MiB units: measured on an H200 (driver 580),
- * cudaIpcOpenMemHandle of a 7.49 GiB allocation takes 48 ms when its size is
- * not a multiple of 2 MiB and 0.25 ms when it is (tests/gpu/dma_study.c).
+ * Slabs are allocated in whole 2 MiB units at least: measured on an H200
+ * (driver 580), cudaIpcOpenMemHandle of a 7.49 GiB allocation takes 48 ms
+ * when its size is not a multiple of 2 MiB and 0.25 ms when it is
+ * (tests/gpu/dma_study.c). VMM slabs are also whole multiples of the
+ * granularity the driver recommends for the device.
  */
 #define CUDA_SLAB_GRAIN (2ull << 20)
 
 /* cudaHostRegister is asked for at most this much at once. */
 #define CUDA_REGISTER_CHUNK (64ull << 30)
 
+/*
+ * The CUDA version whose driver ABI is asked for: every driver entry point
+ * used here has had one signature since 10.2, and asking for a version newer
+ * than the installed driver fails.
+ */
+#define CUDA_DRIVER_ABI 12000
+
 _Static_assert(sizeof(cudaIpcMemHandle_t) == WD_IPC_HANDLE_BYTES, "the IPC handle size libweightd expects");
+
+/* The driver entry points VMM slabs need (cudaGetDriverEntryPointByVersion). */
+struct cu_vmm_api {
+  PFN_cuDeviceGet_v2000 device_get;
+  PFN_cuDeviceGetAttribute_v2000 device_get_attribute;
+  PFN_cuMemGetAllocationGranularity_v10020 granularity;
+  PFN_cuMemCreate_v10020 create;
+  PFN_cuMemAddressReserve_v10020 reserve;
+  PFN_cuMemMap_v10020 map;
+  PFN_cuMemSetAccess_v10020 set_access;
+  PFN_cuMemExportToShareableHandle_v10020 export_handle;
+  PFN_cuMemUnmap_v10020 unmap;
+  PFN_cuMemAddressFree_v10020 address_free;
+  PFN_cuMemRelease_v10020 release;
+  PFN_cuGetErrorName_v6000 error_name;
+};
+
+struct cuda_dev {
+  enum wd_handle_kind kind; /* what this device's slabs are exported as */
+  CUdevice cudev;           /* the driver's device (VMM) */
+  uint64_t grain;           /* VMM slabs are whole multiples of this */
+  char why[192];            /* why kind is not what was asked for */
+};
 
 struct cuda_ctx {
   int ndev;
+  struct cuda_dev *dev;
+  struct cu_vmm_api api; /* complete when any device uses VMM */
+};
+
+/* wd_slab.impl */
+struct cuda_slab {
+  void *base;                      /* the slab in the daemon's address space */
+  uint64_t alloc_bytes;            /* the whole allocation */
+  CUmemGenericAllocationHandle h;  /* VMM: the allocation */
+  int fd;                          /* VMM: the exported descriptor, dup'ed for each attach; else -1 */
+  unsigned char alloc_id[WD_ALLOC_ID_BYTES];
 };
 
 struct wd_stream {
@@ -51,6 +116,18 @@ static int cuda_fail(struct wd_error *err, cudaError_t e, const char *what) {
     cudaError_t ck_e = (call);                  \
     if (ck_e != cudaSuccess) return cuda_fail(err, ck_e, what); \
   } while (0)
+
+/* The driver's name of r ("CUDA_ERROR_OUT_OF_MEMORY"). */
+static const char *cu_name(const struct cuda_ctx *c, CUresult r) {
+  const char *name = NULL;
+  if (c->api.error_name == NULL || c->api.error_name(r, &name) != CUDA_SUCCESS || name == NULL) return "CUDA error";
+  return name;
+}
+
+static int cu_fail(const struct cuda_ctx *c, struct wd_error *err, CUresult r, const char *what) {
+  return err_set(err, r == CUDA_ERROR_OUT_OF_MEMORY ? WEIGHTD_E_DEVICE_NOMEM : WEIGHTD_E_DEVICE, "%s: %s (%d)", what,
+                 cu_name(c, r), (int)r);
+}
 
 static int cu_device_count(void *ctx) { return ((struct cuda_ctx *)ctx)->ndev; }
 
@@ -75,56 +152,304 @@ static int cu_device_info(void *ctx, int device, struct wd_device_info *out, str
   CK(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
   out->memory_total = total_b;
   out->memory_free = free_b;
+  out->handles = c->dev[device].kind;
+  snprintf(out->handles_why, sizeof out->handles_why, "%s", c->dev[device].why);
   return 0;
 }
 
-static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err) {
-  (void)ctx;
-  *out = NULL;
-  CK(cudaSetDevice(device), "cudaSetDevice");
-  void *p = NULL;
-  /* Whole 2 MiB units (see CUDA_SLAB_GRAIN); an empty set still gets one, to export. */
-  uint64_t alloc = bytes ? (bytes + CUDA_SLAB_GRAIN - 1) / CUDA_SLAB_GRAIN * CUDA_SLAB_GRAIN : CUDA_SLAB_GRAIN;
-  cudaError_t e = cudaMalloc(&p, alloc);
-  if (e != cudaSuccess) {
-    size_t free_b = 0, total_b = 0;
+/* ---- VMM: the driver, the devices, the granularity ------------------------------- */
+
+/* Fills *fn with the driver's entry point sym; 0, or -1 when the driver has none. */
+static int entry_point(const char *sym, void **fn) {
+  enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  *fn = NULL;
+  cudaError_t e = cudaGetDriverEntryPointByVersion(sym, fn, CUDA_DRIVER_ABI, cudaEnableDefault, &q);
+  if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || *fn == NULL) {
     cudaGetLastError();
-    cudaMemGetInfo(&free_b, &total_b);
-    return err_set(err, e == cudaErrorMemoryAllocation ? WEIGHTD_E_DEVICE_NOMEM : WEIGHTD_E_DEVICE,
-                   "cudaMalloc of %llu bytes on GPU %d: %s (%llu of %llu bytes free)",
-                   (unsigned long long)bytes, device, cudaGetErrorName(e),
-                   (unsigned long long)free_b, (unsigned long long)total_b);
+    *fn = NULL;
+    return -1;
   }
+  return 0;
+}
+
+/* Loads the VMM entry points; 0, or -1 with the first one missing named in why. */
+static int vmm_api_load(struct cu_vmm_api *a, char *why, size_t len) {
+  static const struct {
+    const char *sym;
+    size_t off;
+  } syms[] = {
+      {"cuGetErrorName", offsetof(struct cu_vmm_api, error_name)},
+      {"cuDeviceGet", offsetof(struct cu_vmm_api, device_get)},
+      {"cuDeviceGetAttribute", offsetof(struct cu_vmm_api, device_get_attribute)},
+      {"cuMemGetAllocationGranularity", offsetof(struct cu_vmm_api, granularity)},
+      {"cuMemCreate", offsetof(struct cu_vmm_api, create)},
+      {"cuMemAddressReserve", offsetof(struct cu_vmm_api, reserve)},
+      {"cuMemMap", offsetof(struct cu_vmm_api, map)},
+      {"cuMemSetAccess", offsetof(struct cu_vmm_api, set_access)},
+      {"cuMemExportToShareableHandle", offsetof(struct cu_vmm_api, export_handle)},
+      {"cuMemUnmap", offsetof(struct cu_vmm_api, unmap)},
+      {"cuMemAddressFree", offsetof(struct cu_vmm_api, address_free)},
+      {"cuMemRelease", offsetof(struct cu_vmm_api, release)},
+  };
+  memset(a, 0, sizeof *a);
+  for (size_t i = 0; i < sizeof syms / sizeof syms[0]; i++) {
+    /* Function pointers travel as void *, as dlsym's do (POSIX guarantees the conversion). */
+    if (entry_point(syms[i].sym, (void **)((char *)a + syms[i].off)) != 0) {
+      snprintf(why, len, "the CUDA driver has no %s", syms[i].sym);
+      memset(a, 0, sizeof *a);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* The properties of a device-resident allocation exportable as a POSIX descriptor. */
+static CUmemAllocationProp vmm_prop(CUdevice dev) {
+  CUmemAllocationProp prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  return prop;
+}
+
+static uint64_t gcd64(uint64_t a, uint64_t b) {
+  while (b != 0) {
+    uint64_t t = a % b;
+    a = b;
+    b = t;
+  }
+  return a;
+}
+
+static uint64_t lcm64(uint64_t a, uint64_t b) { return a / gcd64(a, b) * b; }
+
+/*
+ * Decides device i's handle kind under a VMM request: cuda_vmm when the
+ * device supports virtual memory management and POSIX-descriptor export,
+ * with the granularity it recommends (never below CUDA_SLAB_GRAIN); else
+ * cuda_ipc, with the reason in why.
+ */
+static void vmm_probe(struct cuda_ctx *c, int i) {
+  struct cuda_dev *d = &c->dev[i];
+  const struct cu_vmm_api *a = &c->api;
+  d->kind = WD_HANDLE_CUDA_IPC;
+  int vmm = 0, posix = 0;
+  CUresult r = a->device_get(&d->cudev, i);
+  if (r == CUDA_SUCCESS)
+    r = a->device_get_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, d->cudev);
+  if (r == CUDA_SUCCESS)
+    r = a->device_get_attribute(&posix, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, d->cudev);
+  if (r != CUDA_SUCCESS) {
+    snprintf(d->why, sizeof d->why, "querying VMM support: %s", cu_name(c, r));
+    return;
+  }
+  if (!vmm) {
+    snprintf(d->why, sizeof d->why, "the device does not support CUDA virtual memory management");
+    return;
+  }
+  if (!posix) {
+    snprintf(d->why, sizeof d->why, "the driver cannot export the device's memory as POSIX file descriptors");
+    return;
+  }
+  CUmemAllocationProp prop = vmm_prop(d->cudev);
+  size_t min = 0, rec = 0;
+  r = a->granularity(&min, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+  if (r == CUDA_SUCCESS) r = a->granularity(&rec, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+  if (r != CUDA_SUCCESS || min == 0 || rec == 0) {
+    snprintf(d->why, sizeof d->why, "cuMemGetAllocationGranularity: %s", r != CUDA_SUCCESS ? cu_name(c, r) : "0");
+    return;
+  }
+  d->grain = lcm64(lcm64(min, rec), CUDA_SLAB_GRAIN);
+  d->kind = WD_HANDLE_CUDA_VMM;
+}
+
+/* Random bytes that name one allocation (see WD_ALLOC_ID_BYTES). */
+static void alloc_id_draw(unsigned char id[WD_ALLOC_ID_BYTES]) {
+  if (getrandom(id, WD_ALLOC_ID_BYTES, 0) == (ssize_t)WD_ALLOC_ID_BYTES) return;
+  /* No entropy source: unique on this machine is enough (pid, clock, a counter). */
+  static atomic_uint_fast64_t serial;
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  uint64_t v[2] = {((uint64_t)getpid() << 32) ^ (uint64_t)atomic_fetch_add(&serial, 1),
+                   (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec};
+  _Static_assert(sizeof v == WD_ALLOC_ID_BYTES, "the fallback fills the id");
+  memcpy(id, v, sizeof v);
+}
+
+/* ---- slabs -------------------------------------------------------------------------------- */
+
+/* A slab size in whole grains; an empty set still gets one grain, to export. */
+static int round_to(uint64_t bytes, uint64_t grain, uint64_t *out, struct wd_error *err) {
+  if (bytes > UINT64_MAX - grain)
+    return err_set(err, WEIGHTD_E_DEVICE_NOMEM, "a slab of %llu bytes is larger than any device",
+                   (unsigned long long)bytes);
+  *out = bytes ? (bytes + grain - 1) / grain * grain : grain;
+  return 0;
+}
+
+static int nomem_message(struct wd_error *err, int code, const char *what, uint64_t bytes, int device,
+                         const char *name) {
+  size_t free_b = 0, total_b = 0;
+  cudaGetLastError();
+  cudaMemGetInfo(&free_b, &total_b);
+  return err_set(err, code, "%s of %llu bytes on GPU %d: %s (%llu of %llu bytes free)", what,
+                 (unsigned long long)bytes, device, name, (unsigned long long)free_b, (unsigned long long)total_b);
+}
+
+/* Legacy: one cudaMalloc (the current device is `device`). */
+static int ipc_alloc(int device, uint64_t bytes, struct cuda_slab *cs, struct wd_error *err) {
+  uint64_t alloc = 0;
+  int rc = round_to(bytes, CUDA_SLAB_GRAIN, &alloc, err);
+  if (rc != 0) return rc;
+  void *p = NULL;
+  cudaError_t e = cudaMalloc(&p, alloc);
+  if (e != cudaSuccess)
+    return nomem_message(err, e == cudaErrorMemoryAllocation ? WEIGHTD_E_DEVICE_NOMEM : WEIGHTD_E_DEVICE,
+                         "cudaMalloc", bytes, device, cudaGetErrorName(e));
+  cs->base = p;
+  cs->alloc_bytes = alloc;
+  return 0;
+}
+
+/*
+ * VMM: create, reserve an address range, map, allow the daemon's device to
+ * read and write it, and export the descriptor clients will get (the current
+ * device is `device`).
+ */
+static int vmm_alloc(const struct cuda_ctx *c, int device, uint64_t bytes, struct cuda_slab *cs,
+                     struct wd_error *err) {
+  const struct cu_vmm_api *a = &c->api;
+  const struct cuda_dev *d = &c->dev[device];
+  uint64_t alloc = 0;
+  int rc = round_to(bytes, d->grain, &alloc, err);
+  if (rc != 0) return rc;
+  CUmemAllocationProp prop = vmm_prop(d->cudev);
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r = a->create(&h, (size_t)alloc, &prop, 0);
+  if (r != CUDA_SUCCESS)
+    return nomem_message(err, r == CUDA_ERROR_OUT_OF_MEMORY ? WEIGHTD_E_DEVICE_NOMEM : WEIGHTD_E_DEVICE,
+                         "cuMemCreate", bytes, device, cu_name(c, r));
+  CUdeviceptr va = 0;
+  bool reserved = false, mapped = false;
+  int fd = -1;
+  /* Aligned to the grain, so that the mapping can use the largest pages. */
+  size_t align = (d->grain & (d->grain - 1)) == 0 ? (size_t)d->grain : 0;
+  if ((r = a->reserve(&va, (size_t)alloc, align, 0, 0)) != CUDA_SUCCESS) {
+    rc = cu_fail(c, err, r, "cuMemAddressReserve");
+    goto fail;
+  }
+  reserved = true;
+  if ((r = a->map(va, (size_t)alloc, 0, h, 0)) != CUDA_SUCCESS) {
+    rc = cu_fail(c, err, r, "cuMemMap");
+    goto fail;
+  }
+  mapped = true;
+  CUmemAccessDesc access;
+  memset(&access, 0, sizeof access);
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = d->cudev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if ((r = a->set_access(va, (size_t)alloc, &access, 1)) != CUDA_SUCCESS) {
+    rc = cu_fail(c, err, r, "cuMemSetAccess");
+    goto fail;
+  }
+  if ((r = a->export_handle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)) != CUDA_SUCCESS) {
+    rc = cu_fail(c, err, r, "cuMemExportToShareableHandle");
+    fd = -1;
+    goto fail;
+  }
+  /* The daemon never execs, but a descriptor that outlives a fork must not leak into a child's exec. */
+  int fl = fcntl(fd, F_GETFD);
+  if (fl >= 0) fcntl(fd, F_SETFD, fl | FD_CLOEXEC);
+  alloc_id_draw(cs->alloc_id);
+  cs->base = (void *)(uintptr_t)va;
+  cs->alloc_bytes = alloc;
+  cs->h = h;
+  cs->fd = fd;
+  return 0;
+fail:
+  if (mapped) a->unmap(va, (size_t)alloc);
+  if (reserved) a->address_free(va, (size_t)alloc);
+  a->release(h);
+  return rc;
+}
+
+static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err) {
+  const struct cuda_ctx *c = ctx;
+  *out = NULL;
+  if (device < 0 || device >= c->ndev)
+    return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", device, c->ndev);
+  CK(cudaSetDevice(device), "cudaSetDevice");
   struct wd_slab *s = calloc(1, sizeof *s);
-  if (s == NULL) {
-    cudaFree(p);
+  struct cuda_slab *cs = calloc(1, sizeof *cs);
+  if (s == NULL || cs == NULL) {
+    free(s);
+    free(cs);
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
+  cs->fd = -1;
+  enum wd_handle_kind kind = c->dev[device].kind;
+  int rc = kind == WD_HANDLE_CUDA_VMM ? vmm_alloc(c, device, bytes, cs, err) : ipc_alloc(device, bytes, cs, err);
+  if (rc != 0) {
+    free(cs);
+    free(s);
+    return rc;
+  }
   s->device = device;
+  s->kind = kind;
   s->bytes = bytes;
-  s->impl = p;
+  s->impl = cs;
   *out = s;
   return 0;
 }
 
+/* An export costs no driver call for VMM slabs (a dup), one cheap call for legacy ones. */
 static int cu_slab_export(void *ctx, struct wd_slab *s, struct wd_handle *out, struct wd_error *err) {
   (void)ctx;
+  const struct cuda_slab *cs = s->impl;
   memset(out, 0, sizeof *out);
+  out->kind = s->kind;
+  out->fd = -1;
+  if (s->kind == WD_HANDLE_CUDA_VMM) {
+    out->fd = fcntl(cs->fd, F_DUPFD_CLOEXEC, 0);
+    if (out->fd < 0)
+      return err_set(err, errno == EMFILE || errno == ENFILE ? WEIGHTD_E_LIMIT : WEIGHTD_E_DEVICE,
+                     "dup of the slab's descriptor: %s", strerror(errno));
+    out->bytes = cs->alloc_bytes;
+    memcpy(out->alloc_id, cs->alloc_id, sizeof out->alloc_id);
+    return 0;
+  }
   CK(cudaSetDevice(s->device), "cudaSetDevice");
   cudaIpcMemHandle_t h;
-  CK(cudaIpcGetMemHandle(&h, s->impl), "cudaIpcGetMemHandle");
-  out->kind = WD_HANDLE_CUDA_IPC;
-  out->fd = -1;
+  CK(cudaIpcGetMemHandle(&h, cs->base), "cudaIpcGetMemHandle");
   out->bytes = s->bytes;
   memcpy(out->ipc, &h, sizeof h);
   return 0;
 }
 
+/*
+ * Frees the daemon's share of a slab. A VMM allocation's memory goes back to
+ * the device once no process maps it and no exported descriptor or handle is
+ * left: a client that still maps it keeps it (weightd never frees a leased
+ * set, so that happens only when a client outlives its lease).
+ */
 static void cu_slab_free(void *ctx, struct wd_slab *s) {
-  (void)ctx;
+  const struct cuda_ctx *c = ctx;
   if (s == NULL) return;
+  struct cuda_slab *cs = s->impl;
   cudaSetDevice(s->device);
-  cudaFree(s->impl);
+  if (s->kind == WD_HANDLE_CUDA_VMM) {
+    CUdeviceptr va = (CUdeviceptr)(uintptr_t)cs->base;
+    c->api.unmap(va, (size_t)cs->alloc_bytes);
+    c->api.address_free(va, (size_t)cs->alloc_bytes);
+    c->api.release(cs->h);
+    close(cs->fd);
+  } else {
+    cudaFree(cs->base);
+  }
+  free(cs);
   free(s);
 }
 
@@ -236,7 +561,7 @@ static int cu_copy_h2d(void *ctx, struct wd_slab *dst, uint64_t dst_offset, size
   uint64_t span = height ? (uint64_t)(height - 1) * dst_pitch + width : 0;
   if (dst_offset > dst->bytes || span > dst->bytes - dst_offset)
     return err_set(err, WEIGHTD_E_INTERNAL, "copy past the end of the slab");
-  char *d = (char *)dst->impl + dst_offset;
+  char *d = (char *)((const struct cuda_slab *)dst->impl)->base + dst_offset;
   cudaStream_t st = s ? s->s : 0;
   CK(cudaSetDevice(dst->device), "cudaSetDevice");
   if (height == 1 || (dst_pitch == width && src_pitch == width))
@@ -248,7 +573,12 @@ static int cu_copy_h2d(void *ctx, struct wd_slab *dst, uint64_t dst_offset, size
   return 0;
 }
 
-static void cu_destroy(void *ctx) { free(ctx); }
+static void cu_destroy(void *ctx) {
+  struct cuda_ctx *c = ctx;
+  if (c == NULL) return;
+  free(c->dev);
+  free(c);
+}
 
 static const struct wd_backend_ops cuda_ops = {
     .name = "cuda",
@@ -256,7 +586,7 @@ static const struct wd_backend_ops cuda_ops = {
     .device_count = cu_device_count,
     .device_info = cu_device_info,
     .slab_alloc = cu_slab_alloc,
-    .slab_seal = NULL, /* device memory cannot be made read-only for IPC importers */
+    .slab_seal = NULL, /* nothing to seal: VMM importers map read-only themselves, legacy IPC cannot */
     .slab_export = cu_slab_export,
     .slab_free = cu_slab_free,
     .pinned_alloc = cu_pinned_alloc,
@@ -273,9 +603,12 @@ static const struct wd_backend_ops cuda_ops = {
     .destroy = cu_destroy,
 };
 
-int backend_cuda_create(struct wd_backend *out, struct wd_error *err) {
+int backend_cuda_create(struct wd_backend *out, enum wd_handle_kind handles, struct wd_error *err) {
   out->ops = NULL;
   out->ctx = NULL;
+  if (handles != WD_HANDLE_CUDA_VMM && handles != WD_HANDLE_CUDA_IPC)
+    return err_set(err, WEIGHTD_E_INVALID, "the cuda backend exports cuda_vmm or cuda_ipc handles, not %s",
+                   wd_handle_kind_name(handles));
   int n = 0;
   cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
@@ -284,8 +617,19 @@ int backend_cuda_create(struct wd_backend *out, struct wd_error *err) {
   }
   if (n == 0) return err_set(err, WEIGHTD_E_DEVICE, "no GPU present");
   struct cuda_ctx *c = calloc(1, sizeof *c);
-  if (c == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  if (c != NULL) c->dev = calloc((size_t)n, sizeof *c->dev);
+  if (c == NULL || c->dev == NULL) {
+    free(c);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  }
   c->ndev = n;
+  char why[sizeof c->dev[0].why] = "";
+  bool vmm = handles == WD_HANDLE_CUDA_VMM && vmm_api_load(&c->api, why, sizeof why) == 0;
+  for (int i = 0; i < n; i++) {
+    c->dev[i].kind = WD_HANDLE_CUDA_IPC;
+    if (vmm) vmm_probe(c, i);
+    else if (handles == WD_HANDLE_CUDA_VMM) snprintf(c->dev[i].why, sizeof c->dev[i].why, "%s", why);
+  }
   out->ops = &cuda_ops;
   out->ctx = c;
   return 0;

@@ -37,27 +37,30 @@ static int host_device_count(void *ctx) {
   return 1;
 }
 
-/* Reads "Key:   123 kB" from /proc/meminfo; 0 when absent. */
-static uint64_t meminfo_bytes(const char *key) {
+/*
+ * Reads MemTotal and MemAvailable ("Key:   123 kB") from /proc/meminfo; a key
+ * that is absent reads 0. Fails when the file cannot be read (out of
+ * descriptors, say): the device's memory is then unknown, not zero.
+ */
+static int meminfo_read(uint64_t *total, uint64_t *available, struct wd_error *err) {
   FILE *f = fopen("/proc/meminfo", "re");
-  if (f == NULL) return 0;
+  if (f == NULL) return err_set(err, WEIGHTD_E_IO, "host memory: cannot read /proc/meminfo: %s", strerror(errno));
   char line[256];
-  uint64_t v = 0;
-  size_t kl = strlen(key);
+  *total = *available = 0;
   while (fgets(line, sizeof line, f) != NULL) {
-    if (strncmp(line, key, kl) == 0 && line[kl] == ':') {
-      v = strtoull(line + kl + 1, NULL, 10) * 1024;
-      break;
-    }
+    if (strncmp(line, "MemTotal:", 9) == 0) *total = strtoull(line + 9, NULL, 10) * 1024;
+    else if (strncmp(line, "MemAvailable:", 13) == 0) *available = strtoull(line + 13, NULL, 10) * 1024;
   }
   fclose(f);
-  return v;
+  return 0;
 }
 
 static int host_device_info(void *ctx, int device, struct wd_device_info *out, struct wd_error *err) {
   (void)ctx;
   if (device != 0) return err_set(err, WEIGHTD_E_NOT_FOUND, "host backend has one device (0), not %d", device);
   memset(out, 0, sizeof *out);
+  int rc = meminfo_read(&out->memory_total, &out->memory_free, err);
+  if (rc != 0) return rc;
   out->index = 0;
   snprintf(out->name, sizeof out->name, "host memory");
   char id[64] = "";
@@ -69,8 +72,7 @@ static int host_device_info(void *ctx, int device, struct wd_device_info *out, s
   id[strcspn(id, "\r\n")] = '\0';
   if (strlen(id) > 32) id[32] = '\0';
   snprintf(out->uuid, sizeof out->uuid, "host-%.32s", id[0] ? id : "0");
-  out->memory_total = meminfo_bytes("MemTotal");
-  out->memory_free = meminfo_bytes("MemAvailable");
+  out->handles = WD_HANDLE_FD;
   return 0;
 }
 
@@ -106,6 +108,7 @@ static int host_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab
     goto fail;
   }
   s->device = device;
+  s->kind = WD_HANDLE_FD;
   s->bytes = bytes;
   s->host_view = p;
   s->impl = h;

@@ -3,8 +3,8 @@
 
 #include <cjson/cJSON.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,12 +12,13 @@
 #include <unistd.h>
 
 #include "pathutil.h"
+#include "sha256.h"
 
 #define CKPT_INDEX_NAME "model.safetensors.index.json"
 #define CKPT_SINGLE_NAME "model.safetensors"
 #define CKPT_CONFIG_NAME "config.json"
-/* The largest published indexes are a few MiB; refuse absurd ones. */
-#define CKPT_INDEX_MAX_BYTES (256u << 20)
+/* config.json files are small; anything past this is refused as hostile. */
+#define CKPT_CONFIG_MAX_BYTES (16u << 20)
 
 const char *ckpt_layout_name(enum ckpt_layout l) {
   switch (l) {
@@ -47,50 +48,28 @@ void ckpt_free(struct ckpt *c) {
   free(c);
 }
 
-static int64_t mtime_ns(const struct stat *sb) {
-  return (int64_t)sb->st_mtim.tv_sec * 1000000000 + sb->st_mtim.tv_nsec;
-}
-
-/* ---- shards ---------------------------------------------------------------- */
-
 /*
- * Opens one shard, checks where it really lives (through /proc/self/fd, so
- * that a symlink swapped after the check cannot redirect us), and validates
- * its header.
+ * A timestamp as one number, for identity comparisons only. Unsigned
+ * arithmetic: a file's owner may set any time (years past 2262 overflow
+ * signed nanoseconds), and equal times must still give equal numbers.
  */
-static int shard_open(struct ckpt *c, struct ckpt_shard *s, const struct ckpt_opts *opts,
-                      struct wd_error *err) {
-  s->path = path_join(c->dir, s->rel);
-  if (s->path == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  s->fd = open(s->path, O_RDONLY | O_CLOEXEC);
-  if (s->fd < 0)
-    return err_set(err, errno == ENOENT ? WEIGHTD_E_NOT_FOUND : WEIGHTD_E_IO,
-                   "%s: shard cannot be opened: %s", s->rel, strerror(errno));
-  char link[64], real[PATH_MAX];
-  snprintf(link, sizeof link, "/proc/self/fd/%d", s->fd);
-  ssize_t n = readlink(link, real, sizeof real - 1);
-  if (n < 0) return err_set(err, WEIGHTD_E_IO, "%s: cannot resolve: %s", s->rel, strerror(errno));
-  real[n] = '\0';
-  if ((s->real = strdup(real)) == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  if (opts != NULL && opts->nroots > 0 && !path_under_roots(real, opts->model_roots, opts->nroots))
-    return err_set(err, WEIGHTD_E_PATH_DENIED, "%s: resolves to %s, outside the model roots",
-                   s->rel, real);
-  struct stat sb;
-  if (fstat(s->fd, &sb) != 0) return err_set(err, WEIGHTD_E_IO, "%s: %s", s->rel, strerror(errno));
-  if (!S_ISREG(sb.st_mode)) return err_set(err, WEIGHTD_E_INVALID, "%s: not a regular file", s->rel);
-  s->dev = sb.st_dev;
-  s->ino = sb.st_ino;
-  s->size = (uint64_t)sb.st_size;
-  s->mtime_ns = mtime_ns(&sb);
-  return st_header_read_fd(s->fd, s->rel, &s->hdr, err);
+static int64_t stamp_ns(const struct timespec *ts) {
+  return (int64_t)((uint64_t)ts->tv_sec * 1000000000u + (uint64_t)ts->tv_nsec);
 }
+
+static int64_t mtime_ns(const struct stat *sb) { return stamp_ns(&sb->st_mtim); }
+
+/* ---- names ----------------------------------------------------------------- */
 
 /* Names compare by all their bytes: JSON lets a name hold U+0000. */
-static int cmp_name(const struct st_tensor *x, const char *name, size_t len) {
-  size_t n = x->name_len < len ? x->name_len : len;
-  int c = memcmp(x->name, name, n);
+static int cmp_bytes(const char *a, size_t al, const char *b, size_t bl) {
+  int c = memcmp(a, b, al < bl ? al : bl);
   if (c != 0) return c;
-  return x->name_len < len ? -1 : x->name_len > len;
+  return al < bl ? -1 : al > bl;
+}
+
+static int cmp_name(const struct st_tensor *x, const char *name, size_t len) {
+  return cmp_bytes(x->name, x->name_len, name, len);
 }
 
 static int cmp_refs(const void *a, const void *b) {
@@ -98,29 +77,6 @@ static int cmp_refs(const void *a, const void *b) {
   int c = cmp_name(x->t, y->t->name, y->t->name_len);
   if (c != 0) return c;
   return x->shard < y->shard ? -1 : x->shard > y->shard;
-}
-
-/* Builds the name index over all shards; a name in two shards is an error. */
-static int build_name_index(struct ckpt *c, struct wd_error *err) {
-  size_t n = 0;
-  for (size_t i = 0; i < c->nshards; i++) n += c->shards[i].hdr->ntensors;
-  c->by_name = malloc((n ? n : 1) * sizeof *c->by_name);
-  if (c->by_name == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  size_t k = 0;
-  c->total_bytes = 0;
-  for (size_t i = 0; i < c->nshards; i++) {
-    const struct st_header *h = c->shards[i].hdr;
-    for (size_t j = 0; j < h->ntensors; j++) c->by_name[k++] = (struct ckpt_ref){&h->tensors[j], (uint32_t)i};
-    c->total_bytes += h->data_len;
-  }
-  c->ntensors = n;
-  qsort(c->by_name, n, sizeof *c->by_name, cmp_refs);
-  for (size_t i = 0; i + 1 < n; i++)
-    if (cmp_name(c->by_name[i].t, c->by_name[i + 1].t->name, c->by_name[i + 1].t->name_len) == 0)
-      return err_set(err, WEIGHTD_E_BAD_INDEX, "tensor '%s' appears in two shards: %s and %s",
-                     c->by_name[i].t->name, c->shards[c->by_name[i].shard].rel,
-                     c->shards[c->by_name[i + 1].shard].rel);
-  return 0;
 }
 
 const struct ckpt_ref *ckpt_tensor_find(const struct ckpt *c, const char *name) {
@@ -137,217 +93,443 @@ const struct ckpt_ref *ckpt_tensor_find(const struct ckpt *c, const char *name) 
 
 /* ---- the index ------------------------------------------------------------- */
 
+void ckpt_index_free(struct ckpt_index *ix) {
+  if (ix == NULL) return;
+  free(ix->entries);
+  free(ix->files);
+  cJSON_Delete(ix->json);
+  free(ix);
+}
+
+static int cmp_entries(const void *a, const void *b) {
+  const struct ckpt_index_entry *x = a, *y = b;
+  return cmp_bytes(x->name, x->name_len, y->name, y->name_len);
+}
+
 static int cmp_str(const void *a, const void *b) {
   return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
-/* Reads weight_map, checks its paths as text and creates one shard per distinct file. */
-static int read_index(struct ckpt *c, const char *index_path, cJSON **map_out, struct wd_error *err) {
-  char *text = NULL;
-  size_t len;
-  int r = path_read_file(index_path, CKPT_INDEX_MAX_BYTES, &text, &len);
-  if (r != 0)
-    return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: cannot read: %s", CKPT_INDEX_NAME, strerror(-r));
-  cJSON *root = cJSON_ParseWithLength(text, len);
-  free(text);
+/* The distinct shard file of a path that is known to be among files (sorted). */
+static uint32_t file_of(const struct ckpt_index *ix, const char *path) {
+  size_t lo = 0, hi = ix->nfiles;
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    int r = strcmp(ix->files[mid], path);
+    if (r == 0) return (uint32_t)mid;
+    if (r < 0) lo = mid + 1;
+    else hi = mid;
+  }
+  return UINT32_MAX;
+}
+
+int ckpt_index_parse(const char *text, size_t len, struct ckpt_index **out, struct wd_error *err) {
+  *out = NULL;
+  char qn[160], qv[160];
+  struct ckpt_index *ix = calloc(1, sizeof *ix);
+  if (ix == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   int rc = 0;
-  char **files = NULL;
+  cJSON *root = cJSON_ParseWithLength(text, len);
+  ix->json = root;
   if (root == NULL || !cJSON_IsObject(root)) {
     rc = err_set(err, WEIGHTD_E_BAD_INDEX, "%s: not a JSON object", CKPT_INDEX_NAME);
     goto fail;
   }
-  cJSON *map = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
+  const cJSON *map = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
   if (!cJSON_IsObject(map)) {
     rc = err_set(err, WEIGHTD_E_BAD_INDEX, "%s: 'weight_map' must be an object", CKPT_INDEX_NAME);
     goto fail;
   }
-  size_t n = (size_t)cJSON_GetArraySize(map), nf = 0;
+  size_t n = 0;
+  const cJSON *e;
+  cJSON_ArrayForEach(e, map) n++;
   if (n == 0) {
     rc = err_set(err, WEIGHTD_E_BAD_INDEX, "%s: 'weight_map' is empty", CKPT_INDEX_NAME);
     goto fail;
   }
-  files = malloc(n * sizeof *files);
-  if (files == NULL) {
+  ix->entries = calloc(n, sizeof *ix->entries);
+  ix->files = calloc(n, sizeof *ix->files);
+  if (ix->entries == NULL || ix->files == NULL) {
     rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     goto fail;
   }
-  const cJSON *e;
   cJSON_ArrayForEach(e, map) {
+    const char *name = e->string ? e->string : "";
     if (!cJSON_IsString(e)) {
-      rc = err_set(err, WEIGHTD_E_BAD_INDEX, "%s: weight_map['%s'] must be a file name",
-                   CKPT_INDEX_NAME, e->string);
+      rc = err_set(err, WEIGHTD_E_BAD_INDEX, "%s: weight_map['%s'] must be a file name", CKPT_INDEX_NAME,
+                   err_quote(name, strlen(name), qn, sizeof qn));
       goto fail;
     }
     if (!path_rel_is_safe(e->valuestring)) {
       rc = err_set(err, WEIGHTD_E_PATH_DENIED,
-                   "%s: weight_map['%s'] = '%s': shard paths must be relative with no '..' "
-                   "component",
-                   CKPT_INDEX_NAME, e->string, e->valuestring);
+                   "%s: weight_map['%s'] = '%s': shard paths must be relative with no '..' component",
+                   CKPT_INDEX_NAME, err_quote(name, strlen(name), qn, sizeof qn),
+                   err_quote(e->valuestring, strlen(e->valuestring), qv, sizeof qv));
       goto fail;
     }
-    files[nf++] = e->valuestring;
+    ix->entries[ix->nentries] = (struct ckpt_index_entry){name, strlen(name), e->valuestring, 0};
+    ix->files[ix->nentries++] = e->valuestring;
   }
-  qsort(files, nf, sizeof *files, cmp_str);
-  size_t distinct = 0;
-  for (size_t i = 0; i < nf; i++)
-    if (distinct == 0 || strcmp(files[distinct - 1], files[i]) != 0) files[distinct++] = files[i];
-  c->shards = calloc(distinct, sizeof *c->shards);
-  if (c->shards == NULL) {
-    rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  qsort(ix->entries, n, sizeof *ix->entries, cmp_entries);
+  for (size_t i = 0; i + 1 < n; i++)
+    if (cmp_entries(&ix->entries[i], &ix->entries[i + 1]) == 0) {
+      rc = err_set(err, WEIGHTD_E_BAD_INDEX, "%s: weight_map lists tensor '%s' more than once", CKPT_INDEX_NAME,
+                   err_quote(ix->entries[i].name, ix->entries[i].name_len, qn, sizeof qn));
+      goto fail;
+    }
+  qsort(ix->files, n, sizeof *ix->files, cmp_str);
+  for (size_t i = 0; i < n; i++)
+    if (ix->nfiles == 0 || strcmp(ix->files[ix->nfiles - 1], ix->files[i]) != 0) ix->files[ix->nfiles++] = ix->files[i];
+  if (ix->nfiles > UINT32_MAX) {
+    rc = err_set(err, WEIGHTD_E_BAD_INDEX, "%s: more than %u shard files", CKPT_INDEX_NAME, UINT32_MAX);
     goto fail;
   }
-  for (size_t i = 0; i < distinct; i++) {
-    c->shards[i].fd = -1;
-    if ((c->shards[i].rel = strdup(files[i])) == NULL) {
-      rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-      goto fail;
-    }
-    c->nshards++;
-  }
-  free(files);
-  *map_out = root;
+  for (size_t i = 0; i < n; i++) ix->entries[i].file = file_of(ix, ix->entries[i].path);
+  *out = ix;
   return 0;
 fail:
-  free(files);
-  cJSON_Delete(root);
+  ckpt_index_free(ix);
   return rc;
 }
 
-/* Every index entry names the shard its tensor is in, and every tensor is indexed. */
-static int check_index(const struct ckpt *c, const cJSON *root, struct wd_error *err) {
-  const cJSON *map = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
-  size_t entries = 0;
-  const cJSON *e;
-  cJSON_ArrayForEach(e, map) {
-    entries++;
-    const struct ckpt_ref *r = ckpt_tensor_find(c, e->string);
-    if (r == NULL)
-      return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: tensor '%s' is not in its shard %s",
-                     CKPT_INDEX_NAME, e->string, e->valuestring);
-    if (strcmp(c->shards[r->shard].rel, e->valuestring) != 0)
-      return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: maps tensor '%s' to %s but it is in %s",
-                     CKPT_INDEX_NAME, e->string, e->valuestring, c->shards[r->shard].rel);
+/* ---- shards ---------------------------------------------------------------- */
+
+static void shard_identity(struct ckpt_shard *s, const struct stat *st) {
+  s->dev = st->st_dev;
+  s->ino = st->st_ino;
+  s->size = (uint64_t)st->st_size;
+  s->mtime_ns = mtime_ns(st);
+  s->ctime_ns = stamp_ns(&st->st_ctim);
+}
+
+/*
+ * Opens one shard confined to the roots (path_open_confined: resolved and
+ * checked first, never blocking, never through a swapped symlink), records
+ * its identity and validates its header.
+ */
+static int shard_open(struct ckpt *c, struct ckpt_shard *s, const struct path_roots *roots,
+                      struct wd_error *err) {
+  char label[160];
+  err_quote(s->rel, strlen(s->rel), label, sizeof label);
+  s->path = path_join(c->dir, s->rel);
+  if (s->path == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  struct path_resolved r;
+  int rc = path_open_confined(s->path, roots, label, &s->fd, &r, err);
+  if (rc != 0) return rc;
+  s->real = r.real;
+  shard_identity(s, &r.st);
+  return 0;
+}
+
+/* ---- the name table and the index check ------------------------------------ */
+
+int ckpt_tables_build(struct ckpt *c, const struct ckpt_index *ix, struct wd_error *err) {
+  char qn[160], qa[160], qb[160];
+  size_t n = 0;
+  uint64_t total = 0;
+  if (c->nshards > UINT32_MAX) return err_set(err, WEIGHTD_E_BAD_INDEX, "more than %u shards", UINT32_MAX);
+  for (size_t i = 0; i < c->nshards; i++) {
+    const struct st_header *h = c->shards[i].hdr;
+    if (__builtin_add_overflow(n, h->ntensors, &n))
+      return err_set(err, WEIGHTD_E_BAD_SIZE, "the shards hold more tensors than can be counted");
+    if (__builtin_add_overflow(total, h->data_len, &total))
+      return err_set(err, WEIGHTD_E_BAD_SIZE, "the shards hold more than 2^64 - 1 bytes of tensor data");
   }
-  if (entries == c->ntensors) return 0;
-  /* More tensors than entries: a repeated entry, or a tensor the index leaves out. */
-  for (size_t i = 0; i < c->ntensors; i++)
-    if (cJSON_GetObjectItemCaseSensitive(map, c->by_name[i].t->name) == NULL)
+  if (n > SIZE_MAX / sizeof *c->by_name) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  free(c->by_name);
+  c->by_name = malloc((n ? n : 1) * sizeof *c->by_name);
+  c->ntensors = 0;
+  if (c->by_name == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  size_t k = 0;
+  for (size_t i = 0; i < c->nshards; i++) {
+    const struct st_header *h = c->shards[i].hdr;
+    for (size_t j = 0; j < h->ntensors; j++) c->by_name[k++] = (struct ckpt_ref){&h->tensors[j], (uint32_t)i};
+  }
+  c->ntensors = n;
+  c->total_bytes = total;
+  qsort(c->by_name, n, sizeof *c->by_name, cmp_refs);
+  for (size_t i = 0; i + 1 < n; i++) {
+    const struct ckpt_ref *a = &c->by_name[i], *b = &c->by_name[i + 1];
+    if (cmp_name(a->t, b->t->name, b->t->name_len) == 0)
+      return err_set(err, WEIGHTD_E_BAD_INDEX, "tensor '%s' appears in two shards: %s and %s",
+                     err_quote(a->t->name, a->t->name_len, qn, sizeof qn),
+                     err_quote(c->shards[a->shard].rel, strlen(c->shards[a->shard].rel), qa, sizeof qa),
+                     err_quote(c->shards[b->shard].rel, strlen(c->shards[b->shard].rel), qb, sizeof qb));
+  }
+  if (ix == NULL) return 0;
+  /* Both lists are sorted by name (entries have no name twice, tensors neither): one merge walk. */
+  size_t i = 0, j = 0;
+  while (i < ix->nentries || j < n) {
+    const struct ckpt_index_entry *e = i < ix->nentries ? &ix->entries[i] : NULL;
+    const struct ckpt_ref *r = j < n ? &c->by_name[j] : NULL;
+    int order = e == NULL ? 1 : r == NULL ? -1 : -cmp_name(r->t, e->name, e->name_len);
+    if (order < 0)
+      return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: tensor '%s' is not in its shard %s", CKPT_INDEX_NAME,
+                     err_quote(e->name, e->name_len, qn, sizeof qn), err_quote(e->path, strlen(e->path), qa, sizeof qa));
+    const char *in = c->shards[r->shard].rel;
+    if (order > 0)
       return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: tensor '%s' of shard %s is missing from weight_map",
-                     CKPT_INDEX_NAME, c->by_name[i].t->name, c->shards[c->by_name[i].shard].rel);
-  return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: weight_map lists a tensor more than once",
-                 CKPT_INDEX_NAME);
+                     CKPT_INDEX_NAME, err_quote(r->t->name, r->t->name_len, qn, sizeof qn),
+                     err_quote(in, strlen(in), qa, sizeof qa));
+    if (strcmp(in, e->path) != 0)
+      return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: maps tensor '%s' to %s but it is in %s", CKPT_INDEX_NAME,
+                     err_quote(e->name, e->name_len, qn, sizeof qn), err_quote(e->path, strlen(e->path), qa, sizeof qa),
+                     err_quote(in, strlen(in), qb, sizeof qb));
+    i++;
+    j++;
+  }
+  return 0;
+}
+
+/* ---- remembered verdicts --------------------------------------------------- */
+
+struct verdict {
+  unsigned char key[SHA256_DIGEST_LEN];
+  struct wd_error err;
+};
+
+struct ckpt_verdicts {
+  pthread_mutex_t lock;
+  size_t cap, n, next; /* next: the slot the next verdict overwrites once full */
+  uint64_t hits;
+  struct verdict *v;
+};
+
+struct ckpt_verdicts *ckpt_verdicts_create(size_t capacity) {
+  struct ckpt_verdicts *v = calloc(1, sizeof *v);
+  if (v == NULL || capacity == 0 || (v->v = calloc(capacity, sizeof *v->v)) == NULL) {
+    free(v);
+    return NULL;
+  }
+  v->cap = capacity;
+  pthread_mutex_init(&v->lock, NULL);
+  return v;
+}
+
+void ckpt_verdicts_free(struct ckpt_verdicts *v) {
+  if (v == NULL) return;
+  pthread_mutex_destroy(&v->lock);
+  free(v->v);
+  free(v);
+}
+
+uint64_t ckpt_verdicts_hits(struct ckpt_verdicts *v) {
+  if (v == NULL) return 0;
+  pthread_mutex_lock(&v->lock);
+  uint64_t h = v->hits;
+  pthread_mutex_unlock(&v->lock);
+  return h;
+}
+
+static void key_add_identity(struct sha256 *h, uint64_t dev, uint64_t ino, uint64_t size, int64_t mtime,
+                             int64_t ctime) {
+  uint64_t w[5] = {dev, ino, size, (uint64_t)mtime, (uint64_t)ctime};
+  sha256_update(h, w, sizeof w);
+}
+
+/* The identity of an index checkpoint's files: the index, then each shard in order. */
+static void verdict_key(const struct stat *index_st, const struct ckpt *c, unsigned char key[SHA256_DIGEST_LEN]) {
+  struct sha256 h;
+  sha256_init(&h);
+  key_add_identity(&h, (uint64_t)index_st->st_dev, (uint64_t)index_st->st_ino, (uint64_t)index_st->st_size,
+                   mtime_ns(index_st), stamp_ns(&index_st->st_ctim));
+  uint64_t n = c->nshards;
+  sha256_update(&h, &n, sizeof n);
+  for (size_t i = 0; i < c->nshards; i++) {
+    const struct ckpt_shard *s = &c->shards[i];
+    key_add_identity(&h, (uint64_t)s->dev, (uint64_t)s->ino, s->size, s->mtime_ns, s->ctime_ns);
+  }
+  sha256_final(&h, key);
+}
+
+/* Copies a remembered verdict for key into err: its code, or 0 when there is none. */
+static int verdict_find(struct ckpt_verdicts *v, const unsigned char *key, struct wd_error *err) {
+  int rc = 0;
+  pthread_mutex_lock(&v->lock);
+  for (size_t i = 0; i < v->n && rc == 0; i++)
+    if (memcmp(v->v[i].key, key, SHA256_DIGEST_LEN) == 0) {
+      rc = v->v[i].err.code;
+      if (err != NULL) *err = v->v[i].err;
+      v->hits++;
+    }
+  pthread_mutex_unlock(&v->lock);
+  return rc;
+}
+
+static void verdict_remember(struct ckpt_verdicts *v, const unsigned char *key, const struct wd_error *err) {
+  pthread_mutex_lock(&v->lock);
+  size_t slot = v->n < v->cap ? v->n++ : v->next;
+  if (slot == v->next) v->next = (v->next + 1) % v->cap;
+  memcpy(v->v[slot].key, key, SHA256_DIGEST_LEN);
+  v->v[slot].err = *err;
+  pthread_mutex_unlock(&v->lock);
 }
 
 /* ---- opening --------------------------------------------------------------- */
 
-static int exists_regular(const char *dir, const char *name) {
+/*
+ * Opens dir/name confined to the roots when it is a regular file: 1 with *fd
+ * and *res, 0 when there is none (missing, or not a regular file), or a
+ * failure (outside the roots, changed while opened, unreadable).
+ */
+static int open_member(const char *dir, const char *name, const struct path_roots *roots, int *fd,
+                       struct path_resolved *res, struct wd_error *err) {
   char *p = path_join(dir, name);
-  struct stat sb;
-  int ok = p != NULL && stat(p, &sb) == 0 && S_ISREG(sb.st_mode);
+  if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  struct wd_error e;
+  int rc = path_open_confined(p, roots, name, fd, res, &e);
   free(p);
-  return ok;
+  if (rc == 0) return 1;
+  if (rc == WEIGHTD_E_NOT_FOUND || rc == WEIGHTD_E_INVALID) return 0;
+  if (err != NULL) *err = e;
+  return rc;
+}
+
+/* Reads the index from its open descriptor and makes one shard per distinct file. */
+static int read_index(struct ckpt *c, int fd, struct ckpt_index **out, struct wd_error *err) {
+  char *text = NULL;
+  size_t len;
+  int r = path_read_fd(fd, CKPT_INDEX_MAX_BYTES, &text, &len);
+  if (r != 0)
+    return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: cannot read: %s", CKPT_INDEX_NAME,
+                   r == -EFBIG ? "larger than 256 MiB" : strerror(-r));
+  int rc = ckpt_index_parse(text, len, out, err);
+  free(text);
+  if (rc != 0) return rc;
+  const struct ckpt_index *ix = *out;
+  c->shards = calloc(ix->nfiles, sizeof *c->shards);
+  if (c->shards == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < ix->nfiles; i++) {
+    c->shards[i].fd = -1;
+    if ((c->shards[i].rel = strdup(ix->files[i])) == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    c->nshards++;
+  }
+  return 0;
+}
+
+static int read_config(struct ckpt *c, const struct path_roots *roots, struct wd_error *err) {
+  int fd;
+  struct path_resolved res;
+  int rc = open_member(c->dir, CKPT_CONFIG_NAME, roots, &fd, &res, err);
+  if (rc <= 0) return rc;
+  free(res.real);
+  char *text = NULL;
+  size_t len;
+  int r = path_read_fd(fd, CKPT_CONFIG_MAX_BYTES, &text, &len);
+  close(fd);
+  if (r != 0)
+    return err_set(err, r == -EFBIG ? WEIGHTD_E_BAD_CONFIG : WEIGHTD_E_IO, "%s: cannot read: %s", CKPT_CONFIG_NAME,
+                   r == -EFBIG ? "larger than 16 MiB" : strerror(-r));
+  rc = mcfg_parse(text, len, CKPT_CONFIG_NAME, &c->config, err);
+  free(text);
+  return rc;
+}
+
+/* Lays out a directory: model.safetensors, else the index and its shards. */
+static int open_directory(struct ckpt *c, const struct path_roots *roots, struct ckpt_index **ix,
+                          struct stat *index_st, struct wd_error *err) {
+  int fd;
+  struct path_resolved res;
+  int rc = open_member(c->dir, CKPT_SINGLE_NAME, roots, &fd, &res, err);
+  if (rc < 0) return rc;
+  if (rc == 1) {
+    c->layout = CKPT_SINGLE;
+    if ((c->shards = calloc(1, sizeof *c->shards)) == NULL) {
+      close(fd);
+      free(res.real);
+      return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    }
+    struct ckpt_shard *s = &c->shards[0];
+    c->nshards = 1;
+    s->fd = fd; /* ckpt_free closes and frees what the shard holds from here on */
+    s->real = res.real;
+    shard_identity(s, &res.st);
+    if ((s->rel = strdup(CKPT_SINGLE_NAME)) == NULL || (s->path = path_join(c->dir, CKPT_SINGLE_NAME)) == NULL)
+      return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    return 0;
+  }
+  rc = open_member(c->dir, CKPT_INDEX_NAME, roots, &fd, &res, err);
+  if (rc < 0) return rc;
+  if (rc == 0)
+    return err_set(err, WEIGHTD_E_NOT_FOUND, "%s: no %s or %s in the directory", c->path, CKPT_SINGLE_NAME,
+                   CKPT_INDEX_NAME);
+  c->layout = CKPT_INDEX;
+  free(res.real);
+  *index_st = res.st;
+  rc = read_index(c, fd, ix, err);
+  close(fd);
+  return rc;
 }
 
 int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
               struct wd_error *err) {
   *out = NULL;
+  const struct path_roots roots = {opts ? opts->model_roots : NULL, opts ? opts->nroots : 0};
+  struct ckpt_verdicts *verdicts = opts ? opts->verdicts : NULL;
+  struct ckpt_index *ix = NULL;
+  struct stat index_st = {0};
+  struct path_resolved top = {0};
+  char label[320];
+  err_quote(path, strlen(path), label, sizeof label);
   int rc = 0;
-  cJSON *index = NULL;
-  char *resolved = NULL;
   struct ckpt *c = calloc(1, sizeof *c);
   if (c == NULL || (c->path = strdup(path)) == NULL) {
     rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     goto fail;
   }
-  struct stat sb;
-  if (stat(path, &sb) != 0) {
-    rc = err_set(err, errno == ENOENT ? WEIGHTD_E_NOT_FOUND : WEIGHTD_E_IO, "%s: %s", path,
-                 strerror(errno));
-    goto fail;
-  }
-  resolved = realpath(path, NULL);
-  if (resolved == NULL) {
-    rc = err_set(err, WEIGHTD_E_IO, "%s: cannot resolve: %s", path, strerror(errno));
-    goto fail;
-  }
-  if (opts != NULL && opts->nroots > 0 && !path_under_roots(resolved, opts->model_roots, opts->nroots)) {
-    rc = err_set(err, WEIGHTD_E_PATH_DENIED, "%s: resolves to %s, outside the model roots", path,
-                 resolved);
-    goto fail;
-  }
-  if (S_ISREG(sb.st_mode)) {
+  if ((rc = path_resolve(path, &roots, label, &top, err)) != 0) goto fail;
+  if (S_ISREG(top.st.st_mode)) {
     /* The file keeps the name it was given (a Hugging Face cache link, say); its
-     * directory is resolved, and shard_open resolves the file itself. */
+     * directory is resolved, and the shard is opened confined like any other. */
     c->layout = CKPT_FILE;
     char *given_dir = path_dirname(path);
-    c->dir = given_dir ? realpath(given_dir, NULL) : NULL;
+    struct path_resolved d = {0};
+    if (given_dir == NULL) rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    else rc = path_resolve(given_dir, NULL, label, &d, err);
     free(given_dir);
-    free(resolved);
-    resolved = NULL;
-    c->shards = calloc(1, sizeof *c->shards);
-    if (c->dir == NULL || c->shards == NULL) {
-      rc = err_set(err, c->shards ? WEIGHTD_E_IO : WEIGHTD_E_NOMEM, "%s: cannot resolve its directory", path);
-      goto fail;
-    }
+    if (rc != 0) goto fail;
+    c->dir = d.real;
     const char *base = strrchr(path, '/');
-    c->shards[0].fd = -1;
-    c->shards[0].rel = strdup(base ? base + 1 : path);
-    c->nshards = 1;
-    if (c->shards[0].rel == NULL) {
+    c->shards = calloc(1, sizeof *c->shards);
+    if (c->shards == NULL || (c->shards[0].rel = strdup(base ? base + 1 : path)) == NULL) {
       rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
       goto fail;
     }
-  } else if (S_ISDIR(sb.st_mode)) {
-    c->dir = resolved;
-    resolved = NULL;
-    if (exists_regular(c->dir, CKPT_SINGLE_NAME)) {
-      c->layout = CKPT_SINGLE;
-      c->shards = calloc(1, sizeof *c->shards);
-      if (c->shards == NULL || (c->shards[0].rel = strdup(CKPT_SINGLE_NAME)) == NULL) {
-        rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-        goto fail;
-      }
-      c->shards[0].fd = -1;
-      c->nshards = 1;
-    } else if (exists_regular(c->dir, CKPT_INDEX_NAME)) {
-      c->layout = CKPT_INDEX;
-      char *ip = path_join(c->dir, CKPT_INDEX_NAME);
-      if (ip == NULL) {
-        rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-        goto fail;
-      }
-      rc = read_index(c, ip, &index, err);
-      free(ip);
-      if (rc != 0) goto fail;
-    } else {
-      rc = err_set(err, WEIGHTD_E_NOT_FOUND, "%s: no %s or %s in the directory", path,
-                   CKPT_SINGLE_NAME, CKPT_INDEX_NAME);
-      goto fail;
-    }
+    c->shards[0].fd = -1;
+    c->nshards = 1;
+  } else if (S_ISDIR(top.st.st_mode)) {
+    c->dir = top.real;
+    top.real = NULL;
+    if ((rc = open_directory(c, &roots, &ix, &index_st, err)) != 0) goto fail;
   } else {
-    rc = err_set(err, WEIGHTD_E_INVALID, "%s: neither a file nor a directory", path);
+    rc = err_set(err, WEIGHTD_E_INVALID, "%s: neither a file nor a directory", label);
     goto fail;
   }
   for (size_t i = 0; i < c->nshards; i++)
-    if ((rc = shard_open(c, &c->shards[i], opts, err)) != 0) goto fail;
-  if ((rc = build_name_index(c, err)) != 0) goto fail;
-  if (index != NULL && (rc = check_index(c, index, err)) != 0) goto fail;
-  if (c->layout != CKPT_FILE && exists_regular(c->dir, CKPT_CONFIG_NAME)) {
-    char *cp = path_join(c->dir, CKPT_CONFIG_NAME);
-    if (cp == NULL) {
-      rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-      goto fail;
-    }
-    rc = mcfg_load(cp, CKPT_CONFIG_NAME, &c->config, err);
-    free(cp);
-    if (rc != 0) goto fail;
+    if (c->shards[i].fd < 0 && (rc = shard_open(c, &c->shards[i], &roots, err)) != 0) goto fail;
+  unsigned char key[SHA256_DIGEST_LEN] = {0};
+  if (ix != NULL && verdicts != NULL) {
+    verdict_key(&index_st, c, key);
+    if ((rc = verdict_find(verdicts, key, err)) != 0) goto fail;
   }
-  cJSON_Delete(index);
+  for (size_t i = 0; i < c->nshards; i++) {
+    char sl[160];
+    err_quote(c->shards[i].rel, strlen(c->shards[i].rel), sl, sizeof sl);
+    if ((rc = st_header_read_fd(c->shards[i].fd, sl, &c->shards[i].hdr, err)) != 0) goto fail;
+  }
+  if ((rc = ckpt_tables_build(c, ix, err)) != 0) {
+    if (ix != NULL && verdicts != NULL && (rc == WEIGHTD_E_BAD_INDEX || rc == WEIGHTD_E_BAD_SIZE))
+      verdict_remember(verdicts, key, err);
+    goto fail;
+  }
+  if (c->layout != CKPT_FILE && (rc = read_config(c, &roots, err)) != 0) goto fail;
+  ckpt_index_free(ix);
+  free(top.real);
   *out = c;
   return 0;
 fail:
-  cJSON_Delete(index);
-  free(resolved);
+  ckpt_index_free(ix);
+  free(top.real);
   ckpt_free(c);
   return rc;
 }

@@ -4,11 +4,17 @@
  *
  * ckpt_open validates every shard's header, the index's paths (relative, no
  * ".." component, no leading '/'; symlinks allowed, such as a Hugging Face
- * cache's snapshots/<rev>/x -> ../../blobs/<sha>), confinement of every
- * resolved file to the configured model roots, that each indexed tensor is
- * in its shard and that no tensor appears in two shards. It keeps each shard
- * open and records its identity (device, inode, size, mtime), so that the
- * daemon maps the very file that was validated and notices a replaced one.
+ * cache's snapshots/<rev>/x -> ../../blobs/<sha>), that each indexed tensor is
+ * in its shard, that every tensor is indexed exactly once and that no tensor
+ * appears in two shards. It keeps each shard open and records its identity
+ * (device, inode, size, mtime), so that the daemon maps the very file that
+ * was validated and notices a replaced one.
+ *
+ * Confinement. Every file it reads (shards, the index, config.json) is first
+ * resolved and checked against the model roots, and only then opened
+ * (path_open_confined: never a FIFO or device, never through a symlink
+ * swapped in after the check, never blocking); what a file outside the roots
+ * holds, or whether it exists, never shows in a message.
  */
 #ifndef WD_CHECKPOINT_H
 #define WD_CHECKPOINT_H
@@ -33,6 +39,7 @@ struct ckpt_shard {
   ino_t ino;
   uint64_t size;
   int64_t mtime_ns;
+  int64_t ctime_ns; /* part of the identity remembered verdicts are keyed by */
 };
 
 /* A tensor of the checkpoint: which shard and which entry of its header. */
@@ -41,9 +48,12 @@ struct ckpt_ref {
   uint32_t shard;
 };
 
+struct ckpt_verdicts;
+
 struct ckpt_opts {
   const char *const *model_roots; /* resolved directories; none means no confinement */
   size_t nroots;
+  struct ckpt_verdicts *verdicts; /* remembered failures of the consistency check, or NULL */
 };
 
 struct ckpt {
@@ -60,6 +70,62 @@ struct ckpt {
 
 int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
               struct wd_error *err);
+
+/* ---- the index ----------------------------------------------------------- */
+
+/* One weight_map entry: a tensor name and its shard file. */
+struct ckpt_index_entry {
+  const char *name; /* NUL-terminated (owned by the index) */
+  size_t name_len;
+  const char *path; /* the shard file as written */
+  uint32_t file;    /* the same as an index into files */
+};
+
+/* A parsed model.safetensors.index.json. */
+struct ckpt_index {
+  size_t nentries;
+  struct ckpt_index_entry *entries; /* sorted by name; no name twice */
+  size_t nfiles;
+  char **files; /* the distinct shard paths, sorted; each passed path_rel_is_safe */
+  void *json;   /* the parsed document, which owns the strings */
+};
+
+/* The largest index read; the largest published ones are a few MiB. */
+#define CKPT_INDEX_MAX_BYTES (256u << 20)
+
+/*
+ * Parses index text: an object whose "weight_map" is a non-empty object of
+ * tensor name to shard path; a path that is not relative or holds a ".."
+ * component is WEIGHTD_E_PATH_DENIED, a name listed twice or anything else
+ * malformed WEIGHTD_E_BAD_INDEX. O(n log n).
+ */
+int ckpt_index_parse(const char *text, size_t len, struct ckpt_index **out, struct wd_error *err);
+void ckpt_index_free(struct ckpt_index *ix);
+
+/*
+ * Builds c's name table from its shards' headers (each shards[i].hdr set) and,
+ * when ix is not NULL (shards[i] holding ix->files[i]), checks the index against
+ * it: every entry's tensor is in the shard it names, every tensor is indexed.
+ * A tensor in two shards, or any disagreement, is WEIGHTD_E_BAD_INDEX naming
+ * the tensor and the files. O(n log n) in the number of tensors, whatever the
+ * verdict; sums of counts and bytes are overflow-checked (WEIGHTD_E_BAD_SIZE).
+ */
+int ckpt_tables_build(struct ckpt *c, const struct ckpt_index *ix, struct wd_error *err);
+
+/* ---- remembered verdicts ---------------------------------------------------- */
+
+/*
+ * A bounded memory of failed consistency checks (ckpt_tables_build), keyed by
+ * the identity of the index and of every shard: device, inode, size, mtime and
+ * ctime, in order. An open whose files match a remembered failure answers it
+ * at once, without reading a header; any change to any of those files (a
+ * write, a rename, a touch) makes a new key. At most `capacity` verdicts are
+ * kept (the oldest is forgotten first), each about 1 KiB. Thread-safe.
+ */
+struct ckpt_verdicts *ckpt_verdicts_create(size_t capacity);
+void ckpt_verdicts_free(struct ckpt_verdicts *v);
+/* How many opens a remembered verdict answered (for tests and status). */
+uint64_t ckpt_verdicts_hits(struct ckpt_verdicts *v);
 
 /* The tensor named name, or NULL. */
 const struct ckpt_ref *ckpt_tensor_find(const struct ckpt *c, const char *name);

@@ -70,3 +70,22 @@ void err_clear(struct wd_error *err) {
   err->code = 0;
   err->msg[0] = '\0';
 }
+
+const char *err_quote(const char *s, size_t n, char *buf, size_t buflen) {
+  if (buflen < 8) {
+    if (buflen > 0) buf[0] = '\0';
+    return buf;
+  }
+  size_t o = 0;
+  for (size_t i = 0; i < n && o + 5 < buflen; i++) {
+    unsigned char c = (unsigned char)s[i];
+    if (c < 0x20 || c == 0x7f) o += (size_t)snprintf(buf + o, buflen - o, "\\x%02x", c);
+    else buf[o++] = (char)c;
+    if (i + 1 < n && o + 5 >= buflen) {
+      if (o + 4 <= buflen) memcpy(buf + o - 3, "...", 3);
+      break;
+    }
+  }
+  buf[o < buflen ? o : buflen - 1] = '\0';
+  return buf;
+}

@@ -24,6 +24,13 @@ int err_set(struct wd_error *err, int code, const char *fmt, ...)
 /* Prepends "prefix: " to err's message (when err is not NULL); returns err->code. */
 int err_prefix(struct wd_error *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/*
+ * Writes s[0..n) into buf for a message: control bytes as \xNN, cut with "..."
+ * when it does not fit. Names from files and requests go through it, so a
+ * message stays one printable line. Returns buf.
+ */
+const char *err_quote(const char *s, size_t n, char *buf, size_t buflen);
+
 /* Clears err to "no error". */
 void err_clear(struct wd_error *err);
 

@@ -2,13 +2,11 @@
 #include "modelcfg.h"
 
 #include <cjson/cJSON.h>
-#include <errno.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "family.h"
-#include "pathutil.h"
 
 static const struct {
   const char *key;
@@ -18,9 +16,6 @@ static const struct {
     MCFG_FIELD_MAP(XX)
 #undef XX
 };
-
-/* config.json files are small; anything past this is refused as hostile. */
-#define MCFG_MAX_BYTES (16u << 20)
 
 const char *mcfg_field_key(enum mcfg_field f) {
   return f >= 0 && f < MCFG_NFIELDS ? fields[f].key : "?";
@@ -109,20 +104,6 @@ oom:
 fail:
   cJSON_Delete(root);
   mcfg_free(c);
-  return rc;
-}
-
-int mcfg_load(const char *path, const char *label, struct mcfg **out, struct wd_error *err) {
-  char *text;
-  size_t len;
-  int r = path_read_file(path, MCFG_MAX_BYTES, &text, &len);
-  if (r != 0) {
-    *out = NULL;
-    return err_set(err, r == -ENOENT ? WEIGHTD_E_NOT_FOUND : WEIGHTD_E_IO, "%s: cannot read: %s",
-                   label, strerror(-r));
-  }
-  int rc = mcfg_parse(text, len, label, out, err);
-  free(text);
   return rc;
 }
 

@@ -1,7 +1,8 @@
 /*
  * modelcfg.h - the fields of a Hugging Face config.json that layouts need.
  *
- * config.json is read once when a checkpoint is opened; a missing file or
+ * config.json is read once when a checkpoint is opened (by the checkpoint
+ * reader, confined to the model roots like every file); a missing file or
  * field is not an error then. A layout asks for the fields it needs with
  * mcfg_get, which applies the model family's default for an optional field
  * and fails with a message naming the field for a required one.
@@ -58,9 +59,6 @@ struct mcfg {
 /* Parses config.json text. Only malformed JSON or a non-object fails here. */
 int mcfg_parse(const char *text, size_t len, const char *label, struct mcfg **out,
                struct wd_error *err);
-
-/* Reads and parses a config.json file. */
-int mcfg_load(const char *path, const char *label, struct mcfg **out, struct wd_error *err);
 
 /*
  * The value of field f: the file's value, else the family default (see

@@ -105,4 +105,28 @@ const struct plan_output *plan_output_at(const struct plan *p, uint64_t off);
 void plan_gather(const struct plan *p, const unsigned char *const *data, uint64_t lo, uint64_t hi,
                  unsigned char *dst);
 
+/* ---- the byte ranges a plan reads -------------------------------------------------- */
+
+/* A range of one shard file (header included in the offsets), as registration takes it. */
+struct plan_range {
+  uint32_t shard;
+  uint64_t off; /* a multiple of the page size */
+  uint64_t len; /* to a page boundary, or to the end of the file */
+};
+
+/*
+ * The byte ranges of c's shard files that plan p reads: every piece's source
+ * span (its first row's start to its last row's end), widened to whole pages
+ * of `page` bytes (a power of two) and cut at the file's end, sorted by shard
+ * and offset, and merged where they overlap, touch, or lie less than `gap`
+ * bytes apart. These are what pinning per plan registers and prefetching per
+ * plan reads. *out is a new array of *n ranges (NULL and 0 when p reads
+ * nothing). Returns 0, or WEIGHTD_E_NOMEM.
+ */
+int plan_ranges(const struct plan *p, const struct ckpt *c, uint64_t page, uint64_t gap, struct plan_range **out,
+                size_t *n, struct wd_error *err);
+
+/* The bytes n ranges cover. */
+uint64_t plan_ranges_bytes(const struct plan_range *r, size_t n);
+
 #endif

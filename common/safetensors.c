@@ -40,22 +40,6 @@ static char *dup_bytes(const char *s, size_t n) {
   return p;
 }
 
-/* Prints a possibly hostile name safely and briefly for messages. */
-static const char *printable(const char *s, size_t n, char *buf, size_t buflen) {
-  size_t o = 0;
-  for (size_t i = 0; i < n && o + 5 < buflen; i++) {
-    unsigned char c = (unsigned char)s[i];
-    if (c < 0x20 || c == 0x7f) o += (size_t)snprintf(buf + o, buflen - o, "\\x%02x", c);
-    else buf[o++] = (char)c;
-    if (i + 1 < n && o + 5 >= buflen) {
-      if (o + 4 <= buflen) memcpy(buf + o - 3, "...", 3);
-      break;
-    }
-  }
-  buf[o < buflen ? o : buflen - 1] = '\0';
-  return buf;
-}
-
 struct builder {
   const char *label;
   struct st_header *h;
@@ -69,7 +53,7 @@ static int tensor_err(struct builder *b, const char *name, size_t name_len, cons
   char msg[512];
   snprintf(msg, sizeof msg, fmt, what);
   return err_set(b->err, WEIGHTD_E_BAD_TENSOR, "%s: tensor '%s': %s", b->label,
-                 printable(name, name_len, pn, sizeof pn), msg);
+                 err_quote(name, name_len, pn, sizeof pn), msg);
 }
 
 static int parse_dtype(struct builder *b, const char *name, size_t nl, const struct sj_node *v,
@@ -89,7 +73,7 @@ static int parse_dtype(struct builder *b, const char *name, size_t nl, const str
   *out = dtype_from_name(s, len);
   if (*out == WD_DTYPE_INVALID) {
     char pd[64];
-    return tensor_err(b, name, nl, "unknown dtype '%s'", printable(s, len, pd, sizeof pd));
+    return tensor_err(b, name, nl, "unknown dtype '%s'", err_quote(s, len, pd, sizeof pd));
   }
   return 0;
 }
@@ -175,7 +159,7 @@ static int parse_metadata(struct builder *b, const struct sj_node *v) {
       char pk[160];
       return err_set(b->err, WEIGHTD_E_BAD_HEADER,
                      "%s: __metadata__ value of '%s' must be a string, not %s", b->label,
-                     printable(c->key, c->key_len, pk, sizeof pk), sj_type_name(c->type));
+                     err_quote(c->key, c->key_len, pk, sizeof pk), sj_type_name(c->type));
     }
     char *k = dup_bytes(c->key, c->key_len), *val = dup_bytes(c->str, c->len);
     if (k == NULL || val == NULL) {
@@ -282,7 +266,7 @@ static int check_layout(struct builder *b, uint64_t file_len) {
   char pn[160], pm[160];
   for (size_t i = 0; i < h->ntensors; i++) {
     struct st_tensor *t = &h->tensors[i];
-    const char *tn = printable(t->name, t->name_len, pn, sizeof pn);
+    const char *tn = err_quote(t->name, t->name_len, pn, sizeof pn);
     if (t->begin != pos || t->end < t->begin) {
       if (t->end < t->begin)
         return err_set(b->err, WEIGHTD_E_BAD_TENSOR,
@@ -297,7 +281,7 @@ static int check_layout(struct builder *b, uint64_t file_len) {
       return err_set(b->err, WEIGHTD_E_BAD_TENSOR,
                      "%s: tensor '%s': data_offsets [%llu,%llu) overlap '%s' [%llu,%llu)", b->label,
                      tn, (unsigned long long)t->begin, (unsigned long long)t->end,
-                     printable(prev->name, prev->name_len, pm, sizeof pm),
+                     err_quote(prev->name, prev->name_len, pm, sizeof pm),
                      (unsigned long long)prev->begin, (unsigned long long)prev->end);
     }
     pos = t->end;

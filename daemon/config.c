@@ -1,14 +1,20 @@
 /* config.c - the configuration table and its readers (see config.h). */
 #include "config.h"
 
-#include <cjson/cJSON.h>
 #include <errno.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "json_strict.h"
+#include "optab.h"
 #include "pathutil.h"
+#include "suggest.h"
 
 enum cfg_type { CFG_STRING, CFG_UINT, CFG_BYTES, CFG_MODE, CFG_ENUM, CFG_PATH_LIST, CFG_ID_LIST };
 
@@ -21,16 +27,21 @@ struct cfg_key {
   const char *def;   /* default, as text */
   const char *help;
   const char *const *choices; /* CFG_ENUM: the names, in the enum's order, NULL-terminated */
+  bool reload;                /* a running daemon applies a new value at SIGHUP */
 };
 
 /* Enumerated keys are stored as int through the table's offset. */
 _Static_assert(sizeof(enum cfg_backend) == sizeof(int) && sizeof(enum log_level) == sizeof(int) &&
-                   sizeof(enum cfg_load_method) == sizeof(int),
+                   sizeof(enum cfg_load_method) == sizeof(int) && sizeof(enum cfg_cuda_handles) == sizeof(int) &&
+                   sizeof(enum cfg_strided) == sizeof(int) && sizeof(enum cfg_pin) == sizeof(int),
                "enumerated config keys are stored as int");
 
 static const char *const backend_names[] = {"auto", "cuda", "host", NULL};
 static const char *const log_level_names[] = {"error", "warn", "info", "debug", NULL};
 static const char *const load_method_names[] = {"auto", "staged", NULL};
+static const char *const cuda_handles_names[] = {"vmm", "legacy", NULL};
+static const char *const strided_names[] = {"gather", "rows", "auto", NULL};
+static const char *const pin_names[] = {"after_load", "on_open", "off", NULL};
 
 #define OFF(f) offsetof(struct wd_config, f)
 #define GiB (1ull << 30)
@@ -40,23 +51,31 @@ static const struct cfg_key keys[] = {
     {"socket", CFG_STRING, OFF(socket), 0, 0, 0, "",
      "socket path (default: /run/weightd/weightd.sock as root, else $XDG_RUNTIME_DIR/weightd.sock "
      "or /tmp/weightd-$UID.sock)"},
+    {"socket_fd_name", CFG_STRING, OFF(socket_fd_name), 0, 0, 0, "weightd.socket",
+     "under socket activation, the name (LISTEN_FDNAMES) of the passed socket to serve; a single unnamed "
+     "descriptor is served too"},
     {"socket_group", CFG_STRING, OFF(socket_group), 0, 0, 0, "weightd",
      "group owning the socket; members may connect (kept as is when the group does not exist)"},
     {"socket_mode", CFG_MODE, OFF(socket_mode), 0, 0, 0777, "0660", "permission bits of the socket"},
     {"model_roots", CFG_PATH_LIST, OFF(model_roots), OFF(n_model_roots), 0, 0, NULL,
-     "directories checkpoints must resolve into; empty = any path the daemon can read"},
+     "directories checkpoints must resolve into; empty = any path the daemon can read", .reload = true},
     {"allowed_uids", CFG_ID_LIST, OFF(allowed_uids), OFF(n_allowed_uids), 0, UINT32_MAX, NULL,
      "peer uids allowed besides root and the daemon's uid; with allowed_gids both empty, "
-     "anyone who can open the socket"},
+     "anyone who can open the socket", .reload = true},
     {"allowed_gids", CFG_ID_LIST, OFF(allowed_gids), OFF(n_allowed_gids), 0, UINT32_MAX, NULL,
-     "peer primary gids allowed"},
+     "peer primary gids allowed", .reload = true},
     {"backend", CFG_ENUM, OFF(backend), 0, 0, 0, "auto", "auto | cuda | host", backend_names},
     {"device_memory_budget", CFG_BYTES, OFF(device_memory_budget), 0, 0, UINT64_MAX, "0",
      "bytes of resident sets per device before unleased sets are evicted (0 = a GPU's own memory; "
-     "for the host backend, half of physical memory)"},
+     "for the host backend, half of physical memory)", .reload = true},
     {"host_pin_budget", CFG_BYTES, OFF(host_pin_budget), 0, 0, UINT64_MAX, "0",
-     "bytes of checkpoint files kept registered for direct DMA (prefetch --pin; 0 = half of "
-     "physical memory)"},
+     "bytes of checkpoint files kept registered for direct DMA (0 = half of the memory the daemon may use: "
+     "MemTotal, or its cgroup's memory limit when lower, read whenever a pin is considered)", .reload = true},
+    {"pin", CFG_ENUM, OFF(pin), 0, 0, 0, "after_load",
+     "after_load | on_open | off: after_load registers the byte ranges a load read, in the background once it "
+     "finished, when they fit host_pin_budget, so later loads of them copy straight from the page cache; "
+     "on_open also registers a whole checkpoint that fits as soon as it is opened",
+     pin_names, .reload = true},
     {"fill_threads", CFG_UINT, OFF(fill_threads), 0, 0, 1024, "0",
      "threads copying from the page cache (0 = one per online CPU)"},
     {"job_threads", CFG_UINT, OFF(job_threads), 0, 1, 256, "4",
@@ -67,29 +86,54 @@ static const struct cfg_key keys[] = {
     {"staging_slot_bytes", CFG_BYTES, OFF(staging_slot_bytes), 0, 1 * MiB, 4 * GiB, "64MiB",
      "bytes per staging slot"},
     {"frame_timeout_ms", CFG_UINT, OFF(frame_timeout_ms), 0, 100, 3600000, "10000",
-     "a request frame must arrive whole within this time"},
+     "a request frame must arrive whole within this time", .reload = true},
     {"max_connections", CFG_UINT, OFF(max_connections), 0, 1, 1000000, "1024",
-     "connections served at once; more are refused"},
+     "connections served at once; more are refused", .reload = true},
     {"max_queued_output", CFG_BYTES, OFF(max_queued_output), 0, 1 * MiB, 16 * GiB, "64MiB",
      "reply bytes queued for a client that does not read; past half of it the client's requests are not "
-     "read, and a reply that would pass it is answered LIMIT"},
+     "read, and a reply that would pass it is answered LIMIT", .reload = true},
     {"max_queued_fds", CFG_UINT, OFF(max_queued_fds), 0, 1, 65536, "64",
-     "file descriptors queued in one connection's unread replies; an attach past it is answered LIMIT"},
+     "file descriptors queued in one connection's unread replies; an attach past it is answered LIMIT", .reload = true},
     {"max_request_bytes", CFG_BYTES, OFF(max_request_bytes), 0, 4096, 16 * MiB, "4MiB",
-     "the largest request frame; a longer one is refused from its length prefix, before it is read"},
+     "the largest request frame; a longer one is refused from its length prefix, before it is read", .reload = true},
     {"request_memory", CFG_BYTES, OFF(request_memory), 0, 16 * MiB, 64 * GiB, "1GiB",
      "memory for requests read and not finished, all connections together (charged as 64 bytes per "
      "request byte, what parsing the densest JSON can take); one connection may use a quarter, and a "
-     "request that does not fit waits unparsed until memory frees"},
+     "request that does not fit waits unparsed until memory frees", .reload = true},
     {"idle_timeout_ms", CFG_UINT, OFF(idle_timeout_ms), 0, 0, 86400000, "300000",
-     "a connection that holds no lease and has nothing in progress is closed after this long (0: never)"},
+     "a connection that holds no lease and has nothing in progress is closed after this long (0: never)", .reload = true},
     {"reserved_connections", CFG_UINT, OFF(reserved_connections), 0, 0, 1000, "16",
-     "connections beyond max_connections that only root and the daemon's uid may use"},
-    {"log_level", CFG_ENUM, OFF(log_level), 0, 0, 0, "info", "error | warn | info | debug", log_level_names},
+     "connections beyond max_connections that only root and the daemon's uid may use", .reload = true},
+    {"metrics_address", CFG_STRING, OFF(metrics_address), 0, 0, 0, "127.0.0.1:9477",
+     "HOST:PORT serving GET /metrics (Prometheus), /healthz and /readyz; [v6]:PORT for IPv6; \"\" turns "
+     "them off", .reload = true},
+    {"metrics_connections", CFG_UINT, OFF(metrics_connections), 0, 1, 4096, "64",
+     "HTTP connections served at once (32 at most from one address)", .reload = true},
+    {"log_level", CFG_ENUM, OFF(log_level), 0, 0, 0, "info", "error | warn | info | debug", log_level_names,
+     .reload = true},
+    {"log_file", CFG_STRING, OFF(log_file), 0, 0, 0, "",
+     "append the log to this file (reopened at SIGHUP, for rotation) instead of syslog when detached; "
+     "under journald the journal wins", .reload = true},
     {"load_method", CFG_ENUM, OFF(load_method), 0, 0, 0, "auto",
      "auto | staged: staged sends every load through the pinned staging slots, also on the host "
      "backend and for pinned checkpoints (for tests and comparisons)",
      load_method_names},
+    /*
+     * Not reloadable: a set's handle kind is fixed when its memory is
+     * allocated (legacy IPC handles cannot be made from VMM memory), so a
+     * change would leave resident sets of the old kind beside new ones.
+     */
+    {"cuda_handles", CFG_ENUM, OFF(cuda_handles), 0, 0, 0, "vmm",
+     "vmm | legacy: how the cuda backend allocates and shares sets. vmm: CUDA VMM memory whose handle is a file "
+     "descriptor (clients map it read-only, any number of times); legacy: cudaMalloc memory shared with "
+     "cudaIpcMemHandle, for clients that open only those (they get UNSUPPORTED for a vmm set). A GPU or driver "
+     "without VMM descriptor export gets legacy, with a warning",
+     cuda_handles_names},
+    {"staged_strided", CFG_ENUM, OFF(staged_strided), 0, 0, 0, "auto",
+     "gather | rows | auto: how staged loads stage strided pieces (column slices): gather their rows on the CPU, "
+     "or copy whole source rows and let the GPU's copy engine take each row's part (auto: rows only for short "
+     "rows, by a provisional rule; docs/benchmarks.md)",
+     strided_names},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])
@@ -202,9 +246,18 @@ static int set_text(struct wd_config *cfg, const struct cfg_key *k, const char *
   return err_set(err, WEIGHTD_E_INTERNAL, "config: bad key type");
 }
 
+/* "unknown key 'x'", with the closest key when one is close. */
+static int unknown_key(const char *key, struct wd_error *err) {
+  const char *names[NKEYS];
+  for (size_t i = 0; i < NKEYS; i++) names[i] = keys[i].name;
+  const char *best = suggest_closest(key, names, NKEYS);
+  if (best != NULL) return err_set(err, WEIGHTD_E_INVALID, "config: unknown key '%s'; did you mean '%s'?", key, best);
+  return err_set(err, WEIGHTD_E_INVALID, "config: unknown key '%s' (weightd --help lists the keys)", key);
+}
+
 int config_set(struct wd_config *cfg, const char *key, const char *value, struct wd_error *err) {
   const struct cfg_key *k = find_key(key);
-  if (k == NULL) return err_set(err, WEIGHTD_E_INVALID, "config: unknown key '%s'", key);
+  if (k == NULL) return unknown_key(key, err);
   return set_text(cfg, k, value, err);
 }
 
@@ -222,13 +275,95 @@ int config_defaults(struct wd_config *cfg, struct wd_error *err) {
   return 0;
 }
 
-/* One JSON value for key k: strings as text, numbers exact, lists item by item. */
-static int set_json(struct wd_config *cfg, const struct cfg_key *k, const cJSON *v,
-                    const char *path, struct wd_error *err) {
-  char buf[64];
+/* ---- the config file ------------------------------------------------------------------ */
+
+/* Where a byte offset of the file is, as line and column (both from 1; columns count bytes). */
+static void position(const char *text, size_t off, size_t *line, size_t *col) {
+  *line = 1;
+  *col = 1;
+  for (size_t i = 0; i < off && text[i] != '\0'; i++) {
+    if (text[i] == '\n') {
+      (*line)++;
+      *col = 1;
+    } else {
+      (*col)++;
+    }
+  }
+}
+
+/* The offset of a member's key, found back from its value: the opening quote before ':'. */
+static size_t key_offset(const char *text, size_t value_off) {
+  size_t i = value_off;
+  while (i > 0 && (text[i - 1] == ' ' || text[i - 1] == '\t' || text[i - 1] == '\n' || text[i - 1] == '\r')) i--;
+  if (i > 0 && text[i - 1] == ':') i--;
+  while (i > 0 && (text[i - 1] == ' ' || text[i - 1] == '\t' || text[i - 1] == '\n' || text[i - 1] == '\r')) i--;
+  if (i == 0 || text[i - 1] != '"') return value_off;
+  i--; /* the closing quote */
+  while (i > 0) {
+    i--;
+    if (text[i] == '"' && (i == 0 || text[i - 1] != '\\')) return i;
+  }
+  return value_off;
+}
+
+/* Fills err with "FILE:LINE:COLUMN: message" for the byte at off. */
+static int fail_at(struct wd_error *err, const char *path, const char *text, size_t off, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
+static int fail_at(struct wd_error *err, const char *path, const char *text, size_t off, const char *fmt, ...) {
+  char msg[WD_ERROR_MSG_MAX / 2];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  size_t line, col;
+  position(text, off, &line, &col);
+  return err_set(err, WEIGHTD_E_INVALID, "%s:%zu:%zu: %s", path, line, col, msg);
+}
+
+/* What a key's values must be, for messages: "a number", "a size such as \"64MiB\" or a number of bytes". */
+static const char *expected(const struct cfg_key *k) {
+  switch (k->type) {
+  case CFG_STRING: return "a string";
+  case CFG_UINT: return "a number";
+  case CFG_BYTES: return "a number of bytes or a size such as \"64MiB\"";
+  case CFG_MODE: return "a string of octal digits such as \"0660\"";
+  case CFG_ENUM: return "a string";
+  case CFG_PATH_LIST: return "a list of paths (strings)";
+  case CFG_ID_LIST: return "a list of numeric ids";
+  }
+  return "?";
+}
+
+/* The text of a JSON scalar as set_text takes it, when the key's type accepts the node's type; NULL otherwise. */
+static const char *scalar_text(const struct cfg_key *k, const struct sj_node *n, char *buf, size_t len) {
+  bool number_ok = k->type == CFG_UINT || k->type == CFG_BYTES || k->type == CFG_ID_LIST;
+  bool string_ok = k->type == CFG_STRING || k->type == CFG_BYTES || k->type == CFG_MODE || k->type == CFG_ENUM ||
+                   k->type == CFG_PATH_LIST;
+  if (n->type == SJ_STRING && string_ok) {
+    if (memchr(n->str, '\0', n->len) != NULL || n->len >= len) return NULL;
+    memcpy(buf, n->str, n->len);
+    buf[n->len] = '\0';
+    return buf;
+  }
+  if (n->type == SJ_NUMBER && number_ok) {
+    if (n->len >= len) return NULL;
+    memcpy(buf, n->str, n->len);
+    buf[n->len] = '\0';
+    return buf;
+  }
+  return NULL;
+}
+
+/* Applies one member (key k, value n) of the file; errors name the file, line and column. */
+static int set_member(struct wd_config *cfg, const struct cfg_key *k, const struct sj_node *n, const char *path,
+                      const char *text, struct wd_error *err) {
+  char buf[4096];
+  struct wd_error e = {0};
   if (k->type == CFG_PATH_LIST || k->type == CFG_ID_LIST) {
-    if (!cJSON_IsArray(v))
-      return err_set(err, WEIGHTD_E_INVALID, "%s: '%s' must be a list", path, k->name);
+    if (n->type != SJ_ARRAY)
+      return fail_at(err, path, text, n->offset, "'%s' must be %s, not %s", k->name, expected(k),
+                     sj_type_name(n->type));
     /* The file replaces the defaults (and earlier values) of a list. */
     char *base = (char *)cfg;
     size_t *count = (size_t *)(base + k->count_off);
@@ -239,32 +374,26 @@ static int set_json(struct wd_config *cfg, const struct cfg_key *k, const cJSON 
     free(*(void **)(base + k->offset));
     *(void **)(base + k->offset) = NULL;
     *count = 0;
-    const cJSON *e;
-    cJSON_ArrayForEach(e, v) {
-      const char *text;
-      if (cJSON_IsString(e)) {
-        text = e->valuestring;
-      } else if (cJSON_IsNumber(e) && e->valuedouble >= 0 && e->valuedouble <= 4294967295.0 &&
-                 floor(e->valuedouble) == e->valuedouble) {
-        snprintf(buf, sizeof buf, "%.0f", e->valuedouble);
-        text = buf;
-      } else {
-        return err_set(err, WEIGHTD_E_INVALID, "%s: '%s' has an entry of the wrong type", path, k->name);
-      }
-      int rc = set_text(cfg, k, text, err);
-      if (rc != 0) return rc;
+    size_t i = 0;
+    for (const struct sj_node *e2 = n->child; e2 != NULL; e2 = e2->next, i++) {
+      const char *t = scalar_text(k, e2, buf, sizeof buf);
+      if (t == NULL)
+        return fail_at(err, path, text, e2->offset, "'%s' entry %zu must be %s, not %s", k->name, i,
+                       k->type == CFG_PATH_LIST ? "a path (a string)" : "a numeric id (a number)",
+                       sj_type_name(e2->type));
+      if (set_text(cfg, k, t, &e) != 0) return fail_at(err, path, text, e2->offset, "%s", e.msg);
     }
     return 0;
   }
-  if (cJSON_IsString(v)) return set_text(cfg, k, v->valuestring, err);
-  if (cJSON_IsNumber(v) && k->type != CFG_STRING && k->type != CFG_ENUM) {
-    if (v->valuedouble < 0 || v->valuedouble > 9007199254740992.0 || floor(v->valuedouble) != v->valuedouble)
-      return err_set(err, WEIGHTD_E_INVALID, "%s: '%s' must be a non-negative integer", path, k->name);
-    if (k->type == CFG_MODE) snprintf(buf, sizeof buf, "%o", (unsigned)v->valuedouble);
-    else snprintf(buf, sizeof buf, "%.0f", v->valuedouble);
-    return set_text(cfg, k, buf, err);
+  const char *t = scalar_text(k, n, buf, sizeof buf);
+  if (t == NULL) {
+    if (n->type == SJ_STRING && k->type == CFG_UINT)
+      return fail_at(err, path, text, n->offset, "'%s' must be a number, not a string (write %.*s without quotes)",
+                     k->name, (int)(n->len < 40 ? n->len : 40), n->str);
+    return fail_at(err, path, text, n->offset, "'%s' must be %s, not %s", k->name, expected(k), sj_type_name(n->type));
   }
-  return err_set(err, WEIGHTD_E_INVALID, "%s: '%s' has the wrong type", path, k->name);
+  if (set_text(cfg, k, t, &e) != 0) return fail_at(err, path, text, n->offset, "%s", e.msg);
+  return 0;
 }
 
 int config_load_file(struct wd_config *cfg, const char *path, struct wd_error *err) {
@@ -272,24 +401,57 @@ int config_load_file(struct wd_config *cfg, const char *path, struct wd_error *e
   size_t len;
   int r = path_read_file(path, 1u << 20, &text, &len);
   if (r != 0) return err_set(err, WEIGHTD_E_INVALID, "%s: cannot read: %s", path, strerror(-r));
-  cJSON *root = cJSON_ParseWithLength(text, len);
-  free(text);
+  struct sj_doc doc = {0};
+  char why[256];
+  size_t bad = 0;
   int rc = 0;
-  if (root == NULL || !cJSON_IsObject(root)) {
-    rc = err_set(err, WEIGHTD_E_INVALID, "%s: not a JSON object", path);
+  if (!sj_utf8_valid((const unsigned char *)text, len, &bad)) {
+    rc = fail_at(err, path, text, bad, "not UTF-8");
     goto out;
   }
-  const cJSON *e;
-  cJSON_ArrayForEach(e, root) {
-    const struct cfg_key *k = find_key(e->string);
+  int prc = sj_parse(text, len, 16, &doc, why, sizeof why);
+  if (prc == -2) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "%s: out of memory", path);
+    goto out;
+  }
+  if (prc != 0) {
+    /* "at byte N: what": the position as line and column. */
+    unsigned long long at = 0;
+    const char *what = why;
+    if (sscanf(why, "at byte %llu: ", &at) == 1 && strstr(why, ": ") != NULL) what = strstr(why, ": ") + 2;
+    rc = fail_at(err, path, text, (size_t)at, "%s", what);
+    goto out;
+  }
+  if (doc.root->type != SJ_OBJECT) {
+    rc = fail_at(err, path, text, doc.root->offset, "the configuration must be a JSON object, not %s",
+                 sj_type_name(doc.root->type));
+    goto out;
+  }
+  for (const struct sj_node *n = doc.root->child; n != NULL; n = n->next) {
+    char name[128];
+    snprintf(name, sizeof name, "%.*s", (int)(n->key_len < sizeof name ? n->key_len : sizeof name - 1), n->key);
+    size_t at = key_offset(text, n->offset);
+    for (const struct sj_node *m = doc.root->child; m != n; m = m->next)
+      if (m->key_len == n->key_len && memcmp(m->key, n->key, n->key_len) == 0) {
+        size_t line, col;
+        position(text, key_offset(text, m->offset), &line, &col);
+        rc = fail_at(err, path, text, at, "'%s' is given twice (first at line %zu)", name, line);
+        goto out;
+      }
+    const struct cfg_key *k = find_key(name);
     if (k == NULL) {
-      rc = err_set(err, WEIGHTD_E_INVALID, "%s: unknown key '%s'", path, e->string);
+      const char *names[NKEYS];
+      for (size_t i = 0; i < NKEYS; i++) names[i] = keys[i].name;
+      const char *best = suggest_closest(name, names, NKEYS);
+      if (best != NULL) rc = fail_at(err, path, text, at, "unknown key '%s'; did you mean '%s'?", name, best);
+      else rc = fail_at(err, path, text, at, "unknown key '%s' (weightd --help lists the keys)", name);
       goto out;
     }
-    if ((rc = set_json(cfg, k, e, path, err)) != 0) goto out;
+    if ((rc = set_member(cfg, k, n, path, text, err)) != 0) goto out;
   }
 out:
-  cJSON_Delete(root);
+  sj_doc_free(&doc);
+  free(text);
   return rc;
 }
 
@@ -302,10 +464,103 @@ const char *config_enum_name(const struct wd_config *cfg, const char *key) {
   return "?";
 }
 
+bool config_key_reloadable(const char *key) {
+  const struct cfg_key *k = find_key(key);
+  return k != NULL && k->reload;
+}
+
+/* True when key k holds the same value in a and b. */
+static bool same_value(const struct cfg_key *k, const struct wd_config *a, const struct wd_config *b) {
+  const char *pa = (const char *)a + k->offset, *pb = (const char *)b + k->offset;
+  switch (k->type) {
+  case CFG_STRING: return strcmp(*(char *const *)pa, *(char *const *)pb) == 0;
+  case CFG_UINT:
+  case CFG_BYTES:
+  case CFG_MODE: return *(const uint64_t *)pa == *(const uint64_t *)pb;
+  case CFG_ENUM: return *(const int *)pa == *(const int *)pb;
+  case CFG_PATH_LIST:
+  case CFG_ID_LIST: {
+    size_t na = *(const size_t *)((const char *)a + k->count_off), nb = *(const size_t *)((const char *)b + k->count_off);
+    if (na != nb) return false;
+    for (size_t i = 0; i < na; i++) {
+      bool eq = k->type == CFG_PATH_LIST ? strcmp((*(char *const *const *)pa)[i], (*(char *const *const *)pb)[i]) == 0
+                                         : (*(const uint64_t *const *)pa)[i] == (*(const uint64_t *const *)pb)[i];
+      if (!eq) return false;
+    }
+    return true;
+  }
+  }
+  return false;
+}
+
+void config_compare(const struct wd_config *a, const struct wd_config *b,
+                    void (*changed)(void *arg, const char *key, bool reloadable), void *arg) {
+  for (size_t i = 0; i < NKEYS; i++)
+    if (!same_value(&keys[i], a, b)) changed(arg, keys[i].name, keys[i].reload);
+}
+
+int config_copy_key(struct wd_config *dst, const struct wd_config *src, const char *key, struct wd_error *err) {
+  const struct cfg_key *k = find_key(key);
+  if (k == NULL) return err_set(err, WEIGHTD_E_INVALID, "config: unknown key '%s'", key);
+  char *d = (char *)dst + k->offset;
+  const char *s = (const char *)src + k->offset;
+  switch (k->type) {
+  case CFG_STRING: {
+    char *dup = strdup(*(char *const *)s);
+    if (dup == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    free(*(char **)d);
+    *(char **)d = dup;
+    return 0;
+  }
+  case CFG_UINT:
+  case CFG_BYTES:
+  case CFG_MODE: *(uint64_t *)d = *(const uint64_t *)s; return 0;
+  case CFG_ENUM: *(int *)d = *(const int *)s; return 0;
+  case CFG_PATH_LIST:
+  case CFG_ID_LIST: {
+    size_t n = *(const size_t *)((const char *)src + k->count_off);
+    size_t *dn = (size_t *)((char *)dst + k->count_off);
+    if (k->type == CFG_PATH_LIST) {
+      char **items = *(char ***)d;
+      for (size_t i = 0; i < *dn; i++) free(items[i]);
+    }
+    free(*(void **)d);
+    *(void **)d = NULL;
+    *dn = 0;
+    for (size_t i = 0; i < n; i++) {
+      int rc;
+      if (k->type == CFG_PATH_LIST) {
+        rc = set_text(dst, k, (*(char *const *const *)s)[i], err);
+      } else {
+        char buf[24];
+        snprintf(buf, sizeof buf, "%" PRIu64, (*(const uint64_t *const *)s)[i]);
+        rc = set_text(dst, k, buf, err);
+      }
+      if (rc != 0) return rc;
+    }
+    return 0;
+  }
+  }
+  return err_set(err, WEIGHTD_E_INTERNAL, "config: bad key type");
+}
+
 void config_print_help(FILE *f) {
   fprintf(f, "configuration keys (JSON object; sizes accept \"64MiB\", \"2GiB\"):\n");
   for (size_t i = 0; i < NKEYS; i++)
-    fprintf(f, "  %-22s default %-10s %s\n", keys[i].name, keys[i].def ? keys[i].def : "[]", keys[i].help);
+    fprintf(f, "  %-22s default %-10s %s%s\n", keys[i].name, keys[i].def ? keys[i].def : "[]", keys[i].help,
+            keys[i].reload ? " [reloadable]" : "");
+}
+
+void config_print_man(FILE *f) {
+  for (size_t i = 0; i < NKEYS; i++) {
+    fputs(".TP\n\\fB", f);
+    optab_man_text(f, keys[i].name);
+    fputs("\\fR (default \\fI", f);
+    optab_man_text(f, keys[i].def ? (keys[i].def[0] ? keys[i].def : "\"\"") : "[]");
+    fputs("\\fR)\n", f);
+    optab_man_text(f, keys[i].help);
+    fputs(keys[i].reload ? " Reloaded at SIGHUP.\n" : "\n", f);
+  }
 }
 
 void config_free(struct wd_config *cfg) {

@@ -5,6 +5,7 @@
 #ifndef WD_CONFIG_H
 #define WD_CONFIG_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <sys/types.h>
@@ -15,9 +16,14 @@
 /* Choices of the enumerated keys, parsed once when the config is read. */
 enum cfg_backend { CFG_BACKEND_AUTO, CFG_BACKEND_CUDA, CFG_BACKEND_HOST };
 enum cfg_load_method { CFG_LOAD_AUTO, CFG_LOAD_STAGED };
+enum cfg_cuda_handles { CFG_CUDA_HANDLES_VMM, CFG_CUDA_HANDLES_LEGACY };
+/* In the order of enum plan_strided (plan_stage.h). */
+enum cfg_strided { CFG_STRIDED_GATHER, CFG_STRIDED_ROWS, CFG_STRIDED_AUTO };
+enum cfg_pin { CFG_PIN_AFTER_LOAD, CFG_PIN_ON_OPEN, CFG_PIN_OFF };
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
+  char *socket_fd_name; /* socket activation: the passed socket's name */
   char *socket_group;   /* group of the socket file */
   uint64_t socket_mode; /* permission bits of the socket file */
   char **model_roots;   /* as configured; resolved at start */
@@ -28,7 +34,8 @@ struct wd_config {
   size_t n_allowed_gids;
   enum cfg_backend backend;
   uint64_t device_memory_budget; /* bytes per device for resident sets; 0 = no limit */
-  uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier */
+  uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier; 0 = derived (hostmem.h) */
+  enum cfg_pin pin;            /* when checkpoints enter the pinned-resident tier by themselves */
   uint64_t fill_threads;       /* 0 = one per online CPU */
   uint64_t job_threads;      /* loads, prefetches, frees */
   uint64_t control_threads;  /* opens, checks, plans, status: never behind loads */
@@ -43,7 +50,12 @@ struct wd_config {
   uint64_t idle_timeout_ms;   /* a connection with no lease and nothing in progress is closed after this */
   uint64_t reserved_connections; /* beyond max_connections, for root and the daemon's uid */
   enum log_level log_level;
+  char *log_file; /* "" = none */
+  char *metrics_address;        /* HOST:PORT of /metrics, /healthz, /readyz; "" = off */
+  uint64_t metrics_connections; /* HTTP connections served at once */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
+  enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
+  enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */
 };
 
 /* Fills cfg with the defaults. */
@@ -61,8 +73,21 @@ int config_add_model_root(struct wd_config *cfg, const char *dir, struct wd_erro
 /* The text of an enumerated key's current value ("cuda", "info"), for logs and status. */
 const char *config_enum_name(const struct wd_config *cfg, const char *key);
 
+/* True when a running daemon applies a new value of key at reload (SIGHUP). */
+bool config_key_reloadable(const char *key);
+
+/* Calls changed() for every key whose value differs between a and b, in table order. */
+void config_compare(const struct wd_config *a, const struct wd_config *b,
+                    void (*changed)(void *arg, const char *key, bool reloadable), void *arg);
+
+/* Copies key's value from src into dst (strings and lists deep). */
+int config_copy_key(struct wd_config *dst, const struct wd_config *src, const char *key, struct wd_error *err);
+
 /* Writes every key with its help and default as a commented example. */
 void config_print_help(FILE *f);
+
+/* Writes every key with its default and help as man page .TP entries. */
+void config_print_man(FILE *f);
 
 void config_free(struct wd_config *cfg);
 

@@ -32,13 +32,23 @@
 
 struct server;
 
-/* Counters the server and the op handlers keep, for status (and metrics). */
+/* Room for every error number of the table (WEIGHTD_ERRNO_MAP), indexed by -code. */
+#define DAEMON_ERROR_SLOTS 64
+
+/* Counters the server and the op handlers keep, for status and metrics. */
 struct daemon_stats {
+  uint64_t requests;          /* started */
+  uint64_t requests_inflight; /* started and not finished */
+  uint64_t errors[DAEMON_ERROR_SLOTS]; /* error replies sent, by -code */
   uint64_t connections; /* open now */
   uint64_t fds_queued;  /* descriptors waiting in replies not yet sent */
   uint64_t request_mem; /* request memory charged (see server.c) */
   uint64_t fd_limit;    /* RLIMIT_NOFILE's soft limit, raised to the hard one at start */
+  bool listening;       /* the server accepts connections */
 };
+
+struct telemetry;
+struct http;
 
 struct daemon {
   uv_loop_t *loop;
@@ -53,6 +63,8 @@ struct daemon {
   struct residency *res;
   struct loader *ld;
   struct server *srv;
+  struct telemetry *tel; /* metrics' cached measurements and readiness */
+  struct http *http;     /* the metrics and probe endpoints, when configured */
   char *socket_path;
   struct daemon_stats stats;
   uint64_t started_ms;
@@ -74,6 +86,12 @@ static inline uint64_t daemon_fd_budget(const struct daemon *d) {
   if (n == 0 || n == UINT64_MAX) return UINT64_MAX;
   uint64_t keep = n / 4 > 64 ? n / 4 : (64 < n / 2 ? 64 : n / 2);
   return n - keep;
+}
+
+/* Counts an error reply (any code of the table). */
+static inline void daemon_count_error(struct daemon *d, int code) {
+  unsigned i = (unsigned)-code;
+  if (code < 0 && i < DAEMON_ERROR_SLOTS) d->stats.errors[i]++;
 }
 
 #endif

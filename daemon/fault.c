@@ -8,7 +8,8 @@
 
 #include "error.h"
 
-static _Thread_local sigjmp_buf *recovery;
+/* volatile: the stores that arm and disarm it must happen, though only the handler reads it. */
+static _Thread_local sigjmp_buf *volatile recovery;
 
 static void on_sigbus(int sig, siginfo_t *info, void *uctx) {
   (void)info;

@@ -2,20 +2,24 @@
  * loader.c - moving a plan's bytes from the shard mappings into a slab.
  *
  * Three ways, chosen per load:
+ *   direct  a GPU slab, and every source byte the plan reads lies in ranges
+ *           registered with the GPU (the pinned-resident tier: a whole
+ *           checkpoint, or the ranges of one plan): the copy engines read the
+ *           mappings themselves, 2D copies for strided pieces, never one copy
+ *           across two registrations; no CPU copy at all.
  *   memcpy  the backend's slab is host memory (host backend): fill threads
  *           gather slab windows straight from the mappings into the slab.
- *   staged  a GPU slab, checkpoint in the page cache only: fill threads
- *           gather each window of the slab image into a pinned staging slot,
- *           a stream copies the slot to the GPU while the next slot fills;
- *           the only wait is for a slot's previous transfer (its event).
- *   direct  a GPU slab, checkpoint registered with the GPU (the
- *           pinned-resident tier): the copy engines read the mappings
- *           themselves, 2D copies for strided pieces; no CPU copy at all.
+ *   staged  otherwise: fill threads fill each window of the plan's staging
+ *           schedule (plan_stage.h: the slab image, or strided pieces as
+ *           whole source rows) into a pinned staging slot, a stream copies
+ *           the slot to the GPU (2D for whole rows) while the next slot
+ *           fills; the only wait is for a slot's previous transfers.
  *
- * Gathering is one routine: gather() writes the slab image of [lo, hi), which
- * is each output's pieces in order (rows of strided pieces one after another)
- * and zeros in the alignment gaps, reading the mappings under the SIGBUS
- * guard (fault.h) so that a truncated shard fails the load, not the daemon.
+ * Gathering is one routine: plan_gather writes the slab image of [lo, hi),
+ * which is each output's pieces in order (rows of strided pieces one after
+ * another) and zeros in the alignment gaps; plan_stage_fill uses it for the
+ * staged windows. Every read of a mapping runs under the SIGBUS guard
+ * (fault.h) so that a truncated shard fails the load, not the daemon.
  *
  * DESIGN (threads): ld_fill runs on a job thread and owns the target's slab
  * until it returns; it reads only the loader (immutable after ld_create, but
@@ -54,18 +58,12 @@ struct loader {
   const struct wd_backend *backend;
   struct fillpool *fill;
   enum cfg_load_method method;
+  enum plan_strided strided;
   struct staging *stagings; /* one per device, for backends without host-visible slabs */
   int nstagings;
 };
 
 /* ---- gathering ---------------------------------------------------------------- */
-
-static const unsigned char *piece_src(const struct ld_target *s, const struct plan_piece *pc) {
-  const struct ckpt *c = s->ck->ck;
-  const struct ckpt_shard *sh = &c->shards[pc->src->shard];
-  return (const unsigned char *)s->ck->maps[pc->src->shard] + sh->hdr->data_start + pc->src->t->begin +
-         pc->src_offset;
-}
 
 struct gather_args {
   const struct ld_target *set;
@@ -177,30 +175,45 @@ static int fill_memcpy(struct loader *ld, struct ld_target *s, struct wd_error *
 /* ---- staged: pinned slots and a stream per slot -------------------------------------- */
 
 /*
- * The staged pipeline without a barrier per window: the slab is cut into
- * windows of one slot each, and every window into fill tasks; the fill
- * threads take tasks in order. A task of window w first waits until the slot
- * it fills (w mod S) has finished the transfer of window w - S; the thread
- * that finishes a window's last task starts that window's transfer on the
- * slot's stream and records the slot's event. So threads that are done with
- * one window go on filling the next while stragglers finish, and the only
- * wait is for a slot's previous transfer.
+ * The staged pipeline without a barrier per window: the plan is cut into
+ * windows of one slot each (plan_stage.h: the slab image, and strided pieces
+ * as whole source rows where staged_strided says so), every window into fill
+ * tasks of slot bytes; the fill threads take tasks in order. A task of window
+ * w first waits until the slot it fills (w mod S) has finished the transfers
+ * of window w - S; the thread that finishes a window's last task starts that
+ * window's transfers (a plain copy per image run, a 2D copy per run of whole
+ * rows) on the slot's stream and records the slot's event. So threads that
+ * are done with one window go on filling the next while stragglers finish,
+ * and the only wait is for a slot's previous transfers.
  */
 struct staged_run {
   struct loader *ld;
   struct ld_target *set;
   struct staging *st;
+  const struct plan_stage *sched;
   const unsigned char **data; /* per shard: its data section in the mapping */
-  uint64_t total;             /* slab bytes */
-  size_t windows, per_window; /* tasks per window */
-  uint64_t task;              /* bytes per task */
+  uint64_t task;              /* slot bytes per task */
+  size_t *task_base;          /* per window + 1: its first task's number */
   atomic_size_t *left;        /* per window: tasks not finished */
-  size_t *issued;             /* per slot: windows whose transfer has started */
+  size_t *issued;             /* per slot: windows whose transfers have started */
   pthread_mutex_t lock;       /* guards issued, rc, err */
   pthread_cond_t moved;       /* a transfer started, or the run failed */
   int rc;
   struct wd_error err;
 };
+
+struct stage_fill_args {
+  const struct staged_run *r;
+  size_t w;
+  uint64_t lo, hi;
+  unsigned char *dst;
+};
+
+static int stage_fill_range(void *arg) {
+  struct stage_fill_args *a = arg;
+  plan_stage_fill(a->r->sched, a->r->set->plan, a->r->data, a->w, a->lo, a->hi, a->dst);
+  return 0;
+}
 
 static void staged_fail(struct staged_run *r, int rc, const struct wd_error *err) {
   pthread_mutex_lock(&r->lock);
@@ -212,13 +225,43 @@ static void staged_fail(struct staged_run *r, int rc, const struct wd_error *err
   pthread_mutex_unlock(&r->lock);
 }
 
+/* The window task i belongs to. */
+static size_t task_window(const struct staged_run *r, size_t i) {
+  size_t a = 0, b = r->sched->nwindows;
+  while (b - a > 1) {
+    size_t m = a + (b - a) / 2;
+    if (r->task_base[m] <= i) a = m;
+    else b = m;
+  }
+  return a;
+}
+
+/* Starts window w's transfers from slot k and records the slot's event. */
+static int window_send(struct staged_run *r, size_t w, size_t k, struct wd_error *err) {
+  const struct wd_backend *b = r->ld->backend;
+  const struct plan_window *win = &r->sched->windows[w];
+  const unsigned char *slot = r->st->slots[k];
+  int rc = 0;
+  for (size_t i = win->first; i < win->first + win->count && rc == 0; i++) {
+    const struct plan_xfer *x = &r->sched->xfers[i];
+    if (x->pc == NULL)
+      rc = b->ops->copy_h2d(b->ctx, r->set->slab, x->dst, (size_t)x->len, slot + x->at, (size_t)x->len,
+                            (size_t)x->len, 1, r->st->streams[k], err);
+    else
+      rc = b->ops->copy_h2d(b->ctx, r->set->slab, x->dst, (size_t)x->pc->width, slot + x->at,
+                            (size_t)x->pc->src_pitch, (size_t)x->pc->width, (size_t)x->rows, r->st->streams[k], err);
+  }
+  if (rc == 0) rc = b->ops->event_record(b->ctx, r->st->events[k], r->st->streams[k], err);
+  return rc;
+}
+
 static void staged_task(void *arg, size_t i) {
   struct staged_run *r = arg;
   struct staging *st = r->st;
   const struct wd_backend *b = r->ld->backend;
-  size_t w = i / r->per_window, k = w % st->nslots;
+  size_t w = task_window(r, i), k = w % st->nslots;
   struct wd_error err = {0};
-  /* Wait for the slot: window w - S must have started its transfer, then finished it. */
+  /* Wait for the slot: window w - S must have started its transfers, then finished them. */
   pthread_mutex_lock(&r->lock);
   while (r->rc == 0 && w >= st->nslots && r->issued[k] <= (w - st->nslots) / st->nslots)
     pthread_cond_wait(&r->moved, &r->lock);
@@ -233,28 +276,31 @@ static void staged_task(void *arg, size_t i) {
     staged_fail(r, err.code, &err);
     return;
   }
-  uint64_t wlo = (uint64_t)w * st->slot_bytes;
-  uint64_t whi = wlo + st->slot_bytes < r->total ? wlo + st->slot_bytes : r->total;
-  uint64_t lo = wlo + (uint64_t)(i % r->per_window) * r->task;
-  uint64_t hi = lo + r->task < whi ? lo + r->task : whi;
+  const struct plan_window *win = &r->sched->windows[w];
+  uint64_t lo = (uint64_t)(i - r->task_base[w]) * r->task;
+  uint64_t hi = lo + r->task < win->used ? lo + r->task : win->used;
   if (lo < hi) {
-    struct gather_args g = {r->set, r->data, lo, hi, (unsigned char *)st->slots[k] + (lo - wlo)};
-    if (fault_call(gather_range, &g) != 0) {
-      fault_error(r->set, lo, &err);
+    struct stage_fill_args a = {r, w, lo, hi, (unsigned char *)st->slots[k] + lo};
+    if (fault_call(stage_fill_range, &a) != 0) {
+      /* The first transfer of the window that overlaps the range names the tensor. */
+      uint64_t off = r->sched->xfers[win->first].dst;
+      for (size_t x = win->first; x < win->first + win->count; x++)
+        if (r->sched->xfers[x].at + r->sched->xfers[x].len > lo) {
+          off = r->sched->xfers[x].dst;
+          break;
+        }
+      fault_error(r->set, off, &err);
       staged_fail(r, err.code, &err);
       return;
     }
   }
   if (atomic_fetch_sub(&r->left[w], 1) != 1) return;
-  /* The window's last task: start its transfer. */
-  size_t n = (size_t)(whi - wlo);
-  int rc = b->ops->copy_h2d(b->ctx, r->set->slab, wlo, n, st->slots[k], n, n, 1, st->streams[k], &err);
-  if (rc == 0) rc = b->ops->event_record(b->ctx, st->events[k], st->streams[k], &err);
-  if (rc != 0) {
-    staged_fail(r, rc, &err);
+  /* The window's last task: start its transfers. */
+  if (window_send(r, w, k, &err) != 0) {
+    staged_fail(r, err.code, &err);
     return;
   }
-  atomic_fetch_add(&r->set->bytes_done, n);
+  atomic_fetch_add(&r->set->bytes_done, win->slab_bytes);
   pthread_mutex_lock(&r->lock);
   r->issued[k]++;
   pthread_cond_broadcast(&r->moved);
@@ -264,24 +310,38 @@ static void staged_task(void *arg, size_t i) {
 static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend *b = ld->backend;
   struct staging *st = &ld->stagings[s->device];
-  struct staged_run r = {.ld = ld, .set = s, .st = st, .total = s->plan->slab_bytes};
-  r.windows = (size_t)((r.total + st->slot_bytes - 1) / st->slot_bytes);
+  struct plan_stage *sched = NULL;
+  int rc = plan_stage_build(s->plan, st->slot_bytes, ld->strided, &sched, err);
+  if (rc != 0) return rc;
+  struct staged_run r = {.ld = ld, .set = s, .st = st, .sched = sched};
   r.task = task_bytes(ld, st->slot_bytes);
-  r.per_window = (size_t)((st->slot_bytes + r.task - 1) / r.task);
   r.data = shard_data(s);
-  r.left = malloc((r.windows ? r.windows : 1) * sizeof *r.left);
+  r.task_base = malloc((sched->nwindows + 1) * sizeof *r.task_base);
+  r.left = malloc((sched->nwindows ? sched->nwindows : 1) * sizeof *r.left);
   r.issued = calloc(st->nslots, sizeof *r.issued);
-  if (r.data == NULL || r.left == NULL || r.issued == NULL) {
+  if (r.data == NULL || r.task_base == NULL || r.left == NULL || r.issued == NULL) {
     free(r.data);
+    free(r.task_base);
     free(r.left);
     free(r.issued);
+    plan_stage_free(sched);
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
-  for (size_t w = 0; w < r.windows; w++) atomic_init(&r.left[w], r.per_window);
+  size_t ntasks = 0;
+  for (size_t w = 0; w < sched->nwindows; w++) {
+    size_t n = (size_t)((sched->windows[w].used + r.task - 1) / r.task);
+    r.task_base[w] = ntasks;
+    atomic_init(&r.left[w], n);
+    ntasks += n;
+  }
+  r.task_base[sched->nwindows] = ntasks;
+  if (sched->rows_pieces > 0)
+    log_msg(LOG_DEBUG, "staging %zu strided piece(s) as whole rows: %llu slot bytes for %llu slab bytes",
+            sched->rows_pieces, (unsigned long long)sched->staged_bytes, (unsigned long long)s->plan->slab_bytes);
   pthread_mutex_init(&r.lock, NULL);
   pthread_cond_init(&r.moved, NULL);
   pthread_mutex_lock(&st->lock);
-  fill_run(ld->fill, r.windows * r.per_window, staged_task, &r);
+  fill_run(ld->fill, ntasks, staged_task, &r);
   /* Drain every slot, also after an error: the slots must be idle for the next load. */
   for (size_t k = 0; k < st->nslots; k++) {
     if (r.issued[k] == 0) continue;
@@ -296,8 +356,10 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
   pthread_cond_destroy(&r.moved);
   pthread_mutex_destroy(&r.lock);
   free(r.data);
+  free(r.task_base);
   free(r.left);
   free(r.issued);
+  plan_stage_free(sched);
   if (r.rc != 0) {
     *err = r.err;
     return r.rc;
@@ -307,6 +369,90 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
 }
 
 /* ---- direct: the copy engines read the registered mappings ---------------------------- */
+
+/*
+ * Bytes from file offset off of shard `shard` that lie in one registration
+ * (a copy never crosses from one registration into the next), or 0 when off
+ * is not registered.
+ */
+static uint64_t pinned_run(const struct ld_target *t, uint32_t shard, uint64_t off) {
+  size_t a = 0, b = t->npins;
+  while (a < b) { /* the first registration after (shard, off) */
+    size_t m = a + (b - a) / 2;
+    const struct plan_range *p = &t->pins[m];
+    if (p->shard < shard || (p->shard == shard && p->off <= off)) a = m + 1;
+    else b = m;
+  }
+  if (a == 0) return 0;
+  const struct plan_range *p = &t->pins[a - 1];
+  return p->shard == shard && off < p->off + p->len ? p->off + p->len - off : 0;
+}
+
+/* Where piece pc's source starts in its shard file. */
+static uint64_t piece_file_off(const struct ld_target *s, const struct plan_piece *pc) {
+  return s->ck->ck->shards[pc->src->shard].hdr->data_start + pc->src->t->begin + pc->src_offset;
+}
+
+/* True when every source byte of the plan lies in registered ranges. */
+static bool plan_pinned(const struct ld_target *s) {
+  if (s->npins == 0) return false;
+  const struct plan *p = s->plan;
+  for (size_t o = 0; o < p->noutputs; o++)
+    for (size_t k = 0; k < p->outputs[o].npieces; k++) {
+      const struct plan_piece *pc = &p->outputs[o].pieces[k];
+      if (pc->src == NULL || pc->width == 0 || pc->height == 0) continue;
+      uint64_t a = piece_file_off(s, pc), b = a + (pc->height - 1) * pc->src_pitch + pc->width;
+      while (a < b) {
+        uint64_t n = pinned_run(s, pc->src->shard, a);
+        if (n == 0) return false;
+        a += n;
+      }
+    }
+  return true;
+}
+
+/* Copies `len` contiguous source bytes at file offset `off` to slab offset dst, one registration at a time. */
+static int direct_span(struct loader *ld, struct ld_target *s, uint32_t shard, uint64_t off, uint64_t len,
+                       uint64_t dst, struct wd_stream *stream, struct wd_error *err) {
+  const struct wd_backend_ops *ops = ld->backend->ops;
+  const unsigned char *map = s->ck->maps[shard];
+  int rc = 0;
+  for (uint64_t done = 0; done < len && rc == 0;) {
+    uint64_t run = pinned_run(s, shard, off + done);
+    uint64_t m = len - done;
+    if (run < m) m = run;
+    if (m > LD_DIRECT_CHUNK) m = LD_DIRECT_CHUNK;
+    if (m == 0) return err_set(err, WEIGHTD_E_INTERNAL, "a direct copy reached unregistered bytes");
+    rc = ops->copy_h2d(ld->backend->ctx, s->slab, dst + done, (size_t)m, map + off + done, (size_t)m, (size_t)m, 1,
+                       stream, err);
+    done += m;
+  }
+  return rc;
+}
+
+/* Copies a strided piece: 2D copies of the rows that lie in one registration, rows split where one straddles two. */
+static int direct_rows(struct loader *ld, struct ld_target *s, const struct plan_piece *pc, uint64_t dst,
+                       struct wd_stream *stream, struct wd_error *err) {
+  const struct wd_backend_ops *ops = ld->backend->ops;
+  uint32_t shard = pc->src->shard;
+  uint64_t base = piece_file_off(s, pc);
+  const unsigned char *map = s->ck->maps[shard];
+  int rc = 0;
+  for (uint64_t r = 0; r < pc->height && rc == 0;) {
+    uint64_t a = base + r * pc->src_pitch, run = pinned_run(s, shard, a);
+    if (run < pc->width) { /* this row crosses into the next registration */
+      rc = direct_span(ld, s, shard, a, pc->width, dst + r * pc->width, stream, err);
+      r++;
+      continue;
+    }
+    uint64_t n = (run - pc->width) / pc->src_pitch + 1;
+    if (n > pc->height - r) n = pc->height - r;
+    rc = ops->copy_h2d(ld->backend->ctx, s->slab, dst + r * pc->width, (size_t)pc->width, map + a,
+                       (size_t)pc->src_pitch, (size_t)pc->width, (size_t)n, stream, err);
+    r += n;
+  }
+  return rc;
+}
 
 static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
@@ -329,14 +475,12 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
           size_t m = len - off < sizeof zeros ? (size_t)(len - off) : sizeof zeros;
           rc = ops->copy_h2d(ctx, s->slab, dst + off, m, zeros, m, m, 1, NULL, err);
         }
+      } else if (len == 0) {
+        /* nothing to copy */
       } else if (pc->height <= 1 || pc->src_pitch == pc->width) {
-        for (uint64_t off = 0; off < len && rc == 0; off += LD_DIRECT_CHUNK) {
-          size_t m = len - off < LD_DIRECT_CHUNK ? (size_t)(len - off) : (size_t)LD_DIRECT_CHUNK;
-          rc = ops->copy_h2d(ctx, s->slab, dst + off, m, piece_src(s, pc) + off, m, m, 1, stream, err);
-        }
+        rc = direct_span(ld, s, pc->src->shard, piece_file_off(s, pc), len, dst, stream, err);
       } else {
-        rc = ops->copy_h2d(ctx, s->slab, dst, (size_t)pc->width, piece_src(s, pc),
-                           (size_t)pc->src_pitch, (size_t)pc->width, (size_t)pc->height, stream, err);
+        rc = direct_rows(ld, s, pc, dst, stream, err);
       }
       dst += len;
       atomic_fetch_add(&s->bytes_done, len);
@@ -357,6 +501,8 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
 
 /* ---- entry points ------------------------------------------------------------------------ */
 
+bool ld_can_direct(const struct loader *ld) { return ld->stagings != NULL && ld->method != CFG_LOAD_STAGED; }
+
 int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
   void *ctx = ld->backend->ctx;
@@ -368,12 +514,12 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   if (ld->method == CFG_LOAD_STAGED) {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
+  } else if (ld->stagings != NULL && plan_pinned(s)) {
+    s->method = "direct";
+    rc = fill_direct(ld, s, err);
   } else if (s->slab->host_view != NULL) {
     s->method = "memcpy";
     rc = fill_memcpy(ld, s, err);
-  } else if (atomic_load(&s->ck->pinned)) {
-    s->method = "direct";
-    rc = fill_direct(ld, s, err);
   } else {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
@@ -397,6 +543,7 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
   ld->backend = p->backend;
   ld->fill = p->fill;
   ld->method = p->method;
+  ld->strided = p->strided;
   *out = ld;
   /* Host slabs are filled in place and need no staging, unless staging is forced. */
   if ((ops->caps & WD_CAP_HOST_SLABS) && p->method != CFG_LOAD_STAGED) return 0;

@@ -19,6 +19,7 @@
 #include "error.h"
 #include "fillpool.h"
 #include "plan.h"
+#include "plan_stage.h"
 #include "registry.h"
 
 struct loader;
@@ -28,6 +29,7 @@ struct ld_params {
   struct fillpool *fill;
   int ndevices;
   enum cfg_load_method method;
+  enum plan_strided strided; /* staged loads: how strided pieces are staged (plan_stage.h) */
   size_t staging_slots;      /* per GPU */
   size_t staging_slot_bytes;
 };
@@ -41,6 +43,14 @@ struct ld_target {
   const struct plan *plan;
   struct reg_ckpt *ck; /* open: its maps and ckpt never change */
   int device;
+  /*
+   * The checkpoint's registered ranges when the load was queued (sorted by
+   * shard and offset, disjoint; owned by the caller, which keeps them from
+   * being unregistered until ld_fill returns): a load whose every source
+   * byte lies in them copies straight from the mappings ("direct").
+   */
+  const struct plan_range *pins;
+  size_t npins;
   atomic_uint_fast64_t bytes_done; /* progress, in slab bytes (read by the loop) */
   atomic_bool cancel;              /* set by the loop: the load stops between windows */
   /* Results (valid once ld_fill returns). */
@@ -49,8 +59,13 @@ struct ld_target {
   double alloc_seconds;
 };
 
+/* True when a load can go direct (a GPU-like backend, load_method not forced to staged): pins are of use. */
+bool ld_can_direct(const struct loader *ld);
+
 /*
- * Allocates t->slab and fills it per t->plan from t->ck's mappings, then
+ * Allocates t->slab and fills it per t->plan from t->ck's mappings (direct
+ * when every source byte is registered, else memcpy into host slabs, else
+ * staged; load_method staged forces staged), then
  * checks that no shard changed meanwhile (WEIGHTD_E_STALE) and seals the slab
  * where the backend can. Runs on a job thread. On failure the slab is freed
  * and t->slab is NULL. Fails with WEIGHTD_E_CANCELED once t->cancel is set,

@@ -1,42 +1,251 @@
 /*
- * main.c - weightd: flags, configuration, start-up and orderly shutdown.
+ * main.c - weightd: flags, the configuration, start-up, the service
+ * manager's protocol (readiness, status, watchdog, reload, stopping),
+ * signals and the orderly stop.
  *
  * weightd [--config FILE] [--socket PATH] [--backend auto|cuda|host]
- *         [--model-root DIR]... [--foreground] [--log-level L] [--help]
+ *         [--model-root DIR]... [--foreground] [--log-level L] [--set KEY=VALUE]...
+ * (the flag table below; --opt=value and --opt value alike)
+ *
+ * DESIGN: everything here runs on the loop thread; signals arrive as libuv
+ * signal handles. Under a service manager (NOTIFY_SOCKET set) the daemon never
+ * forks and says READY=1 once it listens and its backend is up; detached by
+ * hand it forks once, the parent exits when the child listens, and the child
+ * lets go of the terminal.
  */
 #include <errno.h>
-#include <limits.h>
+#include <fcntl.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <sys/stat.h>
-#include <time.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "clock.h"
 #include "daemon.h"
 #include "fault.h"
+#include "http.h"
 #include "log.h"
+#include "optab.h"
+#include "reload.h"
 #include "server.h"
+#include "service.h"
+#include "startup.h"
+#include "telemetry.h"
 
-/* The daemon, for the signal handlers and the stop timer (loop thread only). */
+/* How often the STATUS= line is refreshed (only sent when it changed). */
+#define STATUS_INTERVAL_MS 2000
+
+/* The daemon and its loop-owned handles (loop thread only). */
 static struct daemon the_daemon;
-static uv_timer_t stop_timer;
+static uv_timer_t stop_timer, watchdog_timer, status_timer;
 static uv_signal_t sigterm_handle, sigint_handle, sighup_handle;
 static int ready_fd = -1;
+/* What the configuration was made of, for reloads: the file, then the flags again. */
+static const char *config_file;
+static int saved_argc;
+static char **saved_argv;
+static bool foreground;
+static char last_status[256];
+
+/* ---- the flags ------------------------------------------------------------------------ */
+
+enum flag_id { FLAG_CONFIG = 1, FLAG_SOCKET, FLAG_BACKEND, FLAG_MODEL_ROOT, FLAG_FOREGROUND, FLAG_LOG_LEVEL,
+               FLAG_SET, FLAG_HELP, FLAG_VERSION, FLAG_GENERATE_MAN };
+
+/* The flags: parsing, --help and the man page come from this table. */
+static const struct optab_opt flag_table[] = {
+    {FLAG_CONFIG, "config", 'c', OPTAB_VALUE, "FILE",
+     "Read the configuration from FILE, a JSON object of the keys below; flags override it. SIGHUP reads it "
+     "again.", 0, "@file"},
+    {FLAG_SOCKET, "socket", 0, OPTAB_VALUE, "PATH", "Listen on PATH (the key socket).", 0, "@file"},
+    {FLAG_BACKEND, "backend", 0, OPTAB_VALUE, "NAME",
+     "auto (the GPUs when CUDA starts, else host memory), cuda or host (the key backend).", 0, "auto cuda host"},
+    {FLAG_MODEL_ROOT, "model-root", 0, OPTAB_VALUE, "DIR",
+     "Serve checkpoints that resolve into DIR; repeat for several (the key model_roots).", OPTAB_REPEAT, "@dir"},
+    {FLAG_FOREGROUND, "foreground", 'f', OPTAB_SWITCH, NULL,
+     "Stay in the foreground and log to stderr. Without it weightd detaches once it listens (never under a "
+     "service manager's NOTIFY_SOCKET).", 0, NULL},
+    {FLAG_LOG_LEVEL, "log-level", 0, OPTAB_VALUE, "LEVEL", "error, warn, info or debug (the key log_level).", 0,
+     "error warn info debug"},
+    {FLAG_SET, "set", 0, OPTAB_VALUE, "KEY=VALUE", "Set any key of the configuration; repeat for several.",
+     OPTAB_REPEAT, NULL},
+    {FLAG_HELP, "help", 'h', OPTAB_SWITCH, NULL, "Print this help and exit.", 0, NULL},
+    {FLAG_VERSION, "version", 0, OPTAB_SWITCH, NULL, "Print the version and exit.", 0, NULL},
+    {FLAG_GENERATE_MAN, "generate-man", 0, OPTAB_SWITCH, NULL, "Write the man page weightd(8) to stdout.",
+     OPTAB_HIDDEN, NULL},
+};
+static const struct optab_list flag_list = {flag_table, sizeof flag_table / sizeof flag_table[0]};
 
 static void usage(FILE *f) {
-  fprintf(f,
-          "usage: weightd [--config FILE] [--socket PATH] [--backend auto|cuda|host]\n"
-          "               [--model-root DIR]... [--foreground] [--log-level LEVEL]\n"
-          "               [--set KEY=VALUE]... [--help] [--version]\n\n"
-          "Flags override the config file. Without --foreground weightd detaches once it\n"
-          "listens. See docs/operations.md.\n\n");
+  fprintf(f, "usage: weightd [OPTION]...\n\n"
+             "The weightd daemon: keeps safetensors checkpoints warm, loads them into device memory and leases\n"
+             "them to inference engines over a Unix socket. SIGHUP reloads the config file (keys marked\n"
+             "[reloadable]). See docs/operations.md and weightd(8).\n\noptions:\n");
+  optab_help(f, &flag_list, 1);
+  fprintf(f, "\nexit status: 0 stopped cleanly (or --help), 1 could not start, 2 usage error.\n\n");
   config_print_help(f);
 }
 
-/* ---- shutdown ------------------------------------------------------------------- */
+static void write_man(FILE *f) {
+  fprintf(f, ".TH WEIGHTD 8 \"\" \"weightd %s\" \"System Administration\"\n", weightd_version_string());
+  fputs(".SH NAME\nweightd \\- keep model checkpoints resident in device memory and lease them to inference "
+        "engines\n.SH SYNOPSIS\n.B weightd\n[\\fIOPTION\\fR]...\n.SH DESCRIPTION\n", f);
+  optab_man_text(f, "weightd keeps Hugging Face safetensors checkpoints mapped and warm in the page cache, loads the "
+                    "tensors an engine's rank needs into GPU memory (or sealed host memory) when asked over a Unix "
+                    "socket, and hands engines handles to that memory. weightctl(1) is its command-line client.\n");
+  fputs(".SH OPTIONS\n", f);
+  optab_man(f, &flag_list, 1);
+  fputs(".SH CONFIGURATION\n", f);
+  optab_man_text(f, "A JSON object (--config FILE). Sizes are numbers of bytes or strings such as \"64MiB\". "
+                    "Errors name the file, line and column; an unknown key is an error that suggests the closest "
+                    "key; a budget above the machine's memory is capped with a warning.\n");
+  config_print_man(f);
+  fputs(".SH SIGNALS\n.TP\n\\fBSIGTERM\\fR, \\fBSIGINT\\fR\nStop: cancel loads, tell clients, free every set, "
+        "remove the socket, exit 0.\n.TP\n\\fBSIGHUP\\fR\nReload the configuration file.\n"
+        ".SH EXIT STATUS\n0: stopped cleanly. 1: could not start (the reason is logged and printed). 2: usage "
+        "error.\n.SH FILES\n.TP\n\\fI/run/weightd/weightd.sock\\fR\nThe socket when run as root.\n.TP\n"
+        "\\fI/etc/weightd/weightd.json\\fR\nThe configuration the service unit reads.\n"
+        ".SH SEE ALSO\n\\fBweightctl\\fR(1); docs/operations.md and docs/protocol.md in the documentation.\n",
+        f);
+}
+
+/*
+ * One pass over the flags. The scan pass (cfg NULL) only notes --config and
+ * --foreground and finds usage errors; the apply pass sets the values.
+ */
+struct flag_pass {
+  struct wd_config *cfg;
+  struct wd_error *err;
+  int action; /* FLAG_HELP, FLAG_VERSION, FLAG_GENERATE_MAN or 0 */
+  char why[300];
+};
+
+static int take_flag(void *arg, const struct optab_opt *o, const char *v) {
+  struct flag_pass *p = arg;
+  if (o == NULL) {
+    snprintf(p->why, sizeof p->why, "unexpected argument '%s' (weightd takes options only)", v);
+    return 2;
+  }
+  if (p->cfg == NULL) { /* the scan pass */
+    if (o->id == FLAG_CONFIG) config_file = v;
+    else if (o->id == FLAG_FOREGROUND) foreground = true;
+    else if (o->id == FLAG_HELP || o->id == FLAG_VERSION || o->id == FLAG_GENERATE_MAN) p->action = o->id;
+    else if (o->id == FLAG_SET && strchr(v, '=') == NULL) {
+      snprintf(p->why, sizeof p->why, "--set needs KEY=VALUE, not '%s'", v);
+      return 2;
+    }
+    return 0;
+  }
+  static const char *const keys[] = {[FLAG_SOCKET] = "socket", [FLAG_BACKEND] = "backend",
+                                     [FLAG_LOG_LEVEL] = "log_level", [FLAG_MODEL_ROOT] = "model_roots"};
+  if (o->id == FLAG_SET) {
+    const char *eq = strchr(v, '=');
+    char key[64];
+    snprintf(key, sizeof key, "%.*s", (int)(eq - v), v);
+    return config_set(p->cfg, key, eq + 1, p->err);
+  }
+  if ((size_t)o->id < sizeof keys / sizeof keys[0] && keys[o->id] != NULL) return config_set(p->cfg, keys[o->id], v, p->err);
+  return 0;
+}
+
+/*
+ * Applies the flags on top of cfg (NULL: only scan them). Returns 0, 1 after
+ * printing help, the version or the man page (exit 0), 2 for a usage error
+ * (printed), or a negative error.
+ */
+static int apply_flags(struct wd_config *cfg, int argc, char **argv, struct wd_error *err) {
+  struct flag_pass p = {.cfg = cfg, .err = err};
+  int rc = optab_parse(&flag_list, 1, argc, argv, false, take_flag, &p, NULL, p.why, sizeof p.why);
+  if (rc == -1 || rc == 2) {
+    fprintf(stderr, "weightd: %s (weightd --help lists the options)\n", p.why);
+    return 2;
+  }
+  if (rc != 0) return rc;
+  if (p.action == FLAG_HELP) usage(stdout);
+  else if (p.action == FLAG_VERSION) printf("weightd %s\n", weightd_version_string());
+  else if (p.action == FLAG_GENERATE_MAN) write_man(stdout);
+  return p.action != 0 ? 1 : 0;
+}
+
+/* Builds a configuration: defaults, then the file, then the flags. Same return values as apply_flags. */
+static int read_config(struct wd_config *cfg, struct wd_error *err) {
+  int rc = config_defaults(cfg, err);
+  if (rc == 0 && config_file != NULL) rc = config_load_file(cfg, config_file, err);
+  if (rc == 0) rc = apply_flags(cfg, saved_argc, saved_argv, err);
+  return rc;
+}
+
+/* ---- the service manager ------------------------------------------------------------- */
+
+/* A line a person reads in `systemctl status`. */
+static void update_status(struct daemon *d) {
+  size_t sets = 0, loading = 0;
+  uint64_t bytes = 0;
+  for (const struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) {
+    sets++;
+    if (s->state == SET_LOADING) loading++;
+    else bytes += s->plan->slab_bytes;
+  }
+  char line[sizeof last_status];
+  snprintf(line, sizeof line, "%zu set(s), %.2f GiB resident, %zu load(s) running, %" PRIu64 " connection(s)", sets,
+           (double)bytes / (double)(1ull << 30), loading, d->stats.connections);
+  if (strcmp(line, last_status) == 0) return;
+  snprintf(last_status, sizeof last_status, "%s", line);
+  service_notifyf("STATUS=%s", line);
+}
+
+static void on_status_timer(uv_timer_t *t) { update_status(t->data); }
+
+/* Pings at half the watchdog interval: a stuck loop stops the pings, and the manager restarts us. */
+static void on_watchdog(uv_timer_t *t) {
+  (void)t;
+  service_notifyf("WATCHDOG=1");
+}
+
+/* ---- reload --------------------------------------------------------------------------- */
+
+/* Serves the metrics endpoints the configuration asks for; a port in use is logged, not fatal. */
+static void start_http(struct daemon *d) {
+  struct wd_error err = {0};
+  if (http_start(d, d->cfg.metrics_address, (unsigned)d->cfg.metrics_connections, &d->http, &err) != 0)
+    log_msg(LOG_ERROR, "%s: metrics and probes are off (the socket is served)", err.msg);
+}
+
+static void reload(struct daemon *d) {
+  service_notifyf("RELOADING=1\nMONOTONIC_USEC=%" PRIu64, clock_ns() / 1000);
+  struct wd_config next;
+  struct wd_error err = {0};
+  char *old_address = strdup(d->cfg.metrics_address);
+  uint64_t old_connections = d->cfg.metrics_connections;
+  int rc = read_config(&next, &err);
+  if (rc == 0) rc = reload_apply(d, &next, &err);
+  if (rc != 0) log_msg(LOG_WARN, "reload failed, the running configuration is kept: %s", err.msg);
+  config_free(&next);
+  if (old_address == NULL || strcmp(old_address, d->cfg.metrics_address) != 0 ||
+      old_connections != d->cfg.metrics_connections) {
+    http_stop(d->http);
+    d->http = NULL;
+    start_http(d);
+  }
+  free(old_address);
+  int lrc = log_open(foreground, d->cfg.log_file);
+  if (lrc != 0) log_msg(LOG_WARN, "log_file %s: %s; logging stays where it was", d->cfg.log_file, strerror(-lrc));
+  last_status[0] = '\0';
+  update_status(d);
+  service_notifyf("READY=1");
+}
+
+static void on_sighup(uv_signal_t *s, int signum) {
+  (void)signum;
+  struct daemon *d = s->data;
+  if (d->stopping) return;
+  log_msg(LOG_INFO, "SIGHUP: reloading%s%s", config_file ? " " : "", config_file ? config_file : " (no config file: flags and defaults)");
+  reload(d);
+}
+
+/* ---- stopping --------------------------------------------------------------------- */
 
 static void handle_closed(uv_handle_t *h) { (void)h; }
 
@@ -55,15 +264,24 @@ static void on_stop_tick(uv_timer_t *t) {
   d->job_pool = NULL;
   jobs_stop(d->control_pool);
   d->control_pool = NULL;
+  struct telemetry *tel = d->tel;
+  d->tel = NULL;
+  telemetry_destroy(tel);
   uv_close((uv_handle_t *)&sigterm_handle, handle_closed);
   uv_close((uv_handle_t *)&sigint_handle, handle_closed);
   uv_close((uv_handle_t *)&sighup_handle, handle_closed);
+  uv_close((uv_handle_t *)&watchdog_timer, handle_closed);
+  uv_close((uv_handle_t *)&status_timer, handle_closed);
 }
 
 static void request_stop(struct daemon *d) {
   if (d->stopping) return;
   d->stopping = true;
+  service_notifyf("STOPPING=1\nSTATUS=stopping: canceling loads, closing connections");
   log_msg(LOG_INFO, "stopping: canceling loads and prefetches, closing connections");
+  uv_timer_stop(&status_timer);
+  http_stop(d->http);
+  d->http = NULL;
   reg_stop(d->reg);
   res_cancel_all(d->res);
   server_stop(d->srv);
@@ -77,139 +295,7 @@ static void on_signal(uv_signal_t *s, int signum) {
   request_stop(s->data);
 }
 
-/* SIGHUP never stops the daemon (the shell that started it may go away). */
-static void on_sighup(uv_signal_t *s, int signum) {
-  (void)s;
-  (void)signum;
-  log_msg(LOG_INFO, "SIGHUP: ignored");
-}
-
-/* Raises the descriptor limit to its hard maximum: every client costs one, every attach reply may hold one. */
-static uint64_t raise_fd_limit(void) {
-  struct rlimit rl;
-  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return 0;
-  if (rl.rlim_cur < rl.rlim_max) {
-    rlim_t want = rl.rlim_max;
-    rl.rlim_cur = want;
-    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) getrlimit(RLIMIT_NOFILE, &rl);
-  }
-  return rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : (uint64_t)rl.rlim_cur;
-}
-
-/* ---- start-up -------------------------------------------------------------------- */
-
-static char *default_socket(void) {
-  char buf[PATH_MAX];
-  if (geteuid() == 0) {
-    mkdir("/run/weightd", 0755);
-    return strdup("/run/weightd/weightd.sock");
-  }
-  const char *xdg = getenv("XDG_RUNTIME_DIR");
-  if (xdg != NULL && xdg[0] == '/') snprintf(buf, sizeof buf, "%s/weightd.sock", xdg);
-  else snprintf(buf, sizeof buf, "/tmp/weightd-%d.sock", (int)geteuid());
-  return strdup(buf);
-}
-
-static int pick_backend(struct daemon *d, struct wd_error *err) {
-  enum cfg_backend want = d->cfg.backend;
-  if (want == CFG_BACKEND_HOST) {
-    d->backend_name = "host";
-    return backend_host_create(&d->backend, err);
-  }
-  struct wd_error cerr = {0};
-  if (backend_cuda_create(&d->backend, &cerr) == 0) {
-    d->backend_name = "cuda";
-    return 0;
-  }
-  if (want == CFG_BACKEND_CUDA) {
-    *err = cerr;
-    return cerr.code;
-  }
-  log_msg(LOG_INFO, "cuda backend unavailable (%s): using the host backend", cerr.msg);
-  d->backend_name = "host";
-  return backend_host_create(&d->backend, err);
-}
-
-/* Reads every device's description: *out is a new array of d->ndevices. */
-static int query_devices(struct daemon *d, struct wd_device_info **out, struct wd_error *err) {
-  int n = d->backend.ops->device_count(d->backend.ctx);
-  if (n <= 0) return err_set(err, WEIGHTD_E_DEVICE, "the %s backend has no devices", d->backend_name);
-  struct wd_device_info *v = calloc((size_t)n, sizeof *v);
-  if (v == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  for (int i = 0; i < n; i++) {
-    int rc = d->backend.ops->device_info(d->backend.ctx, i, &v[i], err);
-    if (rc != 0) {
-      free(v);
-      return rc;
-    }
-    log_msg(LOG_INFO, "device %d: %s %s, %llu MiB", i, v[i].name, v[i].uuid,
-            (unsigned long long)(v[i].memory_total >> 20));
-  }
-  d->ndevices = n;
-  *out = v;
-  return 0;
-}
-
-/* Resolves the configured model roots and hands them to the registry. */
-static int apply_roots(struct daemon *d, struct wd_error *err) {
-  size_t n = d->cfg.n_model_roots;
-  char **dirs = calloc(n ? n : 1, sizeof *dirs);
-  if (dirs == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  int rc = 0;
-  size_t k = 0;
-  for (; k < n; k++) {
-    dirs[k] = realpath(d->cfg.model_roots[k], NULL);
-    if (dirs[k] == NULL) {
-      rc = err_set(err, WEIGHTD_E_INVALID, "model root %s: %s", d->cfg.model_roots[k], strerror(errno));
-      break;
-    }
-    log_msg(LOG_INFO, "model root %s", dirs[k]);
-  }
-  if (rc == 0) rc = reg_roots_set(d->reg, (const char *const *)dirs, n, err);
-  if (rc == 0 && n == 0) log_msg(LOG_WARN, "no model roots configured: any readable path may be loaded");
-  for (size_t i = 0; i < k; i++) free(dirs[i]);
-  free(dirs);
-  return rc;
-}
-
-/* The pinned tier's budget: configured, or half of physical memory. */
-static uint64_t pin_budget(const struct wd_config *cfg) {
-  if (cfg->host_pin_budget > 0) return cfg->host_pin_budget;
-  return (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE) / 2;
-}
-
-/* Builds the state modules over the backend and the pools. */
-static int build_state(struct daemon *d, struct wd_error *err) {
-  struct wd_device_info *devices = NULL;
-  int rc = query_devices(d, &devices, err);
-  if (rc != 0) return rc;
-  struct ld_params lp = {.backend = &d->backend,
-                         .fill = d->fill,
-                         .ndevices = d->ndevices,
-                         .method = d->cfg.load_method,
-                         .staging_slots = (size_t)d->cfg.staging_slots,
-                         .staging_slot_bytes = (size_t)d->cfg.staging_slot_bytes};
-  struct reg_params gp = {.backend = &d->backend,
-                          .control = d->control_pool,
-                          .bulk = d->job_pool,
-                          .fill = d->fill,
-                          .pin_budget = pin_budget(&d->cfg)};
-  rc = ld_create(&lp, &d->ld, err);
-  if (rc == 0) rc = reg_create(&gp, &d->reg, err);
-  if (rc == 0) rc = apply_roots(d, err);
-  if (rc == 0) {
-    struct res_params rp = {.loop = d->loop,
-                            .backend = &d->backend,
-                            .bulk = d->job_pool,
-                            .ld = d->ld,
-                            .ndevices = d->ndevices,
-                            .devices = devices,
-                            .device_budget = d->cfg.device_memory_budget};
-    rc = res_create(&rp, &d->res, err);
-  }
-  free(devices);
-  return rc;
-}
+/* ---- start-up --------------------------------------------------------------------- */
 
 /* Forks; the parent waits until the child listens (or fails) and exits with its verdict. */
 static void detach_from_terminal(void) {
@@ -228,6 +314,21 @@ static void detach_from_terminal(void) {
   ready_fd = p[1];
 }
 
+/*
+ * A detached daemon lets go of the terminal it was started from: stdin and
+ * stdout, and stderr unless the journal is behind it, become /dev/null.
+ * Otherwise a caller reading its output (`$(weightd)`, ssh) would wait for
+ * it forever, and a stray write could reach a terminal that is gone.
+ */
+static void release_terminal(void) {
+  int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+  if (null < 0) return;
+  dup2(null, 0);
+  dup2(null, 1);
+  if (strcmp(log_target_name(), "journald") != 0) dup2(null, 2);
+  if (null > 2) close(null);
+}
+
 static void tell_parent(int ok) {
   if (ready_fd < 0) return;
   char c = ok ? 0 : 1;
@@ -237,74 +338,77 @@ static void tell_parent(int ok) {
   ready_fd = -1;
 }
 
-static void daemon_free(struct daemon *d) {
-  res_destroy(d->res);
-  reg_destroy(d->reg);
-  if (d->srv != NULL) server_destroy(d->srv);
-  ld_destroy(d->ld);
-  backend_destroy(&d->backend);
-  fill_stop(d->fill);
-  free(d->socket_path);
-  config_free(&d->cfg);
+/* The listening socket the service manager passed (socket activation), or -1. */
+static int passed_socket(const struct daemon *d) {
+  struct service_fd *f = service_fd_find(d->cfg.socket_fd_name);
+  if (f == NULL && service_fd_count() == 1 && service_fd(0)->name[0] == '\0') f = service_fd(0);
+  if (f == NULL) return -1;
+  int listening = 0, type = 0, domain = 0;
+  socklen_t len = sizeof listening;
+  getsockopt(f->fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len);
+  len = sizeof type;
+  getsockopt(f->fd, SOL_SOCKET, SO_TYPE, &type, &len);
+  len = sizeof domain;
+  getsockopt(f->fd, SOL_SOCKET, SO_DOMAIN, &domain, &len);
+  if (!listening || type != SOCK_STREAM || domain != AF_UNIX) {
+    log_msg(LOG_WARN, "descriptor %d ('%s') passed at start is not a listening Unix stream socket: ignored", f->fd,
+            f->name);
+    return -1;
+  }
+  f->taken = true;
+  return f->fd;
+}
+
+static void start_handles(struct daemon *d) {
+  uv_signal_t *sigs[] = {&sigterm_handle, &sigint_handle, &sighup_handle};
+  for (size_t i = 0; i < 3; i++) {
+    uv_signal_init(d->loop, sigs[i]);
+    sigs[i]->data = d;
+  }
+  uv_signal_start(&sigterm_handle, on_signal, SIGTERM);
+  uv_signal_start(&sigint_handle, on_signal, SIGINT);
+  uv_signal_start(&sighup_handle, on_sighup, SIGHUP);
+  uv_timer_init(d->loop, &watchdog_timer);
+  uv_timer_init(d->loop, &status_timer);
+  watchdog_timer.data = status_timer.data = d;
+  uint64_t wd_usec = service_watchdog_usec();
+  if (wd_usec > 0) {
+    uint64_t every = wd_usec / 2000 > 0 ? wd_usec / 2000 : 1;
+    uv_timer_start(&watchdog_timer, on_watchdog, every, every);
+  }
+  if (service_notify_enabled()) uv_timer_start(&status_timer, on_status_timer, STATUS_INTERVAL_MS, STATUS_INTERVAL_MS);
 }
 
 int main(int argc, char **argv) {
   struct daemon *d = &the_daemon;
   struct wd_error err = {0};
-  int foreground = 0;
-  const char *config_file = NULL;
   d->request_stop = request_stop;
-  if (getenv("JOURNAL_STREAM") != NULL) log_set_timestamps(0);
-  if (config_defaults(&d->cfg, &err) != 0) goto fail;
-  /* The config file first, then flags on top of it. */
-  for (int i = 1; i < argc; i++)
-    if (strcmp(argv[i], "--config") == 0 && i + 1 < argc) config_file = argv[i + 1];
-  if (config_file != NULL && config_load_file(&d->cfg, config_file, &err) != 0) goto fail;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    int rc = 0;
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      usage(stdout);
-      return 0;
-    } else if (strcmp(a, "--version") == 0) {
-      printf("weightd %s\n", weightd_version_string());
-      return 0;
-    } else if (strcmp(a, "--foreground") == 0 || strcmp(a, "-f") == 0) {
-      foreground = 1;
-      continue;
-    } else if (v == NULL) {
-      fprintf(stderr, "weightd: %s needs a value or is unknown\n", a);
-      usage(stderr);
-      return 2;
-    } else if (strcmp(a, "--config") == 0) {
-    } else if (strcmp(a, "--socket") == 0) {
-      rc = config_set(&d->cfg, "socket", v, &err);
-    } else if (strcmp(a, "--backend") == 0) {
-      rc = config_set(&d->cfg, "backend", v, &err);
-    } else if (strcmp(a, "--model-root") == 0) {
-      rc = config_add_model_root(&d->cfg, v, &err);
-    } else if (strcmp(a, "--log-level") == 0) {
-      rc = config_set(&d->cfg, "log_level", v, &err);
-    } else if (strcmp(a, "--set") == 0) {
-      char *eq = strchr(v, '=');
-      if (eq == NULL) {
-        fprintf(stderr, "weightd: --set needs KEY=VALUE\n");
-        return 2;
-      }
-      char key[64];
-      snprintf(key, sizeof key, "%.*s", (int)(eq - v), v);
-      rc = config_set(&d->cfg, key, eq + 1, &err);
-    } else {
-      fprintf(stderr, "weightd: unknown flag %s\n", a);
-      usage(stderr);
-      return 2;
-    }
-    if (rc != 0) goto fail;
-    i++;
+  saved_argc = argc;
+  saved_argv = argv;
+  int frc = apply_flags(NULL, argc, argv, &err); /* --config and --foreground first; usage errors before anything */
+  if (frc == 1) return 0;
+  if (frc != 0) return 2;
+  /* SIGHUP before the loop handles it must not kill a daemon starting up. */
+  signal(SIGHUP, SIG_IGN);
+  signal(SIGPIPE, SIG_IGN);
+  int rc = read_config(&d->cfg, &err);
+  if (rc == 1) return 0;
+  if (rc == 2) return 2;
+  if (rc != 0 || service_init(&err) != 0) {
+    fprintf(stderr, "weightd: %s\n", err.msg);
+    config_free(&d->cfg);
+    return 1;
   }
+  bool supervised = service_notify_enabled();
+  if (supervised) foreground = true; /* a service manager tracks this process: never fork */
   log_set_level(d->cfg.log_level);
-  d->socket_path = d->cfg.socket[0] ? strdup(d->cfg.socket) : default_socket();
+  int lrc = log_open(foreground, d->cfg.log_file);
+  if (lrc != 0) {
+    fprintf(stderr, "weightd: log_file %s: %s\n", d->cfg.log_file, strerror(-lrc));
+    config_free(&d->cfg);
+    return 1;
+  }
+  d->socket_path = d->cfg.socket[0] ? strdup(d->cfg.socket) : startup_default_socket();
   if (d->socket_path == NULL) {
     err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
     goto fail;
@@ -314,52 +418,54 @@ int main(int argc, char **argv) {
     err_set(&err, WEIGHTD_E_INTERNAL, "cannot install the SIGBUS handler");
     goto fail;
   }
-  d->stats.fd_limit = raise_fd_limit();
-  if (pick_backend(d, &err) != 0) goto fail;
-  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-  unsigned fill = d->cfg.fill_threads ? (unsigned)d->cfg.fill_threads : (unsigned)(ncpu > 0 ? ncpu : 1);
-  /* fill_run's caller helps, so the pool has one thread fewer than asked. */
-  if (fill_start(fill > 1 ? fill - 1 : 0, &d->fill) != 0) {
-    err_set(&err, WEIGHTD_E_NOMEM, "cannot start fill threads");
-    goto fail;
-  }
+  d->stats.fd_limit = startup_raise_fd_limit();
   d->loop = uv_default_loop();
-  if (jobs_start(d->loop, (unsigned)d->cfg.control_threads, &d->control_pool, &err) != 0 ||
-      jobs_start(d->loop, (unsigned)d->cfg.job_threads, &d->job_pool, &err) != 0)
+  int listen_fd = passed_socket(d);
+  service_fds_close_unclaimed();
+  if (startup_backend(d, &err) != 0 || startup_state(d, &err) != 0 || telemetry_create(d, &d->tel, &err) != 0 ||
+      server_start(d, listen_fd, &err) != 0)
     goto fail;
-  if (build_state(d, &err) != 0 || server_start(d, &err) != 0) goto fail;
-  uv_signal_init(d->loop, &sigterm_handle);
-  uv_signal_init(d->loop, &sigint_handle);
-  uv_signal_init(d->loop, &sighup_handle);
-  sigterm_handle.data = d;
-  sigint_handle.data = d;
-  sighup_handle.data = d;
-  uv_signal_start(&sigterm_handle, on_signal, SIGTERM);
-  uv_signal_start(&sigint_handle, on_signal, SIGINT);
-  uv_signal_start(&sighup_handle, on_sighup, SIGHUP);
-  signal(SIGPIPE, SIG_IGN);
+  start_handles(d);
+  start_http(d);
+  telemetry_refresh(d);
   d->started_ms = clock_ms();
-  log_msg(LOG_INFO, "weightd %s: %s backend, %d device(s), %u fill threads, listening on %s",
-          weightd_version_string(), d->backend_name, d->ndevices, fill, d->socket_path);
-  fprintf(stderr, "weightd: listening on %s\n", d->socket_path);
+  log_msg(LOG_INFO, "weightd %s: %s backend, %d device(s), %u fill threads, %s %s, logging to %s",
+          weightd_version_string(), d->backend_name, d->ndevices, fill_threads(d->fill),
+          listen_fd >= 0 ? "serving the socket passed at start," : "listening on", d->socket_path,
+          log_target_name());
+  /* For a person at a terminal; the journal has the start-up line above, and every line there needs its prefix. */
+  if (!supervised && foreground && strcmp(log_target_name(), "journald") != 0)
+    fprintf(stderr, "weightd: listening on %s\n", d->socket_path);
+  if (ready_fd >= 0) release_terminal();
   tell_parent(1);
+  update_status(d);
+  service_notifyf("READY=1");
   uv_run(d->loop, UV_RUN_DEFAULT);
   uv_loop_close(d->loop);
   log_msg(LOG_INFO, "stopped");
-  daemon_free(d);
+  startup_free(d);
+  config_free(&d->cfg);
   return d->exit_code;
 fail:
-  fprintf(stderr, "weightd: %s\n", err.msg[0] ? err.msg : "start-up failed");
+  log_msg(LOG_ERROR, "cannot start: %s", err.msg[0] ? err.msg : "start-up failed");
+  if (strcmp(log_target_name(), "stderr") != 0 && strcmp(log_target_name(), "journald") != 0)
+    fprintf(stderr, "weightd: %s\n", err.msg[0] ? err.msg : "start-up failed");
   tell_parent(0);
+  if (d->srv != NULL) server_stop(d->srv);
   res_destroy(d->res);
   d->res = NULL;
   reg_destroy(d->reg);
   d->reg = NULL;
-  if (d->control_pool != NULL || d->job_pool != NULL) {
-    if (d->control_pool != NULL) jobs_stop(d->control_pool);
-    if (d->job_pool != NULL) jobs_stop(d->job_pool);
-    uv_run(d->loop, UV_RUN_DEFAULT);
+  if (d->job_pool != NULL) jobs_stop(d->job_pool);
+  if (d->control_pool != NULL) jobs_stop(d->control_pool);
+  d->job_pool = d->control_pool = NULL;
+  telemetry_destroy(d->tel);
+  d->tel = NULL;
+  if (d->loop != NULL) {
+    uv_run(d->loop, UV_RUN_DEFAULT); /* lets the pools' and the server's handles close */
+    uv_loop_close(d->loop);
   }
-  daemon_free(d);
+  startup_free(d);
+  config_free(&d->cfg);
   return 1;
 }

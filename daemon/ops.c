@@ -13,8 +13,37 @@
 #include "jsonutil.h"
 #include "log.h"
 #include "ops_common.h"
+#include "telemetry.h"
 
 /* ---- small handlers ----------------------------------------------------------------------- */
+
+/*
+ * Reads hello's optional "handles", the handle kinds the client can open,
+ * into *accepts. Absent: what every client spoke before the field existed
+ * (fd and cuda_ipc). Names this daemon does not know are skipped, so that a
+ * newer client can list kinds an older daemon never makes.
+ */
+static int hello_handles(const cJSON *root, unsigned *accepts, struct wd_error *err) {
+  const cJSON *list = cJSON_GetObjectItemCaseSensitive(root, "handles");
+  if (list == NULL) {
+    *accepts = WD_HANDLES_DEFAULT;
+    return 0;
+  }
+  if (!cJSON_IsArray(list))
+    return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'handles' must be a list of handle kind names");
+  unsigned mask = 0;
+  int i = 0;
+  const cJSON *e;
+  cJSON_ArrayForEach(e, list) {
+    if (!cJSON_IsString(e))
+      return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'handles[%d]' must be a string", i);
+    int k = wd_handle_kind_from_name(e->valuestring);
+    if (k >= 0) mask |= WD_HANDLE_BIT(k);
+    i++;
+  }
+  *accepts = mask;
+  return 0;
+}
 
 static void op_hello(struct request *r) {
   struct daemon *d = req_daemon(r);
@@ -22,8 +51,10 @@ static void op_hello(struct request *r) {
   struct wd_error err = {0};
   uint64_t proto = 0;
   const char *client = NULL;
+  unsigned accepts = 0;
   if (msg_get_u64(ops_args(r, &o), "protocol", true, 0, UINT32_MAX, &proto, &err) < 0 ||
-      msg_get_string(ops_args(r, &o), "client", false, &client, &err) < 0) {
+      msg_get_string(ops_args(r, &o), "client", false, &client, &err) < 0 ||
+      hello_handles(r->root, &accepts, &err) != 0) {
     req_fail_err(r, &err);
     return;
   }
@@ -36,6 +67,8 @@ static void op_hello(struct request *r) {
     return;
   }
   snprintf(r->conn->client, sizeof r->conn->client, "%s", client ? client : "");
+  r->conn->accepts = accepts;
+  r->conn->accepts_listed = cJSON_GetObjectItemCaseSensitive(r->root, "handles") != NULL;
   r->conn->hello_done = true;
   cJSON *rep = msg_reply_ok(r->id);
   json_u64_add(rep, "protocol", WEIGHTD_PROTOCOL_VERSION);
@@ -47,10 +80,72 @@ static void op_hello(struct request *r) {
   req_reply(r, rep, NULL, 0);
 }
 
+/* The request called text ("r42") in status, started or queued, on any connection; NULL if none. */
+static struct request *request_by_serial(const struct conn *self, const char *text) {
+  uint64_t serial = 0;
+  if (text[0] != 'r' || text[1] < '1' || text[1] > '9' || strlen(text) > 20) return NULL;
+  for (const char *p = text + 1; *p != '\0'; p++) {
+    if (*p < '0' || *p > '9') return NULL;
+    serial = serial * 10 + (uint64_t)(*p - '0');
+  }
+  for (struct conn *c = self->ops->first(self); c != NULL; c = c->next) {
+    for (struct request *t = c->requests; t != NULL; t = t->next_in_conn)
+      if (t->serial == serial) return t;
+    for (struct request *t = c->queued; t != NULL; t = t->next_in_conn)
+      if (t->serial == serial) return t;
+  }
+  return NULL;
+}
+
+/* cancel {"request": "r42"}: any connection's request, for the same uid, root or the daemon's uid. */
+static void cancel_by_serial(struct request *r, const char *rid) {
+  struct request *t = request_by_serial(r->conn, rid);
+  if (t == NULL || t == r || t->done) {
+    req_fail(r, WEIGHTD_E_NOT_FOUND, "no request '%.40s' in progress (status lists them under 'requests')", rid);
+    return;
+  }
+  if (t->conn->uid != r->conn->uid && !conn_is_privileged(r->conn)) {
+    req_fail(r, WEIGHTD_E_PERMISSION,
+             "request %s belongs to uid %d: only that uid, root or the daemon's uid may cancel it", rid,
+             (int)t->conn->uid);
+    return;
+  }
+  int op = t->op;
+  pid_t pid = t->conn->pid;
+  bool canceled;
+  if (!t->started && t->conn->ops->dequeue(t->conn, t)) {
+    req_fail(t, WEIGHTD_E_CANCELED, "canceled before it started (by pid %d)", (int)r->conn->pid);
+    canceled = true;
+  } else {
+    canceled = ops_sets_cancel(t);
+  }
+  if (canceled)
+    log_msg(LOG_INFO, "request %s (%s of pid %d) canceled by pid %d", rid, msg_op_name(op), (int)pid,
+            (int)r->conn->pid);
+  cJSON *rep = msg_reply_ok(r->id);
+  cJSON_AddBoolToObject(rep, "canceled", canceled);
+  msg_add_string(rep, "request", rid);
+  msg_add_string(rep, "op", msg_op_name(op));
+  req_reply(r, rep, NULL, 0);
+}
+
 static void op_cancel(struct request *r) {
   const cJSON *target = cJSON_GetObjectItemCaseSensitive(r->root, "target");
+  const char *rid;
+  if (!ops_str_arg(r, "request", false, &rid)) return;
+  if (rid != NULL && target != NULL) {
+    req_fail(r, WEIGHTD_E_BAD_REQUEST,
+             "give 'target' (the id of a request on this connection) or 'request' (a daemon-wide id), not both");
+    return;
+  }
+  if (rid != NULL) {
+    cancel_by_serial(r, rid);
+    return;
+  }
   if (target == NULL || !(cJSON_IsString(target) || cJSON_IsNumber(target))) {
-    req_fail(r, WEIGHTD_E_BAD_REQUEST, "field 'target' must be the id of a request on this connection");
+    req_fail(r, WEIGHTD_E_BAD_REQUEST,
+             "field 'target' must be the id of a request on this connection (or give 'request', a daemon-wide id "
+             "from status)");
     return;
   }
   bool canceled = false;
@@ -100,13 +195,23 @@ static void op_shutdown(struct request *r) {
   d->request_stop(d);
 }
 
+static void op_health(struct request *r) {
+  char why[300];
+  telemetry_refresh(req_daemon(r)); /* as GET /readyz does: else a client polling only here never sees a change */
+  bool ready = telemetry_ready(req_daemon(r), why, sizeof why);
+  cJSON *rep = msg_reply_ok(r->id);
+  cJSON_AddBoolToObject(rep, "ready", ready);
+  if (!ready) msg_add_string(rep, "reason", why);
+  req_reply(r, rep, NULL, 0);
+}
+
 /* ---- the table -------------------------------------------------------------------------- */
 
 static void (*const handlers[MSG_OP_COUNT])(struct request *r) = {
     [MSG_OP_HELLO] = op_hello,       [MSG_OP_OPEN] = op_open,       [MSG_OP_CLOSE] = op_close,
     [MSG_OP_PREFETCH] = op_prefetch, [MSG_OP_LOAD] = op_load,       [MSG_OP_CANCEL] = op_cancel,
     [MSG_OP_ATTACH] = op_attach,     [MSG_OP_RELEASE] = op_release, [MSG_OP_EVICT] = op_evict,
-    [MSG_OP_STATUS] = op_status,     [MSG_OP_SHUTDOWN] = op_shutdown,
+    [MSG_OP_STATUS] = op_status,     [MSG_OP_SHUTDOWN] = op_shutdown, [MSG_OP_HEALTH] = op_health,
 };
 
 void ops_dispatch(struct request *r) {

@@ -26,10 +26,12 @@ void req_fail(struct request *r, int code, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  daemon_count_error(r->conn->d, code);
   req_reply(r, msg_reply_error(r->id, code, msg), NULL, 0);
 }
 
 void req_fail_err(struct request *r, const struct wd_error *err) {
+  daemon_count_error(r->conn->d, err->code ? err->code : WEIGHTD_E_INTERNAL);
   req_reply(r, msg_reply_error(r->id, err->code ? err->code : WEIGHTD_E_INTERNAL, err->msg), NULL, 0);
 }
 

@@ -10,7 +10,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "ipc_handle.h"
+#include "clock.h"
+#include "handles.h"
 #include "jsonutil.h"
 #include "log.h"
 #include "ops_common.h"
@@ -49,15 +50,129 @@ void op_close(struct request *r) {
   if (path != NULL) reg_resolve(req_daemon(r)->reg, path, close_resolved, r);
 }
 
-static void prefetched(void *arg, struct reg_ckpt *ck, uint64_t resident, const struct wd_error *err) {
+/*
+ * Progress events of a prefetch that is waited for: a timer per request reads
+ * the registry's count every 100 ms and sends it when it moved. The timer
+ * outlives its request only until its close completes.
+ */
+struct ops_ticker {
+  uv_timer_t timer;
+  struct request *req; /* NULL once the request is answered */
+  uint64_t last;
+};
+
+static void ticker_closed(uv_handle_t *h) { free(h->data); }
+
+static void on_tick(uv_timer_t *t) {
+  struct ops_ticker *k = t->data;
+  struct request *r = k->req;
+  if (r == NULL || r->prefetch == NULL) return;
+  uint64_t done, total;
+  reg_prefetch_progress(r->prefetch, &done, &total);
+  if (done == k->last && done != 0) return;
+  k->last = done;
+  req_progress(r, done, total);
+}
+
+/* Starts r's progress events (none when memory is short: the reply still comes). */
+static void ticker_start(struct request *r) {
+  struct ops_ticker *k = calloc(1, sizeof *k);
+  if (k == NULL) return;
+  uv_timer_init(req_daemon(r)->loop, &k->timer);
+  k->timer.data = k;
+  k->req = r;
+  r->ticker = k;
+  uv_timer_start(&k->timer, on_tick, 100, 100);
+}
+
+static void ticker_stop(struct request *r) {
+  struct ops_ticker *k = r->ticker;
+  if (k == NULL) return;
+  r->ticker = NULL;
+  k->req = NULL;
+  uv_timer_stop(&k->timer);
+  uv_close((uv_handle_t *)&k->timer, ticker_closed);
+}
+
+static void prefetched(void *arg, struct reg_ckpt *ck, const struct reg_prefetched *res, const struct wd_error *err) {
   struct request *r = arg;
+  r->prefetch = NULL;
+  ticker_stop(r);
   if (err != NULL) {
     req_fail_err(r, err);
     return;
   }
   cJSON *reply = msg_reply_ok(r->id);
-  cJSON_AddItemToObject(reply, "checkpoint", ops_checkpoint_json(req_daemon(r), ck, resident));
+  cJSON_AddItemToObject(reply, "checkpoint", ops_checkpoint_json(req_daemon(r), ck, res->resident));
+  json_u64_add(reply, "registered_bytes", res->registered);
+  cJSON_AddNumberToObject(reply, "read_seconds", res->read_seconds);
+  cJSON_AddNumberToObject(reply, "pin_seconds", res->pin_seconds);
   req_reply(r, reply, NULL, 0);
+}
+
+/* Starts the prefetch of ranges (NULL: the whole checkpoint) and replies now or, with wait, when it is done. */
+static void prefetch_start(struct request *r, struct reg_ckpt *ck, const struct plan_range *ranges, size_t n) {
+  struct daemon *d = req_daemon(r);
+  struct msg_obj o;
+  bool wait = false, pin = false;
+  struct wd_error e = {0};
+  msg_get_bool(ops_args(r, &o), "wait", false, false, &wait, &e);
+  msg_get_bool(ops_args(r, &o), "pin", false, false, &pin, &e);
+  if (pin && (d->backend.ops->caps & WD_CAP_HOST_SLABS))
+    log_msg(LOG_DEBUG, "%s: the %s backend reads host memory directly; nothing to pin", ck->path, d->backend_name);
+  if (ck->prefetching && !wait && !pin && ranges == NULL) { /* a read of it is under way already */
+    ops_reply_checkpoint(r, ck);
+    return;
+  }
+  if (reg_prefetch_start(d->reg, ck, ranges, n, pin, wait ? prefetched : NULL, r, wait ? &r->prefetch : NULL, &e) !=
+      0) {
+    reg_unref(ck);
+    req_fail_err(r, &e);
+    return;
+  }
+  if (wait) {
+    reg_unref(ck);
+    ticker_start(r);
+  } else {
+    ops_reply_checkpoint(r, ck);
+  }
+}
+
+/* A prefetch with a plan: the plan is built and its byte ranges listed on a job (big checkpoints take a while). */
+struct ranges_job {
+  struct job job;
+  struct request *req;
+  struct reg_ckpt *ck;
+  const cJSON *spec; /* in the request, which does not change */
+  struct plan_range *ranges;
+  size_t n;
+  int rc;
+  struct wd_error err;
+};
+
+static void ranges_work(struct job *j) {
+  struct ranges_job *rj = (struct ranges_job *)j;
+  struct plan *p = NULL;
+  rj->rc = plan_build(rj->ck->ck, rj->spec, &p, &rj->err);
+  if (rj->rc == 0) rj->rc = reg_plan_ranges(rj->ck, p, &rj->ranges, &rj->n, &rj->err);
+  plan_free(p);
+}
+
+static void ranges_done(struct job *j) {
+  struct ranges_job *rj = (struct ranges_job *)j;
+  if (rj->rc == 0 && rj->req->canceled) {
+    reg_unref(rj->ck);
+    req_fail(rj->req, WEIGHTD_E_CANCELED, "prefetch canceled");
+  } else if (rj->rc != 0) {
+    reg_unref(rj->ck);
+    req_fail_err(rj->req, &rj->err);
+  } else if (rj->n == 0) { /* the plan reads nothing */
+    ops_reply_checkpoint(rj->req, rj->ck);
+  } else {
+    prefetch_start(rj->req, rj->ck, rj->ranges, rj->n);
+  }
+  free(rj->ranges);
+  free(rj);
 }
 
 static void prefetch_ready(void *arg, struct reg_ckpt *ck, const struct wd_error *err) {
@@ -67,32 +182,37 @@ static void prefetch_ready(void *arg, struct reg_ckpt *ck, const struct wd_error
     req_fail_err(r, err);
     return;
   }
-  struct msg_obj o;
-  bool wait = false, pin = false;
-  struct wd_error e = {0};
-  msg_get_bool(ops_args(r, &o), "wait", false, false, &wait, &e);
-  msg_get_bool(ops_args(r, &o), "pin", false, false, &pin, &e);
-  if (pin && (d->backend.ops->caps & WD_CAP_HOST_SLABS))
-    log_msg(LOG_DEBUG, "%s: the %s backend reads host memory directly; nothing to pin", ck->path, d->backend_name);
-  if (ck->prefetching && !wait && !(pin && !atomic_load(&ck->pinned))) {
-    ops_reply_checkpoint(r, ck);
-    return;
-  }
-  if (reg_prefetch(d->reg, ck, pin, wait ? prefetched : NULL, r, &e) != 0) {
+  if (r->canceled) {
     reg_unref(ck);
-    req_fail_err(r, &e);
+    req_fail(r, WEIGHTD_E_CANCELED, "prefetch canceled");
     return;
   }
-  if (wait) reg_unref(ck);
-  else ops_reply_checkpoint(r, ck);
+  const cJSON *spec = cJSON_GetObjectItemCaseSensitive(r->root, "plan");
+  if (spec == NULL) {
+    prefetch_start(r, ck, NULL, 0);
+    return;
+  }
+  struct ranges_job *rj = calloc(1, sizeof *rj);
+  if (rj == NULL) {
+    reg_unref(ck);
+    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+    return;
+  }
+  rj->job.work = ranges_work;
+  rj->job.done = ranges_done;
+  rj->req = r;
+  rj->ck = ck;
+  rj->spec = spec;
+  jobs_submit(d->control_pool, &rj->job);
 }
 
 void op_prefetch(struct request *r) {
-  struct msg_obj o;
+  struct msg_obj o, plan;
   struct wd_error err = {0};
   bool b;
   if (msg_get_bool(ops_args(r, &o), "wait", false, false, &b, &err) < 0 ||
-      msg_get_bool(ops_args(r, &o), "pin", false, false, &b, &err) < 0) {
+      msg_get_bool(ops_args(r, &o), "pin", false, false, &b, &err) < 0 ||
+      msg_get_object(ops_args(r, &o), "plan", false, &plan, &err) < 0) {
     req_fail_err(r, &err);
     return;
   }
@@ -129,18 +249,56 @@ static const char *attach_table(struct res_set *s) {
   return s->table_cache;
 }
 
+/* Writes the names of the kinds in mask into buf: "fd, cuda_ipc" ("none" when empty). */
+static void kinds_text(unsigned mask, char *buf, size_t len) {
+  size_t n = 0;
+  buf[0] = '\0';
+  for (int k = 0; k < WD_HANDLE_KIND_COUNT; k++) {
+    if (!(mask & WD_HANDLE_BIT(k))) continue;
+    int w = snprintf(buf + n, len - n, "%s%s", n ? ", " : "", wd_handle_kind_name((enum wd_handle_kind)k));
+    if (w < 0 || (size_t)w >= len - n) break;
+    n += (size_t)w;
+  }
+  if (n == 0) snprintf(buf, len, "none");
+}
+
+/*
+ * Refuses an attach whose set's handle kind the client did not accept in
+ * hello, before any descriptor or lease is made: UNSUPPORTED, naming both
+ * sides and, for GPU sets, the daemon setting that decides the kind.
+ */
+static bool handle_accepted(struct request *r, const struct res_set *s) {
+  enum wd_handle_kind kind = s->load.slab->kind;
+  if (r->conn->accepts & WD_HANDLE_BIT(kind)) return true;
+  char accepted[96];
+  kinds_text(r->conn->accepts, accepted, sizeof accepted);
+  const char *hint = "";
+  if (kind == WD_HANDLE_CUDA_VMM && (r->conn->accepts & WD_HANDLE_BIT(WD_HANDLE_CUDA_IPC)))
+    hint = "; update the client library (libweightd opens cuda_vmm handles), or run the daemon with "
+           "\"cuda_handles\": \"legacy\" (a restart; a set keeps the kind it was loaded with until it is evicted)";
+  else if (kind == WD_HANDLE_CUDA_IPC && (r->conn->accepts & WD_HANDLE_BIT(WD_HANDLE_CUDA_VMM)))
+    hint = "; run the daemon with \"cuda_handles\": \"vmm\" (a restart; a set keeps the kind it was loaded with "
+           "until it is evicted)";
+  req_fail(r, WEIGHTD_E_UNSUPPORTED, "set %s is shared through %s handles, which this client does not accept (%s: %s)%s",
+           s->id, wd_handle_kind_name(kind),
+           r->conn->accepts_listed ? "its hello accepts" : "its hello lists no \"handles\", which means", accepted,
+           hint);
+  return false;
+}
+
 /* Leases a ready set to the request's connection and replies with its handle and tensor table. */
 static void reply_attached(struct request *r, struct res_set *s) {
   struct daemon *d = req_daemon(r);
   const struct wd_backend *b = &d->backend;
   struct wd_error err = {0};
+  if (!handle_accepted(r, s)) return;
   const char *table = attach_table(s);
   if (table == NULL) {
     req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
     return;
   }
   /* A descriptor for the reply must leave the daemon room to accept (root too) and to work. */
-  if ((b->ops->caps & WD_CAP_HOST_SLABS) &&
+  if (wd_handle_kind_has_fd(s->load.slab->kind) &&
       d->stats.connections + d->stats.fds_queued + d->cfg.reserved_connections >= daemon_fd_budget(d)) {
     req_fail(r, WEIGHTD_E_LIMIT,
              "the daemon is near its descriptor limit (%" PRIu64 ", %" PRIu64 " waiting in unread replies); retry",
@@ -156,7 +314,7 @@ static void reply_attached(struct request *r, struct res_set *s) {
   snprintf(holder.client, sizeof holder.client, "%s", r->conn->client);
   struct lease *l;
   if (res_lease_add(d->res, s, &holder, &l, &err) != 0) {
-    if (h.kind == WD_HANDLE_FD) close(h.fd);
+    if (h.fd >= 0) close(h.fd);
     req_fail_err(r, &err);
     return;
   }
@@ -169,15 +327,19 @@ static void reply_attached(struct request *r, struct res_set *s) {
   cJSON *ho = cJSON_CreateObject();
   int fds[1];
   size_t nfds = 0;
-  if (h.kind == WD_HANDLE_FD) {
-    msg_add_string(ho, "kind", "fd");
+  msg_add_string(ho, "kind", wd_handle_kind_name(h.kind));
+  if (wd_handle_kind_has_fd(h.kind)) {
     json_u64_add(ho, "fd_index", 0);
     fds[nfds++] = h.fd;
-  } else {
+  }
+  if (h.kind == WD_HANDLE_CUDA_IPC) {
     char hex[2 * WD_IPC_HANDLE_BYTES + 1];
     msg_hex_encode(h.ipc, WD_IPC_HANDLE_BYTES, hex);
-    msg_add_string(ho, "kind", "cuda_ipc");
     msg_add_string(ho, "handle", hex);
+  } else if (h.kind == WD_HANDLE_CUDA_VMM) {
+    char hex[2 * WD_ALLOC_ID_BYTES + 1];
+    msg_hex_encode(h.alloc_id, WD_ALLOC_ID_BYTES, hex);
+    msg_add_string(ho, "alloc_id", hex);
   }
   json_u64_add(ho, "bytes", h.bytes);
   cJSON_AddItemToArray(handles, ho);
@@ -215,6 +377,12 @@ static void wait_init(struct request *r) {
 }
 
 bool ops_sets_cancel(struct request *t) {
+  if (t->op == MSG_OP_PREFETCH) {
+    /* A running read stops between chunks and answers CANCELED; one still opening answers when opened. */
+    if (t->prefetch != NULL) reg_prefetch_cancel(t->prefetch);
+    else t->canceled = true;
+    return true;
+  }
   if (t->op != MSG_OP_LOAD && t->op != MSG_OP_ATTACH) return false;
   struct res_set *s = t->wait.set;
   if (s == NULL) {
@@ -343,6 +511,36 @@ static void evicted(void *arg, char *const *ids, size_t n) {
   req_reply(r, rep, NULL, 0);
 }
 
+/*
+ * Appends who holds a leased set's leases to a BUSY message: each lease's
+ * id, the holder's pid and uid (from SO_PEERCRED), the client name its hello
+ * gave (self-reported) and its age, and how to end it.
+ */
+static void busy_holders(struct daemon *d, const char *set_id, struct wd_error *err) {
+  struct res_set *s = res_find_set(d->res, set_id);
+  if (s == NULL || s->leases == 0) return;
+  size_t len = strlen(err->msg);
+  const char *sep = ": ";
+  unsigned shown = 0;
+  uint64_t now = clock_ms();
+  for (struct lease *l = res_first_lease(d->res); l != NULL && len < sizeof err->msg - 1; l = l->next) {
+    if (l->set != s) continue;
+    if (shown++ == 4) {
+      snprintf(err->msg + len, sizeof err->msg - len, "; and %d more", s->leases - 4);
+      len = strlen(err->msg);
+      break;
+    }
+    char client[96] = "";
+    if (l->holder.client[0] != '\0') snprintf(client, sizeof client, ", client '%s' (self-reported)", l->holder.client);
+    snprintf(err->msg + len, sizeof err->msg - len, "%slease %s held by pid %d uid %u%s for %.0f s", sep, l->id,
+             (int)l->holder.pid, (unsigned)l->holder.uid, client, (double)(now - l->created_ms) / 1000.0);
+    len = strlen(err->msg);
+    sep = "; ";
+  }
+  snprintf(err->msg + len, sizeof err->msg - len,
+           " (the holder releases it, or root or the daemon's user: weightctl release LEASE)");
+}
+
 /* evict answers once the memory is back: the slabs are freed on a job first. */
 void op_evict(struct request *r) {
   struct daemon *d = req_daemon(r);
@@ -361,5 +559,8 @@ void op_evict(struct request *r) {
       return;
     }
   }
-  if (res_evict(d->res, set_id, device, evicted, r, &err) != 0) req_fail_err(r, &err);
+  if (res_evict(d->res, set_id, device, evicted, r, &err) != 0) {
+    if (err.code == WEIGHTD_E_BUSY && set_id != NULL) busy_holders(d, set_id, &err);
+    req_fail_err(r, &err);
+  }
 }

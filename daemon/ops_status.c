@@ -5,6 +5,7 @@
  * while); the job reads only its own struct: the entries it was handed
  * (immutable once open) and the backend's const table.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -12,6 +13,7 @@
 #include "clock.h"
 #include "jsonutil.h"
 #include "ops_common.h"
+#include "telemetry.h"
 
 /* ---- views ------------------------------------------------------------------------------- */
 
@@ -23,8 +25,10 @@ cJSON *ops_checkpoint_json(const struct daemon *d, const struct reg_ckpt *ck, ui
   json_u64_add(o, "tensors", ck->ck->ntensors);
   json_u64_add(o, "bytes", ck->ck->total_bytes);
   json_u64_add(o, "resident_bytes", resident);
-  cJSON_AddBoolToObject(o, "pinned", atomic_load(&ck->pinned));
-  json_u64_add(o, "pinned_bytes", ck->pinned_bytes);
+  cJSON_AddBoolToObject(o, "pinned", reg_pinned_whole(ck));
+  json_u64_add(o, "pinned_bytes", reg_pins_bytes(ck));
+  json_u64_add(o, "pinned_ranges", ck->npins);
+  cJSON_AddBoolToObject(o, "pinning", ck->pinning);
   cJSON_AddBoolToObject(o, "prefetching", ck->prefetching);
   json_u64_add(o, "sets", res_count_sets_of(d->res, ck));
   return o;
@@ -40,6 +44,7 @@ cJSON *ops_device_json(const struct daemon *d, int i) {
   json_u64_add(o, "memory_free", dev->info.memory_free);
   json_u64_add(o, "budget", d->cfg.device_memory_budget);
   json_u64_add(o, "used", dev->used);
+  msg_add_string(o, "handles", wd_handle_kind_name(dev->info.handles));
   return o;
 }
 
@@ -58,7 +63,56 @@ cJSON *ops_set_json(const struct daemon *d, const struct res_set *s) {
   if (s->state == SET_READY) {
     cJSON_AddNumberToObject(o, "seconds", s->seconds);
     msg_add_string(o, "method", s->load.method);
+    if (s->load.slab != NULL) msg_add_string(o, "handles", wd_handle_kind_name(s->load.slab->kind));
   }
+  return o;
+}
+
+/* A lease: its holder's credentials (SO_PEERCRED), the client name its hello gave, its age. */
+static cJSON *lease_json(const struct lease *l, uint64_t now) {
+  cJSON *o = cJSON_CreateObject();
+  msg_add_string(o, "lease", l->id);
+  msg_add_string(o, "set", l->set->id);
+  json_u64_add(o, "pid", (uint64_t)l->holder.pid);
+  json_u64_add(o, "uid", (uint64_t)l->holder.uid);
+  msg_add_string(o, "client_name", l->holder.client);
+  cJSON_AddNumberToObject(o, "age_s", (double)(now - l->created_ms) / 1000.0);
+  return o;
+}
+
+/* A request in progress or queued, by its daemon-wide id: what it works on, who sent it, how far it got. */
+static cJSON *request_json(const struct daemon *d, const struct request *t, uint64_t now) {
+  char id[24];
+  snprintf(id, sizeof id, "r%llu", (unsigned long long)t->serial);
+  cJSON *o = cJSON_CreateObject();
+  msg_add_string(o, "request", id);
+  msg_add_string(o, "op", msg_op_name(t->op) ? msg_op_name(t->op) : "?");
+  msg_add_string(o, "state", t->started ? "running" : "queued");
+  const cJSON *path = t->root ? cJSON_GetObjectItemCaseSensitive(t->root, "path") : NULL;
+  const cJSON *set = t->root ? cJSON_GetObjectItemCaseSensitive(t->root, "set") : NULL;
+  const struct res_set *s = t->wait.set;
+  if (cJSON_IsString(path)) msg_add_string(o, "path", path->valuestring);
+  else if (s != NULL) msg_add_string(o, "path", s->ck->path);
+  if (s != NULL) {
+    msg_add_string(o, "set", s->id);
+    msg_add_string(o, "device", res_device(d->res, s->device)->info.uuid);
+    if (s->state == SET_LOADING) {
+      json_u64_add(o, "bytes_done", atomic_load(&s->load.bytes_done));
+      json_u64_add(o, "bytes_total", s->plan->slab_bytes);
+    }
+  } else if (cJSON_IsString(set)) {
+    msg_add_string(o, "set", set->valuestring);
+  }
+  if (t->prefetch != NULL) {
+    uint64_t done, total;
+    reg_prefetch_progress(t->prefetch, &done, &total);
+    json_u64_add(o, "bytes_done", done);
+    json_u64_add(o, "bytes_total", total);
+  }
+  json_u64_add(o, "pid", (uint64_t)t->conn->pid);
+  json_u64_add(o, "uid", (uint64_t)t->conn->uid);
+  msg_add_string(o, "client_name", t->conn->client);
+  cJSON_AddNumberToObject(o, "age_s", (double)(now - t->created_ms) / 1000.0);
   return o;
 }
 
@@ -94,6 +148,12 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
   msg_add_string(o, "socket", d->socket_path);
   json_u64_add(o, "jobs", jobs_outstanding(d->control_pool) + jobs_outstanding(d->job_pool));
   json_u64_add(o, "fill_threads", fill_threads(d->fill));
+  msg_add_string(o, "load_method", config_enum_name(&d->cfg, "load_method"));
+  msg_add_string(o, "staged_strided", config_enum_name(&d->cfg, "staged_strided"));
+  msg_add_string(o, "pin", config_enum_name(&d->cfg, "pin"));
+  json_u64_add(o, "host_pin_budget", reg_pin_budget(d->reg));
+  msg_add_string(o, "host_pin_budget_from", reg_pin_budget_source(d->reg));
+  json_u64_add(o, "pinned_bytes", reg_pinned_bytes(d->reg));
   cJSON *devs = cJSON_AddArrayToObject(r, "devices");
   for (int i = 0; i < d->ndevices; i++) cJSON_AddItemToArray(devs, ops_device_json(d, i));
   cJSON *cks = cJSON_AddArrayToObject(r, "checkpoints");
@@ -101,9 +161,22 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
     if (!ij->cks[i]->detached) cJSON_AddItemToArray(cks, ops_checkpoint_json(d, ij->cks[i], ij->resident[i]));
   cJSON *sets = cJSON_AddArrayToObject(r, "sets");
   for (struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) cJSON_AddItemToArray(sets, ops_set_json(d, s));
-  uint64_t nleases = 0;
-  for (struct lease *l = res_first_lease(d->res); l != NULL; l = l->next) nleases++;
+  uint64_t nleases = 0, now = clock_ms();
+  cJSON *leases = cJSON_AddArrayToObject(r, "leases");
+  for (struct lease *l = res_first_lease(d->res); l != NULL; l = l->next) {
+    nleases++;
+    cJSON_AddItemToArray(leases, lease_json(l, now));
+  }
   json_u64_add(o, "leases", nleases);
+  cJSON *reqs = cJSON_AddArrayToObject(r, "requests");
+  const struct conn *self = ij->req->conn;
+  for (struct conn *c = self->ops->first(self); c != NULL; c = c->next) {
+    for (const struct request *t = c->requests; t != NULL; t = t->next_in_conn)
+      if (t != ij->req) cJSON_AddItemToArray(reqs, request_json(d, t, now));
+    for (const struct request *t = c->queued; t != NULL; t = t->next_in_conn)
+      cJSON_AddItemToArray(reqs, request_json(d, t, now));
+  }
+  cJSON_AddItemToObject(r, "metrics", telemetry_json(d));
 }
 
 static void info_done(struct job *j) {

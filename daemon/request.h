@@ -36,6 +36,10 @@ struct conn;
  *   finish  frees a request after its final reply (or without one)
  *   unqueue takes a queued, not yet started request with this id out of the
  *           connection's queue (for cancel); NULL if none
+ *   dequeue takes this queued request out of its connection's queue (for a
+ *           cancel by daemon-wide id); false if it is not queued
+ *   first   the first open connection of the daemon (follow ->next), for
+ *           what looks across connections: status, cancel by daemon-wide id
  *   drop_args frees the parsed request (root) once nothing needs it (a
  *           waiting load keeps only its id) and gives its request memory
  *           back, so that connections waiting for that memory go on
@@ -44,6 +48,8 @@ struct conn_ops {
   int (*send)(struct conn *c, cJSON *msg, const int *fds, size_t nfds);
   void (*finish)(struct request *r);
   struct request *(*unqueue)(struct conn *c, const cJSON *id);
+  bool (*dequeue)(struct conn *c, struct request *r);
+  struct conn *(*first)(const struct conn *c);
   void (*drop_args)(struct request *r);
 };
 
@@ -61,6 +67,8 @@ struct conn {
   uid_t uid;
   gid_t gid;
   char client[64]; /* the name the client gave in hello ("" when none) */
+  unsigned accepts; /* the handle kinds the client can open (WD_HANDLE_BIT), from hello */
+  bool accepts_listed; /* hello listed them ("handles"); else accepts is WD_HANDLES_DEFAULT */
   bool hello_done;
   bool closing;
   bool dead;   /* closing soon from the loop (conn_kill); nothing more is sent */
@@ -98,6 +106,10 @@ struct request {
   bool canceled;
   bool started; /* dispatched (counted in conn->inflight), not just queued */
   struct res_waiter wait; /* load and attach: waiting for a set */
+  uint64_t serial;        /* the daemon-wide id: "r<serial>" in status and cancel */
+  uint64_t created_ms;    /* when it was read */
+  struct reg_prefetch *prefetch; /* prefetch with wait: the running read, until it answers */
+  struct ops_ticker *ticker;     /* prefetch with wait: the timer of its progress events */
   uint64_t mem;           /* request memory charged for root (released with it) */
   struct request *next_in_conn;
 };

@@ -20,6 +20,8 @@
 #include "clock.h"
 #include "log.h"
 
+struct free_job;
+
 struct residency {
   uv_loop_t *loop;
   const struct wd_backend *backend;
@@ -31,7 +33,44 @@ struct residency {
   uint64_t next_id;
   struct res_set *sets;
   struct lease *leases;
+  struct res_stats stats;
 };
+
+const char *res_method_name(enum res_method m) {
+  static const char *const names[] = {"memcpy", "staged", "direct"};
+  return m < RES_METHOD_COUNT ? names[m] : "?";
+}
+
+const char *res_result_name(enum res_result r) {
+  static const char *const names[] = {"ok", "failed", "canceled"};
+  return r < RES_RESULT_COUNT ? names[r] : "?";
+}
+
+const char *res_evict_reason_name(enum res_evict_reason r) {
+  static const char *const names[] = {"budget", "device_full", "request", "reload"};
+  return r < RES_EVICT_COUNT ? names[r] : "?";
+}
+
+const struct res_stats *res_stats(const struct residency *r) { return &r->stats; }
+
+/* Counts a finished load job (loop thread). */
+static void count_load(struct residency *r, const struct res_set *s, int rc) {
+  enum res_method m = RES_METHOD_MEMCPY;
+  for (int i = 0; i < RES_METHOD_COUNT; i++)
+    if (s->load.method != NULL && strcmp(s->load.method, res_method_name((enum res_method)i)) == 0) m = (enum res_method)i;
+  enum res_result res = rc == 0 ? RES_RESULT_OK : rc == WEIGHTD_E_CANCELED ? RES_RESULT_CANCELED : RES_RESULT_FAILED;
+  struct res_stats *st = &r->stats;
+  st->loads[res][m]++;
+  if (rc != 0) return;
+  st->bytes_loaded += s->plan->payload_bytes;
+  st->last_gib_per_s = s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0;
+  static const double bounds[RES_DURATION_BUCKETS] = RES_DURATION_BOUNDS;
+  int b = 0;
+  while (b < RES_DURATION_BUCKETS && s->seconds > bounds[b]) b++;
+  if (b < RES_DURATION_BUCKETS) st->duration_le[b]++;
+  else st->duration_over++;
+  st->duration_sum += s->seconds;
+}
 
 /* Slabs taken from evicted sets, freed together off the loop. */
 struct slab_list {
@@ -60,7 +99,28 @@ struct res_set *res_first_set(const struct residency *r) { return r->sets; }
 struct lease *res_first_lease(const struct residency *r) { return r->leases; }
 int res_device_count(const struct residency *r) { return r->ndevices; }
 struct res_device *res_device(struct residency *r, int device) { return &r->devices[device]; }
-void res_device_budget_set(struct residency *r, uint64_t budget) { r->device_budget = budget; }
+static int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err);
+static bool evictable(const struct res_set *s, int device);
+static void free_later(struct residency *r, struct free_job *f, struct slab_list *l);
+
+size_t res_device_budget_set(struct residency *r, uint64_t budget) {
+  r->device_budget = budget;
+  struct slab_list keep = {0};
+  size_t n = 0;
+  for (int d = 0; d < r->ndevices; d++) {
+    uint64_t b = res_device_budget(r, d);
+    while (b > 0 && r->devices[d].used > b) {
+      struct res_set *victim = NULL;
+      for (struct res_set *s = r->sets; s != NULL; s = s->next)
+        if (evictable(s, d) && (victim == NULL || s->last_used_ms < victim->last_used_ms)) victim = s;
+      if (victim == NULL) break; /* leased and loading sets stay: the device is over budget until they go */
+      evict_one(victim, &keep, RES_EVICT_RELOAD, NULL);
+      n++;
+    }
+  }
+  free_later(r, NULL, &keep);
+  return n;
+}
 
 size_t res_count_sets_of(const struct residency *r, const struct reg_ckpt *ck) {
   size_t n = 0;
@@ -134,6 +194,11 @@ static void free_done(struct job *j) {
 
 /* Frees the slabs of l on a job (f may carry a continuation), or here when no job can be made. */
 static void free_later(struct residency *r, struct free_job *f, struct slab_list *l) {
+  if (f == NULL && l->n == 0) {
+    free(l->v);
+    memset(l, 0, sizeof *l);
+    return;
+  }
   if (f == NULL && (f = calloc(1, sizeof *f)) == NULL) {
     slab_list_free_now(r->backend, l);
     return;
@@ -166,6 +231,8 @@ static void set_destroy(struct res_set *s, struct slab_list *keep) {
     s->load.slab = NULL;
   }
   if (s->device >= 0 && s->device < r->ndevices) r->devices[s->device].used -= s->plan->slab_bytes;
+  free((void *)s->load.pins);
+  s->load.pins = NULL;
   plan_free(s->plan);
   reg_unref(s->ck);
   uv_timer_stop(&s->progress_timer);
@@ -174,10 +241,12 @@ static void set_destroy(struct res_set *s, struct slab_list *keep) {
 
 /* ---- eviction -------------------------------------------------------------------- */
 
-static int evict_one(struct res_set *s, struct slab_list *keep, struct wd_error *err) {
+static int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err) {
   if (s->state == SET_LOADING) return err_set(err, WEIGHTD_E_BUSY, "set %s is still loading", s->id);
   if (s->leases > 0) return err_set(err, WEIGHTD_E_BUSY, "set %s has %d lease(s)", s->id, s->leases);
-  log_msg(LOG_INFO, "evicted set %s (%s, %" PRIu64 " bytes)", s->id, s->ck->path, s->plan->slab_bytes);
+  log_msg(LOG_INFO, "evicted set %s (%s, %" PRIu64 " bytes; %s)", s->id, s->ck->path, s->plan->slab_bytes,
+          res_evict_reason_name(why));
+  s->res->stats.evictions[why]++;
   set_destroy(s, keep);
   return 0;
 }
@@ -207,7 +276,7 @@ static bool make_room(struct residency *r, int device, uint64_t need, struct sla
     for (struct res_set *s = r->sets; s != NULL; s = s->next)
       if (evictable(s, device) && (victim == NULL || s->last_used_ms < victim->last_used_ms)) victim = s;
     if (victim == NULL) return false;
-    evict_one(victim, keep, NULL);
+    evict_one(victim, keep, RES_EVICT_BUDGET, NULL);
   }
 }
 
@@ -230,7 +299,7 @@ int res_evict(struct residency *r, const char *set_id, int device, res_evicted_f
     char *id = s != NULL ? strdup(s->id) : NULL;
     int rc = s == NULL    ? err_set(err, WEIGHTD_E_NOT_FOUND, "no resident set '%.64s'", set_id)
              : id == NULL ? err_set(err, WEIGHTD_E_NOMEM, "out of memory")
-                          : evict_one(s, &keep, err);
+                          : evict_one(s, &keep, RES_EVICT_REQUEST, err);
     if (rc != 0) {
       free(id);
       free(f->ids);
@@ -245,7 +314,7 @@ int res_evict(struct residency *r, const char *set_id, int device, res_evicted_f
       if (evictable(s, device)) {
         char *id = strdup(s->id);
         if (id != NULL) f->ids[f->nids++] = id;
-        evict_one(s, &keep, NULL);
+        evict_one(s, &keep, RES_EVICT_REQUEST, NULL);
       }
       s = next;
     }
@@ -311,6 +380,9 @@ struct load_job {
   const struct wd_backend *backend;
   struct slab_list to_free; /* evicted for this load: freed before it allocates */
   bool retried;
+  bool want_ranges; /* the pin policy wants the byte ranges a finished load read */
+  struct plan_range *ranges;
+  size_t nranges;
   int rc;
   struct wd_error err;
 };
@@ -321,6 +393,10 @@ static void load_work(struct job *j) {
   double t0 = clock_s();
   lj->rc = ld_fill(lj->ld, &lj->set->load, &lj->err);
   lj->set->seconds = clock_s() - t0;
+  /* Listed here, off the loop; a load that went direct read only registered bytes already. */
+  struct wd_error e2 = {0};
+  if (lj->rc == 0 && lj->want_ranges && strcmp(lj->set->load.method, "direct") != 0)
+    reg_plan_ranges(lj->set->ck, lj->set->plan, &lj->ranges, &lj->nranges, &e2);
 }
 
 static void load_done(struct job *j) {
@@ -340,7 +416,7 @@ static void load_done(struct job *j) {
     while (e != NULL) {
       struct res_set *next = e->next;
       if (evictable(e, s->device)) {
-        evict_one(e, &lj->to_free, NULL);
+        evict_one(e, &lj->to_free, RES_EVICT_DEVICE_FULL, NULL);
         n++;
       }
       e = next;
@@ -354,6 +430,10 @@ static void load_done(struct job *j) {
     }
   }
   reg_load_end(s->ck);
+  count_load(r, s, lj->rc);
+  free((void *)s->load.pins); /* the registrations it could use: no longer needed */
+  s->load.pins = NULL;
+  s->load.npins = 0;
   uv_timer_stop(&s->progress_timer);
   struct res_waiter *w = s->waiters;
   s->waiters = NULL;
@@ -377,6 +457,9 @@ static void load_done(struct job *j) {
     else w->done(w, NULL, false, &lj->err);
     w = next;
   }
+  /* The pin policy after the waiters have their answer: registering runs in the background. */
+  if (lj->rc == 0 && lj->ranges != NULL) reg_pin_after_load(s->ck, lj->ranges, lj->nranges);
+  else free(lj->ranges);
   if (lj->rc != 0) set_destroy(s, NULL);
   free(lj->to_free.v);
   free(lj);
@@ -430,6 +513,9 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   s->load.ck = ck;
   s->load.device = device;
   s->load.method = "memcpy";
+  struct plan_range *pins = NULL;
+  if (reg_pins_copy(ck, &pins, &s->load.npins) != 0) s->load.npins = 0; /* no memory: it stages instead */
+  s->load.pins = pins;
   atomic_init(&s->load.bytes_done, 0);
   atomic_init(&s->load.cancel, false);
   s->last_used_ms = clock_ms();
@@ -447,6 +533,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   lj->ld = r->ld;
   lj->backend = r->backend;
   lj->to_free = evicted;
+  lj->want_ranges = reg_pin_wants_ranges(ck->reg) && ld_can_direct(r->ld);
   log_msg(LOG_DEBUG, "loading set %s: %s, %zu tensors, %" PRIu64 " bytes", s->id, ck->path, plan->noutputs,
           plan->slab_bytes);
   jobs_submit(r->bulk, &lj->job);

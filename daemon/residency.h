@@ -90,6 +90,29 @@ struct res_device {
   uint64_t used; /* bytes of resident sets */
 };
 
+/* What residency counts, for metrics and status (loop thread). */
+enum res_method { RES_METHOD_MEMCPY, RES_METHOD_STAGED, RES_METHOD_DIRECT, RES_METHOD_COUNT };
+enum res_result { RES_RESULT_OK, RES_RESULT_FAILED, RES_RESULT_CANCELED, RES_RESULT_COUNT };
+enum res_evict_reason { RES_EVICT_BUDGET, RES_EVICT_DEVICE_FULL, RES_EVICT_REQUEST, RES_EVICT_RELOAD, RES_EVICT_COUNT };
+/* Upper bounds (seconds) of the load-duration histogram's buckets; a last bucket takes the rest. */
+#define RES_DURATION_BOUNDS {0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}
+#define RES_DURATION_BUCKETS 12
+
+struct res_stats {
+  uint64_t loads[RES_RESULT_COUNT][RES_METHOD_COUNT]; /* finished load jobs */
+  uint64_t bytes_loaded;                              /* payload bytes of successful loads */
+  double last_gib_per_s;                              /* of the last successful load */
+  uint64_t duration_le[RES_DURATION_BUCKETS];         /* successful loads, per bucket (not cumulative) */
+  uint64_t duration_over;                             /* longer than the last bound */
+  double duration_sum;
+  uint64_t evictions[RES_EVICT_COUNT];
+};
+
+/* The names of the enums above, as labels. */
+const char *res_method_name(enum res_method m);
+const char *res_result_name(enum res_result r);
+const char *res_evict_reason_name(enum res_evict_reason r);
+
 struct res_params {
   uv_loop_t *loop;
   const struct wd_backend *backend;
@@ -105,13 +128,15 @@ int res_create(const struct res_params *p, struct residency **out, struct wd_err
 void res_destroy(struct residency *r);
 
 /* Loop-thread views for status. */
+const struct res_stats *res_stats(const struct residency *r);
 struct res_set *res_first_set(const struct residency *r);
 struct lease *res_first_lease(const struct residency *r);
 int res_device_count(const struct residency *r);
 struct res_device *res_device(struct residency *r, int device);
 /* The budget of device's resident sets: configured, or derived (host: half of memory); 0 = none. */
 uint64_t res_device_budget(const struct residency *r, int device);
-void res_device_budget_set(struct residency *r, uint64_t budget);
+/* Changes the configured budget; evicts unleased sets (least recently used first) where a device is over it. Returns how many. */
+size_t res_device_budget_set(struct residency *r, uint64_t budget);
 /* Sets of ck (any state). */
 size_t res_count_sets_of(const struct residency *r, const struct reg_ckpt *ck);
 

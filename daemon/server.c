@@ -38,6 +38,7 @@
 #include <inttypes.h>
 #include <malloc.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -78,6 +79,7 @@ struct server {
   int listen_fd;
   uv_poll_t listen_poll;
   bool listening;
+  bool passed;             /* the socket was passed at start: never unlinked */
   int reserve_fd;          /* held to accept-and-refuse when descriptors run out */
   uv_timer_t accept_timer; /* resumes accepting after a pause */
   uv_timer_t trim_timer;   /* returns the heap of large requests to the system */
@@ -86,6 +88,7 @@ struct server {
   struct conn *conns;
   size_t nconns;
   size_t nwaiting_memory; /* connections whose next frame waits for request memory */
+  uint64_t last_serial;   /* the daemon-wide id of the latest request read */
 };
 
 static void conn_close(struct conn *c);
@@ -93,6 +96,8 @@ static void kick(struct conn *c);
 static int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds);
 static void req_finish(struct request *r);
 static struct request *conn_unqueue(struct conn *c, const cJSON *id);
+static bool conn_dequeue(struct conn *c, struct request *r);
+static struct conn *conn_first(const struct conn *c);
 static void req_drop_args(struct request *r);
 
 /* What the op handlers reach the transport through (request.h). */
@@ -100,6 +105,8 @@ static const struct conn_ops transport = {
     .send = conn_send,
     .finish = req_finish,
     .unqueue = conn_unqueue,
+    .dequeue = conn_dequeue,
+    .first = conn_first,
     .drop_args = req_drop_args,
 };
 
@@ -259,6 +266,7 @@ static void on_closing_deadline(uv_timer_t *t) { conn_kill(t->data); }
 static void conn_fail(struct conn *c, const cJSON *id, int code, const char *msg) {
   if (!alive(c) || c->closing) return;
   log_msg(LOG_DEBUG, "connection of pid %d: %s", (int)c->pid, msg);
+  daemon_count_error(c->d, code);
   conn_send(c, msg_reply_error(id, code, msg), NULL, 0);
   if (alive(c)) {
     c->closing = true;
@@ -344,7 +352,10 @@ static void watch_idle(struct conn *c) {
 static void req_finish(struct request *r) {
   struct conn *c = r->conn;
   req_unlink(r);
-  if (r->started) c->inflight--;
+  if (r->started) {
+    c->inflight--;
+    c->d->stats.requests_inflight--;
+  }
   req_drop_args(r);
   cJSON_Delete(r->id);
   free(r);
@@ -360,6 +371,8 @@ static void req_start(struct request *r) {
   struct conn *c = r->conn;
   r->started = true;
   c->inflight++;
+  c->d->stats.requests++;
+  c->d->stats.requests_inflight++;
   r->next_in_conn = c->requests;
   c->requests = r;
   uv_timer_stop(&c->idle_timer);
@@ -389,6 +402,21 @@ static struct request *conn_unqueue(struct conn *c, const cJSON *id) {
   }
   return NULL;
 }
+
+static bool conn_dequeue(struct conn *c, struct request *r) {
+  for (struct request **pp = &c->queued; *pp != NULL; pp = &(*pp)->next_in_conn) {
+    if (*pp != r) continue;
+    *pp = r->next_in_conn;
+    if (*pp == NULL) c->queued_tail = pp;
+    c->nqueued--;
+    r->next_in_conn = c->requests; /* finished as a started request would be */
+    c->requests = r;
+    return true;
+  }
+  return false;
+}
+
+static struct conn *conn_first(const struct conn *c) { return c->srv->conns; }
 
 /* Starts queued requests while there is room. */
 static void start_queued(struct conn *c) {
@@ -430,6 +458,8 @@ static void take_request(struct conn *c, struct msg_request *m, int rc, const st
   r->id = m->id;
   r->op = m->op;
   r->mem = mem;
+  r->serial = ++c->srv->last_serial;
+  r->created_ms = clock_ms();
   m->root = NULL;
   m->id = NULL;
   msg_request_free(m);
@@ -818,7 +848,12 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     if (!peer_allowed(c)) {
       log_msg(LOG_WARN, "refused pid %d uid %d gid %d: not in allowed_uids/allowed_gids", (int)c->pid, (int)c->uid,
               (int)c->gid);
-      conn_fail(c, NULL, WEIGHTD_E_PERMISSION, "this uid/gid may not use the daemon");
+      char why[200];
+      snprintf(why, sizeof why,
+               "uid %d (primary gid %d) may not use this daemon: add the uid to allowed_uids or the gid to "
+               "allowed_gids in its configuration",
+               (int)c->uid, (int)c->gid);
+      conn_fail(c, NULL, WEIGHTD_E_PERMISSION, why);
       continue;
     }
     log_msg(LOG_DEBUG, "connection from pid %d uid %d", (int)c->pid, (int)c->uid);
@@ -829,29 +864,63 @@ static void on_accept(uv_poll_t *p, int status, int events) {
 
 /* ---- the listening socket ---------------------------------------------------------------- */
 
-int server_start(struct daemon *d, struct wd_error *err) {
+/* Serves a socket passed at start; d->socket_path becomes its path. */
+static int adopt(struct daemon *d, struct server *srv, int fd, struct wd_error *err) {
+  struct sockaddr_un a;
+  socklen_t len = sizeof a;
+  if (getsockname(fd, (struct sockaddr *)&a, &len) == 0 && len > offsetof(struct sockaddr_un, sun_path) &&
+      a.sun_path[0] != '\0') {
+    char *p = strndup(a.sun_path, len - offsetof(struct sockaddr_un, sun_path));
+    if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    free(d->socket_path);
+    d->socket_path = p;
+  }
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0)
+    return err_set(err, WEIGHTD_E_IO, "passed socket: %s", strerror(errno));
+  srv->listen_fd = fd;
+  srv->listening = true;
+  srv->passed = true;
+  return 0;
+}
+
+int server_config_check(const struct wd_config *cfg, struct wd_error *err) {
+  if (cfg->max_request_bytes * REQUEST_MEMORY_FACTOR > cfg->request_memory / 4)
+    return err_set(err, WEIGHTD_E_INVALID,
+                   "max_request_bytes (%" PRIu64 ") needs request_memory of at least %" PRIu64
+                   " (four connections' worth of its largest request, at %u bytes per byte)",
+                   cfg->max_request_bytes, cfg->max_request_bytes * REQUEST_MEMORY_FACTOR * 4,
+                   REQUEST_MEMORY_FACTOR);
+  return 0;
+}
+
+int server_start(struct daemon *d, int passed_fd, struct wd_error *err) {
   const char *path = d->socket_path;
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   if (strlen(path) >= sizeof addr.sun_path) return err_set(err, WEIGHTD_E_INVALID, "socket path too long: %s", path);
   strcpy(addr.sun_path, path);
-  if (d->cfg.max_request_bytes * REQUEST_MEMORY_FACTOR > d->cfg.request_memory / 4)
-    return err_set(err, WEIGHTD_E_INVALID,
-                   "max_request_bytes (%" PRIu64 ") needs request_memory of at least %" PRIu64
-                   " (four connections' worth of its largest request, at %u bytes per byte)",
-                   d->cfg.max_request_bytes, d->cfg.max_request_bytes * REQUEST_MEMORY_FACTOR * 4,
-                   REQUEST_MEMORY_FACTOR);
+  int rc = server_config_check(&d->cfg, err);
+  if (rc != 0) return rc;
   struct server *srv = calloc(1, sizeof *srv);
   if (srv == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   srv->d = d;
   srv->listen_fd = -1;
   srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (passed_fd >= 0) {
+    rc = adopt(d, srv, passed_fd, err);
+    if (rc != 0) {
+      if (srv->reserve_fd >= 0) close(srv->reserve_fd);
+      free(srv);
+      return rc;
+    }
+    goto serve;
+  }
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) {
     if (srv->reserve_fd >= 0) close(srv->reserve_fd);
     free(srv);
     return err_set(err, WEIGHTD_E_IO, "socket: %s", strerror(errno));
   }
-  int rc = 0;
   /* A stale socket from a daemon that died is replaced; a live one is not. */
   struct stat sb;
   if (lstat(path, &sb) == 0 && S_ISSOCK(sb.st_mode)) {
@@ -874,18 +943,35 @@ int server_start(struct daemon *d, struct wd_error *err) {
     goto fail;
   }
   strcpy(taddr.sun_path, tmp);
+  /* A missing directory would otherwise be reported against the temporary name. */
+  char *slash = strrchr(path, '/');
+  if (slash != NULL && slash != path) {
+    char dir[sizeof addr.sun_path];
+    snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+    struct stat ds;
+    int missing = stat(dir, &ds) != 0 ? errno : S_ISDIR(ds.st_mode) ? 0 : ENOTDIR;
+    if (missing != 0) {
+      rc = err_set(err, WEIGHTD_E_IO, "socket %s: %s: %s (create the directory, or choose another socket path)",
+                   path, dir, strerror(missing));
+      goto fail;
+    }
+  }
   unlink(tmp);
   mode_t old = umask(0177);
   rc = bind(fd, (struct sockaddr *)&taddr, sizeof taddr);
   umask(old);
   if (rc != 0) {
-    rc = err_set(err, WEIGHTD_E_IO, "bind %s: %s", tmp, strerror(errno));
+    rc = err_set(err, WEIGHTD_E_IO, "socket %s: cannot bind: %s", path, strerror(errno));
     goto fail;
   }
   if (d->cfg.socket_group != NULL && d->cfg.socket_group[0] != '\0') {
     struct group *g = getgrnam(d->cfg.socket_group);
     if (g == NULL) {
-      log_msg(LOG_INFO, "group '%s' does not exist: socket keeps group %d", d->cfg.socket_group, (int)getegid());
+      log_msg(LOG_WARN,
+              "socket_group '%s' does not exist: %s keeps the daemon's group (gid %d), so with socket_mode %04o "
+              "only its members, root and uid %d can connect; create the group (systemd-sysusers, groupadd) or "
+              "set socket_group",
+              d->cfg.socket_group, path, (int)getegid(), (unsigned)d->cfg.socket_mode, (int)geteuid());
     } else if (chown(tmp, (uid_t)-1, g->gr_gid) != 0) {
       log_msg(LOG_WARN, "cannot give %s to group '%s': %s", path, d->cfg.socket_group, strerror(errno));
     }
@@ -898,7 +984,8 @@ int server_start(struct daemon *d, struct wd_error *err) {
   }
   srv->listen_fd = fd;
   srv->listening = true;
-  uv_poll_init(d->loop, &srv->listen_poll, fd);
+serve:
+  uv_poll_init(d->loop, &srv->listen_poll, srv->listen_fd);
   srv->listen_poll.data = srv;
   uv_timer_init(d->loop, &srv->accept_timer);
   srv->accept_timer.data = srv;
@@ -906,6 +993,7 @@ int server_start(struct daemon *d, struct wd_error *err) {
   srv->trim_timer.data = srv;
   uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
   d->srv = srv;
+  d->stats.listening = true;
   return 0;
 fail:
   close(fd);
@@ -924,10 +1012,11 @@ void server_stop(struct server *srv) {
     uv_close((uv_handle_t *)&srv->listen_poll, listen_closed);
     uv_close((uv_handle_t *)&srv->accept_timer, listen_closed);
     uv_close((uv_handle_t *)&srv->trim_timer, listen_closed);
-    close(srv->listen_fd);
+    close(srv->listen_fd); /* a passed socket lives on in its owner; ours was bound here */
     srv->listen_fd = -1;
     srv->listening = false;
-    unlink(srv->d->socket_path);
+    srv->d->stats.listening = false;
+    if (!srv->passed) unlink(srv->d->socket_path);
   }
   struct conn *c = srv->conns;
   while (c != NULL) {

@@ -53,14 +53,15 @@
   XX(HELLO, "hello", MSG_OPF_BEFORE_HELLO, "agree on the protocol version")                         \
   XX(OPEN, "open", 0, "validate and map a checkpoint directory")                                    \
   XX(CLOSE, "close", 0, "drop a checkpoint the daemon keeps open")                                  \
-  XX(PREFETCH, "prefetch", 0, "warm a checkpoint's pages in the page cache")                        \
+  XX(PREFETCH, "prefetch", MSG_OPF_EVENTS, "warm a checkpoint's pages in the page cache")           \
   XX(LOAD, "load", MSG_OPF_EVENTS, "load one rank's tensors into device memory")                    \
-  XX(CANCEL, "cancel", MSG_OPF_SKIPS_QUEUE, "cancel a running request by its id")                   \
+  XX(CANCEL, "cancel", MSG_OPF_SKIPS_QUEUE, "cancel a request: this connection's by id, any by daemon-wide id") \
   XX(ATTACH, "attach", MSG_OPF_EVENTS | MSG_OPF_FDS_OUT, "lease a resident set and receive its handles") \
   XX(RELEASE, "release", 0, "end a lease")                                                          \
   XX(EVICT, "evict", 0, "free an unleased resident set")                                            \
   XX(STATUS, "status", MSG_OPF_WHILE_STOPPING, "report checkpoints, resident sets and leases")      \
-  XX(SHUTDOWN, "shutdown", MSG_OPF_PRIVILEGED, "stop the daemon")
+  XX(SHUTDOWN, "shutdown", MSG_OPF_PRIVILEGED, "stop the daemon")                                   \
+  XX(HEALTH, "health", MSG_OPF_WHILE_STOPPING, "say whether the daemon is ready to serve (as /readyz)")
 
 enum msg_op {
   MSG_OP_UNKNOWN = -1,

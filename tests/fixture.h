@@ -48,8 +48,12 @@ static inline unsigned char fx_byte(unsigned idx, uint64_t off) {
   return (unsigned char)(((off * 131u) ^ (idx * 17u + 1u)) & 0xFF) | 1u;
 }
 
-/* Writes a valid safetensors file holding ts[0..n). Returns 0 or -1. */
-static inline int fx_write_st(const char *path, const struct fx_tensor *ts, size_t n) {
+/*
+ * A valid safetensors file holding ts[0..n), in memory: *out (malloc'd) gets
+ * the 8-byte prefix, the header and the data (fx_byte patterns), *len its
+ * length. Returns 0 or -1.
+ */
+static inline int fx_st_bytes(const struct fx_tensor *ts, size_t n, unsigned char **out, size_t *len_out) {
   size_t cap = 256 + n * 256, len = 0;
   char *h = malloc(cap);
   if (h == NULL) return -1;
@@ -73,23 +77,35 @@ static inline int fx_write_st(const char *path, const struct fx_tensor *ts, size
   }
   len += (size_t)snprintf(h + len, cap - len, "}");
   while ((8 + len) % 8 != 0) h[len++] = ' ';
-  FILE *f = fopen(path, "wb");
+  unsigned char *f = malloc(8 + len + off);
   if (f == NULL) {
     free(h);
     return -1;
   }
-  unsigned char prefix[8];
-  for (int i = 0; i < 8; i++) prefix[i] = (unsigned char)(((uint64_t)len >> (8 * i)) & 0xFF);
-  int ok = fwrite(prefix, 1, 8, f) == 8 && fwrite(h, 1, len, f) == len;
+  for (int i = 0; i < 8; i++) f[i] = (unsigned char)(((uint64_t)len >> (8 * i)) & 0xFF);
+  memcpy(f + 8, h, len);
+  free(h);
   uint64_t pos = 0;
-  for (size_t i = 0; ok && i < n; i++) {
+  for (size_t i = 0; i < n; i++) {
     uint64_t elems = ts[i].cols ? ts[i].rows * ts[i].cols : ts[i].rows;
     uint64_t bytes = elems * ts[i].elem_bytes;
-    for (uint64_t b = 0; ok && b < bytes; b++) ok = fputc(fx_byte((unsigned)i, pos + b), f) != EOF;
+    for (uint64_t b = 0; b < bytes; b++) f[8 + len + pos + b] = fx_byte((unsigned)i, pos + b);
     pos += bytes;
   }
-  free(h);
-  if (fclose(f) != 0) ok = 0;
+  *out = f;
+  *len_out = 8 + len + (size_t)off;
+  return 0;
+}
+
+/* Writes a valid safetensors file holding ts[0..n). Returns 0 or -1. */
+static inline int fx_write_st(const char *path, const struct fx_tensor *ts, size_t n) {
+  unsigned char *bytes;
+  size_t len;
+  if (fx_st_bytes(ts, n, &bytes, &len) != 0) return -1;
+  FILE *f = fopen(path, "wb");
+  int ok = f != NULL && fwrite(bytes, 1, len, f) == len;
+  if (f != NULL && fclose(f) != 0) ok = 0;
+  free(bytes);
   return ok ? 0 : -1;
 }
 

@@ -3,9 +3,11 @@
 # (with the CUDA backend when the toolkit is present; GPU tests skip without a
 # GPU), and an AddressSanitizer + UndefinedBehaviorSanitizer build with clang
 # and CUDA off. Both builds treat warnings as errors (WEIGHTD_WERROR; a user's
-# build does not). Any failure or sanitizer finding fails the run.
+# build does not). Then the libFuzzer targets (tests/fuzz) are built with clang
+# under ASan + UBSan and each runs for WD_FUZZ_SECONDS (default 60) from its
+# seeds. Any failure, sanitizer finding or fuzzer crash fails the run.
 #
-# Needs: cmake, gcc, clang with its sanitizer runtime (libclang-rt-14-dev),
+# Needs: cmake, gcc, clang with its sanitizer and libFuzzer runtimes (libclang-rt-14-dev),
 # pkg-config, libuv1-dev, libcjson-dev, python3 with venv (the README's test
 # command installs them). The Python reference tools (tests/requirements.txt)
 # go into ./.venv.
@@ -33,3 +35,10 @@ echo "== tests (ASan + UBSan) =="
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:halt_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs"
+
+echo "== build (libFuzzer targets, clang, ASan + UBSan) =="
+CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DWEIGHTD_FUZZ=ON -DWEIGHTD_CUDA=OFF -DWEIGHTD_WERROR=ON \
+  -DWEIGHTD_TESTS=OFF
+cmake --build build-fuzz -j "$jobs" --target fuzz
+echo "== fuzzing (${WD_FUZZ_SECONDS:-60} s per target) =="
+tests/fuzz/run.sh build-fuzz "${WD_FUZZ_SECONDS:-60}" "$jobs"

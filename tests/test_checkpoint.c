@@ -1,9 +1,16 @@
 /*
  * test_checkpoint.c - checkpoint directories: index and shards, single file,
  * bare file, path rules, symlinked Hugging Face cache layouts, model roots,
- * replaced shards, and config.json defaults.
+ * replaced shards, and config.json defaults; confinement of every file (the
+ * index and config.json too) with no open that can block (FIFOs), messages
+ * that never quote a file outside the roots, the index check's cost when it
+ * fails and its remembered verdicts, and the checked sum of shard sizes.
  */
 #include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #include "checkpoint.h"
@@ -204,6 +211,9 @@ static char *make_hf_cache(char **snapshot_out) {
   CHECK_EQ_INT(symlink("../../blobs/2222", link), 0);
   snprintf(link, sizeof link, "%s/model.safetensors.index.json", snap);
   CHECK_EQ_INT(symlink("../../blobs/3333", link), 0);
+  fx_write_text(blobs, "4444", "{\"model_type\":\"qwen3\",\"hidden_size\":16}");
+  snprintf(link, sizeof link, "%s/config.json", snap);
+  CHECK_EQ_INT(symlink("../../blobs/4444", link), 0);
   *snapshot_out = strdup(snap);
   return root;
 }
@@ -221,6 +231,7 @@ static void test_hf_cache_symlinks(void) {
     CHECK_EQ_INT(c->nshards, 2);
     CHECK_STR_CONTAINS(c->shards[0].real, "/blobs/1111");
     CHECK_EQ_INT(c->ntensors, 4);
+    CHECK(c->config != NULL && c->config->model_type != NULL && strcmp(c->config->model_type, "qwen3") == 0);
   }
   ckpt_free(c);
   /* The snapshot is under the root but its blobs are not: refused. */
@@ -338,6 +349,444 @@ static void test_replaced_shard_detected(void) {
   free(d);
 }
 
+
+/* ---- confinement, FIFOs and messages ------------------------------------------------ */
+
+/* What a child runs: the code of a call, with its message in *err. */
+typedef int (*child_fn)(const void *arg, struct wd_error *err);
+
+/*
+ * Runs fn in a child process and waits at most `seconds` for it: returns 1
+ * with its code and message in *err, or 0 when it had not answered (it is
+ * killed). A call that blocks fails the test instead of hanging it.
+ */
+static int within(child_fn fn, const void *arg, int seconds, struct wd_error *err) {
+  int p[2];
+  if (pipe(p) != 0) return 0;
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(p[0]);
+    struct wd_error e = {0};
+    e.code = fn(arg, &e);
+    ssize_t w = write(p[1], &e, sizeof e);
+    _exit(w == (ssize_t)sizeof e ? 0 : 1);
+  }
+  close(p[1]);
+  struct pollfd pfd = {.fd = p[0], .events = POLLIN};
+  int ready = pid > 0 && poll(&pfd, 1, seconds * 1000) == 1;
+  ready = ready && read(p[0], err, sizeof *err) == (ssize_t)sizeof *err;
+  close(p[0]);
+  if (pid > 0) {
+    if (!ready) kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+  }
+  return ready;
+}
+
+struct open_args {
+  const char *path;
+  const struct ckpt_opts *opts;
+};
+
+static int child_open(const void *arg, struct wd_error *err) {
+  const struct open_args *a = arg;
+  struct ckpt *c = NULL;
+  int rc = ckpt_open(a->path, a->opts, &c, err);
+  ckpt_free(c);
+  return rc;
+}
+
+static int open_within(const char *path, const struct ckpt_opts *opts, int seconds, struct wd_error *err) {
+  struct open_args a = {path, opts};
+  return within(child_open, &a, seconds, err);
+}
+
+static int child_read_file(const void *arg, struct wd_error *err) {
+  char *text = NULL;
+  size_t len;
+  int rc = path_read_file(arg, 1024, &text, &len);
+  free(text);
+  return err_set(err, rc, "read");
+}
+
+/* A model root with a directory `m` under it and a directory `outside` beside it. */
+struct confined {
+  char *base;
+  char root[PATH_MAX], m[PATH_MAX], outside[PATH_MAX];
+  const char *roots[1];
+  struct ckpt_opts opts;
+};
+
+static void confined_make(struct confined *t, const char *tag) {
+  char p[PATH_MAX];
+  t->base = fx_tmpdir(tag);
+  snprintf(p, sizeof p, "%s/root", t->base);
+  mkdir(p, 0755);
+  CHECK(realpath(p, t->root) != NULL);
+  snprintf(t->m, sizeof t->m, "%s/m", t->root);
+  mkdir(t->m, 0755);
+  snprintf(p, sizeof p, "%s/outside", t->base);
+  mkdir(p, 0755);
+  CHECK(realpath(p, t->outside) != NULL);
+  t->roots[0] = t->root;
+  t->opts = (struct ckpt_opts){t->roots, 1, NULL};
+}
+
+static void confined_free(struct confined *t) {
+  fx_rmtree(t->base);
+  free(t->base);
+}
+
+static void link_into(const char *target, const char *dir, const char *name) {
+  char l[PATH_MAX];
+  snprintf(l, sizeof l, "%s/%s", dir, name);
+  unlink(l);
+  CHECK_EQ_INT(symlink(target, l), 0);
+}
+
+/*
+ * An index naming a FIFO as a shard: refused at once as not a regular file
+ * (the old reader opened it first and blocked for ever); a shard linked to a
+ * FIFO outside the roots: refused as outside, and never opened.
+ */
+static void test_fifo_shards_do_not_block(void) {
+  struct confined t;
+  confined_make(&t, "ck-fifo");
+  char p[PATH_MAX];
+  snprintf(p, sizeof p, "%s/model-00001-of-00002.safetensors", t.m);
+  fx_write_st(p, shard1, 2);
+  snprintf(p, sizeof p, "%s/model-00002-of-00002.safetensors", t.m);
+  CHECK_EQ_INT(mkfifo(p, 0600), 0);
+  fx_write_text(t.m, "model.safetensors.index.json", index_json);
+  struct wd_error err = {0};
+  CHECK(open_within(t.m, &t.opts, 5, &err));
+  CHECK_EQ_INT(err.code, WEIGHTD_E_INVALID);
+  CHECK_STR_CONTAINS(err.msg, "model-00002-of-00002.safetensors: not a regular file");
+
+  unlink(p);
+  char fifo[PATH_MAX];
+  snprintf(fifo, sizeof fifo, "%s/fifo", t.outside);
+  CHECK_EQ_INT(mkfifo(fifo, 0600), 0);
+  link_into(fifo, t.m, "model-00002-of-00002.safetensors");
+  memset(&err, 0, sizeof err);
+  CHECK(open_within(t.m, &t.opts, 5, &err));
+  CHECK_EQ_INT(err.code, WEIGHTD_E_PATH_DENIED);
+  CHECK_STR_CONTAINS(err.msg, "model-00002-of-00002.safetensors: leads outside the model roots");
+  CHECK(strstr(err.msg, t.outside) == NULL);
+  /* Without roots the FIFO is reached, and still not opened. */
+  memset(&err, 0, sizeof err);
+  CHECK(open_within(t.m, NULL, 5, &err));
+  CHECK_EQ_INT(err.code, WEIGHTD_E_INVALID);
+  /* Daemon-side small files (the configuration) are read without blocking too. */
+  memset(&err, 0, sizeof err);
+  CHECK(within(child_read_file, fifo, 5, &err));
+  CHECK_EQ_INT(err.code, -EINVAL);
+  confined_free(&t);
+}
+
+/*
+ * config.json and the index linked to files outside the roots: refused,
+ * naming the file and the rule, never their contents, and with the same
+ * answer whether the target exists or not. The old reader followed both
+ * links: the config's contents decided the verdict ("not valid JSON"), and
+ * an index's weight_map entries were quoted back.
+ */
+static void test_config_and_index_confined(void) {
+  struct confined t;
+  confined_make(&t, "ck-leak");
+  char p[PATH_MAX], secret[PATH_MAX], missing[PATH_MAX];
+  snprintf(p, sizeof p, "%s/model-00001-of-00002.safetensors", t.m);
+  fx_write_st(p, shard1, 2);
+  snprintf(p, sizeof p, "%s/model-00002-of-00002.safetensors", t.m);
+  fx_write_st(p, shard2, 2);
+  fx_write_text(t.m, "model.safetensors.index.json", index_json);
+  fx_write_text(t.outside, "secret", "root:SECRET-HASH-1234:19000:0:99999:7:::\n");
+  fx_write_text(t.outside, "secret.json",
+                "{\"model_type\":\"SECRET-TYPE\",\"weight_map\":{\"SECRET-NAME\":\"../SECRET-FILE\"}}");
+  snprintf(missing, sizeof missing, "%s/does-not-exist", t.outside);
+  static const char *const names[] = {"config.json", "model.safetensors.index.json"};
+  static const char *const targets[] = {"secret", "secret.json", NULL};
+  for (size_t n = 0; n < 2; n++) {
+    char first[WD_ERROR_MSG_MAX] = "";
+    for (size_t k = 0; k < 3; k++) {
+      if (targets[k] != NULL) snprintf(secret, sizeof secret, "%s/%s", t.outside, targets[k]);
+      link_into(targets[k] != NULL ? secret : missing, t.m, names[n]);
+      struct ckpt *c = NULL;
+      struct wd_error err = {0};
+      CHECK_EQ_INT(ckpt_open(t.m, &t.opts, &c, &err), WEIGHTD_E_PATH_DENIED);
+      CHECK(c == NULL);
+      ckpt_free(c);
+      CHECK_STR_CONTAINS(err.msg, names[n]);
+      CHECK_STR_CONTAINS(err.msg, "outside the model roots");
+      CHECK(strstr(err.msg, "SECRET") == NULL);
+      CHECK(strstr(err.msg, t.outside) == NULL);
+      if (k == 0) snprintf(first, sizeof first, "%s", err.msg);
+      else CHECK(strcmp(first, err.msg) == 0); /* no answer tells what exists outside */
+    }
+    char l[PATH_MAX];
+    snprintf(l, sizeof l, "%s/%s", t.m, names[n]);
+    unlink(l);
+    if (n == 1) fx_write_text(t.m, "model.safetensors.index.json", index_json);
+  }
+  confined_free(&t);
+}
+
+/* The resolver: realpath's answer inside the roots, one answer for everything outside them. */
+static void test_path_resolve(void) {
+  struct confined t;
+  confined_make(&t, "ck-resolve");
+  char p[PATH_MAX];
+  snprintf(p, sizeof p, "%s/file", t.m);
+  fx_write_text(t.m, "file", "x");
+  link_into("file", t.m, "rel");
+  link_into("./sub/../rel", t.m, "chain");
+  link_into("loop-b", t.m, "loop-a");
+  link_into("loop-a", t.m, "loop-b");
+  link_into("gone", t.m, "dangling");
+  link_into(t.outside, t.m, "out");
+  link_into("../../outside/nothing", t.m, "out-missing");
+  snprintf(p, sizeof p, "%s/sub", t.m);
+  mkdir(p, 0755);
+  const struct path_roots roots = {t.roots, 1};
+  static const char *const same[] = {"file", "rel", "chain", "sub/../file", "./sub/./../rel", "sub/"};
+  for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
+    char q[PATH_MAX], want[PATH_MAX];
+    snprintf(q, sizeof q, "%s/%s", t.m, same[i]);
+    struct path_resolved r = {0};
+    struct wd_error err = {0};
+    CHECK_EQ_INT(path_resolve(q, &roots, "q", &r, &err), 0);
+    CHECK(realpath(q, want) != NULL);
+    CHECK(r.real != NULL && strcmp(r.real, want) == 0);
+    free(r.real);
+  }
+  struct {
+    const char *rel;
+    int code;
+  } bad[] = {{"loop-a", WEIGHTD_E_IO}, {"dangling", WEIGHTD_E_NOT_FOUND}, {"nope/x", WEIGHTD_E_NOT_FOUND},
+             {"file/x", WEIGHTD_E_IO}, {"file/", WEIGHTD_E_IO}, {"out", WEIGHTD_E_PATH_DENIED},
+             {"out/anything", WEIGHTD_E_PATH_DENIED}, {"out-missing", WEIGHTD_E_PATH_DENIED},
+             {"../../outside", WEIGHTD_E_PATH_DENIED}, {"../../nothing/here", WEIGHTD_E_PATH_DENIED}};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char q[PATH_MAX];
+    snprintf(q, sizeof q, "%s/%s", t.m, bad[i].rel);
+    struct path_resolved r = {0};
+    struct wd_error err = {0};
+    CHECK_EQ_INT(path_resolve(q, &roots, "q", &r, &err), bad[i].code);
+    CHECK(r.real == NULL);
+    if (bad[i].code == WEIGHTD_E_PATH_DENIED) CHECK(strcmp(err.msg, "q: leads outside the model roots") == 0);
+  }
+  /* No roots: no confinement. */
+  char q[PATH_MAX];
+  snprintf(q, sizeof q, "%s/out", t.m);
+  struct path_resolved r = {0};
+  CHECK_EQ_INT(path_resolve(q, NULL, "q", &r, NULL), 0);
+  CHECK(r.real != NULL && strcmp(r.real, t.outside) == 0);
+  free(r.real);
+  confined_free(&t);
+}
+
+/* ---- the index check -------------------------------------------------------------------- */
+
+/* A tensor listed twice while another is left out: the counts agree, the index does not. */
+static void test_index_duplicate_hides_omission(void) {
+  char *d = make_two_shard_dir("ck-dupomit");
+  fx_write_text(d, "model.safetensors.index.json",
+                "{\"weight_map\":{"
+                "\"model.embed_tokens.weight\":\"model-00001-of-00002.safetensors\","
+                "\"model.layers.0.mlp.up_proj.weight\":\"model-00001-of-00002.safetensors\","
+                "\"model.layers.0.mlp.down_proj.weight\":\"model-00002-of-00002.safetensors\","
+                "\"model.layers.0.mlp.down_proj.weight\":\"model-00002-of-00002.safetensors\"}}");
+  expect_open_fails(d, NULL, WEIGHTD_E_BAD_INDEX,
+                    "weight_map lists tensor 'model.layers.0.mlp.down_proj.weight' more than once");
+  fx_rmtree(d);
+  free(d);
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+#define BIG_N 40000
+static struct fx_tensor big_ts[BIG_N];
+static char big_names[BIG_N][24];
+
+/* One shard of BIG_N one-byte tensors and an index of them, but for the last (when omit_last). */
+static char *make_big(const char *tag, bool omit_last) {
+  char *d = fx_tmpdir(tag);
+  char p[PATH_MAX];
+  for (size_t i = 0; i < BIG_N; i++) {
+    snprintf(big_names[i], sizeof big_names[i], "t.%06zu", i);
+    big_ts[i] = (struct fx_tensor){big_names[i], "U8", 1, 1, 0};
+  }
+  snprintf(p, sizeof p, "%s/model-00001-of-00001.safetensors", d);
+  CHECK_EQ_INT(fx_write_st(p, big_ts, BIG_N), 0);
+  size_t cap = (size_t)BIG_N * 64 + 64, len = 0;
+  char *idx = malloc(cap);
+  len += (size_t)snprintf(idx, cap, "{\"weight_map\":{");
+  for (size_t i = 0; i < BIG_N - (omit_last ? 1 : 0); i++)
+    len += (size_t)snprintf(idx + len, cap - len, "%s\"%s\":\"model-00001-of-00001.safetensors\"", i ? "," : "",
+                            big_names[i]);
+  snprintf(idx + len, cap - len, "}}");
+  fx_write_text(d, "model.safetensors.index.json", idx);
+  free(idx);
+  return d;
+}
+
+/*
+ * An index that leaves out one of 40,000 tensors costs about what a good
+ * open costs (the old check was quadratic: seconds), and a repeated open of
+ * the unchanged files answers from the remembered verdict without reading a
+ * header; a touched index is checked afresh.
+ */
+static void test_index_check_cost_and_verdicts(void) {
+  char *good = make_big("ck-big-good", false), *bad = make_big("ck-big-bad", true);
+  struct ckpt *c = NULL;
+  struct wd_error err = {0};
+  double t0 = now_s();
+  CHECK_EQ_INT(ckpt_open(good, NULL, &c, &err), 0);
+  double t_good = now_s() - t0;
+  ckpt_free(c);
+  c = NULL;
+  struct ckpt_verdicts *v = ckpt_verdicts_create(4);
+  CHECK(v != NULL);
+  struct ckpt_opts opts = {NULL, 0, v};
+  t0 = now_s();
+  CHECK_EQ_INT(ckpt_open(bad, &opts, &c, &err), WEIGHTD_E_BAD_INDEX);
+  double t_bad = now_s() - t0;
+  CHECK_STR_CONTAINS(err.msg, "'t.039999' of shard model-00001-of-00001.safetensors is missing from weight_map");
+  CHECK(t_bad < 2 * t_good + 0.25);
+  CHECK_EQ_INT(ckpt_verdicts_hits(v), 0);
+  char first[WD_ERROR_MSG_MAX];
+  snprintf(first, sizeof first, "%s", err.msg);
+  t0 = now_s();
+  CHECK_EQ_INT(ckpt_open(bad, &opts, &c, &err), WEIGHTD_E_BAD_INDEX);
+  double t_again = now_s() - t0;
+  CHECK_EQ_INT(ckpt_verdicts_hits(v), 1);
+  CHECK(strcmp(err.msg, first) == 0);
+  CHECK(t_again < t_bad / 2 + 0.01);
+  /* Touched (its ctime moves even when mtime is put back): checked again, not answered from memory. */
+  char p[PATH_MAX];
+  snprintf(p, sizeof p, "%s/model.safetensors.index.json", bad);
+  struct stat sb;
+  CHECK_EQ_INT(stat(p, &sb), 0);
+  struct timespec ts[2] = {sb.st_atim, sb.st_mtim};
+  CHECK_EQ_INT(utimensat(AT_FDCWD, p, ts, 0), 0);
+  CHECK_EQ_INT(ckpt_open(bad, &opts, &c, &err), WEIGHTD_E_BAD_INDEX);
+  CHECK_EQ_INT(ckpt_verdicts_hits(v), 1);
+  /* Fixed: opens. */
+  snprintf(p, sizeof p, "%s/model.safetensors.index.json", good);
+  char q[PATH_MAX];
+  snprintf(q, sizeof q, "%s/model.safetensors.index.json", bad);
+  CHECK_EQ_INT(rename(p, q), 0);
+  CHECK_EQ_INT(ckpt_open(bad, &opts, &c, &err), 0);
+  ckpt_free(c);
+  ckpt_verdicts_free(v);
+  fx_rmtree(good);
+  fx_rmtree(bad);
+  free(good);
+  free(bad);
+}
+
+/* The verdict memory is bounded: past its capacity the oldest verdict is forgotten. */
+static void test_verdicts_bounded(void) {
+  struct ckpt_verdicts *v = ckpt_verdicts_create(2);
+  struct ckpt_opts opts = {NULL, 0, v};
+  char *d[3];
+  for (int i = 0; i < 3; i++) {
+    d[i] = make_two_shard_dir("ck-verdict");
+    fx_write_text(d[i], "model.safetensors.index.json",
+                  "{\"weight_map\":{\"model.embed_tokens.weight\":\"model-00001-of-00002.safetensors\","
+                  "\"model.norm.weight\":\"model-00002-of-00002.safetensors\"}}");
+  }
+  struct ckpt *c = NULL;
+  struct wd_error err = {0};
+  for (int i = 0; i < 3; i++) CHECK_EQ_INT(ckpt_open(d[i], &opts, &c, &err), WEIGHTD_E_BAD_INDEX);
+  CHECK_EQ_INT(ckpt_verdicts_hits(v), 0);
+  CHECK_EQ_INT(ckpt_open(d[2], &opts, &c, &err), WEIGHTD_E_BAD_INDEX);
+  CHECK_EQ_INT(ckpt_open(d[1], &opts, &c, &err), WEIGHTD_E_BAD_INDEX);
+  CHECK_EQ_INT(ckpt_verdicts_hits(v), 2);
+  CHECK_EQ_INT(ckpt_open(d[0], &opts, &c, &err), WEIGHTD_E_BAD_INDEX); /* forgotten: checked again */
+  CHECK_EQ_INT(ckpt_verdicts_hits(v), 2);
+  CHECK_STR_CONTAINS(err.msg, "is missing from weight_map");
+  for (int i = 0; i < 3; i++) {
+    fx_rmtree(d[i]);
+    free(d[i]);
+  }
+  ckpt_verdicts_free(v);
+}
+
+/*
+ * Shards whose data sizes add up past 2^64 - 1 (sparse files of 2^63 - 1
+ * bytes on tmpfs): refused. The old reader wrapped the sum.
+ */
+static void test_total_size_overflow(void) {
+  char tmpl[] = "/dev/shm/wd-ck-huge-XXXXXX";
+  if (mkdtemp(tmpl) == NULL) {
+    printf("note: test_total_size_overflow skipped: no /dev/shm\n");
+    return;
+  }
+  const uint64_t size = (uint64_t)INT64_MAX;
+  char idx[1024];
+  size_t il = (size_t)snprintf(idx, sizeof idx, "{\"weight_map\":{");
+  bool ok = true;
+  for (int i = 0; i < 3 && ok; i++) {
+    char p[PATH_MAX], h[512];
+    snprintf(p, sizeof p, "%s/s%d.safetensors", tmpl, i);
+    /* Four U8 tensors (a tensor's size in bits must fit 64 bits) filling the data after a 512-byte header. */
+    uint64_t data = size - 8 - 512, quarter = data / 4, at = 0;
+    int hl = snprintf(h, sizeof h, "{");
+    for (int k = 0; k < 4; k++) {
+      uint64_t n = k < 3 ? quarter : data - 3 * quarter;
+      hl += snprintf(h + hl, sizeof h - (size_t)hl, "%s\"w%d.%d\":{\"dtype\":\"U8\",\"shape\":[%llu],\"data_offsets\":[%llu,%llu]}",
+                     k ? "," : "", i, k, (unsigned long long)n, (unsigned long long)at, (unsigned long long)(at + n));
+      at += n;
+    }
+    hl += snprintf(h + hl, sizeof h - (size_t)hl, "}");
+    while (hl < 512) h[hl++] = ' ';
+    unsigned char prefix[8] = {0, 2}; /* 512, little-endian */
+    int fd = open(p, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ok = fd >= 0 && write(fd, prefix, 8) == 8 && write(fd, h, 512) == 512 && ftruncate(fd, (off_t)size) == 0;
+    if (fd >= 0) close(fd);
+    for (int k = 0; k < 4; k++)
+      il += (size_t)snprintf(idx + il, sizeof idx - il, "%s\"w%d.%d\":\"s%d.safetensors\"", i + k ? "," : "", i, k, i);
+  }
+  snprintf(idx + il, sizeof idx - il, "}}");
+  if (!ok) {
+    printf("note: test_total_size_overflow skipped: /dev/shm holds no file of 2^63 - 1 bytes\n");
+  } else {
+    fx_write_text(tmpl, "model.safetensors.index.json", idx);
+    expect_open_fails(tmpl, NULL, WEIGHTD_E_BAD_SIZE, "more than 2^64 - 1 bytes of tensor data");
+  }
+  fx_rmtree(tmpl);
+}
+
+/*
+ * A shard dated past 2262 (its owner may set any time; ext4 keeps years up to
+ * 2446): its identity is still exact, with no signed overflow (the old reader's
+ * nanosecond sum overflowed, which UBSan reports).
+ */
+static void test_far_future_mtime(void) {
+  char *d = make_two_shard_dir("ck-future");
+  char p[PATH_MAX];
+  snprintf(p, sizeof p, "%s/model-00001-of-00002.safetensors", d);
+  struct timespec ts[2] = {{0, UTIME_OMIT}, {13569465600, 999999999}}; /* 2400-01-01 */
+  CHECK_EQ_INT(utimensat(AT_FDCWD, p, ts, 0), 0);
+  struct ckpt *c = NULL;
+  struct wd_error err = {0};
+  CHECK_EQ_INT(ckpt_open(d, NULL, &c, &err), 0);
+  if (c != NULL) {
+    CHECK_EQ_INT(ckpt_check_unchanged(c, &err), 0);
+    ts[1].tv_nsec = 999999998;
+    CHECK_EQ_INT(utimensat(AT_FDCWD, p, ts, 0), 0);
+    CHECK_EQ_INT(ckpt_check_unchanged(c, &err), WEIGHTD_E_STALE);
+  }
+  ckpt_free(c);
+  fx_rmtree(d);
+  free(d);
+}
+
 int main(void) {
   RUN(test_index_directory);
   RUN(test_missing_shard);
@@ -352,5 +801,13 @@ int main(void) {
   RUN(test_bad_shard_named);
   RUN(test_bad_config);
   RUN(test_replaced_shard_detected);
+  RUN(test_fifo_shards_do_not_block);
+  RUN(test_config_and_index_confined);
+  RUN(test_path_resolve);
+  RUN(test_index_duplicate_hides_omission);
+  RUN(test_index_check_cost_and_verdicts);
+  RUN(test_verdicts_bounded);
+  RUN(test_total_size_overflow);
+  RUN(test_far_future_mtime);
   return tu_finish();
 }

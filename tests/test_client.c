@@ -60,6 +60,7 @@ struct fake {
   char last_released[32];
   char last_path[PATH_MAX];   /* "path" of the last request that had one */
   char last_device[64];
+  char hello_handles[128]; /* the "handles" list of the last hello, as JSON ("" when absent) */
   int cancels;
 };
 
@@ -119,6 +120,11 @@ static cJSON *attach_reply(struct fake *f, const cJSON *req, const char *set, co
   cJSON_AddStringToObject(h, "kind", kind);
   if (strcmp(kind, "fd") == 0) {
     cJSON_AddNumberToObject(h, "fd_index", 0);
+  } else if (strncmp(kind, "cuda_vmm", 8) == 0) {
+    cJSON_ReplaceItemInObjectCaseSensitive(h, "kind", cJSON_CreateString("cuda_vmm"));
+    cJSON_AddNumberToObject(h, "fd_index", 0);
+    /* "cuda_vmm/badid": an alloc_id that is not 32 hex digits. */
+    cJSON_AddStringToObject(h, "alloc_id", strcmp(kind, "cuda_vmm") == 0 ? "00112233445566778899aabbccddeeff" : "0011");
   } else {
     char hex[129];
     for (int i = 0; i < 128; i++) hex[i] = "0123456789abcdef"[i % 16];
@@ -175,6 +181,11 @@ static int handle(struct fake *f, int fd, const cJSON *req) {
 
   if (strcmp(op, "hello") == 0) {
     const cJSON *proto = cJSON_GetObjectItemCaseSensitive(req, "protocol");
+    char *handles = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(req, "handles"));
+    pthread_mutex_lock(&f->lock);
+    snprintf(f->hello_handles, sizeof f->hello_handles, "%s", handles ? handles : "");
+    pthread_mutex_unlock(&f->lock);
+    free(handles);
     if (f->mode == FAKE_VERSION || !cJSON_IsNumber(proto) || proto->valueint != 1) {
       send_json(fd, reply_err(req, "VERSION", "this daemon speaks protocol 7 only"), NULL, 0);
       return -1;
@@ -238,6 +249,10 @@ static int handle(struct fake *f, int fd, const cJSON *req) {
       send_json(fd, reply_err(req, "NOT_FOUND", "no set 'missing'"), NULL, 0);
     } else if (strcmp(name, "s_cuda") == 0) {
       send_json(fd, attach_reply(f, req, name, "cuda_ipc"), NULL, 0);
+    } else if (strcmp(name, "s_vmm") == 0) {
+      send_json(fd, attach_reply(f, req, name, "cuda_vmm"), &f->slab_fd, 1);
+    } else if (strcmp(name, "s_vmm_badid") == 0) {
+      send_json(fd, attach_reply(f, req, name, "cuda_vmm/badid"), &f->slab_fd, 1);
     } else if (strcmp(name, "s_unsealed") == 0) {
       send_json(fd, attach_reply(f, req, name, "fd"), &f->unsealed_fd, 1);
     } else if (strcmp(name, "s_nofd") == 0) {
@@ -654,6 +669,34 @@ static void test_cuda_handle_unknown_device(void) {
   fake_stop(f);
 }
 
+/*
+ * A cuda_vmm handle: hello lists every kind libweightd opens; without a CUDA
+ * driver (or with one that has no GPU of that UUID) the attach fails, the
+ * lease goes back, and the received descriptor is closed, also when the
+ * handle is malformed.
+ */
+static void test_vmm_handle_without_device(void) {
+  struct fake *f = fake_start(FAKE_NORMAL);
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(f->sock_path, &c), 0);
+  CHECK(strcmp(f->hello_handles, "[\"fd\",\"cuda_ipc\",\"cuda_vmm\"]") == 0);
+  int fds = count_open_fds();
+  weightd_set *s = NULL;
+  int rc = weightd_attach(c, "s_vmm", &s);
+  CHECK(rc == WEIGHTD_E_UNSUPPORTED || rc == WEIGHTD_E_DEVICE);
+  CHECK(s == NULL);
+  if (rc == WEIGHTD_E_UNSUPPORTED) CHECK_STR_CONTAINS(weightd_last_error(c), "libcuda.so.1");
+  else CHECK_STR_CONTAINS(weightd_last_error(c), "GPU-00000000-1111-2222-3333-444444444444");
+  CHECK_EQ_INT(f->releases, 1);
+  CHECK_EQ_INT(count_open_fds(), fds);
+  CHECK_EQ_INT(weightd_attach(c, "s_vmm_badid", &s), WEIGHTD_E_PROTOCOL);
+  CHECK_STR_CONTAINS(weightd_last_error(c), "alloc_id");
+  CHECK_EQ_INT(f->releases, 2);
+  CHECK_EQ_INT(count_open_fds(), fds);
+  weightd_close(c);
+  fake_stop(f);
+}
+
 static long now_ms(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -784,5 +827,6 @@ int main(void) {
   RUN(test_close_detaches_sets);
   RUN(test_fork_child);
   RUN(test_cuda_handle_unknown_device);
+  RUN(test_vmm_handle_without_device);
   return tu_finish();
 }

@@ -56,7 +56,9 @@ static int daemon_start(const char *exe) {
     int fd = open(logpath, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(fd, STDOUT_FILENO);
     dup2(fd, STDERR_FILENO);
-    execl(exe, exe, "--foreground", "--backend", backend, "--socket", sock, "--model-root", dir, (char *)NULL);
+    /* Metrics off: ctest runs daemons in parallel, and they would all want the default port. */
+    execl(exe, exe, "--foreground", "--backend", backend, "--socket", sock, "--model-root", dir, "--set",
+          "metrics_address=", (char *)NULL);
     _exit(127);
   }
   for (int i = 0; i < 400; i++) {
@@ -134,8 +136,14 @@ static void test_load_attach_verify(void) {
   struct weightd_load_options o = {.struct_size = sizeof o};
   CHECK_EQ_INT(weightd_attach_path(c, ckpt, &o, &p), 0);
   if (a && b && p) {
-    CHECK_EQ_INT(weightd_set_memory_kind(a),
-                 strcmp(backend, "cuda") == 0 ? WEIGHTD_MEMORY_CUDA : WEIGHTD_MEMORY_HOST);
+    int cuda = strcmp(backend, "cuda") == 0;
+    CHECK_EQ_INT(weightd_set_memory_kind(a), cuda ? WEIGHTD_MEMORY_CUDA : WEIGHTD_MEMORY_HOST);
+    /* The daemon runs with its defaults: GPU sets are VMM allocations (read-only where the driver allows). */
+    CHECK_EQ_INT(weightd_set_handle_kind(a), cuda ? WEIGHTD_HANDLE_CUDA_VMM : WEIGHTD_HANDLE_FD);
+    CHECK_EQ_INT(weightd_set_handle_kind(b), weightd_set_handle_kind(a));
+    if (!cuda) CHECK_EQ_INT(weightd_set_read_only(a), 1);
+    CHECK_EQ_INT(weightd_set_handle_kind(NULL), 0);
+    CHECK_EQ_INT(weightd_set_read_only(NULL), 0);
     CHECK(strcmp(weightd_set_id(p), set_id) == 0);
     CHECK(weightd_set_base(a) != NULL);
     CHECK(weightd_set_base(b) == weightd_set_base(a));

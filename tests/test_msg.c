@@ -4,6 +4,7 @@
  */
 #include <stdint.h>
 
+#include "handles.h"
 #include "json_strict.h"
 #include "jsonutil.h"
 #include "msg.h"
@@ -13,7 +14,7 @@
 
 static void test_op_names(void) {
   static const char *const names[] = {"hello",  "open",    "close", "prefetch", "load",    "cancel",
-                                      "attach", "release", "evict", "status",   "shutdown"};
+                                      "attach", "release", "evict", "status",   "shutdown", "health"};
   CHECK_EQ_INT(MSG_OP_COUNT, sizeof names / sizeof names[0]);
   for (int i = 0; i < MSG_OP_COUNT; i++) {
     const char *n = msg_op_name((enum msg_op)i);
@@ -38,6 +39,25 @@ static void test_op_names(void) {
 }
 
 /* ---- parsing ------------------------------------------------------------ */
+
+/* The handle kinds' wire names are protocol: fixed, distinct, and read back to their kind. */
+static void test_handle_kinds(void) {
+  CHECK(strcmp(wd_handle_kind_name(WD_HANDLE_FD), "fd") == 0);
+  CHECK(strcmp(wd_handle_kind_name(WD_HANDLE_CUDA_IPC), "cuda_ipc") == 0);
+  CHECK(strcmp(wd_handle_kind_name(WD_HANDLE_CUDA_VMM), "cuda_vmm") == 0);
+  CHECK_EQ_INT(WD_HANDLE_KIND_COUNT, 3);
+  for (int k = 0; k < WD_HANDLE_KIND_COUNT; k++)
+    CHECK_EQ_INT(wd_handle_kind_from_name(wd_handle_kind_name((enum wd_handle_kind)k)), k);
+  CHECK_EQ_INT(wd_handle_kind_from_name("cuda_fabric"), -1); /* a kind this build does not know */
+  CHECK_EQ_INT(wd_handle_kind_from_name("FD"), -1);          /* names are exact */
+  CHECK_EQ_INT(wd_handle_kind_from_name(""), -1);
+  CHECK_EQ_INT(wd_handle_kind_from_name(NULL), -1);
+  CHECK(strcmp(wd_handle_kind_name(WD_HANDLE_KIND_COUNT), "?") == 0);
+  CHECK(wd_handle_kind_has_fd(WD_HANDLE_FD) && wd_handle_kind_has_fd(WD_HANDLE_CUDA_VMM));
+  CHECK(!wd_handle_kind_has_fd(WD_HANDLE_CUDA_IPC));
+  /* A client that lists no kinds speaks what libweightd spoke before cuda_vmm existed. */
+  CHECK_EQ_INT(WD_HANDLES_DEFAULT, WD_HANDLE_BIT(WD_HANDLE_FD) | WD_HANDLE_BIT(WD_HANDLE_CUDA_IPC));
+}
 
 static void test_parse_ok(void) {
   const char *j =
@@ -383,6 +403,7 @@ static void test_hex(void) {
 
 int main(void) {
   RUN(test_op_names);
+  RUN(test_handle_kinds);
   RUN(test_parse_ok);
   RUN(test_parse_unterminated);
   RUN(test_parse_bad);

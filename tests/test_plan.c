@@ -3,7 +3,10 @@
  * preset, a dense TP=2 rank and an expert-parallel MoE rank (offsets, shapes
  * and gathered bytes against the bytes the fixture wrote), explicit plans
  * (strict fields, normalisation, the key's documented form, its bound),
- * overflow refusals, the family table and SHA-256's standard vectors.
+ * overflow refusals, the family table and SHA-256's standard vectors; the
+ * byte ranges a plan reads (every gathered byte inside them, page-aligned,
+ * merged) and the staging schedule (each staged_strided mode, slots of odd
+ * sizes, the slab it delivers equal to the gathered one).
  *
  * Expected bytes come from the fixture's own pattern (fx_byte at the
  * writer's offsets), expected digests from Python's hashlib and json.dumps
@@ -16,6 +19,7 @@
 #include "fixture.h"
 #include "plan.h"
 #include "plan_build.h"
+#include "plan_stage.h"
 #include "sha256.h"
 #include "testutil.h"
 
@@ -522,6 +526,208 @@ static void test_overflow_refused(void) {
   model_close(&m);
 }
 
+
+/* ---- the byte ranges a plan reads ------------------------------------------------------------ */
+
+/* The file's bytes with everything outside the ranges set to 0xA5. */
+static unsigned char *poison_outside(const struct model *m, const struct plan_range *r, size_t n) {
+  size_t len = (size_t)m->ck->shards[0].size;
+  unsigned char *f = malloc(len);
+  memset(f, 0xA5, len);
+  for (size_t i = 0; i < n; i++) {
+    CHECK_EQ_INT(r[i].shard, 0);
+    CHECK(r[i].off + r[i].len <= len);
+    memcpy(f + r[i].off, m->file + r[i].off, (size_t)r[i].len);
+  }
+  return f;
+}
+
+static void test_ranges(void) {
+  struct model m;
+  struct plan *p = NULL;
+  struct wd_error err;
+  if (!model_open(&m, "plan-ranges", dense, NDENSE, dense_config)) return;
+  CHECK_EQ_INT(build(&m, "{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":1}", &p, &err), 0);
+  if (p == NULL) {
+    model_close(&m);
+    return;
+  }
+  uint64_t size = m.ck->shards[0].size;
+  static const uint64_t pages[] = {16, 64, 256, 4096};
+  for (size_t k = 0; k < sizeof pages / sizeof pages[0]; k++) {
+    uint64_t page = pages[k];
+    struct plan_range *r = NULL;
+    size_t n = 0;
+    CHECK_EQ_INT(plan_ranges(p, m.ck, page, 0, &r, &n, &err), 0);
+    CHECK(n > 0);
+    /* Sorted, disjoint and not touching (they would have merged), page-aligned, cut at the file's end. */
+    for (size_t i = 0; i < n; i++) {
+      CHECK_EQ_INT(r[i].off % page, 0);
+      CHECK(r[i].len > 0);
+      CHECK((r[i].off + r[i].len) % page == 0 || r[i].off + r[i].len == size);
+      if (i > 0) CHECK(r[i].off > r[i - 1].off + r[i - 1].len);
+    }
+    /* Every byte the plan gathers lies inside them: poison the rest, gather the same slab. */
+    unsigned char *clean = gather_all(&m, p), *f = poison_outside(&m, r, n), *slab = malloc(p->slab_bytes);
+    const unsigned char *data[1] = {f + m.ck->shards[0].hdr->data_start};
+    plan_gather(p, data, 0, p->slab_bytes, slab);
+    CHECK(memcmp(clean, slab, p->slab_bytes) == 0);
+    /* And each range holds a byte the plan reads in its first and last page (no page too many). */
+    for (size_t i = 0; i < n; i++) {
+      bool first = false, last = false;
+      uint64_t a = r[i].off, b = r[i].off + r[i].len;
+      for (size_t o = 0; o < p->noutputs; o++)
+        for (size_t j = 0; j < p->outputs[o].npieces; j++) {
+          const struct plan_piece *pc = &p->outputs[o].pieces[j];
+          if (pc->src == NULL) continue;
+          uint64_t base = m.ck->shards[0].hdr->data_start + pc->src->t->begin + pc->src_offset;
+          for (uint64_t row = 0; row < pc->height; row++) {
+            uint64_t x = base + row * pc->src_pitch, y = x + pc->width;
+            first |= x < a + page && y > a;
+            last |= x < b && y > (b - 1) / page * page;
+          }
+        }
+      CHECK(first && last);
+    }
+    if (page == 16) { /* TP=2 rank 1 skips the first halves of q/k/v/gate/up: several ranges */
+      CHECK(n >= 4);
+      CHECK(plan_ranges_bytes(r, n) < size);
+    }
+    free(clean);
+    free(f);
+    free(slab);
+    /* A gap as large as the file merges everything into one range. */
+    struct plan_range *one = NULL;
+    size_t n1 = 0;
+    CHECK_EQ_INT(plan_ranges(p, m.ck, page, size, &one, &n1, &err), 0);
+    CHECK_EQ_INT(n1, 1);
+    if (n1 == 1) {
+      CHECK_EQ_INT(one[0].off, r[0].off);
+      CHECK_EQ_INT(one[0].off + one[0].len, r[n - 1].off + r[n - 1].len);
+    }
+    free(one);
+    free(r);
+  }
+  plan_free(p);
+  /* The whole plan reads the whole data section: one range from the header's page to the end. */
+  CHECK_EQ_INT(build(&m, NULL, &p, &err), 0);
+  struct plan_range *r = NULL;
+  size_t n = 0;
+  if (p != NULL) CHECK_EQ_INT(plan_ranges(p, m.ck, 64, 0, &r, &n, &err), 0);
+  CHECK_EQ_INT(n, 1);
+  if (n == 1) {
+    CHECK_EQ_INT(r[0].off, m.ck->shards[0].hdr->data_start / 64 * 64);
+    CHECK_EQ_INT(r[0].off + r[0].len, size);
+  }
+  free(r);
+  plan_free(p);
+  model_close(&m);
+}
+
+/* ---- the staging schedule ------------------------------------------------------------------- */
+
+/*
+ * Runs the schedule as the pipeline does, on the CPU: each window filled into
+ * a slot (poisoned first, so a byte it fails to write shows), then its
+ * transfers copied into the slab (plain, or the 2D copy of whole rows).
+ */
+static unsigned char *run_schedule(const struct model *m, const struct plan *p, const struct plan_stage *s) {
+  unsigned char *slab = malloc(p->slab_bytes ? p->slab_bytes : 1), *slot = malloc(s->slot_bytes);
+  memset(slab, 0xEE, p->slab_bytes);
+  for (size_t w = 0; w < s->nwindows; w++) {
+    const struct plan_window *win = &s->windows[w];
+    CHECK(win->used > 0 && win->used <= s->slot_bytes && win->count > 0);
+    memset(slot, 0x5A, s->slot_bytes);
+    /* In two halves, as two fill tasks would. */
+    uint64_t mid = win->used / 3;
+    plan_stage_fill(s, p, m->data, w, 0, mid, slot);
+    plan_stage_fill(s, p, m->data, w, mid, win->used, slot + mid);
+    uint64_t delivered = 0;
+    for (size_t i = win->first; i < win->first + win->count; i++) {
+      const struct plan_xfer *x = &s->xfers[i];
+      CHECK(x->at + x->len <= win->used);
+      if (x->pc == NULL) {
+        memcpy(slab + x->dst, slot + x->at, (size_t)x->len);
+        delivered += x->len;
+      } else {
+        for (uint64_t r = 0; r < x->rows; r++)
+          memcpy(slab + x->dst + r * x->pc->width, slot + x->at + r * x->pc->src_pitch, (size_t)x->pc->width);
+        CHECK_EQ_INT(x->len, (x->rows - 1) * x->pc->src_pitch + x->pc->width);
+        delivered += x->rows * x->pc->width;
+      }
+    }
+    CHECK_EQ_INT(delivered, win->slab_bytes);
+  }
+  free(slot);
+  return slab;
+}
+
+static void test_stage(void) {
+  struct model m;
+  struct plan *p = NULL;
+  struct wd_error err;
+  if (!model_open(&m, "plan-stage", dense, NDENSE, dense_config)) return;
+  /* o_proj and down_proj are column slices: rows of 16 bytes, 32 apart. */
+  CHECK_EQ_INT(build(&m, "{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":1}", &p, &err), 0);
+  if (p == NULL) {
+    model_close(&m);
+    return;
+  }
+  unsigned char *want = gather_all(&m, p);
+  static const uint64_t slots[] = {32, 100, 256, 1000, 4096, 1 << 20};
+  static const enum plan_strided modes[] = {PLAN_STRIDED_GATHER, PLAN_STRIDED_ROWS, PLAN_STRIDED_AUTO};
+  for (size_t k = 0; k < sizeof slots / sizeof slots[0]; k++)
+    for (size_t j = 0; j < 3; j++) {
+      struct plan_stage *s = NULL;
+      CHECK_EQ_INT(plan_stage_build(p, slots[k], modes[j], &s, &err), 0);
+      if (s == NULL) continue;
+      uint64_t total = 0;
+      for (size_t w = 0; w < s->nwindows; w++) total += s->windows[w].slab_bytes;
+      CHECK_EQ_INT(total, p->slab_bytes);
+      if (modes[j] == PLAN_STRIDED_ROWS && slots[k] < 64) {
+        CHECK_EQ_INT(s->rows_pieces, 1); /* down_proj's rows (64 bytes) do not fit a slot: gathered */
+      } else if (modes[j] == PLAN_STRIDED_ROWS) {
+        CHECK_EQ_INT(s->rows_pieces, 2);
+        CHECK(s->staged_bytes > p->slab_bytes); /* the other halves of the rows travel to the slot too */
+      } else {
+        /* gather, and auto for rows this small: the slab image, window w = slab bytes [w S, (w + 1) S) */
+        CHECK_EQ_INT(s->rows_pieces, 0);
+        CHECK_EQ_INT(s->nwindows, (p->slab_bytes + slots[k] - 1) / slots[k]);
+        for (size_t w = 0; w < s->nwindows; w++) {
+          CHECK_EQ_INT(s->windows[w].count, 1);
+          CHECK_EQ_INT(s->xfers[s->windows[w].first].dst, w * slots[k]);
+        }
+        CHECK_EQ_INT(s->staged_bytes, p->slab_bytes);
+      }
+      unsigned char *got = run_schedule(&m, p, s);
+      if (memcmp(got, want, p->slab_bytes) != 0) {
+        fprintf(stderr, "slot %llu, mode %zu: the staged slab differs from the gathered one\n",
+                (unsigned long long)slots[k], j);
+        CHECK(0);
+      }
+      free(got);
+      plan_stage_free(s);
+    }
+  /* The rule: auto takes short strided rows at twice their width once the piece is large enough. */
+  struct ckpt_ref ref = {0};
+  struct plan_piece pc = {.src = &ref, .width = 2048, .src_pitch = 4096, .height = 512};
+  CHECK(plan_piece_rows(&pc, PLAN_STRIDED_AUTO, 64u << 20));
+  pc.height = 511; /* under 1 MiB */
+  CHECK(!plan_piece_rows(&pc, PLAN_STRIDED_AUTO, 64u << 20));
+  pc.height = 4096;
+  pc.src_pitch = 8192; /* TP=4 */
+  CHECK(!plan_piece_rows(&pc, PLAN_STRIDED_AUTO, 64u << 20));
+  CHECK(plan_piece_rows(&pc, PLAN_STRIDED_ROWS, 64u << 20));
+  CHECK(!plan_piece_rows(&pc, PLAN_STRIDED_ROWS, 4096)); /* a row does not fit a slot */
+  CHECK(!plan_piece_rows(&pc, PLAN_STRIDED_GATHER, 64u << 20));
+  pc.width = 4096;
+  pc.src_pitch = 8192;
+  CHECK(!plan_piece_rows(&pc, PLAN_STRIDED_AUTO, 64u << 20)); /* 4 KiB rows: gathered */
+  free(want);
+  plan_free(p);
+  model_close(&m);
+}
+
 int main(void) {
   RUN(test_sha256_vectors);
   RUN(test_family_table);
@@ -532,5 +738,7 @@ int main(void) {
   RUN(test_strict_fields);
   RUN(test_key_bounded);
   RUN(test_overflow_refused);
+  RUN(test_ranges);
+  RUN(test_stage);
   return tu_finish();
 }

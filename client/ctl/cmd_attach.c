@@ -35,9 +35,8 @@ static int set_origin(weightd_client *c, const char *set_id, char **path, cJSON 
   *spec = NULL;
   int rc = weightd_request(c, "{\"op\":\"status\"}", &text, NULL, NULL);
   if (rc != 0) {
-    ctl_fail(c, rc, "status");
     weightd_free(text);
-    return CTL_EXIT_FAIL;
+    return ctl_fail(c, rc, "status");
   }
   cJSON *r = cJSON_Parse(text);
   weightd_free(text);
@@ -59,32 +58,44 @@ static int set_origin(weightd_client *c, const char *set_id, char **path, cJSON 
   return 0;
 }
 
+/* The wire name of a set's handle kind. */
+static const char *handle_name(const weightd_set *s) {
+  switch (weightd_set_handle_kind(s)) {
+  case WEIGHTD_HANDLE_FD: return "fd";
+  case WEIGHTD_HANDLE_CUDA_IPC: return "cuda_ipc";
+  case WEIGHTD_HANDLE_CUDA_VMM: return "cuda_vmm";
+  }
+  return "?";
+}
+
 static void print_attached(const weightd_set *s, int verified, const struct ctl_verify_result *vr) {
   int cuda = weightd_set_memory_kind(s) == WEIGHTD_MEMORY_CUDA;
   if (ctl_opts.json) {
     cJSON *o = cJSON_CreateObject();
+    cJSON_AddTrueToObject(o, "ok");
     cJSON_AddStringToObject(o, "set", weightd_set_id(s));
     cJSON_AddStringToObject(o, "lease", weightd_set_lease(s));
     cJSON_AddStringToObject(o, "device", weightd_set_device(s));
     cJSON_AddNumberToObject(o, "bytes", (double)weightd_set_bytes(s));
     cJSON_AddStringToObject(o, "memory", cuda ? "cuda" : "host");
+    cJSON_AddStringToObject(o, "handles", handle_name(s));
+    cJSON_AddBoolToObject(o, "read_only", weightd_set_read_only(s));
     cJSON_AddNumberToObject(o, "tensors", (double)weightd_set_tensor_count(s));
     if (verified) {
       cJSON *v = cJSON_AddObjectToObject(o, "verified");
       cJSON_AddNumberToObject(v, "tensors", (double)vr->tensors);
       cJSON_AddNumberToObject(v, "bytes", (double)vr->bytes);
     }
-    char *text = cJSON_PrintUnformatted(o);
-    if (text) puts(text);
-    free(text);
-    cJSON_Delete(o);
+    ctl_json_print(o);
     return;
   }
   char b[32];
   ctl_human_bytes(weightd_set_bytes(s), b, sizeof b);
-  printf("attached set %s, lease %s\n  %zu tensors, %" PRIu64 " bytes (%s) of %s memory at %p on %s\n",
+  printf("attached set %s, lease %s\n  %zu tensors, %" PRIu64 " bytes (%s) of %s memory at %p on %s\n"
+         "  through %s handles, mapped %s\n",
          weightd_set_id(s), weightd_set_lease(s), weightd_set_tensor_count(s), weightd_set_bytes(s), b,
-         cuda ? "CUDA device" : "host", weightd_set_base(s), weightd_set_device(s));
+         cuda ? "CUDA device" : "host", weightd_set_base(s), weightd_set_device(s), handle_name(s),
+         weightd_set_read_only(s) ? "read-only" : "writable (every attached process shares it: never write)");
   if (verified) {
     ctl_human_bytes(vr->bytes, b, sizeof b);
     printf("verified %zu tensors, %" PRIu64 " bytes (%s): identical to its plan gathered from the checkpoint's "
@@ -103,30 +114,29 @@ static void hold(const weightd_set *s, const sigset_t *sigs) {
   sigwait(sigs, &sig);
 }
 
-int cmd_attach(int argc, char **argv) {
-  const char *target = NULL, *device = NULL;
-  int verify = 0, holding = 0;
-  struct ctl_plan_args pa = {.cmd = "attach"};
-  for (int i = 1; i < argc; i++) {
-    int taken = ctl_plan_arg(&pa, argc, argv, &i);
-    if (taken < 0) return CTL_EXIT_USAGE;
-    if (taken) continue;
-    if (strcmp(argv[i], "--json") == 0) ctl_opts.json = 1;
-    else if (strcmp(argv[i], "--device") == 0 && i + 1 < argc) device = argv[++i];
-    else if (strcmp(argv[i], "--verify") == 0) verify = 1;
-    else if (strcmp(argv[i], "--hold") == 0) holding = 1;
-    else if (argv[i][0] != '-' && target == NULL) target = argv[i];
-    else return ctl_usage("attach");
-  }
-  if (target == NULL) return ctl_usage("attach");
+static const struct optab_opt attach_opts[] = {
+    {CTL_OPT_DEVICE, "device", 0, OPTAB_VALUE, "D",
+     "With a PATH: the device of the set, an index or a UUID (default 0).", 0, NULL},
+    {CTL_OPT_VERIFY, "verify", 0, OPTAB_SWITCH, NULL,
+     "Compare every tensor and byte of the set with its plan rebuilt here from the checkpoint's files (a "
+     "progress line on a terminal); exit 1 at the first difference, naming the tensor and the byte.",
+     0, NULL},
+    {CTL_OPT_HOLD, "hold", 0, OPTAB_SWITCH, NULL,
+     "Keep the lease until interrupted (Ctrl-C or SIGTERM), as an engine would hold it.", 0, NULL},
+};
+
+static int run_attach(const struct ctl_args *a) {
+  const char *target = a->pos[0], *device = ctl_val(a, CTL_OPT_DEVICE);
+  bool verify = ctl_has(a, CTL_OPT_VERIFY), holding = ctl_has(a, CTL_OPT_HOLD);
+  struct ctl_plan_args pa;
   int by_path = looks_like_path(target);
   cJSON *spec = NULL;
-  int prc = ctl_plan_spec(&pa, 0, &spec);
+  int prc = ctl_plan_args_get(a, &pa);
+  if (prc == 0) prc = ctl_plan_spec(&pa, 0, &spec);
   if (prc != 0) return prc;
   if (!by_path && (device != NULL || spec != NULL)) {
-    ctl_errorf("attach: --device and plan flags go with a checkpoint PATH; '%s' is taken as a set id", target);
     cJSON_Delete(spec);
-    return CTL_EXIT_USAGE;
+    return ctl_usage_error("--device and plan flags go with a checkpoint PATH; '%s' is taken as a set id", target);
   }
   char *plan_json = spec != NULL ? cJSON_PrintUnformatted(spec) : NULL;
   cJSON_Delete(spec);
@@ -140,16 +150,14 @@ int cmd_attach(int argc, char **argv) {
 
   weightd_client *c = NULL;
   weightd_set *s = NULL;
-  int rc, exit_code = CTL_EXIT_OK;
-  if (ctl_connect(&c) != 0) {
-    exit_code = CTL_EXIT_FAIL;
-    goto done;
-  }
+  int rc, exit_code = ctl_connect(&c);
+  if (exit_code != 0) goto done;
   if (by_path) {
     struct weightd_load_options o = {
-        .struct_size = sizeof o, .device = device, .plan_json = plan_json, .progress = ctl_progress};
+        .struct_size = sizeof o, .device = device, .plan_json = plan_json, .progress = ctl_progress_cb};
+    ctl_progress_begin("attach");
     rc = weightd_attach_path(c, target, &o, &s);
-    ctl_progress_done();
+    ctl_progress_end();
   } else {
     rc = weightd_attach(c, target, &s);
   }
@@ -167,14 +175,34 @@ int cmd_attach(int argc, char **argv) {
   }
   if (exit_code == CTL_EXIT_OK) {
     print_attached(s, verify, &vr);
-    if (holding) hold(s, &sigs);
+    if (holding) {
+      ctl_guard_stop(); /* the signals end the hold now */
+      hold(s, &sigs);
+    }
   }
   rc = weightd_release(s);
   if (rc != 0 && exit_code == CTL_EXIT_OK) exit_code = ctl_fail(c, rc, "release");
 done:
-  weightd_close(c);
+  ctl_disconnect(c);
   cJSON_Delete(spec);
   free(plan_json);
   if (holding) sigprocmask(SIG_SETMASK, &old, NULL);
   return exit_code;
 }
+
+const struct ctl_cmd ctl_cmd_attach = {
+    .name = "attach",
+    .args = "(SET | PATH)",
+    .min_args = 1,
+    .max_args = 1,
+    .summary = "lease a resident set, map it here; --verify compares every byte with the plan from the files",
+    .description =
+        "Leases a resident set and maps its memory in this process, as an engine does: by set id (s3), or by "
+        "checkpoint PATH with --device and the plan flags (the set is loaded first when it is not resident, "
+        "with a progress line on a terminal; Ctrl-C cancels the load). Prints the set, the lease, the memory "
+        "and where it is mapped; the lease ends when attach exits, or with --hold when interrupted.\n\nThe "
+        "argument is a PATH when it contains a '/' or names an existing file or directory, else a set id.",
+    .opts = CTL_OPTS(attach_opts),
+    .flags = CTL_CMD_DAEMON | CTL_CMD_PLAN,
+    .run = run_attach,
+};

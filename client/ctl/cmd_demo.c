@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -29,13 +30,13 @@ static int remove_entry(const char *path, const struct stat *sb, int flag, struc
   return remove(path);
 }
 
-static int step(const char *title, int (*fn)(int, char **), int argc, char **argv) {
+static int step(const char *title, const struct ctl_cmd *cmd, int argc, char **argv) {
   printf("\n$ weightctl");
-  if (fn != cmd_mkcheckpoint && fn != cmd_inspect) printf(" --socket %s", ctl_opts.socket);
+  if (cmd->flags & CTL_CMD_DAEMON) printf(" --socket %s", ctl_opts.socket);
   for (int i = 0; i < argc; i++) printf(" %s", argv[i]);
   printf("    # %s\n", title);
   fflush(stdout);
-  int rc = fn(argc, argv);
+  int rc = ctl_run_argv(cmd, argc, argv);
   fflush(stdout);
   if (rc != 0) ctl_errorf("demo: step '%s' failed (exit %d)", title, rc);
   return rc;
@@ -62,9 +63,14 @@ static void find_daemon(char *buf, size_t len) {
   snprintf(buf, len, "weightd");
 }
 
-/* Starts the daemon with its output in log; returns its pid or -1. */
+/*
+ * Starts the daemon with its output in log; returns its pid or -1. Its metrics
+ * endpoints are off: the port is for the host's own weightd (and demos run
+ * side by side in the tests).
+ */
 static pid_t daemon_start(const char *exe, const char *sock, const char *root, const char *log) {
-  printf("\n$ %s --foreground --backend auto --socket %s --model-root %s >%s 2>&1 &    # a private daemon\n",
+  printf("\n$ %s --foreground --backend auto --socket %s --model-root %s --set metrics_address= >%s 2>&1 &"
+         "    # a private daemon\n",
          exe, sock, root, log);
   fflush(stdout);
   pid_t pid = fork();
@@ -75,7 +81,8 @@ static pid_t daemon_start(const char *exe, const char *sock, const char *root, c
       dup2(fd, STDOUT_FILENO);
       dup2(fd, STDERR_FILENO);
     }
-    execlp(exe, exe, "--foreground", "--backend", "auto", "--socket", sock, "--model-root", root, (char *)NULL);
+    execlp(exe, exe, "--foreground", "--backend", "auto", "--socket", sock, "--model-root", root, "--set",
+           "metrics_address=", (char *)NULL);
     fprintf(stderr, "weightctl demo: cannot run %s: %s\n", exe, strerror(errno));
     _exit(127);
   }
@@ -139,21 +146,51 @@ static void show_log(const char *log) {
   fclose(f);
 }
 
-int cmd_demo(int argc, char **argv) {
-  const char *dir = NULL;
-  int keep = 0;
-  for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--dir") == 0 && i + 1 < argc) dir = argv[++i];
-    else if (strcmp(argv[i], "--keep") == 0) keep = 1;
-    else return ctl_usage("demo");
-  }
-  char tmpl[] = "/tmp/weightd-demo-XXXXXX";
-  if (dir == NULL) {
+/*
+ * The directory the demo works in: DIR (created when missing; its parent must
+ * exist) or a new temporary one. Returns 0, or CTL_EXIT_FAIL after saying why.
+ */
+static int demo_dir(const char *given, char *tmpl, const char **dir) {
+  if (given == NULL) {
     if (mkdtemp(tmpl) == NULL) {
-      ctl_errorf("demo: cannot create a temporary directory: %s", strerror(errno));
+      ctl_errorf("demo: cannot create a temporary directory under /tmp: %s", strerror(errno));
       return CTL_EXIT_FAIL;
     }
-    dir = tmpl;
+    *dir = tmpl;
+    return 0;
+  }
+  struct stat st;
+  if (mkdir(given, 0755) != 0 && errno != EEXIST) {
+    ctl_errorf("demo: --dir %s: cannot create the directory: %s", given, strerror(errno));
+    return CTL_EXIT_FAIL;
+  }
+  if (stat(given, &st) != 0 || !S_ISDIR(st.st_mode)) {
+    ctl_errorf("demo: --dir %s: not a directory", given);
+    return CTL_EXIT_FAIL;
+  }
+  *dir = given;
+  return 0;
+}
+
+static const struct optab_opt demo_opts[] = {
+    {CTL_OPT_DIR, "dir", 0, OPTAB_VALUE, "DIR",
+     "Work in DIR (created if missing) and keep it: the socket, the daemon's log and the checkpoint.", 0, "@dir"},
+    {CTL_OPT_KEEP, "keep", 0, OPTAB_SWITCH, NULL, "Keep the temporary directory instead of removing it.", 0, NULL},
+};
+
+static int run_demo(const struct ctl_args *a) {
+  const char *dir = NULL;
+  int keep = ctl_has(a, CTL_OPT_KEEP);
+  char tmpl[] = "/tmp/weightd-demo-XXXXXX";
+  if (demo_dir(ctl_val(a, CTL_OPT_DIR), tmpl, &dir) != 0) return CTL_EXIT_FAIL;
+  /* With --json the tour's text goes nowhere: one object says how it went. */
+  int json = ctl_opts.json, saved_stdout = -1;
+  if (json) {
+    fflush(stdout);
+    saved_stdout = dup(STDOUT_FILENO);
+    int devnull = open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (saved_stdout >= 0 && devnull >= 0) dup2(devnull, STDOUT_FILENO);
+    if (devnull >= 0) close(devnull);
   }
   char ckpt[PATH_MAX], sock[PATH_MAX], log[PATH_MAX], exe[PATH_MAX];
   snprintf(ckpt, sizeof ckpt, "%s/qwen3-4b-2layers", dir);
@@ -167,7 +204,6 @@ int cmd_demo(int argc, char **argv) {
          dir);
 
   const char *saved_socket = ctl_opts.socket;
-  int saved_json = ctl_opts.json;
   ctl_opts.socket = sock;
   ctl_opts.json = 0;
   int rc = CTL_EXIT_FAIL, daemon_ok = -1;
@@ -192,12 +228,12 @@ int cmd_demo(int argc, char **argv) {
   char *att[] = {"attach", ckpt, "--verify"};
   char *show[] = {"status"};
   char *stop[] = {"shutdown"};
-  rc = step("write the checkpoint", cmd_mkcheckpoint, 9, gen);
-  if (rc == 0) rc = step("validate every shard and summarise", cmd_inspect, 2, ins);
-  if (rc == 0) rc = step("load it into device memory (one slab, a resident set)", cmd_load, 2, load);
-  if (rc == 0) rc = step("lease the set, map it here, compare every byte with the files", cmd_attach, 3, att);
-  if (rc == 0) rc = step("what the daemon holds now (the lease ended when attach exited)", cmd_status, 1, show);
-  int stop_rc = step("stop the daemon", cmd_shutdown, 1, stop);
+  rc = step("write the checkpoint", &ctl_cmd_mkcheckpoint, 9, gen);
+  if (rc == 0) rc = step("validate every shard and summarise", &ctl_cmd_inspect, 2, ins);
+  if (rc == 0) rc = step("load it into device memory (one slab, a resident set)", &ctl_cmd_load, 2, load);
+  if (rc == 0) rc = step("lease the set, map it here, compare every byte with the files", &ctl_cmd_attach, 3, att);
+  if (rc == 0) rc = step("what the daemon holds now (the lease ended when attach exited)", &ctl_cmd_status, 1, show);
+  int stop_rc = step("stop the daemon", &ctl_cmd_shutdown, 1, stop);
   if (stop_rc != 0) kill(pid, SIGTERM);
   daemon_ok = daemon_wait_exit(pid);
   if (rc == 0 && (stop_rc != 0 || daemon_ok != 0)) rc = CTL_EXIT_FAIL;
@@ -205,12 +241,42 @@ int cmd_demo(int argc, char **argv) {
 
 done:
   ctl_opts.socket = saved_socket;
-  ctl_opts.json = saved_json;
-  if (!keep && dir == tmpl) {
+  bool kept = keep || dir != tmpl;
+  if (!kept) {
     if (nftw(tmpl, remove_entry, 16, FTW_DEPTH | FTW_PHYS) != 0) ctl_errorf("demo: could not remove %s", tmpl);
   } else {
     printf("\nkept %s\n", dir);
   }
-  if (rc == 0) printf("\ndemo finished: loaded, attached and verified; the daemon stopped cleanly.\n");
-  return rc == 0 ? CTL_EXIT_OK : CTL_EXIT_FAIL;
+  if (rc == 0)
+    printf("\ndemo finished: loaded, attached and verified; the daemon stopped cleanly.\n"
+           "next: README.md, \"Next steps\": install, run it as a service, load and attach from the CLI,\n"
+           "use it from C and Python, prewarm from an autoscaler.\n");
+  fflush(stdout);
+  if (saved_stdout >= 0) {
+    dup2(saved_stdout, STDOUT_FILENO);
+    close(saved_stdout);
+  }
+  ctl_opts.json = json;
+  if (json && rc == 0) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddTrueToObject(o, "ok");
+    cJSON_AddStringToObject(o, "dir", dir);
+    cJSON_AddBoolToObject(o, "kept", kept);
+    cJSON_AddStringToObject(o, "checkpoint", ckpt);
+    ctl_json_print(o);
+  }
+  return rc == 0 ? CTL_EXIT_OK : rc;
 }
+
+const struct ctl_cmd ctl_cmd_demo = {
+    .name = "demo",
+    .args = "",
+    .summary = "start a private daemon, then load, attach and verify a small checkpoint (a guided tour)",
+    .description =
+        "A guided tour: starts a private weightd (the one beside this weightctl) on a socket in a temporary "
+        "directory, writes a small checkpoint with Qwen3-4B's exact layout there, inspects it, loads it, "
+        "attaches it and compares every byte with the files, shows the daemon's status and stops the daemon. "
+        "Every step is printed as the command a user would type.",
+    .opts = CTL_OPTS(demo_opts),
+    .run = run_demo,
+};

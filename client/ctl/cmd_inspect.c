@@ -1,4 +1,4 @@
-/* cmd_inspect.c - `weightctl inspect PATH [--json]`: validate and summarise a checkpoint. */
+/* cmd_inspect.c - `weightctl inspect PATH [--json]`: validate and summarise a checkpoint (no daemon). */
 #include <cjson/cJSON.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -138,24 +138,13 @@ static int print_json(const struct ckpt *c) {
   cJSON_AddItemToObject(o, "tensors", tensors);
   if (c->config) cJSON_AddItemToObject(o, "config", json_config(c->config));
   else cJSON_AddNullToObject(o, "config");
-  char *text = cJSON_PrintUnformatted(o);
-  cJSON_Delete(o);
-  if (text == NULL) return -1;
-  puts(text);
-  free(text);
+  ctl_json_print(o);
   return 0;
-}
-
-static void human_bytes(uint64_t b, char *buf, size_t len) {
-  if (b >= (1ull << 30)) snprintf(buf, len, "%.2f GiB", (double)b / (1ull << 30));
-  else if (b >= (1ull << 20)) snprintf(buf, len, "%.1f MiB", (double)b / (1ull << 20));
-  else if (b >= 1024) snprintf(buf, len, "%.1f KiB", (double)b / 1024);
-  else snprintf(buf, len, "%" PRIu64 " B", b);
 }
 
 static void print_human(const struct ckpt *c) {
   char hb[32];
-  human_bytes(c->total_bytes, hb, sizeof hb);
+  ctl_human_bytes(c->total_bytes, hb, sizeof hb);
   printf("checkpoint  %s\n", c->layout == CKPT_FILE ? c->path : c->dir);
   printf("layout      %s, %zu shard%s, %zu tensors, %" PRIu64 " payload bytes (%s)\n",
          ckpt_layout_name(c->layout), c->nshards, c->nshards == 1 ? "" : "s", c->ntensors,
@@ -182,7 +171,7 @@ static void print_human(const struct ckpt *c) {
   printf("shards\n");
   for (size_t i = 0; i < c->nshards; i++) {
     const struct ckpt_shard *s = &c->shards[i];
-    human_bytes(s->hdr->data_len, hb, sizeof hb);
+    ctl_human_bytes(s->hdr->data_len, hb, sizeof hb);
     printf("  %-40s %6zu tensors  %10s  header %" PRIu64 " B\n", s->rel, s->hdr->ntensors, hb,
            s->hdr->header_len);
   }
@@ -191,32 +180,22 @@ static void print_human(const struct ckpt *c) {
     size_t count;
     uint64_t sum = dtype_bytes_sum(c, (enum wd_dtype)t, &count);
     if (count == 0) continue;
-    human_bytes(sum, hb, sizeof hb);
+    ctl_human_bytes(sum, hb, sizeof hb);
     printf("  %-12s %6zu tensors  %" PRIu64 " bytes (%s)\n", dtype_name((enum wd_dtype)t), count,
            sum, hb);
   }
 }
 
-int cmd_inspect(int argc, char **argv) {
-  const char *path = NULL;
-  int json = 0;
-  for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--json") == 0) json = 1;
-    else if (argv[i][0] == '-' && argv[i][1] != '\0') {
-      ctl_errorf("inspect: unknown option '%s'", argv[i]);
-      return ctl_usage("inspect");
-    } else if (path == NULL) path = argv[i];
-    else return ctl_usage("inspect");
-  }
-  if (path == NULL) return ctl_usage("inspect");
+static int run_inspect(const struct ctl_args *a) {
+  const char *path = a->pos[0];
   struct wd_error err = {0};
   struct ckpt *c = NULL;
   if (ckpt_open(path, NULL, &c, &err) != 0) {
-    ctl_errorf("%s", err.msg);
+    ctl_errorc(weightd_err_name(err.code), "%s", err.msg);
     return CTL_EXIT_FAIL;
   }
   int rc = CTL_EXIT_OK;
-  if (json) {
+  if (ctl_opts.json) {
     if (print_json(c) != 0) {
       ctl_errorf("inspect: out of memory");
       rc = CTL_EXIT_FAIL;
@@ -227,3 +206,17 @@ int cmd_inspect(int argc, char **argv) {
   ckpt_free(c);
   return rc;
 }
+
+const struct ctl_cmd ctl_cmd_inspect = {
+    .name = "inspect",
+    .args = "PATH",
+    .min_args = 1,
+    .max_args = 1,
+    .summary = "validate a safetensors file or checkpoint directory and summarise it (no daemon)",
+    .description =
+        "Validates a .safetensors file or a checkpoint directory here, without the daemon, as strictly as the "
+        "reference safetensors implementation, and summarises it: layout, shards, tensors, bytes by dtype and "
+        "the model's config. An invalid file fails with one line naming the shard and the rule it breaks. "
+        "--json prints every shard and tensor.",
+    .run = run_inspect,
+};

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "checkpoint.h"
 #include "ctl.h"
@@ -15,6 +16,8 @@
 
 /* Pieces shown per output line; the rest are counted (--json lists them all). */
 #define SHOWN_PIECES 8
+/* The daemon pins a plan's ranges closer than this as one (REG_PIN_MERGE_GAP in daemon/registry.h). */
+#define CTL_PIN_MERGE_GAP (2ull << 20)
 /* Rows of a per-rank table at most. */
 #define MAX_RANK_ROWS 4096
 
@@ -88,18 +91,24 @@ static void print_plan(const struct ckpt *ck, const struct plan *p) {
   char h[32];
   ctl_human_bytes(ck->total_bytes, h, sizeof h);
   printf(" of the checkpoint's %" PRIu64 " (%s)\n", ck->total_bytes, h);
+  /* What pinning this plan registers: its ranges widened to pages, as the daemon merges them. */
+  struct plan_range *r = NULL;
+  size_t n = 0;
+  struct wd_error err = {0};
+  if (plan_ranges(p, ck, (uint64_t)sysconf(_SC_PAGESIZE), CTL_PIN_MERGE_GAP, &r, &n, &err) == 0) {
+    print_bytes_line("pin bytes", plan_ranges_bytes(r, n));
+    printf(" in %zu range%s\n", n, n == 1 ? "" : "s");
+  }
+  free(r);
 }
 
 static int print_described(const struct plan *p) {
   cJSON *d = plan_describe(p);
-  char *text = d != NULL ? cJSON_PrintUnformatted(d) : NULL;
-  cJSON_Delete(d);
-  if (text == NULL) {
+  if (d == NULL) {
     ctl_errorf("plan: out of memory");
     return CTL_EXIT_FAIL;
   }
-  puts(text);
-  free(text);
+  ctl_json_print(d);
   return CTL_EXIT_OK;
 }
 
@@ -157,11 +166,7 @@ static int print_table_json(const struct ckpt *ck, const char *base_key, const s
     cJSON_AddItemToObject(r, "read_bytes", json_u64_create(rows[i].read));
     cJSON_AddItemToArray(arr, r);
   }
-  char *text = cJSON_PrintUnformatted(o);
-  cJSON_Delete(o);
-  if (text == NULL) return CTL_EXIT_FAIL;
-  puts(text);
-  free(text);
+  ctl_json_print(o);
   return CTL_EXIT_OK;
 }
 
@@ -239,27 +244,12 @@ done:
 
 /* ---- the command ------------------------------------------------------------------------ */
 
-int cmd_plan(int argc, char **argv) {
-  const char *path = NULL;
-  struct ctl_plan_args pa = {.cmd = "plan"};
-  for (int i = 1; i < argc; i++) {
-    int taken = ctl_plan_arg(&pa, argc, argv, &i);
-    if (taken < 0) return CTL_EXIT_USAGE;
-    if (taken) continue;
-    if (strcmp(argv[i], "--json") == 0) {
-      ctl_opts.json = 1;
-    } else if (argv[i][0] == '-' && argv[i][1] != '\0') {
-      ctl_errorf("plan: unknown option '%s'", argv[i]);
-      return ctl_usage("plan");
-    } else if (path == NULL) {
-      path = argv[i];
-    } else {
-      return ctl_usage("plan");
-    }
-  }
-  if (path == NULL) return ctl_usage("plan");
+static int run_plan(const struct ctl_args *a) {
+  const char *path = a->pos[0];
+  struct ctl_plan_args pa;
   cJSON *spec = NULL;
-  int rc = ctl_plan_spec(&pa, 1, &spec);
+  int rc = ctl_plan_args_get(a, &pa);
+  if (rc == 0) rc = ctl_plan_spec(&pa, 1, &spec);
   if (rc != 0) return rc;
   int tp_varies = pa.has_tp_size && pa.tp_size > 1 && !pa.has_tp_rank;
   int ep_varies = pa.has_ep_size && pa.ep_size > 1 && !pa.has_ep_rank && pa.experts == NULL;
@@ -280,3 +270,18 @@ int cmd_plan(int argc, char **argv) {
   ctl_local_close(&l);
   return rc;
 }
+
+const struct ctl_cmd ctl_cmd_plan = {
+    .name = "plan",
+    .args = "PATH",
+    .min_args = 1,
+    .max_args = 1,
+    .summary = "show a rank's plan for a checkpoint (no daemon); --tp-size N alone: bytes per rank",
+    .description =
+        "Builds one rank's plan for the checkpoint at PATH here, without the daemon, and prints each output "
+        "tensor with its dtype, shape, bytes and the source slices it is made of, then the totals (payload, "
+        "slab and bytes read). A parallel size given without its rank (--tp-size 4) prints a table of every "
+        "rank's bytes instead. --json prints the outputs with every piece, and the plan's key.",
+    .flags = CTL_CMD_PLAN,
+    .run = run_plan,
+};

@@ -1,4 +1,8 @@
-/* cmd_status.c - `weightctl status`: the daemon, its devices, checkpoints and resident sets. */
+/*
+ * cmd_status.c - `weightctl status`: the daemon, its devices, checkpoints,
+ * resident sets, leases (who holds them) and requests in progress; and
+ * `weightctl health`, the readiness probe.
+ */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -6,11 +10,23 @@
 
 #include "ctl.h"
 
+/* "12.3 s", "4 min 5 s", "2 h 3 min". */
+static void format_age(double s, char *buf, size_t len) {
+  if (s < 60) snprintf(buf, len, "%.1f s", s);
+  else if (s < 3600) snprintf(buf, len, "%d min %d s", (int)s / 60, (int)s % 60);
+  else snprintf(buf, len, "%d h %d min", (int)s / 3600, (int)s / 60 % 60);
+}
+
+/* The client name a peer gave in hello, labelled as its own claim. */
+static void print_client(const cJSON *x) {
+  const char *name = ctl_str(x, "client_name");
+  if (strcmp(name, "?") != 0 && name[0] != '\0') printf("  client '%s' (self-reported)", name);
+}
+
 static void print_status(const cJSON *r) {
   const cJSON *d = cJSON_GetObjectItemCaseSensitive(r, "daemon");
-  const cJSON *up = cJSON_GetObjectItemCaseSensitive(d, "uptime_s");
   printf("weightd %s, pid %" PRIu64 ", backend %s, up %.1f s, %" PRIu64 " connection%s\n  socket %s\n",
-         ctl_str(d, "version"), ctl_u64(d, "pid"), ctl_str(d, "backend"), cJSON_IsNumber(up) ? up->valuedouble : 0.0,
+         ctl_str(d, "version"), ctl_u64(d, "pid"), ctl_str(d, "backend"), ctl_num(d, "uptime_s"),
          ctl_u64(d, "connections"), ctl_u64(d, "connections") == 1 ? "" : "s", ctl_str(d, "socket"));
 
   const cJSON *x;
@@ -26,7 +42,7 @@ static void print_status(const cJSON *r) {
       ctl_human_bytes(ctl_u64(x, "budget"), a, sizeof a);
       printf(", budget %s", a);
     }
-    printf("\n");
+    printf(", sets shared through %s handles\n", ctl_str(x, "handles"));
   }
 
   const cJSON *cks = cJSON_GetObjectItemCaseSensitive(r, "checkpoints");
@@ -44,27 +60,106 @@ static void print_status(const cJSON *r) {
   printf("sets (%d)\n", cJSON_GetArraySize(sets));
   cJSON_ArrayForEach(x, sets) {
     ctl_human_bytes(ctl_u64(x, "bytes"), a, sizeof a);
-    const cJSON *secs = cJSON_GetObjectItemCaseSensitive(x, "seconds");
     char *plan = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(x, "plan"));
     printf("  %-6s %-8s %10s  %" PRIu64 " lease%s  loaded in %.3f s  on %s\n         %s\n         plan %s\n",
            ctl_str(x, "set"), ctl_str(x, "state"), a, ctl_u64(x, "leases"), ctl_u64(x, "leases") == 1 ? " " : "s",
-           cJSON_IsNumber(secs) ? secs->valuedouble : 0.0, ctl_str(x, "device"), ctl_str(x, "path"),
-           plan ? plan : "?");
+           ctl_num(x, "seconds"), ctl_str(x, "device"), ctl_str(x, "path"), plan ? plan : "?");
     free(plan);
+  }
+
+  const cJSON *leases = cJSON_GetObjectItemCaseSensitive(r, "leases");
+  printf("leases (%d)\n", cJSON_GetArraySize(leases));
+  cJSON_ArrayForEach(x, leases) {
+    format_age(ctl_num(x, "age_s"), a, sizeof a);
+    printf("  %-6s set %-6s pid %" PRIu64 "  uid %" PRIu64 "  held %s", ctl_str(x, "lease"), ctl_str(x, "set"),
+           ctl_u64(x, "pid"), ctl_u64(x, "uid"), a);
+    print_client(x);
+    printf("\n");
+  }
+
+  const cJSON *reqs = cJSON_GetObjectItemCaseSensitive(r, "requests");
+  printf("requests (%d)\n", cJSON_GetArraySize(reqs));
+  cJSON_ArrayForEach(x, reqs) {
+    format_age(ctl_num(x, "age_s"), a, sizeof a);
+    printf("  %-6s %-8s %-7s pid %" PRIu64 "  uid %" PRIu64 "  for %s", ctl_str(x, "request"), ctl_str(x, "op"),
+           ctl_str(x, "state"), ctl_u64(x, "pid"), ctl_u64(x, "uid"), a);
+    print_client(x);
+    printf("\n");
+    const char *what = strcmp(ctl_str(x, "path"), "?") != 0 ? ctl_str(x, "path") : ctl_str(x, "set");
+    if (strcmp(what, "?") != 0) {
+      printf("         %s", what);
+      if (ctl_u64(x, "bytes_total") > 0) {
+        ctl_human_bytes(ctl_u64(x, "bytes_done"), b, sizeof b);
+        ctl_human_bytes(ctl_u64(x, "bytes_total"), c, sizeof c);
+        printf("  %s of %s", b, c);
+      }
+      printf("\n");
+    }
   }
 }
 
-int cmd_status(int argc, char **argv) {
-  for (int i = 1; i < argc; i++) {
-    if (strcmp(argv[i], "--json") == 0) ctl_opts.json = 1;
-    else return ctl_usage("status");
-  }
+static int run_status(const struct ctl_args *a) {
+  (void)a;
   weightd_client *c;
-  if (ctl_connect(&c) != 0) return CTL_EXIT_FAIL;
+  int rc = ctl_connect(&c);
+  if (rc != 0) return rc;
   cJSON *reply;
-  int rc = ctl_request(c, ctl_request_new("status"), NULL, NULL, &reply);
-  if (rc == 0 && !ctl_opts.json) print_status(reply);
-  cJSON_Delete(reply);
-  weightd_close(c);
-  return rc == 0 ? CTL_EXIT_OK : CTL_EXIT_FAIL;
+  rc = ctl_request(c, ctl_request_new("status"), NULL, NULL, &reply);
+  if (rc == 0 && ctl_opts.json) {
+    ctl_json_print(reply);
+  } else if (rc == 0) {
+    print_status(reply);
+    cJSON_Delete(reply);
+  }
+  ctl_disconnect(c);
+  return ctl_exit_for(rc);
 }
+
+const struct ctl_cmd ctl_cmd_status = {
+    .name = "status",
+    .args = "",
+    .summary = "show the daemon's devices, checkpoints, sets, leases (and who holds them) and requests",
+    .description =
+        "Shows the daemon (version, pid, backend, uptime, socket), its devices with the memory sets use, the "
+        "checkpoints it has open with how much of them is in the page cache, the resident sets, every lease "
+        "(its id, set, the holder's pid and uid as the kernel reports them, the client name the holder gave, "
+        "which is self-reported, and how long it has been held) and every request in progress or queued, by "
+        "its daemon-wide id (rN), which cancel takes.",
+    .flags = CTL_CMD_DAEMON,
+    .run = run_status,
+};
+
+static int run_health(const struct ctl_args *a) {
+  (void)a;
+  weightd_client *c;
+  int rc = ctl_connect(&c);
+  if (rc != 0) return rc;
+  cJSON *reply;
+  rc = ctl_request(c, ctl_request_new("health"), NULL, NULL, &reply);
+  int exit_code = ctl_exit_for(rc);
+  if (rc == 0) {
+    bool ready = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(reply, "ready"));
+    if (!ready) {
+      exit_code = CTL_EXIT_FAIL;
+      if (!ctl_opts.json) ctl_errorc("NOT_READY", "health: not ready: %s", ctl_str(reply, "reason"));
+    } else if (!ctl_opts.json) {
+      printf("ready\n");
+    }
+    if (ctl_opts.json) ctl_json_print(reply);
+    else cJSON_Delete(reply);
+  }
+  ctl_disconnect(c);
+  return exit_code;
+}
+
+const struct ctl_cmd ctl_cmd_health = {
+    .name = "health",
+    .args = "",
+    .summary = "exit 0 when the daemon is ready to serve (the check of /readyz), for probes",
+    .description =
+        "Asks the daemon whether it is ready to serve, the same check its /readyz endpoint makes: prints "
+        "\"ready\" and exits 0, or prints why not and exits 1. Exits 3 when no daemon answers, 4 after "
+        "--timeout. With --json: {\"ok\": true, \"ready\": BOOL, \"reason\": TEXT when not ready}.",
+    .flags = CTL_CMD_DAEMON,
+    .run = run_health,
+};

@@ -26,6 +26,7 @@ static size_t first_diff(const unsigned char *a, const unsigned char *b, size_t 
 
 struct verify_ctx {
   const weightd_set *set;
+  uint64_t done, total; /* bytes compared, for the progress line */
   const struct ctl_local *local;
   unsigned char *want, *dev_buf; /* dev_buf: CUDA slabs only */
   struct cuimp_device dev;
@@ -65,6 +66,8 @@ static int verify_bytes(struct verify_ctx *v, const weightd_tensor *t, const str
       return CTL_EXIT_FAIL;
     }
     done += n;
+    v->done += n;
+    ctl_progress_update(v->done, v->total);
   }
   return 0;
 }
@@ -135,6 +138,11 @@ int ctl_verify_set(const weightd_set *s, const char *ckpt_path, const cJSON *spe
   size_t n = weightd_set_tensor_count(s);
   for (size_t i = 0; i < n; i++) {
     weightd_tensor t;
+    if (weightd_set_tensor(s, i, &t) == 0) v.total += t.nbytes;
+  }
+  ctl_progress_begin("verify");
+  for (size_t i = 0; i < n; i++) {
+    weightd_tensor t;
     weightd_set_tensor(s, i, &t);
     const struct plan_output *o = output_find(by_name, p->noutputs, t.name);
     if (o == NULL) {
@@ -156,6 +164,7 @@ int ctl_verify_set(const weightd_set *s, const char *ckpt_path, const cJSON *spe
   }
   rc = 0;
 done:
+  ctl_progress_end();
   if (v.have_dev) cuimp_device_put(&v.dev);
   free(by_name);
   free(v.want);

@@ -1,4 +1,4 @@
-/* ctl_client.c - what weightctl's daemon commands share: connecting, requests, output. */
+/* ctl_client.c - what weightctl's daemon commands share: connecting, requests, errors, output. */
 #include <inttypes.h>
 #include <limits.h>
 #include <stdio.h>
@@ -10,22 +10,53 @@
 
 int ctl_connect(weightd_client **out) {
   weightd_client *c = NULL;
-  int rc = weightd_connect(ctl_opts.socket, &c);
+  char name[64];
+  snprintf(name, sizeof name, "weightctl %s", ctl_opts.cmd ? ctl_opts.cmd : "");
+  struct weightd_connect_options o = {.struct_size = sizeof o, .socket_path = ctl_opts.socket, .client_name = name};
+  /* The watch starts first, so that --timeout covers connecting too. */
+  ctl_guard_start();
+  int rc = weightd_connect_opts(&o, &c);
   if (rc != 0) {
-    ctl_errorf("%s (%s)", c ? weightd_last_error(c) : weightd_strerror(rc), weightd_err_name(rc));
+    const char *msg = c ? weightd_last_error(c) : weightd_strerror(rc);
+    int code = ctl_exit_for(rc);
+    if (code == CTL_EXIT_TIMEOUT && ctl_guard_reason() == CTL_GUARD_TIMEOUT)
+      ctl_errorx("TIMEOUT", "the daemon did not answer within %g s", ctl_opts.timeout_s);
+    else
+      ctl_errorx(weightd_err_name(rc), "%s", msg);
+    ctl_guard_stop();
     weightd_close(c);
     *out = NULL;
-    return CTL_EXIT_FAIL;
+    return code;
   }
-  if (ctl_opts.timeout_ms > 0) weightd_set_timeout(c, ctl_opts.timeout_ms);
+  ctl_guard_socket(weightd_socket_path(c));
   *out = c;
   return 0;
 }
 
-int ctl_fail(weightd_client *c, int rc, const char *what) {
-  const char *msg = c ? weightd_last_error(c) : "";
-  ctl_errorf("%s: %s (%s)", what, msg[0] ? msg : weightd_strerror(rc), weightd_err_name(rc));
+void ctl_disconnect(weightd_client *c) {
+  ctl_guard_stop();
+  weightd_close(c);
+}
+
+int ctl_exit_for(int rc) {
+  if (rc == 0) return CTL_EXIT_OK;
+  if (rc == WEIGHTD_E_CONNECT) return CTL_EXIT_UNREACHABLE;
+  if (rc == WEIGHTD_E_TIMEOUT) return CTL_EXIT_TIMEOUT;
+  if (rc == WEIGHTD_E_CANCELED && ctl_guard_reason() == CTL_GUARD_TIMEOUT) return CTL_EXIT_TIMEOUT;
   return CTL_EXIT_FAIL;
+}
+
+int ctl_fail(weightd_client *c, int rc, const char *what) {
+  enum ctl_guard_reason why = ctl_guard_reason();
+  if (rc == WEIGHTD_E_CANCELED && why == CTL_GUARD_TIMEOUT) {
+    ctl_errorx("TIMEOUT", "%s: did not finish within %g s (--timeout); canceled", what, ctl_opts.timeout_s);
+  } else if (rc == WEIGHTD_E_CANCELED && why == CTL_GUARD_INTERRUPTED) {
+    ctl_errorx("CANCELED", "%s: interrupted; canceled", what);
+  } else {
+    const char *msg = c ? weightd_last_error(c) : "";
+    ctl_errorx(weightd_err_name(rc), "%s: %s", what, msg[0] ? msg : weightd_strerror(rc));
+  }
+  return ctl_exit_for(rc);
 }
 
 cJSON *ctl_request_new(const char *op) {
@@ -54,9 +85,8 @@ void ctl_add_device(cJSON *req, const char *device) {
 int ctl_request(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *arg, cJSON **reply) {
   *reply = NULL;
   char *text = cJSON_PrintUnformatted(req);
-  const char *op = ctl_str(req, "op");
   char what[64];
-  snprintf(what, sizeof what, "%s", op);
+  snprintf(what, sizeof what, "%s", ctl_str(req, "op"));
   cJSON_Delete(req);
   if (text == NULL) {
     ctl_errorf("out of memory");
@@ -65,13 +95,11 @@ int ctl_request(weightd_client *c, cJSON *req, weightd_progress_fn progress, voi
   char *out = NULL;
   int rc = weightd_request(c, text, &out, progress, arg);
   free(text);
-  if (out != NULL) {
-    if (ctl_opts.json) {
-      puts(out);
-      fflush(stdout);
-    }
-    *reply = cJSON_Parse(out);
-    weightd_free(out);
+  if (rc == 0 && out != NULL) *reply = cJSON_Parse(out);
+  weightd_free(out);
+  if (rc == 0 && *reply == NULL) {
+    ctl_errorf("%s: the daemon's reply is not JSON", what);
+    return WEIGHTD_E_PROTOCOL;
   }
   if (rc != 0) ctl_fail(c, rc, what);
   return rc;
@@ -89,46 +117,30 @@ uint64_t ctl_u64(const cJSON *o, const char *key) {
   return cJSON_IsNumber(v) && v->valuedouble > 0 && v->valuedouble < 18446744073709551615.0 ? (uint64_t)v->valuedouble : 0;
 }
 
+double ctl_num(const cJSON *o, const char *key) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  return cJSON_IsNumber(v) ? v->valuedouble : 0.0;
+}
+
 const char *ctl_str(const cJSON *o, const char *key) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
   return cJSON_IsString(v) ? v->valuestring : "?";
 }
 
 void ctl_print_checkpoint(const char *verb, const cJSON *ck) {
-  char total[32], resident[32];
-  uint64_t bytes = ctl_u64(ck, "bytes"), res = ctl_u64(ck, "resident_bytes");
+  char total[32], resident[32], pinned[48] = "";
+  uint64_t bytes = ctl_u64(ck, "bytes"), res = ctl_u64(ck, "resident_bytes"), pb = ctl_u64(ck, "pinned_bytes");
   ctl_human_bytes(bytes, total, sizeof total);
   ctl_human_bytes(res, resident, sizeof resident);
+  if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(ck, "pinned"))) {
+    snprintf(pinned, sizeof pinned, ", pinned");
+  } else if (pb > 0) {
+    char h[32];
+    ctl_human_bytes(pb, h, sizeof h);
+    snprintf(pinned, sizeof pinned, ", %s pinned", h);
+  }
   uint64_t shards = ctl_u64(ck, "shards");
   printf("%s %s\n  %s layout, %" PRIu64 " shard%s, %" PRIu64 " tensors, %s; %s in the page cache%s\n", verb,
          ctl_str(ck, "path"), ctl_str(ck, "layout"), shards, shards == 1 ? "" : "s", ctl_u64(ck, "tensors"),
-         total, resident, cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(ck, "pinned")) ? ", pinned" : "");
-}
-
-/* ---- progress ------------------------------------------------------------------------ */
-
-static int bar_shown;
-
-void ctl_progress(uint64_t done, uint64_t total, void *arg) {
-  (void)arg;
-  if (!isatty(STDERR_FILENO) || total == 0) return;
-  enum { WIDTH = 40 };
-  if (done > total) done = total;
-  int fill = (int)((double)done / (double)total * WIDTH);
-  char bar[WIDTH + 1], d[32], t[32];
-  memset(bar, '#', (size_t)fill);
-  memset(bar + fill, '.', (size_t)(WIDTH - fill));
-  bar[WIDTH] = '\0';
-  ctl_human_bytes(done, d, sizeof d);
-  ctl_human_bytes(total, t, sizeof t);
-  fprintf(stderr, "\r[%s] %3d%%  %s of %s ", bar, (int)((double)done / (double)total * 100), d, t);
-  fflush(stderr);
-  bar_shown = 1;
-}
-
-void ctl_progress_done(void) {
-  if (!bar_shown) return;
-  fprintf(stderr, "\r%*s\r", 80, "");
-  fflush(stderr);
-  bar_shown = 0;
+         total, resident, pinned);
 }

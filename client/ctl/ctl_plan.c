@@ -24,59 +24,60 @@
 
 /* ---- flags ------------------------------------------------------------------------ */
 
-enum flag_kind { FLAG_TEXT, FLAG_COUNT, FLAG_SWITCH };
+static const struct optab_opt plan_flags_table[] = {
+    {CTL_OPT_PRESET, "preset", 0, OPTAB_VALUE, "NAME",
+     "The plan's preset: whole (every tensor as the files hold it), auto (the family from config.json's "
+     "model_type), or a family: dense, qwen3_moe, deepseek_v3.",
+     0, "whole auto dense qwen3_moe deepseek_v3"},
+    {CTL_OPT_PLAN, "plan", 0, OPTAB_VALUE, "FILE",
+     "A JSON plan object from FILE (a preset with its fields, or explicit outputs; see docs/protocol.md).", 0,
+     "@file"},
+    {CTL_OPT_TP_SIZE, "tp-size", 0, OPTAB_VALUE, "N", "Tensor-parallel size (vLLM's slicing).", 0, NULL},
+    {CTL_OPT_TP_RANK, "tp-rank", 0, OPTAB_VALUE, "R", "This rank's tensor-parallel rank, 0 to N-1.", 0, NULL},
+    {CTL_OPT_EP_SIZE, "ep-size", 0, OPTAB_VALUE, "N", "Expert-parallel size: a rank holds its experts whole.", 0,
+     NULL},
+    {CTL_OPT_EP_RANK, "ep-rank", 0, OPTAB_VALUE, "R", "This rank's expert-parallel rank, 0 to N-1.", 0, NULL},
+    {CTL_OPT_EXPERTS, "experts", 0, OPTAB_VALUE, "LIST",
+     "The experts this rank holds, comma-separated ids (with --ep-size 2 or more).", 0, NULL},
+    {CTL_OPT_FUSE, "fuse", 0, OPTAB_SWITCH, NULL,
+     "Fused outputs as vLLM names them (qkv_proj, gate_up_proj, w13_weight/w2_weight).", 0, NULL},
+};
+const struct optab_list ctl_plan_options = {CTL_OPTS(plan_flags_table)};
 
-/* The plan flags, one row each: where the value goes and where "given" is recorded. */
-static const struct plan_flag {
-  const char *name;
-  enum flag_kind kind;
+/* The counted plan flags: the option, where its value and its "given" go. */
+static const struct plan_count {
+  enum ctl_opt_id id;
+  const char *flag;
   size_t value; /* offsetof the field in struct ctl_plan_args */
-  size_t given; /* offsetof its has_ field (FLAG_COUNT only) */
-} plan_flags[] = {
-    {"--preset", FLAG_TEXT, offsetof(struct ctl_plan_args, preset), 0},
-    {"--plan", FLAG_TEXT, offsetof(struct ctl_plan_args, file), 0},
-    {"--tp-size", FLAG_COUNT, offsetof(struct ctl_plan_args, tp_size), offsetof(struct ctl_plan_args, has_tp_size)},
-    {"--tp-rank", FLAG_COUNT, offsetof(struct ctl_plan_args, tp_rank), offsetof(struct ctl_plan_args, has_tp_rank)},
-    {"--ep-size", FLAG_COUNT, offsetof(struct ctl_plan_args, ep_size), offsetof(struct ctl_plan_args, has_ep_size)},
-    {"--ep-rank", FLAG_COUNT, offsetof(struct ctl_plan_args, ep_rank), offsetof(struct ctl_plan_args, has_ep_rank)},
-    {"--experts", FLAG_TEXT, offsetof(struct ctl_plan_args, experts), 0},
-    {"--fuse", FLAG_SWITCH, offsetof(struct ctl_plan_args, fuse), 0},
+  size_t given; /* offsetof its has_ field */
+} plan_counts[] = {
+    {CTL_OPT_TP_SIZE, "--tp-size", offsetof(struct ctl_plan_args, tp_size), offsetof(struct ctl_plan_args, has_tp_size)},
+    {CTL_OPT_TP_RANK, "--tp-rank", offsetof(struct ctl_plan_args, tp_rank), offsetof(struct ctl_plan_args, has_tp_rank)},
+    {CTL_OPT_EP_SIZE, "--ep-size", offsetof(struct ctl_plan_args, ep_size), offsetof(struct ctl_plan_args, has_ep_size)},
+    {CTL_OPT_EP_RANK, "--ep-rank", offsetof(struct ctl_plan_args, ep_rank), offsetof(struct ctl_plan_args, has_ep_rank)},
 };
 
-#define NPLAN_FLAGS (sizeof plan_flags / sizeof plan_flags[0])
-
-int ctl_plan_arg(struct ctl_plan_args *a, int argc, char **argv, int *i) {
-  const struct plan_flag *f = NULL;
-  for (size_t k = 0; k < NPLAN_FLAGS && f == NULL; k++)
-    if (strcmp(argv[*i], plan_flags[k].name) == 0) f = &plan_flags[k];
-  if (f == NULL) return 0;
-  char *base = (char *)a;
-  if (f->kind == FLAG_SWITCH) {
-    *(int *)(base + f->value) = 1;
-    return 1;
+int ctl_plan_args_get(const struct ctl_args *a, struct ctl_plan_args *pa) {
+  memset(pa, 0, sizeof *pa);
+  pa->cmd = a->cmd->name;
+  pa->preset = ctl_val(a, CTL_OPT_PRESET);
+  pa->file = ctl_val(a, CTL_OPT_PLAN);
+  pa->experts = ctl_val(a, CTL_OPT_EXPERTS);
+  pa->fuse = ctl_has(a, CTL_OPT_FUSE);
+  char *base = (char *)pa;
+  for (size_t k = 0; k < sizeof plan_counts / sizeof plan_counts[0]; k++) {
+    const struct plan_count *f = &plan_counts[k];
+    const char *v = ctl_val(a, f->id);
+    if (v == NULL) continue;
+    unsigned long long n;
+    if (ctl_parse_u64(v, &n) != 0 || n > WIRE_MAX_INT) {
+      ctl_errorc("USAGE", "%s: %s wants a non-negative whole number, not '%s'", pa->cmd, f->flag, v);
+      return CTL_EXIT_USAGE;
+    }
+    *(unsigned long long *)(base + f->value) = n;
+    *(int *)(base + f->given) = 1;
   }
-  int given = f->kind == FLAG_COUNT ? *(int *)(base + f->given) : *(const char **)(base + f->value) != NULL;
-  if (given) {
-    ctl_errorf("%s: %s is given twice", a->cmd, f->name);
-    return -1;
-  }
-  if (*i + 1 >= argc) {
-    ctl_errorf("%s: %s needs a value", a->cmd, f->name);
-    return -1;
-  }
-  const char *v = argv[++*i];
-  if (f->kind == FLAG_TEXT) {
-    *(const char **)(base + f->value) = v;
-    return 1;
-  }
-  unsigned long long n;
-  if (ctl_parse_u64(v, &n) != 0 || n > WIRE_MAX_INT) {
-    ctl_errorf("%s: %s wants a non-negative whole number, not '%s'", a->cmd, f->name, v);
-    return -1;
-  }
-  *(unsigned long long *)(base + f->value) = n;
-  *(int *)(base + f->given) = 1;
-  return 1;
+  return 0;
 }
 
 /* Parses --experts LIST into a new JSON array; NULL after printing why. */
@@ -99,7 +100,7 @@ static cJSON *experts_parse(const struct ctl_plan_args *a) {
     if (ctl_parse_u64(item, &id) != 0 || id > WIRE_MAX_INT) goto bad;
     for (size_t k = 0; k < n; k++) {
       if (seen[k] == id) {
-        ctl_errorf("%s: --experts lists expert %llu twice", a->cmd, id);
+        ctl_errorc("USAGE", "%s: --experts lists expert %llu twice", a->cmd, id);
         goto fail;
       }
     }
@@ -112,7 +113,7 @@ static cJSON *experts_parse(const struct ctl_plan_args *a) {
   return arr;
 
 bad:
-  ctl_errorf("%s: --experts wants comma-separated expert ids such as 0,1,2, not '%s'", a->cmd, a->experts);
+  ctl_errorc("USAGE", "%s: --experts wants comma-separated expert ids such as 0,1,2, not '%s'", a->cmd, a->experts);
   goto fail;
 nomem:
   ctl_errorf("%s: out of memory", a->cmd);
@@ -130,19 +131,19 @@ fail:
 static int check_dim(const struct ctl_plan_args *a, const char *dim, int has_size, unsigned long long size,
                      int has_rank, unsigned long long rank, int rank_optional) {
   if (has_size && size == 0) {
-    ctl_errorf("%s: --%s-size must be at least 1", a->cmd, dim);
+    ctl_errorc("USAGE", "%s: --%s-size must be at least 1", a->cmd, dim);
     return -1;
   }
   unsigned long long n = has_size ? size : 1;
   if (has_rank && rank >= n) {
     if (has_size)
-      ctl_errorf("%s: --%s-rank %llu must be below --%s-size %llu", a->cmd, dim, rank, dim, size);
+      ctl_errorc("USAGE", "%s: --%s-rank %llu must be below --%s-size %llu", a->cmd, dim, rank, dim, size);
     else
-      ctl_errorf("%s: --%s-rank %llu needs --%s-size above it", a->cmd, dim, rank, dim);
+      ctl_errorc("USAGE", "%s: --%s-rank %llu needs --%s-size above it", a->cmd, dim, rank, dim);
     return -1;
   }
   if (n > 1 && !has_rank && !rank_optional) {
-    ctl_errorf("%s: --%s-size %llu needs --%s-rank (0 to %llu)", a->cmd, dim, n, dim, n - 1);
+    ctl_errorc("USAGE", "%s: --%s-size %llu needs --%s-rank (0 to %llu)", a->cmd, dim, n, dim, n - 1);
     return -1;
   }
   return 0;
@@ -152,11 +153,11 @@ int ctl_plan_spec(const struct ctl_plan_args *a, int ranks_optional, cJSON **spe
   *spec = NULL;
   int layout = a->has_tp_size || a->has_tp_rank || a->has_ep_size || a->has_ep_rank || a->experts != NULL || a->fuse;
   if (a->file != NULL && a->preset != NULL) {
-    ctl_errorf("%s: --plan FILE and --preset cannot be combined", a->cmd);
+    ctl_errorc("USAGE", "%s: --plan FILE and --preset cannot be combined", a->cmd);
     return CTL_EXIT_USAGE;
   }
   if (a->file != NULL && layout) {
-    ctl_errorf("%s: --plan FILE cannot be combined with --tp-*, --ep-*, --experts or --fuse "
+    ctl_errorc("USAGE", "%s: --plan FILE cannot be combined with --tp-*, --ep-*, --experts or --fuse "
                "(write them in the file)",
                a->cmd);
     return CTL_EXIT_USAGE;
@@ -167,11 +168,11 @@ int ctl_plan_spec(const struct ctl_plan_args *a, int ranks_optional, cJSON **spe
   if (strcmp(preset, "whole") != 0 && strcmp(preset, "auto") != 0 && family_by_name(preset) == FAMILY_NONE) {
     char families[64];
     family_names(families, sizeof families, ", ");
-    ctl_errorf("%s: unknown preset '%s' (whole, auto, %s)", a->cmd, preset, families);
+    ctl_errorc("USAGE", "%s: unknown preset '%s' (whole, auto, %s)", a->cmd, preset, families);
     return CTL_EXIT_USAGE;
   }
   if (strcmp(preset, "whole") == 0 && layout) {
-    ctl_errorf("%s: --preset whole takes no --tp-*, --ep-*, --experts or --fuse", a->cmd);
+    ctl_errorc("USAGE", "%s: --preset whole takes no --tp-*, --ep-*, --experts or --fuse", a->cmd);
     return CTL_EXIT_USAGE;
   }
   if (check_dim(a, "tp", a->has_tp_size, a->tp_size, a->has_tp_rank, a->tp_rank, ranks_optional) != 0 ||
@@ -179,7 +180,7 @@ int ctl_plan_spec(const struct ctl_plan_args *a, int ranks_optional, cJSON **spe
                 ranks_optional || a->experts != NULL) != 0)
     return CTL_EXIT_USAGE;
   if (a->experts != NULL && (!a->has_ep_size || a->ep_size < 2)) {
-    ctl_errorf("%s: --experts lists one rank's experts under expert parallelism: it needs --ep-size 2 or more",
+    ctl_errorc("USAGE", "%s: --experts lists one rank's experts under expert parallelism: it needs --ep-size 2 or more",
                a->cmd);
     return CTL_EXIT_USAGE;
   }
@@ -231,7 +232,7 @@ int ctl_local_open(const char *path, const cJSON *spec, int map, const char *wha
   struct wd_error err;
   err_clear(&err);
   if (ckpt_open(path, NULL, &out->ck, &err) != 0 || plan_build(out->ck, spec, &out->plan, &err) != 0) {
-    ctl_errorf("%s: %s (%s)", what, err.msg, weightd_err_name(err.code));
+    ctl_errorx(weightd_err_name(err.code), "%s: %s", what, err.msg);
     ctl_local_close(out);
     return CTL_EXIT_FAIL;
   }

@@ -1,137 +1,130 @@
 /* weightctl.c - the weightctl entry point: global options and the command table. */
-#include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ctl.h"
+#include "suggest.h"
 #include "weightd.h"
 
-struct ctl_options ctl_opts;
-
-static const struct ctl_cmd commands[] = {
-    {"status", "show the daemon's devices, checkpoints, resident sets and leases", "status [--json]",
-     cmd_status},
-    {"open", "validate and map a checkpoint in the daemon", "open PATH [--json]", cmd_open},
-    {"prefetch", "warm a checkpoint in the page cache (--pin: the pinned-resident tier)",
-     "prefetch PATH [--pin] [--wait] [--json]", cmd_prefetch},
-    {"load", "load a checkpoint (one rank's plan) onto a device and print its resident set",
-     "load PATH [--device D] " CTL_PLAN_USAGE " [--json]", cmd_load},
-    {"attach", "lease a resident set, map it here; --verify compares every byte with the plan from the files",
-     "attach (SET | PATH [--device D] " CTL_PLAN_USAGE ") [--verify] [--hold] [--json]", cmd_attach},
-    {"release", "end a lease (of another connection: root or the daemon's user only)",
-     "release LEASE [--json]", cmd_release},
-    {"evict", "free a resident set, or every unleased set of a device", "evict (SET | --device D) [--json]",
-     cmd_evict},
-    {"shutdown", "stop the daemon", "shutdown [--json]", cmd_shutdown},
-    {"inspect", "validate a safetensors file or checkpoint directory and summarise it",
-     "inspect PATH [--json]", cmd_inspect},
-    {"plan", "show a rank's plan for a checkpoint (no daemon); --tp-size N alone: bytes per rank",
-     "plan PATH " CTL_PLAN_USAGE " [--json]", cmd_plan},
-    {"export", "write one rank's plan outputs as a safetensors checkpoint",
-     "export PATH " CTL_PLAN_USAGE " --out DIR [--max-shard-bytes N] [--threads N]", cmd_export},
-    {"mkcheckpoint", "write a synthetic checkpoint with a published model's exact layout",
-     "mkcheckpoint --preset NAME --out DIR [--layers N] [--experts N] [--seed S] [--list]", cmd_mkcheckpoint},
-    {"demo", "start a private daemon, then load, attach and verify a small checkpoint (a guided tour)",
-     "demo [--dir DIR] [--keep]", cmd_demo},
+/* The commands, in the order help lists them. */
+const struct ctl_cmd *const ctl_commands[] = {
+    &ctl_cmd_status, &ctl_cmd_health,   &ctl_cmd_open,    &ctl_cmd_prefetch, &ctl_cmd_load,
+    &ctl_cmd_attach, &ctl_cmd_prewarm,  &ctl_cmd_cancel,  &ctl_cmd_release,  &ctl_cmd_evict,
+    &ctl_cmd_shutdown, &ctl_cmd_inspect, &ctl_cmd_plan,   &ctl_cmd_export,   &ctl_cmd_mkcheckpoint,
+    &ctl_cmd_demo,
 };
+const size_t ctl_ncommands = sizeof ctl_commands / sizeof ctl_commands[0];
 
-#define NCOMMANDS (sizeof commands / sizeof commands[0])
-
-void ctl_errorf(const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  fputs("weightctl: ", stderr);
-  vfprintf(stderr, fmt, ap);
-  fputc('\n', stderr);
-  va_end(ap);
-}
-
-int ctl_usage(const char *cmd) {
-  for (size_t i = 0; i < NCOMMANDS; i++)
-    if (strcmp(commands[i].name, cmd) == 0) fprintf(stderr, "usage: weightctl %s\n", commands[i].usage);
-  return CTL_EXIT_USAGE;
-}
-
-int ctl_parse_u64(const char *s, unsigned long long *out) {
-  if (s == NULL || *s < '0' || *s > '9') return -1;
-  char *end;
-  errno = 0;
-  unsigned long long v = strtoull(s, &end, 10);
-  if (*end != '\0' || errno == ERANGE) return -1;
-  *out = v;
-  return 0;
-}
+static const struct optab_opt global_table[] = {
+    {CTL_OPT_SOCKET, "socket", 0, OPTAB_VALUE, "PATH",
+     "The daemon's socket (default: $WEIGHTD_SOCKET, then /run/weightd/weightd.sock, then "
+     "$XDG_RUNTIME_DIR/weightd.sock or /tmp/weightd-$UID.sock).",
+     0, "@file"},
+    {CTL_OPT_JSON, "json", 0, OPTAB_SWITCH, NULL,
+     "Print exactly one JSON object on stdout for every outcome: the result, or {\"error\": {\"code\", "
+     "\"message\"}}.",
+     0, NULL},
+    {CTL_OPT_TIMEOUT, "timeout", 0, OPTAB_VALUE, "DURATION",
+     "Give up after DURATION (seconds, or 500ms, 30s, 2m, 1h): cancel what the command started and exit 4.", 0,
+     NULL},
+    {CTL_OPT_HELP, "help", 'h', OPTAB_SWITCH, NULL, "List the commands and these options.", 0, NULL},
+    {CTL_OPT_VERSION, "version", 0, OPTAB_SWITCH, NULL, "Print the version.", 0, NULL},
+    {CTL_OPT_GENERATE_MAN, "generate-man", 0, OPTAB_SWITCH, NULL, "Write weightctl(1) to stdout.", OPTAB_HIDDEN,
+     NULL},
+    {CTL_OPT_GENERATE_COMPLETION, "generate-completion", 0, OPTAB_SWITCH, NULL,
+     "Write the bash completion file to stdout.", OPTAB_HIDDEN, NULL},
+};
+const struct optab_list ctl_global_options = {CTL_OPTS(global_table)};
 
 static void print_help(FILE *f) {
-  fprintf(f, "usage: weightctl [--socket PATH] [--json] [--timeout MS] COMMAND [ARGS...]\n\ncommands:\n");
-  for (size_t i = 0; i < NCOMMANDS; i++) fprintf(f, "  %-14s %s\n", commands[i].name, commands[i].summary);
-  fprintf(f, "\noptions:\n"
-             "  --socket PATH  the daemon's socket (default: $WEIGHTD_SOCKET, /run/weightd/weightd.sock,\n"
-             "                 then $XDG_RUNTIME_DIR/weightd.sock or /tmp/weightd-$UID.sock)\n"
-             "  --json         print the daemon's reply object instead of a summary\n"
-             "  --timeout MS   give up waiting for the daemon after MS milliseconds\n"
-             "\nexit codes: 0 success, 1 the operation failed (daemon error, invalid checkpoint,\n"
-             "verification mismatch), 2 usage error.\n"
-             "\nweightctl COMMAND --help shows a command's usage.\n");
+  fprintf(f, "usage: weightctl [OPTION]... COMMAND [ARG]...\n\n"
+             "Drives the weightd daemon: load, attach, prewarm and inspect model checkpoints.\n\ncommands:\n");
+  for (size_t i = 0; i < ctl_ncommands; i++)
+    fprintf(f, "  %-14s %s\n", ctl_commands[i]->name, ctl_commands[i]->summary);
+  fprintf(f, "  %-14s %s\n", "help", "describe a command and every option: weightctl help COMMAND");
+  fprintf(f, "\noptions (before the command; every command also takes them after its name):\n");
+  optab_help(f, &ctl_global_options, 1);
+  fputc('\n', f);
+  ctl_exit_codes_help(f);
 }
 
-int main(int argc, char **argv) {
-  int a = 1;
-  /* Global options come before the command. */
-  for (; a < argc && argv[a][0] == '-'; a++) {
-    if (strcmp(argv[a], "--socket") == 0 && a + 1 < argc) {
-      ctl_opts.socket = argv[++a];
-    } else if (strcmp(argv[a], "--json") == 0) {
-      ctl_opts.json = 1;
-    } else if (strcmp(argv[a], "--timeout") == 0 && a + 1 < argc) {
-      unsigned long long ms;
-      if (ctl_parse_u64(argv[++a], &ms) != 0 || ms == 0 || ms > 86400000ull) {
-        ctl_errorf("--timeout wants milliseconds between 1 and 86400000, not '%s'", argv[a]);
-        return CTL_EXIT_USAGE;
-      }
-      ctl_opts.timeout_ms = (int)ms;
-    } else if (strcmp(argv[a], "--help") == 0 || strcmp(argv[a], "-h") == 0) {
-      print_help(stdout);
-      return CTL_EXIT_OK;
-    } else if (strcmp(argv[a], "--version") == 0) {
-      printf("weightctl %s\n", weightd_version_string());
-      return CTL_EXIT_OK;
-    } else {
-      ctl_errorf("unknown option '%s' (weightctl --help lists them)", argv[a]);
-      return CTL_EXIT_USAGE;
-    }
-  }
-  if (a >= argc) {
-    print_help(stderr);
-    return CTL_EXIT_USAGE;
-  }
-  const char *name = argv[a];
-  if (strcmp(name, "help") == 0) {
+/* `weightctl help [COMMAND]`. */
+static int help_command(int argc, char **argv) {
+  if (argc < 2) {
     print_help(stdout);
     return CTL_EXIT_OK;
   }
-  for (size_t i = 0; i < NCOMMANDS; i++) {
-    if (strcmp(commands[i].name, name) != 0) continue;
-    for (int k = a + 1; k < argc; k++)
-      if (strcmp(argv[k], "--help") == 0 || strcmp(argv[k], "-h") == 0) {
-        printf("usage: weightctl %s\n%s\n", commands[i].usage, commands[i].summary);
-        return CTL_EXIT_OK;
-      }
-    if (ctl_opts.json && commands[i].run == cmd_inspect) {
-      /* inspect reads its own --json: pass the global one on. */
-      int n = argc - a;
-      char **args = calloc((size_t)n + 2, sizeof *args);
-      if (args == NULL) return CTL_EXIT_FAIL;
-      memcpy(args, argv + a, (size_t)n * sizeof *args);
-      args[n] = "--json";
-      int rc = cmd_inspect(n + 1, args);
-      free(args);
-      return rc;
-    }
-    return commands[i].run(argc - a, argv + a);
+  const struct ctl_cmd *c = ctl_cmd_find(argv[1]);
+  if (c == NULL) {
+    const char *names[64];
+    for (size_t i = 0; i < ctl_ncommands && i < 64; i++) names[i] = ctl_commands[i]->name;
+    const char *best = suggest_closest(argv[1], names, ctl_ncommands);
+    if (best != NULL) return ctl_usage_error("help: no command '%s'; did you mean '%s'?", argv[1], best);
+    return ctl_usage_error("help: no command '%s'", argv[1]);
   }
-  ctl_errorf("unknown command '%s' (weightctl --help lists them)", name);
-  return CTL_EXIT_USAGE;
+  ctl_cmd_help(stdout, c);
+  return CTL_EXIT_OK;
+}
+
+struct global_state {
+  int action; /* CTL_OPT_HELP, _VERSION, _GENERATE_* or 0 */
+  const char *timeout;
+};
+
+static int take_global(void *arg, const struct optab_opt *o, const char *v) {
+  struct global_state *g = arg;
+  switch (o->id) {
+  case CTL_OPT_SOCKET: ctl_opts.socket = v; break;
+  case CTL_OPT_JSON: ctl_opts.json = 1; break;
+  case CTL_OPT_TIMEOUT: g->timeout = v; break;
+  default: g->action = o->id; break;
+  }
+  return 0;
+}
+
+/* With --json anywhere before "--", even a usage error found first is answered in JSON. */
+static void scan_json(int argc, char **argv) {
+  for (int i = 1; i < argc && strcmp(argv[i], "--") != 0; i++)
+    if (strcmp(argv[i], "--json") == 0) ctl_opts.json = 1;
+}
+
+static int run(int argc, char **argv) {
+  struct global_state g = {0};
+  char why[512];
+  int next = argc;
+  scan_json(argc, argv);
+  if (optab_parse(&ctl_global_options, 1, argc, argv, true, take_global, &g, &next, why, sizeof why) != 0)
+    return ctl_usage_error("%s", why);
+  if (g.timeout != NULL && ctl_parse_duration(g.timeout, &ctl_opts.timeout_s) != 0)
+    return ctl_usage_error("--timeout wants a duration such as 30, 30s, 500ms or 2m, not '%s'", g.timeout);
+  switch (g.action) {
+  case CTL_OPT_HELP: print_help(stdout); return CTL_EXIT_OK;
+  case CTL_OPT_VERSION: printf("weightctl %s\n", weightd_version_string()); return CTL_EXIT_OK;
+  case CTL_OPT_GENERATE_MAN: ctl_write_man(stdout); return CTL_EXIT_OK;
+  case CTL_OPT_GENERATE_COMPLETION: ctl_write_completion(stdout); return CTL_EXIT_OK;
+  default: break;
+  }
+  if (next >= argc) {
+    print_help(stderr);
+    return ctl_usage_error("no command given");
+  }
+  const char *name = argv[next];
+  if (strcmp(name, "help") == 0) return help_command(argc - next, argv + next);
+  const struct ctl_cmd *c = ctl_cmd_find(name);
+  if (c == NULL) {
+    const char *names[64];
+    for (size_t i = 0; i < ctl_ncommands && i < 64; i++) names[i] = ctl_commands[i]->name;
+    const char *best = suggest_closest(name, names, ctl_ncommands);
+    if (best != NULL) return ctl_usage_error("unknown command '%s'; did you mean '%s'?", name, best);
+    return ctl_usage_error("unknown command '%s'", name);
+  }
+  return ctl_cli_run(c, argc - next, argv + next);
+}
+
+int main(int argc, char **argv) {
+  int rc = run(argc, argv);
+  /* A usage error before any command ran still owes --json its object. */
+  if (rc != 0) ctl_json_finish(rc);
+  return rc;
 }

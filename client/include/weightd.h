@@ -115,17 +115,45 @@ typedef struct weightd_set weightd_set;
  * that accepts wins, and WEIGHTD_E_CONNECT's message names every path tried.
  * A daemon that does not speak this protocol gives WEIGHTD_E_VERSION, one
  * that refuses this user WEIGHTD_E_PERMISSION; hello waits at most 30 s.
+ * WEIGHTD_E_CONNECT's message says, for each path, what to do: no socket
+ * there, no daemon listening behind a stale socket file, or the socket's
+ * owner, group and mode next to the caller's uid and groups when the
+ * socket's permissions refused it.
  * On failure *out is still set when memory allowed, so that
  * weightd_last_error() can say why; close it with weightd_close().
  */
 int weightd_connect(const char *socket_path, weightd_client **out);
 
 /*
+ * Options of weightd_connect_opts. Set struct_size to sizeof the struct you
+ * compiled against: fields added later are appended and read only when
+ * struct_size covers them. NULL options mean all defaults.
+ */
+struct weightd_connect_options {
+  size_t struct_size;
+  const char *socket_path; /* NULL: the search weightd_connect describes */
+  /*
+   * The name hello sends: status shows it next to this connection's leases
+   * and requests, labelled as self-reported (the daemon cannot check it;
+   * the pid and uid beside it come from the kernel). At most 63 bytes are
+   * sent. NULL: "libweightd VERSION (PROGRAM)".
+   */
+  const char *client_name;
+};
+
+/* Connects as weightd_connect does, with options; weightd_connect(p, out) is this with only socket_path p. */
+int weightd_connect_opts(const struct weightd_connect_options *opts, weightd_client **out);
+
+/* The socket path this handle connected to (after the search), "" when none. NULL-safe. */
+const char *weightd_socket_path(const weightd_client *c);
+
+/*
  * Closes the connection; the daemon ends its leases. NULL-safe. Sets still
  * attached through c are detached, not freed: call weightd_release on each,
- * which then only unmaps it and frees its memory. Until then a host set stays
- * readable (its mapping keeps the memory alive), but a CUDA set's memory may
- * be freed by the daemon as soon as it is unleased: do not touch it.
+ * which then only unmaps it and frees its memory. Until then a host set and a
+ * CUDA VMM set stay readable (the mapping keeps the memory alive, though the
+ * daemon may evict the set), but a legacy CUDA IPC set's memory may be freed
+ * by the daemon as soon as it is unleased: do not touch it.
  */
 void weightd_close(weightd_client *c);
 
@@ -140,7 +168,10 @@ const char *weightd_backend(const weightd_client *c);
  * each progress event starts the wait again. 0 or less waits forever (the
  * default). A call that times out returns WEIGHTD_E_TIMEOUT and the handle
  * stays usable: the late reply is recognised by its id and dropped (a lease
- * it grants is released, a timed-out load is canceled).
+ * it grants is released, a timed-out load is canceled). It may be called
+ * from a progress callback, on the thread of the running call: the new value
+ * applies to that call's next wait, so a short one stops a load (the Python
+ * binding's cancel works this way).
  */
 void weightd_set_timeout(weightd_client *c, int timeout_ms);
 
@@ -175,12 +206,18 @@ int weightd_load(weightd_client *c, const char *path, const struct weightd_load_
 
 /*
  * Attaches a resident set by id: takes a lease and maps its memory (host: the
- * sealed memfd, read-only; cuda: cuIpcOpenMemHandle on the device whose UUID
- * the daemon names, found among this process's devices whatever its
- * CUDA_VISIBLE_DEVICES; the CUDA driver is loaded on first use, so the library
- * runs on machines without one). Every attach of the same set in this process,
- * through any handle, shares one mapping, so weightd_set_base is the same for
- * all of them. A set that cannot be mapped gives its lease back at once.
+ * sealed memfd, read-only; cuda: on the device whose UUID the daemon names,
+ * found among this process's devices whatever its CUDA_VISIBLE_DEVICES, in
+ * that device's primary context, either a VMM allocation imported from the
+ * file descriptor the daemon sends and mapped read-only where the driver
+ * allows, or a legacy IPC handle opened with cuIpcOpenMemHandle; see
+ * weightd_set_handle_kind. The CUDA driver is loaded on first use, so the
+ * library runs on machines without one). Every attach of the same set in this
+ * process, through any handle, shares one mapping, so weightd_set_base is the
+ * same for all of them. A set that cannot be mapped gives its lease back at
+ * once; one whose handle kind this library cannot open (a legacy driver and
+ * a VMM set) fails with WEIGHTD_E_UNSUPPORTED and a message saying how to
+ * configure the daemon.
  */
 int weightd_attach(weightd_client *c, const char *set_id, weightd_set **out);
 
@@ -220,6 +257,17 @@ enum weightd_memory_kind {
   WEIGHTD_MEMORY_CUDA = 2, /* pointers are CUDA device addresses */
 };
 
+/*
+ * How a set's memory reached this process. The kind is fixed when the daemon
+ * allocates the set (its "cuda_handles" setting decides for GPU sets); both
+ * CUDA kinds give WEIGHTD_MEMORY_CUDA pointers that work the same way.
+ */
+enum weightd_handle_kind {
+  WEIGHTD_HANDLE_FD = 1,       /* a sealed memfd, mapped read-only (host sets) */
+  WEIGHTD_HANDLE_CUDA_IPC = 2, /* a legacy CUDA IPC handle: the mapping is writable */
+  WEIGHTD_HANDLE_CUDA_VMM = 3, /* a CUDA VMM allocation's file descriptor, imported and mapped */
+};
+
 typedef struct weightd_tensor {
   const char *name;
   const char *dtype;     /* safetensors dtype name: "BF16", "F8_E4M3", ... */
@@ -234,6 +282,15 @@ const char *weightd_set_id(const weightd_set *s);
 const char *weightd_set_lease(const weightd_set *s);
 const char *weightd_set_device(const weightd_set *s); /* the device UUID */
 enum weightd_memory_kind weightd_set_memory_kind(const weightd_set *s);
+enum weightd_handle_kind weightd_set_handle_kind(const weightd_set *s); /* 0 for NULL */
+/*
+ * 1 when this process cannot write the set's memory through its pointers:
+ * host sets always, VMM sets when the driver granted a read-only mapping
+ * (a write then faults: SIGSEGV on the host, an illegal-address error that
+ * ends the CUDA context on the GPU). 0 for legacy IPC sets, whose memory any
+ * importer can write; nobody may, since every attached process shares it.
+ */
+int weightd_set_read_only(const weightd_set *s);
 void *weightd_set_base(const weightd_set *s);
 uint64_t weightd_set_bytes(const weightd_set *s);
 size_t weightd_set_tensor_count(const weightd_set *s);

@@ -1,5 +1,6 @@
 /*
- * cuda_import.h - opening weightd's CUDA IPC handles without linking CUDA.
+ * cuda_import.h - opening weightd's CUDA handles without linking CUDA: legacy
+ * IPC handles, and VMM allocations received as file descriptors.
  *
  * libweightd and weightctl must load and run on a machine without a GPU, so
  * the CUDA driver (libcuda.so.1) is opened with dlopen the first time a cuda
@@ -23,7 +24,7 @@
 #include <stdint.h>
 
 #include "error.h"
-#include "ipc_handle.h"
+#include "handles.h"
 
 /* A device of this process, found by UUID; its primary context is retained. */
 struct cuimp_device {
@@ -51,6 +52,27 @@ int cuimp_ipc_open(const struct cuimp_device *dev, const unsigned char handle[WD
 
 /* Closes a mapping that cuimp_ipc_open returned. */
 int cuimp_ipc_close(const struct cuimp_device *dev, uint64_t dptr, struct wd_error *err);
+
+/* A VMM allocation mapped into this process by cuimp_vmm_map. */
+struct cuimp_vmm {
+  uint64_t va;    /* the device address of its first byte */
+  uint64_t bytes; /* the whole allocation, all of it mapped */
+  int read_only;  /* the device's access is read-only (else the driver refused that: read-write) */
+};
+
+/*
+ * Imports the VMM allocation behind fd (a cuda_vmm handle's descriptor, which
+ * stays the caller's to close) on dev and maps all of its bytes at a new
+ * address, read-only for dev where the driver allows it, read-write where it
+ * does not. WEIGHTD_E_UNSUPPORTED when the driver or device cannot import
+ * VMM memory (the message says how to configure the daemon instead),
+ * WEIGHTD_E_PROTOCOL when bytes is not a whole number of granules.
+ */
+int cuimp_vmm_map(const struct cuimp_device *dev, int fd, uint64_t bytes, struct cuimp_vmm *out,
+                  struct wd_error *err);
+
+/* Unmaps what cuimp_vmm_map mapped and frees its address range. */
+int cuimp_vmm_unmap(const struct cuimp_device *dev, const struct cuimp_vmm *m, struct wd_error *err);
 
 /* Copies len bytes from device address src to host memory dst (synchronous). */
 int cuimp_copy_to_host(const struct cuimp_device *dev, void *dst, uint64_t src, size_t len,

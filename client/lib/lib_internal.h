@@ -16,6 +16,7 @@
 
 #include "cuda_import.h"
 #include "error.h"
+#include "json_strict.h"
 #include "weightd.h"
 #include "wire.h"
 
@@ -27,20 +28,31 @@ struct weightd_client {
   int broken;         /* the stream is out of step or closed: nothing more is sent */
   int shutdown_seen;  /* the daemon announced that it is stopping */
   char backend[16];   /* from hello */
+  char *socket_path;  /* the path connected to */
+  char client_name[64]; /* sent in hello */
   char daemon_version[32];
   struct wd_error err;   /* the last error's detail */
   struct weightd_set *sets; /* sets attached through this handle, a list */
 };
 
-/* A mapped slab, shared by every attach of the same set in this process. */
+/*
+ * A mapped slab, shared by every attach of the same set in this process. Its
+ * identity is the set id plus what names the allocation: the memfd's
+ * st_dev/st_ino (fd), the IPC handle's bytes (cuda_ipc) or the daemon's
+ * allocation id (cuda_vmm).
+ */
 struct lib_mapping {
   struct lib_mapping *next;
   char *set_id;
-  enum weightd_memory_kind kind;
-  dev_t dev; /* host: the memfd's identity */
+  enum wd_handle_kind handle;
+  dev_t dev; /* fd: the memfd's identity */
   ino_t ino;
-  unsigned char ipc[WD_IPC_HANDLE_BYTES]; /* cuda: the handle */
-  struct cuimp_device cudev;             /* cuda: the device it is open on */
+  unsigned char ipc[WD_IPC_HANDLE_BYTES];        /* cuda_ipc: the handle */
+  unsigned char alloc_id[WD_ALLOC_ID_BYTES];     /* cuda_vmm: the allocation's id */
+  int fd;                                        /* cuda_vmm: the descriptor, kept until unmapped; else -1 */
+  struct cuimp_vmm vmm;                          /* cuda_vmm: the mapping */
+  struct cuimp_device cudev;                     /* cuda: the device it is open on */
+  int read_only;                                 /* this process cannot write through base */
   void *base;
   uint64_t bytes;
   int refs;
@@ -52,6 +64,7 @@ struct weightd_set {
   pid_t pid;              /* the process that attached it */
   char *id, *lease, *device;
   enum weightd_memory_kind kind;
+  enum wd_handle_kind handle;
   uint64_t bytes;
   struct lib_mapping *map;
   size_t ntensors;
@@ -80,6 +93,14 @@ int lib_usable(weightd_client *c);
 int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
              cJSON **reply, struct wire_frame *frame, char **text);
 
+/*
+ * lib_call with the final successful reply as a json_strict tree in *doc
+ * (free it with sj_doc_free), not cJSON: for replies whose size makes cJSON's
+ * parse a cost (attach: the tensor table).
+ */
+int lib_call_doc(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
+                 struct sj_doc *doc, struct wire_frame *frame);
+
 /* A new request object {"op": op}, or NULL when memory ran out. */
 cJSON *lib_request_new(const char *op);
 
@@ -92,13 +113,20 @@ int lib_get_u64(weightd_client *c, const cJSON *o, const char *key, uint64_t *ou
 /* A string member or NULL. */
 const char *lib_get_str(const cJSON *o, const char *key);
 
+/* The same for json_strict trees: a member (NULL when o is no object or has none), */
+const struct sj_node *lib_sj_get(const struct sj_node *o, const char *key);
+/* a string member without NULs inside (NUL-terminated) or NULL, */
+const char *lib_sj_str(const struct sj_node *o, const char *key);
+/* an exact non-negative integer member (up to 2^64 - 1); 0 or WEIGHTD_E_PROTOCOL. */
+int lib_sj_u64(weightd_client *c, const struct sj_node *o, const char *key, uint64_t *out);
+
 /* ---- lib_set.c: sets ---------------------------------------------------------- */
 
 /*
  * Builds a set from an attach reply and its frame's descriptors: maps the
  * slab (or reuses this process's mapping) and reads the tensor table.
  */
-int lib_set_from_reply(weightd_client *c, const cJSON *reply, struct wire_frame *frame,
+int lib_set_from_reply(weightd_client *c, const struct sj_node *reply, struct wire_frame *frame,
                        weightd_set **out);
 
 /* Frees a set's memory (not its mapping). NULL-safe. */
@@ -119,9 +147,20 @@ int lib_map_cuda(const char *set_id, const char *device_uuid,
                  struct lib_mapping **out, struct wd_error *err);
 
 /*
- * Drops a reference; the last one unmaps (host) or closes the handle (cuda).
- * in_child says the caller is a forked child of the process that mapped it:
- * the CUDA driver is then left alone (its mappings are not inherited).
+ * Imports and maps a VMM allocation received as fd (bytes: the whole
+ * allocation) on the device with that UUID, or takes another reference on
+ * this process's mapping of the same allocation (then fd is closed). The
+ * descriptor is kept while mapped and closed by the last lib_map_put; on
+ * failure it is closed here.
+ */
+int lib_map_vmm(const char *set_id, const char *device_uuid, int fd, uint64_t bytes,
+                const unsigned char alloc_id[WD_ALLOC_ID_BYTES], struct lib_mapping **out, struct wd_error *err);
+
+/*
+ * Drops a reference; the last one unmaps (host, cuda_vmm) or closes the
+ * handle (cuda_ipc). in_child says the caller is a forked child of the process
+ * that mapped it: the CUDA driver is then left alone (its mappings are not
+ * inherited), and only the child's copy of a descriptor is closed.
  */
 int lib_map_put(struct lib_mapping *m, int in_child, struct wd_error *err);
 

@@ -2,13 +2,14 @@
  * lib_map.c - the process-wide table of mapped slabs.
  *
  * DESIGN: every attach in this process, through any handle and on any
- * thread, looks its slab up here by set id and slab identity (host: the
- * memfd's st_dev/st_ino; cuda: the IPC handle's bytes), so one set is mapped
- * once and every weightd_set of it sees the same base address. Entries are
- * reference-counted; the last weightd_release unmaps. One mutex guards the
- * list and is held across mmap and cuIpcOpenMemHandle, so two threads
- * attaching the same set never map it twice; the last reference is unlinked
- * under the lock and unmapped after it.
+ * thread, looks its slab up here by set id and slab identity (fd: the memfd's
+ * st_dev/st_ino; cuda_ipc: the IPC handle's bytes; cuda_vmm: the daemon's
+ * allocation id), so one set is mapped once and every weightd_set of it sees
+ * the same base address. Entries are reference-counted; the last
+ * weightd_release unmaps. One mutex guards the list and is held across mmap,
+ * cuIpcOpenMemHandle and the VMM import, so two threads attaching the same set
+ * never map it twice; the last reference is unlinked under the lock and
+ * unmapped after it.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -24,18 +25,22 @@
 static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct lib_mapping *maps;
 
-/* The mapping of set_id with that identity, or NULL; called with map_lock held. */
-static struct lib_mapping *find(const char *set_id, enum weightd_memory_kind kind, dev_t dev, ino_t ino,
-                                const unsigned char *ipc) {
+/*
+ * The mapping of set_id with that identity (ident: the IPC handle or the
+ * allocation id), or NULL; called with map_lock held.
+ */
+static struct lib_mapping *find(const char *set_id, enum wd_handle_kind handle, dev_t dev, ino_t ino,
+                                const unsigned char *ident) {
   for (struct lib_mapping *m = maps; m != NULL; m = m->next) {
-    if (m->kind != kind || strcmp(m->set_id, set_id) != 0) continue;
-    if (kind == WEIGHTD_MEMORY_HOST && m->dev == dev && m->ino == ino) return m;
-    if (kind == WEIGHTD_MEMORY_CUDA && memcmp(m->ipc, ipc, sizeof m->ipc) == 0) return m;
+    if (m->handle != handle || strcmp(m->set_id, set_id) != 0) continue;
+    if (handle == WD_HANDLE_FD && m->dev == dev && m->ino == ino) return m;
+    if (handle == WD_HANDLE_CUDA_IPC && memcmp(m->ipc, ident, sizeof m->ipc) == 0) return m;
+    if (handle == WD_HANDLE_CUDA_VMM && memcmp(m->alloc_id, ident, sizeof m->alloc_id) == 0) return m;
   }
   return NULL;
 }
 
-static struct lib_mapping *entry_new(const char *set_id, enum weightd_memory_kind kind, uint64_t bytes) {
+static struct lib_mapping *entry_new(const char *set_id, enum wd_handle_kind handle, uint64_t bytes) {
   struct lib_mapping *m = calloc(1, sizeof *m);
   if (m == NULL) return NULL;
   m->set_id = strdup(set_id);
@@ -43,7 +48,8 @@ static struct lib_mapping *entry_new(const char *set_id, enum weightd_memory_kin
     free(m);
     return NULL;
   }
-  m->kind = kind;
+  m->handle = handle;
+  m->fd = -1;
   m->bytes = bytes;
   m->refs = 1;
   return m;
@@ -57,7 +63,7 @@ int lib_map_host(const char *set_id, int fd, uint64_t bytes, struct lib_mapping 
     rc = err_set(err, WEIGHTD_E_IO, "fstat of the received descriptor: %s", strerror(errno));
     goto done;
   }
-  struct lib_mapping *m = find(set_id, WEIGHTD_MEMORY_HOST, st.st_dev, st.st_ino, NULL);
+  struct lib_mapping *m = find(set_id, WD_HANDLE_FD, st.st_dev, st.st_ino, NULL);
   if (m != NULL) {
     m->refs++;
     *out = m;
@@ -74,7 +80,7 @@ int lib_map_host(const char *set_id, int fd, uint64_t bytes, struct lib_mapping 
                  (long long)st.st_size, (unsigned long long)bytes);
     goto done;
   }
-  m = entry_new(set_id, WEIGHTD_MEMORY_HOST, bytes);
+  m = entry_new(set_id, WD_HANDLE_FD, bytes);
   if (m == NULL) {
     rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     goto done;
@@ -91,6 +97,7 @@ int lib_map_host(const char *set_id, int fd, uint64_t bytes, struct lib_mapping 
   }
   m->dev = st.st_dev;
   m->ino = st.st_ino;
+  m->read_only = 1;
   m->next = maps;
   maps = m;
   *out = m;
@@ -104,13 +111,13 @@ int lib_map_cuda(const char *set_id, const char *device_uuid, const unsigned cha
                  uint64_t bytes, struct lib_mapping **out, struct wd_error *err) {
   int rc = 0;
   pthread_mutex_lock(&map_lock);
-  struct lib_mapping *m = find(set_id, WEIGHTD_MEMORY_CUDA, 0, 0, handle);
+  struct lib_mapping *m = find(set_id, WD_HANDLE_CUDA_IPC, 0, 0, handle);
   if (m != NULL) {
     m->refs++;
     *out = m;
     goto done;
   }
-  m = entry_new(set_id, WEIGHTD_MEMORY_CUDA, bytes);
+  m = entry_new(set_id, WD_HANDLE_CUDA_IPC, bytes);
   if (m == NULL) {
     rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     goto done;
@@ -133,6 +140,42 @@ done:
   return rc;
 }
 
+int lib_map_vmm(const char *set_id, const char *device_uuid, int fd, uint64_t bytes,
+                const unsigned char alloc_id[WD_ALLOC_ID_BYTES], struct lib_mapping **out, struct wd_error *err) {
+  int rc = 0;
+  pthread_mutex_lock(&map_lock);
+  struct lib_mapping *m = find(set_id, WD_HANDLE_CUDA_VMM, 0, 0, alloc_id);
+  if (m != NULL) {
+    m->refs++;
+    *out = m;
+    goto done;
+  }
+  m = entry_new(set_id, WD_HANDLE_CUDA_VMM, bytes);
+  if (m == NULL) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    goto done;
+  }
+  memcpy(m->alloc_id, alloc_id, sizeof m->alloc_id);
+  if ((rc = cuimp_device_find(device_uuid, &m->cudev, err)) != 0 ||
+      (rc = cuimp_vmm_map(&m->cudev, fd, bytes, &m->vmm, err)) != 0) {
+    cuimp_device_put(&m->cudev);
+    free(m->set_id);
+    free(m);
+    goto done;
+  }
+  m->fd = fd;
+  fd = -1; /* kept with the mapping */
+  m->base = (void *)(uintptr_t)m->vmm.va;
+  m->read_only = m->vmm.read_only;
+  m->next = maps;
+  maps = m;
+  *out = m;
+done:
+  pthread_mutex_unlock(&map_lock);
+  if (fd >= 0) close(fd);
+  return rc;
+}
+
 int lib_map_put(struct lib_mapping *m, int in_child, struct wd_error *err) {
   if (m == NULL) return 0;
   int rc = 0;
@@ -147,14 +190,18 @@ int lib_map_put(struct lib_mapping *m, int in_child, struct wd_error *err) {
       break;
     }
   pthread_mutex_unlock(&map_lock);
-  if (m->kind == WEIGHTD_MEMORY_HOST && m->base != NULL) {
+  if (m->handle == WD_HANDLE_FD && m->base != NULL) {
     if (munmap(m->base, m->bytes) != 0)
       rc = err_set(err, WEIGHTD_E_INTERNAL, "munmap: %s", strerror(errno));
-  } else if (m->kind == WEIGHTD_MEMORY_CUDA && !in_child) {
+  } else if (m->handle == WD_HANDLE_CUDA_IPC && !in_child) {
     /* A forked child inherits no CUDA mappings: only the parent closes them. */
     rc = cuimp_ipc_close(&m->cudev, (uint64_t)(uintptr_t)m->base, err);
     cuimp_device_put(&m->cudev);
+  } else if (m->handle == WD_HANDLE_CUDA_VMM && !in_child) {
+    rc = cuimp_vmm_unmap(&m->cudev, &m->vmm, err);
+    cuimp_device_put(&m->cudev);
   }
+  if (m->fd >= 0) close(m->fd); /* a child closes its inherited copy */
   free(m->set_id);
   free(m);
   return rc;

@@ -120,13 +120,13 @@ int weightd_load(weightd_client *c, const char *path, const struct weightd_load_
 
 static int attach_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *arg,
                        weightd_set **out) {
-  cJSON *reply = NULL;
+  struct sj_doc reply;
   struct wire_frame frame;
-  int rc = lib_call(c, req, progress, arg, &reply, &frame, NULL);
+  int rc = lib_call_doc(c, req, progress, arg, &reply, &frame);
   cJSON_Delete(req);
   if (rc != 0) return rc;
-  rc = lib_set_from_reply(c, reply, &frame, out);
-  const char *lease = lib_get_str(reply, "lease");
+  rc = lib_set_from_reply(c, reply.root, &frame, out);
+  const char *lease = lib_sj_str(reply.root, "lease");
   if (rc != 0 && lease != NULL) {
     /* The daemon granted a lease we cannot use: hand it back, keeping the first error. */
     struct wd_error saved = c->err;
@@ -137,7 +137,7 @@ static int attach_call(weightd_client *c, cJSON *req, weightd_progress_fn progre
     c->err = saved;
   }
   wire_frame_clear(&frame);
-  cJSON_Delete(reply);
+  sj_doc_free(&reply);
   return rc;
 }
 

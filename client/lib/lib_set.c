@@ -14,19 +14,41 @@ static int by_name_cmp(const void *a, const void *b, void *arg) {
   return strcmp(t[*(const size_t *)a].name, t[*(const size_t *)b].name);
 }
 
+/* One tensor entry's members, found in one pass over them. */
+struct entry {
+  const struct sj_node *name, *dtype, *shape, *offset, *nbytes;
+};
+
+static void entry_read(const struct sj_node *t, struct entry *e) {
+  memset(e, 0, sizeof *e);
+  for (const struct sj_node *m = t->type == SJ_OBJECT ? t->child : NULL; m != NULL; m = m->next) {
+    const struct sj_node **slot = NULL;
+    switch (m->key_len) {
+    case 4: slot = memcmp(m->key, "name", 4) == 0 ? &e->name : NULL; break;
+    case 5: slot = memcmp(m->key, "dtype", 5) == 0 ? &e->dtype : memcmp(m->key, "shape", 5) == 0 ? &e->shape : NULL; break;
+    case 6: slot = memcmp(m->key, "offset", 6) == 0 ? &e->offset : memcmp(m->key, "nbytes", 6) == 0 ? &e->nbytes : NULL; break;
+    }
+    if (slot != NULL && *slot == NULL) *slot = m;
+  }
+}
+
+/* A string without NULs inside. */
+static int is_text(const struct sj_node *n) {
+  return n != NULL && n->type == SJ_STRING && memchr(n->str, '\0', n->len) == NULL;
+}
+
 /* Reads "tensors" into s (names, dtypes and shapes copied; data pointers from the base). */
-static int read_tensors(weightd_client *c, weightd_set *s, const cJSON *reply) {
-  const cJSON *arr = cJSON_GetObjectItemCaseSensitive(reply, "tensors");
-  if (!cJSON_IsArray(arr)) return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the reply has no \"tensors\" list");
-  size_t n = (size_t)cJSON_GetArraySize(arr), text = 0, dims = 0;
-  const cJSON *t;
-  cJSON_ArrayForEach(t, arr) {
-    const char *name = lib_get_str(t, "name"), *dtype = lib_get_str(t, "dtype");
-    const cJSON *shape = cJSON_GetObjectItemCaseSensitive(t, "shape");
-    if (name == NULL || dtype == NULL || !cJSON_IsArray(shape))
+static int read_tensors(weightd_client *c, weightd_set *s, const struct sj_node *reply) {
+  const struct sj_node *arr = lib_sj_get(reply, "tensors");
+  if (arr == NULL || arr->type != SJ_ARRAY) return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the reply has no \"tensors\" list");
+  size_t n = arr->count, text = 0, dims = 0;
+  struct entry e;
+  for (const struct sj_node *t = arr->child; t != NULL; t = t->next) {
+    entry_read(t, &e);
+    if (!is_text(e.name) || !is_text(e.dtype) || e.shape == NULL || e.shape->type != SJ_ARRAY)
       return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: a tensor entry lacks \"name\", \"dtype\" or \"shape\"");
-    text += strlen(name) + strlen(dtype) + 2;
-    dims += (size_t)cJSON_GetArraySize(shape);
+    text += e.name->len + e.dtype->len + 2;
+    dims += e.shape->count;
   }
   s->ntensors = n;
   s->tensors = calloc(n ? n : 1, sizeof *s->tensors);
@@ -37,32 +59,29 @@ static int read_tensors(weightd_client *c, weightd_set *s, const cJSON *reply) {
   char *sp = s->strings;
   int64_t *dp = s->shapes;
   size_t i = 0;
-  cJSON_ArrayForEach(t, arr) {
+  for (const struct sj_node *t = arr->child; t != NULL; t = t->next, i++) {
     struct weightd_tensor *x = &s->tensors[i];
-    const char *name = lib_get_str(t, "name"), *dtype = lib_get_str(t, "dtype");
-    size_t nl = strlen(name) + 1, dl = strlen(dtype) + 1;
-    x->name = memcpy(sp, name, nl);
-    sp += nl;
-    x->dtype = memcpy(sp, dtype, dl);
-    sp += dl;
+    entry_read(t, &e);
+    x->name = memcpy(sp, e.name->str, e.name->len + 1);
+    sp += e.name->len + 1;
+    x->dtype = memcpy(sp, e.dtype->str, e.dtype->len + 1);
+    sp += e.dtype->len + 1;
     x->shape = dp;
-    const cJSON *d;
-    cJSON_ArrayForEach(d, cJSON_GetObjectItemCaseSensitive(t, "shape")) {
-      if (!cJSON_IsNumber(d) || d->valuedouble < 0 || d->valuedouble >= 9007199254740992.0)
-        return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: tensor '%s' has a bad shape", name);
-      *dp++ = (int64_t)d->valuedouble;
+    for (const struct sj_node *d = e.shape->child; d != NULL; d = d->next) {
+      uint64_t v;
+      if (!sj_u64(d, &v) || v > (uint64_t)INT64_MAX)
+        return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: tensor '%s' has a bad shape", x->name);
+      *dp++ = (int64_t)v;
       x->ndim++;
     }
-    int rc;
-    if ((rc = lib_get_u64(c, t, "offset", &x->offset)) != 0 || (rc = lib_get_u64(c, t, "nbytes", &x->nbytes)) != 0)
-      return lib_fail(c, rc, "attach: tensor '%s': %s", name, c->err.msg);
+    if (!sj_u64(e.offset, &x->offset) || !sj_u64(e.nbytes, &x->nbytes))
+      return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: tensor '%s' lacks a valid \"offset\" or \"nbytes\"", x->name);
     if (x->offset > s->bytes || x->nbytes > s->bytes - x->offset)
       return lib_fail(c, WEIGHTD_E_PROTOCOL,
-                      "attach: tensor '%s' (offset %llu, %llu bytes) lies outside the %llu-byte slab", name,
+                      "attach: tensor '%s' (offset %llu, %llu bytes) lies outside the %llu-byte slab", x->name,
                       (unsigned long long)x->offset, (unsigned long long)x->nbytes,
                       (unsigned long long)s->bytes);
     s->by_name[i] = i;
-    i++;
   }
   qsort_r(s->by_name, n, sizeof *s->by_name, by_name_cmp, s->tensors);
   return 0;
@@ -71,56 +90,72 @@ static int read_tensors(weightd_client *c, weightd_set *s, const cJSON *reply) {
 /* ---- handles ------------------------------------------------------------------------ */
 
 /* Maps the reply's single slab handle. */
-static int map_handle(weightd_client *c, weightd_set *s, const cJSON *reply, struct wire_frame *frame) {
-  const cJSON *handles = cJSON_GetObjectItemCaseSensitive(reply, "handles");
-  if (!cJSON_IsArray(handles) || cJSON_GetArraySize(handles) < 1)
+static int map_handle(weightd_client *c, weightd_set *s, const struct sj_node *reply, struct wire_frame *frame) {
+  const struct sj_node *handles = lib_sj_get(reply, "handles");
+  if (handles == NULL || handles->type != SJ_ARRAY || handles->count < 1)
     return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the reply has no \"handles\"");
-  if (cJSON_GetArraySize(handles) > 1)
-    return lib_fail(c, WEIGHTD_E_UNSUPPORTED, "attach: set %s has %d slabs; this library maps one", s->id,
-                    cJSON_GetArraySize(handles));
-  const cJSON *h = cJSON_GetArrayItem(handles, 0);
-  const char *kind = lib_get_str(h, "kind");
+  if (handles->count > 1)
+    return lib_fail(c, WEIGHTD_E_UNSUPPORTED, "attach: set %s has %zu slabs; this library maps one", s->id,
+                    handles->count);
+  const struct sj_node *h = handles->child;
+  const char *kind = lib_sj_str(h, "kind");
   uint64_t hbytes;
-  int rc = lib_get_u64(c, h, "bytes", &hbytes);
+  int rc = lib_sj_u64(c, h, "bytes", &hbytes);
   if (rc != 0) return rc;
   if (hbytes < s->bytes)
     return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the handle covers %llu bytes, the set has %llu",
                     (unsigned long long)hbytes, (unsigned long long)s->bytes);
   struct wd_error e;
   err_clear(&e);
-  if (kind != NULL && strcmp(kind, "fd") == 0) {
-    uint64_t idx;
-    if ((rc = lib_get_u64(c, h, "fd_index", &idx)) != 0) return rc;
+  int k = wd_handle_kind_from_name(kind);
+  int fd = -1;
+  uint64_t idx = 0;
+  if (k == WD_HANDLE_FD || k == WD_HANDLE_CUDA_VMM) {
+    if ((rc = lib_sj_u64(c, h, "fd_index", &idx)) != 0) return rc;
     if (idx >= frame->nfds || frame->fds[idx] < 0)
       return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the reply names fd %llu but carried %zu descriptor%s",
                       (unsigned long long)idx, frame->nfds, frame->nfds == 1 ? "" : "s");
-    int fd = frame->fds[idx];
+    fd = frame->fds[idx];
+  }
+  if (k == WD_HANDLE_FD) {
     frame->fds[idx] = -1; /* lib_map_host closes it */
     s->kind = WEIGHTD_MEMORY_HOST;
     rc = lib_map_host(s->id, fd, s->bytes, &s->map, &e);
-  } else if (kind != NULL && strcmp(kind, "cuda_ipc") == 0) {
-    const char *hex = lib_get_str(h, "handle");
+  } else if (k == WD_HANDLE_CUDA_IPC) {
+    const char *hex = lib_sj_str(h, "handle");
     unsigned char raw[WD_IPC_HANDLE_BYTES];
     if (hex == NULL || msg_hex_decode(hex, raw, sizeof raw) != 0)
       return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the cuda_ipc handle is not %d hex digits",
                       2 * WD_IPC_HANDLE_BYTES);
     s->kind = WEIGHTD_MEMORY_CUDA;
     rc = lib_map_cuda(s->id, s->device, raw, s->bytes, &s->map, &e);
+  } else if (k == WD_HANDLE_CUDA_VMM) {
+    const char *hex = lib_sj_str(h, "alloc_id");
+    unsigned char id[WD_ALLOC_ID_BYTES];
+    if (hex == NULL || msg_hex_decode(hex, id, sizeof id) != 0)
+      return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the cuda_vmm handle's alloc_id is not %d hex digits",
+                      2 * WD_ALLOC_ID_BYTES);
+    frame->fds[idx] = -1; /* lib_map_vmm keeps or closes it */
+    s->kind = WEIGHTD_MEMORY_CUDA;
+    /* The whole allocation is mapped (hbytes), of which the set uses the first s->bytes. */
+    rc = lib_map_vmm(s->id, s->device, fd, hbytes, id, &s->map, &e);
   } else {
     return lib_fail(c, WEIGHTD_E_UNSUPPORTED, "attach: unknown handle kind '%s'", kind ? kind : "(none)");
   }
+  s->handle = (enum wd_handle_kind)k;
   if (rc != 0) return lib_fail(c, rc, "set %s: %s", s->id, e.msg);
   return 0;
 }
 
 /* ---- building and freeing ---------------------------------------------------------- */
 
-int lib_set_from_reply(weightd_client *c, const cJSON *reply, struct wire_frame *frame, weightd_set **out) {
+int lib_set_from_reply(weightd_client *c, const struct sj_node *reply, struct wire_frame *frame,
+                       weightd_set **out) {
   weightd_set *s = calloc(1, sizeof *s);
   if (s == NULL) return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
   s->pid = getpid();
-  const char *id = lib_get_str(reply, "set"), *lease = lib_get_str(reply, "lease");
-  const char *device = lib_get_str(reply, "device");
+  const char *id = lib_sj_str(reply, "set"), *lease = lib_sj_str(reply, "lease");
+  const char *device = lib_sj_str(reply, "device");
   int rc;
   if (id == NULL || lease == NULL || device == NULL) {
     rc = lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the reply lacks \"set\", \"lease\" or \"device\"");
@@ -133,7 +168,7 @@ int lib_set_from_reply(weightd_client *c, const cJSON *reply, struct wire_frame 
     rc = lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
     goto fail;
   }
-  if ((rc = lib_get_u64(c, reply, "bytes", &s->bytes)) != 0) goto fail;
+  if ((rc = lib_sj_u64(c, reply, "bytes", &s->bytes)) != 0) goto fail;
   if ((rc = read_tensors(c, s, reply)) != 0) goto fail;
   if ((rc = map_handle(c, s, reply, frame)) != 0) goto fail;
   for (size_t i = 0; i < s->ntensors; i++)
@@ -169,6 +204,15 @@ const char *weightd_set_device(const weightd_set *s) { return s ? s->device : NU
 enum weightd_memory_kind weightd_set_memory_kind(const weightd_set *s) {
   return s ? s->kind : (enum weightd_memory_kind)0;
 }
+enum weightd_handle_kind weightd_set_handle_kind(const weightd_set *s) {
+  static const enum weightd_handle_kind public_kind[WD_HANDLE_KIND_COUNT] = {
+      [WD_HANDLE_FD] = WEIGHTD_HANDLE_FD,
+      [WD_HANDLE_CUDA_IPC] = WEIGHTD_HANDLE_CUDA_IPC,
+      [WD_HANDLE_CUDA_VMM] = WEIGHTD_HANDLE_CUDA_VMM,
+  };
+  return s && s->map ? public_kind[s->handle] : (enum weightd_handle_kind)0;
+}
+int weightd_set_read_only(const weightd_set *s) { return s && s->map ? s->map->read_only : 0; }
 void *weightd_set_base(const weightd_set *s) { return s && s->map ? s->map->base : NULL; }
 uint64_t weightd_set_bytes(const weightd_set *s) { return s ? s->bytes : 0; }
 size_t weightd_set_tensor_count(const weightd_set *s) { return s ? s->ntensors : 0; }

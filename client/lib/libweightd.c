@@ -4,20 +4,28 @@
  *
  * DESIGN: a weightd_client is used by one thread at a time (the caller
  * serialises); it owns one socket and sends one request per call, so a call
- * reads frames until the final reply that echoes its id. Progress events of
+ * reads frames until the final reply that echoes its id. Every frame is read
+ * with json_strict, whose arena tree costs a fraction of cJSON's node-per-
+ * allocation parse (an attach reply carries the whole tensor table: at 398
+ * tensors cJSON's parse was half of an attach); callers that want cJSON get
+ * the final reply parsed again, small replies all. Progress events of
  * that request go to the caller's callback; replies to earlier requests that
  * timed out are discarded (a late attach reply's lease is released and its
  * descriptors closed); the daemon's unsolicited shutdown event is remembered
  * so that a connection that then closes reports WEIGHTD_E_SHUTDOWN.
  */
 #include <errno.h>
+#include <grp.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pwd.h>
+#include <stddef.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -103,6 +111,26 @@ const char *lib_get_str(const cJSON *o, const char *key) {
   return cJSON_IsString(v) ? v->valuestring : NULL;
 }
 
+const struct sj_node *lib_sj_get(const struct sj_node *o, const char *key) {
+  if (o == NULL || o->type != SJ_OBJECT) return NULL;
+  size_t len = strlen(key);
+  for (const struct sj_node *m = o->child; m != NULL; m = m->next)
+    if (m->key_len == len && memcmp(m->key, key, len) == 0) return m;
+  return NULL;
+}
+
+const char *lib_sj_str(const struct sj_node *o, const char *key) {
+  const struct sj_node *v = lib_sj_get(o, key);
+  /* json_strict's strings end with a NUL; one that holds a NUL is no C string. */
+  return v != NULL && v->type == SJ_STRING && memchr(v->str, '\0', v->len) == NULL ? v->str : NULL;
+}
+
+int lib_sj_u64(weightd_client *c, const struct sj_node *o, const char *key, uint64_t *out) {
+  if (!sj_u64(lib_sj_get(o, key), out))
+    return lib_fail(c, WEIGHTD_E_PROTOCOL, "the daemon's reply lacks a valid \"%s\"", key);
+  return 0;
+}
+
 /* ---- the request/reply loop -------------------------------------------------- */
 
 /* Sends a request the caller will not wait for (releasing a stray lease, canceling). */
@@ -118,9 +146,10 @@ static void send_detached(weightd_client *c, cJSON *req) {
 }
 
 /* A final reply to a request that gave up waiting: give back what it took. */
-static void discard_stale(weightd_client *c, const cJSON *msg) {
-  const char *lease = lib_get_str(msg, "lease");
-  if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(msg, "ok")) || lease == NULL) return;
+static void discard_stale(weightd_client *c, const struct sj_node *msg) {
+  const char *lease = lib_sj_str(msg, "lease");
+  const struct sj_node *ok = lib_sj_get(msg, "ok");
+  if (ok == NULL || ok->type != SJ_TRUE || lease == NULL) return;
   cJSON *req = lib_request_new("release");
   if (req != NULL && cJSON_AddStringToObject(req, "lease", lease) == NULL) {
     cJSON_Delete(req);
@@ -130,20 +159,35 @@ static void discard_stale(weightd_client *c, const cJSON *msg) {
 }
 
 /* Maps an error object {"code", "message"} to its code and the handle's message. */
-static int reply_error(weightd_client *c, const cJSON *e) {
-  const char *name = lib_get_str(e, "code");
-  const char *message = lib_get_str(e, "message");
+static int reply_error(weightd_client *c, const struct sj_node *e) {
+  const char *name = lib_sj_str(e, "code");
+  const char *message = lib_sj_str(e, "message");
   int code = err_from_name(name);
   if (code == 0) code = WEIGHTD_E_INTERNAL;
   return lib_fail(c, code, "%s", message ? message : weightd_strerror(code));
 }
 
-static void call_progress(const cJSON *msg, weightd_progress_fn fn, void *arg) {
-  const cJSON *d = cJSON_GetObjectItemCaseSensitive(msg, "bytes_done");
-  const cJSON *t = cJSON_GetObjectItemCaseSensitive(msg, "bytes_total");
-  if (fn == NULL || !cJSON_IsNumber(d) || !cJSON_IsNumber(t) || d->valuedouble < 0 || t->valuedouble < 0)
+static void call_progress(const struct sj_node *msg, weightd_progress_fn fn, void *arg) {
+  uint64_t done, total;
+  if (fn == NULL || !sj_u64(lib_sj_get(msg, "bytes_done"), &done) || !sj_u64(lib_sj_get(msg, "bytes_total"), &total))
     return;
-  fn((uint64_t)d->valuedouble, (uint64_t)t->valuedouble, arg);
+  fn(done, total, arg);
+}
+
+/* Reads a frame from the daemon into a tree whose root is an object: 0, PROTOCOL or NOMEM. */
+static int frame_doc(const struct wire_frame *f, struct sj_doc *doc) {
+  doc->root = NULL;
+  doc->arena = NULL;
+  if (!sj_utf8_valid((const unsigned char *)f->json, f->len, NULL)) return WEIGHTD_E_PROTOCOL;
+  char why[96];
+  int rc = sj_parse(f->json, f->len, SJ_DEFAULT_MAX_DEPTH, doc, why, sizeof why);
+  if (rc == -2) return WEIGHTD_E_NOMEM;
+  if (rc != 0) return WEIGHTD_E_PROTOCOL;
+  if (doc->root->type != SJ_OBJECT) {
+    sj_doc_free(doc);
+    return WEIGHTD_E_PROTOCOL;
+  }
+  return 0;
 }
 
 /* Marks the connection dead and turns a transport error into the handle's error. */
@@ -156,9 +200,14 @@ static int transport_fail(weightd_client *c, int code, const struct wd_error *e,
   return lib_fail(c, code, "%s: %s", op, e->msg[0] ? e->msg : weightd_strerror(code));
 }
 
-int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
-             cJSON **reply, struct wire_frame *frame, char **text) {
+/*
+ * lib_call and lib_call_doc: the final successful reply goes to *reply as
+ * cJSON, or to *doc as the json_strict tree, or nowhere.
+ */
+static int call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg, cJSON **reply,
+                struct sj_doc *doc_out, struct wire_frame *frame, char **text) {
   if (reply) *reply = NULL;
+  if (doc_out) doc_out->root = NULL, doc_out->arena = NULL;
   if (text) *text = NULL;
   if (frame) memset(frame, 0, sizeof *frame);
   const char *op = lib_get_str(req, "op");
@@ -174,7 +223,25 @@ int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *
   free(out);
   if (rc == WEIGHTD_E_LIMIT || rc == WEIGHTD_E_INVALID)
     return lib_fail(c, rc, "%s: %s", op, e.msg);
-  if (rc != 0) return transport_fail(c, rc, &e, op);
+  if (rc != 0) {
+    /* A peer the daemon refuses gets one error frame and is closed, maybe before our request went out: read it. */
+    struct wire_frame f;
+    memset(&f, 0, sizeof f);
+    struct wd_error e2;
+    err_clear(&e2);
+    struct sj_doc doc;
+    if (wire_recv_frame(c->sock, 200, &f, &e2) == 0 && frame_doc(&f, &doc) == 0) {
+      const struct sj_node *error = lib_sj_get(doc.root, "error");
+      int code = error != NULL && error->type == SJ_OBJECT && lib_sj_get(doc.root, "id") == NULL ? reply_error(c, error) : 0;
+      sj_doc_free(&doc);
+      wire_frame_clear(&f);
+      if (code != 0) {
+        c->broken = 1;
+        return code;
+      }
+    }
+    return transport_fail(c, rc, &e, op);
+  }
 
   for (;;) {
     struct wire_frame f;
@@ -194,60 +261,80 @@ int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *
       return lib_fail(c, rc, "%s: no reply from the daemon within %d ms", op, c->timeout_ms);
     }
     if (rc != 0) return transport_fail(c, rc, &e, op);
-    cJSON *msg = cJSON_ParseWithLength(f.json, f.len);
-    if (!cJSON_IsObject(msg)) {
-      cJSON_Delete(msg);
+    struct sj_doc doc;
+    if ((rc = frame_doc(&f, &doc)) != 0) {
       wire_frame_clear(&f);
       c->broken = 1;
+      if (rc == WEIGHTD_E_NOMEM) return lib_fail(c, rc, "%s: out of memory reading the daemon's frame", op);
       return lib_fail(c, WEIGHTD_E_PROTOCOL, "%s: the daemon sent a frame that is not a JSON object", op);
     }
-    const cJSON *mid = cJSON_GetObjectItemCaseSensitive(msg, "id");
-    const char *event = lib_get_str(msg, "event");
-    const cJSON *error = cJSON_GetObjectItemCaseSensitive(msg, "error");
+    const struct sj_node *msg = doc.root;
+    const struct sj_node *mid = lib_sj_get(msg, "id");
+    const char *event = lib_sj_str(msg, "event");
+    const struct sj_node *error = lib_sj_get(msg, "error");
+    if (error != NULL && error->type != SJ_OBJECT) error = NULL;
     if (mid == NULL) {
       if (event != NULL && strcmp(event, "shutdown") == 0) c->shutdown_seen = 1;
-      if (event == NULL && cJSON_IsObject(error)) {
+      if (event == NULL && error != NULL) {
         /* An error about the connection itself (refused peer, broken framing): it closes. */
         if (text) *text = strndup(f.json, f.len);
         rc = reply_error(c, error);
         c->broken = 1;
-        cJSON_Delete(msg);
+        sj_doc_free(&doc);
         wire_frame_clear(&f);
         return rc;
       }
-      cJSON_Delete(msg);
+      sj_doc_free(&doc);
       wire_frame_clear(&f);
       continue;
     }
-    if (!cJSON_IsNumber(mid) || mid->valuedouble != (double)id) {
+    uint64_t mv;
+    if (!sj_u64(mid, &mv) || mv != (uint64_t)id) {
       if (event == NULL) discard_stale(c, msg);
-      cJSON_Delete(msg);
+      sj_doc_free(&doc);
       wire_frame_clear(&f);
       continue;
     }
     if (event != NULL) {
       if (strcmp(event, "progress") == 0) call_progress(msg, progress, progress_arg);
-      cJSON_Delete(msg);
+      sj_doc_free(&doc);
       wire_frame_clear(&f);
       continue;
     }
     if (text) {
       *text = strndup(f.json, f.len);
       if (*text == NULL) {
-        cJSON_Delete(msg);
+        sj_doc_free(&doc);
         wire_frame_clear(&f);
         return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
       }
     }
-    if (cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(msg, "ok"))) rc = 0;
-    else if (cJSON_IsObject(error)) rc = reply_error(c, error);
+    const struct sj_node *ok = lib_sj_get(msg, "ok");
+    if (ok != NULL && ok->type == SJ_TRUE) rc = 0;
+    else if (error != NULL) rc = reply_error(c, error);
     else rc = lib_fail(c, WEIGHTD_E_PROTOCOL, "%s: the reply has neither \"ok\" nor \"error\"", op);
-    if (rc == 0 && reply != NULL) *reply = msg;
-    else cJSON_Delete(msg);
+    if (rc == 0 && reply != NULL && (*reply = cJSON_ParseWithLength(f.json, f.len)) == NULL)
+      rc = lib_fail(c, WEIGHTD_E_NOMEM, "%s: out of memory reading the reply", op);
+    if (rc == 0 && doc_out != NULL) {
+      *doc_out = doc;
+      doc.root = NULL;
+      doc.arena = NULL;
+    }
+    sj_doc_free(&doc);
     if (rc == 0 && frame != NULL) *frame = f;
     else wire_frame_clear(&f);
     return rc;
   }
+}
+
+int lib_call(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
+             cJSON **reply, struct wire_frame *frame, char **text) {
+  return call(c, req, progress, progress_arg, reply, NULL, frame, text);
+}
+
+int lib_call_doc(weightd_client *c, cJSON *req, weightd_progress_fn progress, void *progress_arg,
+                 struct sj_doc *doc, struct wire_frame *frame) {
+  return call(c, req, progress, progress_arg, NULL, doc, frame, NULL);
 }
 
 int weightd_request(weightd_client *c, const char *request_json, char **reply,
@@ -292,15 +379,101 @@ static int try_connect(const char *path, int *out) {
   return 0;
 }
 
+/*
+ * Why connecting to path failed (e = errno), with what to do about it:
+ * "PATH: no daemon is listening (...)", "PATH: no such socket (...)", or for
+ * a refusal by permissions the socket's owner, group and mode next to the
+ * caller's uid and groups, and the configuration keys that decide.
+ */
+static void describe_connect_error(const char *path, int e, char *buf, size_t len) {
+  if (e == ECONNREFUSED) {
+    snprintf(buf, len,
+             "no daemon is listening at %s (the socket file is left from a daemon that stopped: start weightd, "
+             "which replaces it)",
+             path);
+    return;
+  }
+  if (e == ENOENT) {
+    snprintf(buf, len, "%s: no such socket", path);
+    return;
+  }
+  if (e != EACCES && e != EPERM) {
+    snprintf(buf, len, "%s: %s", path, strerror(e));
+    return;
+  }
+  char groups[256] = "";
+  gid_t gl[64];
+  int ng = getgroups(64, gl);
+  size_t used = 0;
+  for (int i = 0; i < ng && used < sizeof groups; i++) {
+    struct group gr, *g = NULL;
+    char gb[1024];
+    getgrgid_r(gl[i], &gr, gb, sizeof gb, &g);
+    int w = snprintf(groups + used, sizeof groups - used, "%s%s(%u)", i ? "," : "", g ? g->gr_name : "?",
+                     (unsigned)gl[i]);
+    if (w > 0) used += (size_t)w;
+  }
+  struct passwd pw, *me = NULL;
+  char pb[1024];
+  getpwuid_r(getuid(), &pw, pb, sizeof pb, &me);
+  char self[384];
+  snprintf(self, sizeof self, "you are uid %u (%s), gid %u, groups %s", (unsigned)getuid(), me ? me->pw_name : "?",
+           (unsigned)getgid(), groups[0] ? groups : "none");
+  struct stat st;
+  if (stat(path, &st) != 0) {
+    snprintf(buf, len,
+             "permission denied on %s: a directory above it is not searchable by you; %s (the daemon's socket "
+             "path is the key socket)",
+             path, self);
+    return;
+  }
+  struct passwd opw, *owner = NULL;
+  struct group ogr, *group = NULL;
+  char ob[1024], gb2[1024];
+  getpwuid_r(st.st_uid, &opw, ob, sizeof ob, &owner);
+  getgrgid_r(st.st_gid, &ogr, gb2, sizeof gb2, &group);
+  snprintf(buf, len,
+           "permission denied on %s: the socket is owned by %s(%u), group %s(%u), mode %04o; %s. Join group %s, "
+           "or change the daemon's socket_group / socket_mode keys",
+           path, owner ? owner->pw_name : "?", (unsigned)st.st_uid, group ? group->gr_name : "?",
+           (unsigned)st.st_gid, (unsigned)(st.st_mode & 07777), self, group ? group->gr_name : "?");
+}
+
+/* The name hello sends: the caller's, cut at 63 bytes on a character boundary. */
+static void client_name_set(weightd_client *c, const char *name) {
+  if (name == NULL) {
+    snprintf(c->client_name, sizeof c->client_name, "libweightd %s (%s)", WEIGHTD_VERSION_STRING,
+             program_invocation_short_name);
+  } else {
+    snprintf(c->client_name, sizeof c->client_name, "%s", name);
+  }
+  /* A character cut short at the end goes whole: the daemon refuses text that is not UTF-8. */
+  size_t n = strlen(c->client_name), lead = n;
+  while (lead > 0 && ((unsigned char)c->client_name[lead - 1] & 0xC0) == 0x80) lead--;
+  if (lead > 0) {
+    unsigned char b = (unsigned char)c->client_name[lead - 1];
+    size_t need = b >= 0xF0 ? 4 : b >= 0xE0 ? 3 : b >= 0xC0 ? 2 : 1;
+    if (n - (lead - 1) < need) c->client_name[lead - 1] = '\0';
+  }
+}
+
 static int hello(weightd_client *c) {
   cJSON *req = lib_request_new("hello");
-  char client_name[96];
-  snprintf(client_name, sizeof client_name, "libweightd %s (%s)", WEIGHTD_VERSION_STRING,
-           program_invocation_short_name);
+  /* Every handle kind this library opens (lib_set.c), so the daemon may hand it any set. */
+  cJSON *kinds = NULL;
   if (req == NULL || cJSON_AddNumberToObject(req, "protocol", WEIGHTD_PROTOCOL_VERSION) == NULL ||
-      cJSON_AddStringToObject(req, "client", client_name) == NULL) {
+      cJSON_AddStringToObject(req, "client", c->client_name) == NULL ||
+      (kinds = cJSON_AddArrayToObject(req, "handles")) == NULL) {
     cJSON_Delete(req);
     return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  for (int k = 0; k < WD_HANDLE_KIND_COUNT; k++) {
+    cJSON *name = cJSON_CreateString(wd_handle_kind_name((enum wd_handle_kind)k));
+    if (name == NULL || !cJSON_AddItemToArray(kinds, name)) {
+      cJSON_Delete(name);
+      cJSON_Delete(req);
+      return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+    }
   }
   int saved = c->timeout_ms;
   c->timeout_ms = HELLO_TIMEOUT_MS;
@@ -327,6 +500,16 @@ static int hello(weightd_client *c) {
 }
 
 int weightd_connect(const char *socket_path, weightd_client **out) {
+  struct weightd_connect_options o = {sizeof o, socket_path, NULL};
+  return weightd_connect_opts(&o, out);
+}
+
+/* True when opts (of the caller's struct_size) contains field. */
+#define CONNECT_HAS(opts, field)                                                                          \
+  ((opts) != NULL &&                                                                                      \
+   (opts)->struct_size >= offsetof(struct weightd_connect_options, field) + sizeof((opts)->field))
+
+int weightd_connect_opts(const struct weightd_connect_options *opts, weightd_client **out) {
   if (out == NULL) return WEIGHTD_E_INVALID;
   weightd_client *c = calloc(1, sizeof *c);
   *out = c;
@@ -335,6 +518,10 @@ int weightd_connect(const char *socket_path, weightd_client **out) {
   c->pid = getpid();
   c->timeout_ms = -1;
   c->next_id = 1;
+  if (opts != NULL && opts->struct_size == 0)
+    return lib_fail(c, WEIGHTD_E_INVALID, "weightd_connect_options.struct_size is 0: set it to sizeof the struct");
+  const char *socket_path = CONNECT_HAS(opts, socket_path) ? opts->socket_path : NULL;
+  client_name_set(c, CONNECT_HAS(opts, client_name) ? opts->client_name : NULL);
 
   /* The candidates, in order, each with the reason it is tried. */
   char per_user[PATH_MAX];
@@ -359,16 +546,26 @@ int weightd_connect(const char *socket_path, weightd_client **out) {
     label[n++] = "";
   }
   char tried[WD_ERROR_MSG_MAX] = "";
-  size_t len = 0;
+  size_t len = 0, missing = 0;
   for (size_t i = 0; i < n; i++) {
     int e = try_connect(cand[i], &c->sock);
-    if (e == 0) break;
-    int w = snprintf(tried + len, sizeof tried - len, "%s%s%s (%s)", i ? ", " : "", label[i], cand[i],
-                     strerror(-e));
+    if (e == 0) {
+      c->socket_path = strdup(cand[i]);
+      if (c->socket_path == NULL) return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+      break;
+    }
+    char shown[PATH_MAX + 32], why[700];
+    snprintf(shown, sizeof shown, "%s%s", label[i], cand[i]);
+    describe_connect_error(shown, -e, why, sizeof why);
+    missing += e == -ENOENT;
+    int w = snprintf(tried + len, sizeof tried - len, "%s%s", i ? "; " : "", why);
     if (w > 0 && (size_t)w < sizeof tried - len) len += (size_t)w;
   }
   if (c->sock < 0)
-    return lib_fail(c, WEIGHTD_E_CONNECT, "cannot connect to weightd: tried %s", tried);
+    return lib_fail(c, WEIGHTD_E_CONNECT, "cannot connect to weightd: %s%s", tried,
+                    missing == n ? " (is weightd running? it may listen elsewhere: give --socket or set "
+                                   "$WEIGHTD_SOCKET)"
+                                 : "");
   return hello(c);
 }
 
@@ -381,7 +578,12 @@ void weightd_close(weightd_client *c) {
     s->prev = s->next = NULL;
   }
   if (c->sock >= 0) close(c->sock);
+  free(c->socket_path);
   free(c);
+}
+
+const char *weightd_socket_path(const weightd_client *c) {
+  return c != NULL && c->socket_path != NULL ? c->socket_path : "";
 }
 
 const char *weightd_backend(const weightd_client *c) {

@@ -427,16 +427,6 @@ void ckpt_layout_free(struct ckpt_layout *l) {
   memset(l, 0, sizeof *l);
 }
 
-int ckpt_shard_name(const struct ckpt_layout *l, uint32_t shard, char *buf, size_t buflen) {
-  int n;
-  if (l->shards == 1)
-    n = snprintf(buf, buflen, "model.safetensors");
-  else
-    n = snprintf(buf, buflen, "model-%05u-of-%0*u.safetensors", shard + 1,
-                 (int)l->preset->shard_count_digits, l->shards);
-  return n < 0 || (size_t)n >= buflen ? WEIGHTD_E_INVALID : 0;
-}
-
 /* ---- config.json ------------------------------------------------------------ */
 
 #define FAM(f) (1u << (f))

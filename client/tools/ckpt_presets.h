@@ -155,13 +155,6 @@ int ckpt_layout_build(const struct ckpt_preset *p, const struct ckpt_variant *v,
 void ckpt_layout_free(struct ckpt_layout *l);
 
 /*
- * Writes the file name of shard `shard` (0-based) into buf: "model.safetensors"
- * for a one-shard layout, else "model-00001-of-00003.safetensors" style.
- * Returns 0, or WEIGHTD_E_INVALID when buf is too small.
- */
-int ckpt_shard_name(const struct ckpt_layout *l, uint32_t shard, char *buf, size_t buflen);
-
-/*
  * Prints the config.json of layout l (its model's values, with
  * num_hidden_layers = l->layers) in the layout transformers writes (sorted
  * keys, two-space indent, final newline). Returns 0, or WEIGHTD_E_IO when

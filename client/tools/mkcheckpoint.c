@@ -3,18 +3,12 @@
  * with the exact tensor names, shapes, dtypes and shard files of a
  * published Hugging Face model, filled with seeded random bytes.
  *
- * DESIGN: The main thread parses the options, builds the layout
- * (ckpt_presets.c), checks the output directory, creates every shard as
- * "<name>.tmp", writes its header and reserves its size. Then worker
- * threads, one per usable CPU, fill the tensor data: the data of all
- * shards is cut into jobs of at most 8 MiB; a worker takes the next job
- * number from an atomic counter, generates that range into its own buffer
- * and pwrite()s it to the shard. Workers share the read-only layout, keys,
- * job list and descriptors, the atomic counter and stop flag, and the
- * first-error slot, which a mutex guards. After joining the workers the
- * main thread writes config.json and the index, renames every .tmp file
- * into place (the index last) and removes files of an earlier run that
- * this run did not write. Nothing is fsync()ed.
+ * The main thread parses the options, builds the layout (ckpt_presets.c),
+ * checks the output directory and hands the tensors, their shard
+ * assignment and config.json to the safetensors writer
+ * (common/st_writer.h), which owns the files, the worker threads (one per
+ * usable CPU), the index and the renames; its workers generate ranges of
+ * the stream below from the shared read-only layout and keys.
  *
  * The bytes are a counter-based stream, so any job can be generated alone
  * and the output does not depend on the thread count: 8-byte word i of a
@@ -24,30 +18,22 @@
  * e_score_correction_bias) hold finite values in [1e-4, 1e-2] instead,
  * element i taken from word i.
  */
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
-#include <pthread.h>
-#include <sched.h>
-#include <stdarg.h>
-#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "ckpt_presets.h"
 #include "ctl.h"
 #include "error.h"
+#include "st_writer.h"
+#include "suggest.h"
 #include "weightd.h"
 
-#define CHUNK_BYTES ((size_t)8 << 20)
-#define MAX_THREADS 64
 #define GOLDEN 0x9e3779b97f4a7c15ULL
 
 /* ---- the byte stream -------------------------------------------------------- */
@@ -131,104 +117,7 @@ static void (*const fillers[])(unsigned char *, uint64_t, uint64_t, size_t) = {
     [CKPT_FILL_F32_POSITIVE] = fill_f32_positive,
 };
 
-/* ---- small helpers ------------------------------------------------------------ */
-
-/* A growing text buffer whose error is sticky: after a failed append, rc < 0. */
-struct sbuf {
-  char *p;
-  size_t len;
-  size_t cap;
-  int rc;
-};
-
-/* Appends formatted text to b. */
-static void sb_printf(struct sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void sb_printf(struct sbuf *b, const char *fmt, ...) {
-  if (b->rc < 0) return;
-  for (;;) {
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap);
-    va_end(ap);
-    if (n < 0) {
-      b->rc = WEIGHTD_E_INTERNAL;
-      return;
-    }
-    if (b->p != NULL && (size_t)n < b->cap - b->len) {
-      b->len += (size_t)n;
-      return;
-    }
-    size_t cap = b->cap ? b->cap : 4096;
-    while (cap - b->len <= (size_t)n) cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (p == NULL) {
-      b->rc = WEIGHTD_E_NOMEM;
-      return;
-    }
-    b->p = p;
-    b->cap = cap;
-  }
-}
-
-/* Writes all of buf at file offset off; returns 0 or -1 with errno set. */
-static int pwrite_all(int fd, const void *buf, size_t len, uint64_t off) {
-  const char *p = buf;
-  while (len > 0) {
-    ssize_t n = pwrite(fd, p, len, (off_t)off);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return -1;
-    }
-    p += n;
-    len -= (size_t)n;
-    off += (uint64_t)n;
-  }
-  return 0;
-}
-
-/* Joins dir and name into buf; returns 0 or WEIGHTD_E_INVALID when it does not fit. */
-static int path_join(char *buf, size_t buflen, const char *dir, const char *name, const char *suffix,
-                     struct wd_error *err) {
-  int n = snprintf(buf, buflen, "%s/%s%s", dir, name, suffix);
-  if (n < 0 || (size_t)n >= buflen) return err_set(err, WEIGHTD_E_INVALID, "%s: path too long", dir);
-  return 0;
-}
-
-/* The number of CPUs this process may run on (at least 1). */
-static unsigned usable_cpus(void) {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return (unsigned)CPU_COUNT(&set);
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  return n > 0 ? (unsigned)n : 1;
-}
-
-/* ---- the output directory ------------------------------------------------------ */
-
-/*
- * Whether `name` is a file mkcheckpoint writes: config.json,
- * model.safetensors, model.safetensors.index.json or
- * model-NNNNN-of-NNNNN.safetensors, each optionally with ".tmp".
- */
-static bool own_file_name(const char *name) {
-  static const char *const fixed[] = {"config.json", "model.safetensors", "model.safetensors.index.json"};
-  size_t len = strlen(name);
-  if (len > 4 && strcmp(name + len - 4, ".tmp") == 0) len -= 4;
-  for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
-    if (strlen(fixed[i]) == len && memcmp(fixed[i], name, len) == 0) return true;
-  const char *s = name, *end = name + len;
-  static const char *const parts[] = {"model-", "-of-", ".safetensors"};
-  for (size_t i = 0; i < 3; i++) {
-    size_t plen = strlen(parts[i]);
-    if ((size_t)(end - s) < plen || memcmp(s, parts[i], plen) != 0) return false;
-    s += plen;
-    if (i == 2) break;
-    const char *digits = s;
-    while (s < end && *s >= '0' && *s <= '9') s++;
-    if (s - digits < 5) return false;
-  }
-  return s == end;
-}
+/* ---- writing -------------------------------------------------------------------- */
 
 /* Creates dir and its missing parents; returns 0 or WEIGHTD_E_IO. */
 static int make_dirs(const char *dir, struct wd_error *err) {
@@ -255,323 +144,44 @@ static int make_dirs(const char *dir, struct wd_error *err) {
  * writes. Returns 0, WEIGHTD_E_IO, or WEIGHTD_E_INVALID for a foreign entry.
  */
 static int prepare_dir(const char *dir, struct wd_error *err) {
+  char foreign[256];
   int rc = make_dirs(dir, err);
-  if (rc < 0) return rc;
-  DIR *d = opendir(dir);
-  if (d == NULL) return err_set(err, WEIGHTD_E_IO, "%s: %s", dir, strerror(errno));
-  struct dirent *e;
-  while ((e = readdir(d)) != NULL) {
-    if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
-    if (!own_file_name(e->d_name)) {
-      rc = err_set(err, WEIGHTD_E_INVALID,
-                   "%s: holds '%s', which mkcheckpoint does not write; choose an empty directory", dir,
-                   e->d_name);
-      break;
-    }
-  }
-  closedir(d);
+  if (rc == 0) rc = stw_dir_find_foreign(dir, foreign, sizeof foreign, err);
+  if (rc > 0)
+    rc = err_set(err, WEIGHTD_E_INVALID, "%s: holds '%s', which mkcheckpoint does not write; choose an empty directory",
+                 dir, foreign);
   return rc;
 }
 
-/* Removes the files of an earlier run from dir: own-named files not in keep[0..nkeep). */
-static void remove_stale(const char *dir, const char *const *keep, size_t nkeep) {
-  DIR *d = opendir(dir);
-  if (d == NULL) return;
-  struct dirent *e;
-  while ((e = readdir(d)) != NULL) {
-    if (!own_file_name(e->d_name)) continue;
-    bool kept = false;
-    for (size_t i = 0; i < nkeep && !kept; i++) kept = strcmp(keep[i], e->d_name) == 0;
-    if (!kept) unlinkat(dirfd(d), e->d_name, 0);
-  }
-  closedir(d);
-}
-
-/* ---- writing -------------------------------------------------------------------- */
-
-/* One output file: its final name, its descriptor while open, its tensors. */
-struct out_file {
-  char name[64];
-  int fd;
-  bool created;
-  size_t first;
-  size_t count;
-  uint64_t data_start;
-  uint64_t data_bytes;
-};
-
-/* One job: bytes [off, off+len) of a shard's data. */
-struct job {
-  uint32_t shard;
-  uint32_t len;
-  uint64_t off;
-};
-
-/* What the workers share (see DESIGN above). */
-struct writer {
+/* What the writer's workers read: the layout and every tensor's stream key. */
+struct stream {
   const struct ckpt_layout *l;
-  const char *dir;
   uint64_t *keys;
-  struct out_file *files;
-  struct job *jobs;
-  size_t njobs;
-  atomic_size_t next;
-  atomic_bool stop;
-  pthread_mutex_t lock;
-  struct wd_error err; /* guarded by lock; err.code 0 until the first failure */
 };
 
-/* Records the first failure and tells every worker to stop. */
-static void writer_fail(struct writer *w, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-
-static void writer_fail(struct writer *w, int code, const char *fmt, ...) {
-  pthread_mutex_lock(&w->lock);
-  if (w->err.code == 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(w->err.msg, sizeof w->err.msg, fmt, ap);
-    va_end(ap);
-    w->err.code = code;
-  }
-  pthread_mutex_unlock(&w->lock);
-  atomic_store(&w->stop, true);
-}
-
-/* Generates the bytes of job j into buf. */
-static void job_generate(const struct writer *w, const struct job *j, unsigned char *buf) {
-  const struct out_file *f = &w->files[j->shard];
-  const struct ckpt_tensor *t = w->l->tensors + f->first;
-  size_t lo = 0, hi = f->count;
-  while (hi - lo > 1) { /* the last tensor that starts at or before j->off */
-    size_t mid = lo + (hi - lo) / 2;
-    if (t[mid].offset <= j->off) lo = mid;
-    else hi = mid;
-  }
-  uint64_t end = j->off + j->len;
-  for (size_t i = lo; i < f->count && t[i].offset < end; i++) {
-    uint64_t a = t[i].offset > j->off ? t[i].offset : j->off;
-    uint64_t b = t[i].offset + t[i].nbytes < end ? t[i].offset + t[i].nbytes : end;
-    if (b <= a) continue;
-    fillers[t[i].fill](buf + (a - j->off), w->keys[f->first + i], a - t[i].offset, (size_t)(b - a));
-  }
-}
-
-/* A worker: takes jobs until none are left or one failed. */
-static void *worker_main(void *arg) {
-  struct writer *w = arg;
-  unsigned char *buf = malloc(CHUNK_BYTES);
-  if (buf == NULL) {
-    writer_fail(w, WEIGHTD_E_NOMEM, "cannot allocate a %zu-byte buffer", CHUNK_BYTES);
-    return NULL;
-  }
-  while (!atomic_load(&w->stop)) {
-    size_t n = atomic_fetch_add(&w->next, 1);
-    if (n >= w->njobs) break;
-    const struct job *j = &w->jobs[n];
-    const struct out_file *f = &w->files[j->shard];
-    job_generate(w, j, buf);
-    if (pwrite_all(f->fd, buf, j->len, f->data_start + j->off) < 0) {
-      writer_fail(w, WEIGHTD_E_IO, "%s/%s.tmp: write: %s", w->dir, f->name, strerror(errno));
-      break;
-    }
-  }
-  free(buf);
-  return NULL;
-}
-
-/* Builds the safetensors header of file f: 8-byte length, JSON, spaces to a multiple of 8. */
-static int header_build(const struct ckpt_layout *l, const struct out_file *f, struct sbuf *b) {
-  sb_printf(b, "12345678{\"__metadata__\":{\"format\":\"pt\"}");
-  for (size_t i = f->first; i < f->first + f->count; i++) {
-    const struct ckpt_tensor *t = &l->tensors[i];
-    sb_printf(b, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[%llu", t->name, dtype_name(t->dtype),
-              (unsigned long long)t->shape[0]);
-    if (t->ndim > 1) sb_printf(b, ",%llu", (unsigned long long)t->shape[1]);
-    sb_printf(b, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)t->offset,
-              (unsigned long long)(t->offset + t->nbytes));
-  }
-  sb_printf(b, "}");
-  while (b->rc == 0 && b->len % 8 != 0) sb_printf(b, " ");
-  if (b->rc < 0) return b->rc;
-  uint64_t n = b->len - 8;
-  for (int i = 0; i < 8; i++) b->p[i] = (char)(n >> (8 * i));
+/* The writer's fill callback: bytes [off, off+len) of tensor i's stream. */
+static int tensor_generate(void *arg, size_t i, uint64_t off, size_t len, unsigned char *dst, struct wd_error *err) {
+  const struct stream *st = arg;
+  (void)err;
+  fillers[st->l->tensors[i].fill](dst, st->keys[i], off, len);
   return 0;
 }
 
-/* Creates shard file i as "<name>.tmp", writes its header and reserves its size. */
-static int shard_open(struct writer *w, uint32_t i, struct wd_error *err) {
-  struct out_file *f = &w->files[i];
-  struct sbuf hdr = {0};
-  char path[PATH_MAX];
-  int rc = path_join(path, sizeof path, w->dir, f->name, ".tmp", err);
-  if (rc < 0) goto fail;
-  f->fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (f->fd < 0) {
-    rc = err_set(err, WEIGHTD_E_IO, "%s: %s", path, strerror(errno));
-    goto fail;
-  }
-  f->created = true;
-  rc = header_build(w->l, f, &hdr);
-  if (rc < 0) {
-    err_set(err, rc, "%s: cannot build the header", path);
-    goto fail;
-  }
-  f->data_start = hdr.len;
-  uint64_t size = f->data_start + f->data_bytes;
-  if (fallocate(f->fd, 0, 0, (off_t)size) < 0 && errno != EOPNOTSUPP && errno != ENOSYS) {
-    rc = err_set(err, WEIGHTD_E_IO, "%s: cannot reserve %llu bytes: %s", path, (unsigned long long)size,
-                 strerror(errno));
-    goto fail;
-  }
-  if (ftruncate(f->fd, (off_t)size) < 0 || pwrite_all(f->fd, hdr.p, hdr.len, 0) < 0) {
-    rc = err_set(err, WEIGHTD_E_IO, "%s: %s", path, strerror(errno));
-    goto fail;
-  }
-  free(hdr.p);
-  return 0;
+/* The writer's byte counts, for the progress line. */
+static void writer_progress(void *arg, uint64_t *done, uint64_t *total) { stw_progress_get(arg, done, total); }
 
-fail:
-  free(hdr.p);
-  return rc;
-}
-
-/* Cuts the data of every shard into jobs of at most CHUNK_BYTES. */
-static int jobs_build(struct writer *w, struct wd_error *err) {
-  size_t n = 0;
-  for (uint32_t s = 0; s < w->l->shards; s++) n += (size_t)((w->files[s].data_bytes + CHUNK_BYTES - 1) / CHUNK_BYTES);
-  w->jobs = calloc(n ? n : 1, sizeof *w->jobs);
-  if (w->jobs == NULL) return err_set(err, WEIGHTD_E_NOMEM, "cannot allocate %zu jobs", n);
-  for (uint32_t s = 0; s < w->l->shards; s++) {
-    for (uint64_t off = 0; off < w->files[s].data_bytes; off += CHUNK_BYTES) {
-      uint64_t left = w->files[s].data_bytes - off;
-      w->jobs[w->njobs++] = (struct job){s, (uint32_t)(left < CHUNK_BYTES ? left : CHUNK_BYTES), off};
-    }
-  }
-  return 0;
-}
-
-/* Runs `nthreads` workers over all jobs; returns 0 or the first worker's error. */
-static int workers_run(struct writer *w, unsigned nthreads, struct wd_error *err) {
-  pthread_t threads[MAX_THREADS];
-  unsigned started = 0;
-  int rc = 0;
-  for (; started < nthreads; started++) {
-    int e = pthread_create(&threads[started], NULL, worker_main, w);
-    if (e != 0) {
-      writer_fail(w, WEIGHTD_E_INTERNAL, "cannot start a worker thread: %s", strerror(e));
-      break;
-    }
-  }
-  for (unsigned i = 0; i < started; i++) pthread_join(threads[i], NULL);
-  if (w->err.code != 0) rc = err_set(err, w->err.code, "%s", w->err.msg);
-  return rc;
-}
-
-/* Writes `text` to dir/name.tmp; the caller renames it. */
-static int small_file_write(const char *dir, const char *name, const char *text, size_t len,
-                            struct wd_error *err) {
-  char path[PATH_MAX];
-  int rc = path_join(path, sizeof path, dir, name, ".tmp", err);
-  if (rc < 0) return rc;
-  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return err_set(err, WEIGHTD_E_IO, "%s: %s", path, strerror(errno));
-  if (pwrite_all(fd, text, len, 0) < 0) {
-    rc = err_set(err, WEIGHTD_E_IO, "%s: %s", path, strerror(errno));
-    goto fail;
-  }
-  if (close(fd) < 0) {
-    fd = -1;
-    rc = err_set(err, WEIGHTD_E_IO, "%s: %s", path, strerror(errno));
-    goto fail;
-  }
-  return 0;
-
-fail:
-  if (fd >= 0) close(fd);
-  unlink(path);
-  return rc;
-}
-
-/* Orders tensors by name, as the index's sorted weight_map does. */
-static int tensor_name_cmp(const void *a, const void *b) {
-  const struct ckpt_tensor *const *x = a, *const *y = b;
-  return strcmp((*x)->name, (*y)->name);
-}
-
-/* Builds model.safetensors.index.json as save_pretrained writes it (sorted keys, indent 2). */
-static int index_build(const struct writer *w, struct sbuf *b) {
-  const struct ckpt_layout *l = w->l;
-  const struct ckpt_tensor **sorted = malloc(l->count * sizeof *sorted);
-  if (sorted == NULL) return WEIGHTD_E_NOMEM;
-  for (size_t i = 0; i < l->count; i++) sorted[i] = &l->tensors[i];
-  qsort(sorted, l->count, sizeof *sorted, tensor_name_cmp);
-  sb_printf(b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {\n",
-            (unsigned long long)l->total_bytes);
-  for (size_t i = 0; i < l->count; i++)
-    sb_printf(b, "    \"%s\": \"%s\"%s\n", sorted[i]->name, w->files[sorted[i]->shard].name,
-              i + 1 < l->count ? "," : "");
-  sb_printf(b, "  }\n}\n");
-  free(sorted);
-  return b->rc;
-}
-
-/* Writes config.json.tmp and, for a sharded layout, model.safetensors.index.json.tmp. */
-static int meta_write(const struct writer *w, struct wd_error *err) {
-  struct sbuf idx = {0};
-  char *cfg = NULL;
-  size_t cfglen = 0;
-  int rc;
-  FILE *f = open_memstream(&cfg, &cfglen);
+/* Prints the config.json of layout l into a new buffer *text of *len bytes. */
+static int config_build(const struct ckpt_layout *l, char **text, size_t *len, struct wd_error *err) {
+  FILE *f = open_memstream(text, len);
   if (f == NULL) return err_set(err, WEIGHTD_E_NOMEM, "cannot build config.json");
-  rc = ckpt_config_write(w->l, f);
+  int rc = ckpt_config_write(l, f);
   if (fclose(f) != 0 && rc == 0) rc = WEIGHTD_E_NOMEM;
   if (rc < 0) {
-    err_set(err, rc, "cannot build config.json");
-    goto fail;
+    free(*text);
+    *text = NULL;
+    return err_set(err, rc, "cannot build config.json");
   }
-  rc = small_file_write(w->dir, "config.json", cfg, cfglen, err);
-  if (rc < 0) goto fail;
-  if (w->l->shards > 1) {
-    rc = index_build(w, &idx);
-    if (rc < 0) {
-      err_set(err, rc, "cannot build model.safetensors.index.json");
-      goto fail;
-    }
-    rc = small_file_write(w->dir, "model.safetensors.index.json", idx.p, idx.len, err);
-    if (rc < 0) goto fail;
-  }
-  free(cfg);
-  free(idx.p);
   return 0;
-
-fail:
-  free(cfg);
-  free(idx.p);
-  return rc;
-}
-
-/* Renames dir/name.tmp to dir/name. */
-static int rename_into_place(const char *dir, const char *name, struct wd_error *err) {
-  char from[PATH_MAX], to[PATH_MAX];
-  int rc = path_join(from, sizeof from, dir, name, ".tmp", err);
-  if (rc == 0) rc = path_join(to, sizeof to, dir, name, "", err);
-  if (rc == 0 && rename(from, to) < 0) rc = err_set(err, WEIGHTD_E_IO, "%s: rename: %s", to, strerror(errno));
-  return rc;
-}
-
-/* Closes the shards and removes every .tmp file this run created (nothing before the files exist). */
-static void tmp_cleanup(const struct writer *w) {
-  static const char *const meta[] = {"config.json", "model.safetensors.index.json"};
-  char path[PATH_MAX];
-  if (w->files == NULL) return;
-  for (uint32_t s = 0; s < w->l->shards; s++) {
-    if (w->files[s].fd >= 0) close(w->files[s].fd);
-    w->files[s].fd = -1;
-    if (w->files[s].created && path_join(path, sizeof path, w->dir, w->files[s].name, ".tmp", NULL) == 0)
-      unlink(path);
-  }
-  for (size_t i = 0; i < sizeof meta / sizeof meta[0]; i++)
-    if (path_join(path, sizeof path, w->dir, meta[i], ".tmp", NULL) == 0) unlink(path);
 }
 
 /*
@@ -579,108 +189,87 @@ static void tmp_cleanup(const struct writer *w) {
  * and (for several shards) the index. Fills *seconds with the time the
  * writing took. Returns 0 or a negative code with err filled.
  */
-static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64_t seed, unsigned nthreads,
-                            double *seconds, struct wd_error *err) {
-  struct writer w = {.l = l, .dir = dir};
-  const char **keep = NULL;
-  size_t nkeep = 0;
-  int rc;
-  atomic_init(&w.next, 0);
-  atomic_init(&w.stop, false);
-  pthread_mutex_init(&w.lock, NULL);
+static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64_t seed, unsigned nthreads, bool sparse,
+                            double *seconds, uint64_t *disk_bytes, struct wd_error *err) {
+  struct stream st = {.l = l};
+  struct stw_tensor *ts = NULL;
+  struct stw_writer *w = NULL;
+  char *cfg = NULL;
+  size_t cfglen = 0;
   double t0 = clock_s();
 
-  rc = prepare_dir(dir, err);
+  int rc = prepare_dir(dir, err);
+  if (rc == 0) rc = config_build(l, &cfg, &cfglen, err);
   if (rc < 0) goto fail;
-  w.keys = malloc(l->count * sizeof *w.keys);
-  w.files = calloc(l->shards, sizeof *w.files);
-  keep = calloc((size_t)l->shards + 2, sizeof *keep);
-  if (w.keys == NULL || w.files == NULL || keep == NULL) {
+  st.keys = malloc((l->count ? l->count : 1) * sizeof *st.keys);
+  ts = calloc(l->count ? l->count : 1, sizeof *ts);
+  if (st.keys == NULL || ts == NULL) {
     rc = err_set(err, WEIGHTD_E_NOMEM, "cannot allocate the writer state");
     goto fail;
   }
-  for (size_t i = 0; i < l->count; i++) w.keys[i] = tensor_key(seed, l->tensors[i].name);
-  for (uint32_t s = 0; s < l->shards; s++) {
-    w.files[s].fd = -1;
-    ckpt_shard_name(l, s, w.files[s].name, sizeof w.files[s].name);
-  }
   for (size_t i = 0; i < l->count; i++) {
-    struct out_file *f = &w.files[l->tensors[i].shard];
-    if (f->count == 0) f->first = i;
-    f->count++;
-    f->data_bytes += l->tensors[i].nbytes;
+    const struct ckpt_tensor *t = &l->tensors[i];
+    st.keys[i] = tensor_key(seed, t->name);
+    ts[i] = (struct stw_tensor){.name = t->name, .dtype = t->dtype, .ndim = t->ndim, .shape = t->shape,
+                                .nbytes = t->nbytes, .file = t->shard};
   }
-  for (uint32_t s = 0; s < l->shards; s++) {
-    rc = shard_open(&w, s, err);
-    if (rc < 0) goto fail;
+  const struct stw_meta meta[] = {{"format", "pt"}};
+  const struct stw_companion companion = {"config.json", cfg, cfglen};
+  const struct stw_spec spec = {
+      .dir = dir,
+      .tensors = ts,
+      .ntensors = l->count,
+      .name_digits = l->preset->shard_count_digits,
+      .meta = meta,
+      .nmeta = 1,
+      .companions = &companion,
+      .ncompanions = 1,
+      .fill = tensor_generate,
+      .fill_arg = &st,
+      .threads = nthreads,
+      .sparse = sparse,
+  };
+  rc = stw_create(&spec, &w, err);
+  if (rc == 0) {
+    ctl_progress_watch("mkcheckpoint", writer_progress, w);
+    rc = stw_run(w, err);
+    ctl_progress_end();
   }
-  rc = jobs_build(&w, err);
   if (rc < 0) goto fail;
-  if (nthreads > w.njobs) nthreads = (unsigned)w.njobs;
-  if (nthreads == 0) nthreads = 1;
-  rc = workers_run(&w, nthreads, err);
-  if (rc < 0) goto fail;
-  for (uint32_t s = 0; s < l->shards; s++) {
-    int fd = w.files[s].fd;
-    w.files[s].fd = -1;
-    if (close(fd) < 0) {
-      rc = err_set(err, WEIGHTD_E_IO, "%s/%s.tmp: close: %s", dir, w.files[s].name, strerror(errno));
-      goto fail;
-    }
-  }
-  rc = meta_write(&w, err);
-  if (rc < 0) goto fail;
-
-  /* Shards first, the index last: a reader that finds the index finds every shard. */
-  for (uint32_t s = 0; s < l->shards; s++) {
-    rc = rename_into_place(dir, w.files[s].name, err);
-    if (rc < 0) goto fail;
-    w.files[s].created = false;
-    keep[nkeep++] = w.files[s].name;
-  }
-  rc = rename_into_place(dir, "config.json", err);
-  if (rc < 0) goto fail;
-  keep[nkeep++] = "config.json";
-  if (l->shards > 1) {
-    rc = rename_into_place(dir, "model.safetensors.index.json", err);
-    if (rc < 0) goto fail;
-    keep[nkeep++] = "model.safetensors.index.json";
-  }
-  remove_stale(dir, keep, nkeep);
   *seconds = clock_s() - t0;
-  free(keep);
-  free(w.jobs);
-  free(w.files);
-  free(w.keys);
-  pthread_mutex_destroy(&w.lock);
+  *disk_bytes = stw_disk_bytes(w);
+  stw_free(w);
+  free(ts);
+  free(st.keys);
+  free(cfg);
   return 0;
 
 fail:
-  tmp_cleanup(&w);
-  free(keep);
-  free(w.jobs);
-  free(w.files);
-  free(w.keys);
-  pthread_mutex_destroy(&w.lock);
+  stw_free(w);
+  free(ts);
+  free(st.keys);
+  free(cfg);
   return rc;
 }
 
 /* ---- the command ------------------------------------------------------------------ */
 
-enum opt_id { OPT_PRESET, OPT_OUT, OPT_LAYERS, OPT_EXPERTS, OPT_SEED, OPT_LIST, OPT_COUNT };
+enum opt_id { OPT_PRESET, OPT_OUT, OPT_LAYERS, OPT_EXPERTS, OPT_SEED, OPT_LIST, OPT_SPARSE, OPT_COUNT };
 enum opt_kind { OPT_KIND_STRING, OPT_KIND_U64, OPT_KIND_FLAG };
 
-/* The options, one row each. */
+/* The options, one row each: the command line's option and how its value reads. */
 static const struct {
+  enum ctl_opt_id id;
   const char *name;
   enum opt_kind kind;
 } opt_defs[OPT_COUNT] = {
-    [OPT_PRESET] = {"--preset", OPT_KIND_STRING},
-    [OPT_OUT] = {"--out", OPT_KIND_STRING},
-    [OPT_LAYERS] = {"--layers", OPT_KIND_U64},
-    [OPT_EXPERTS] = {"--experts", OPT_KIND_U64},
-    [OPT_SEED] = {"--seed", OPT_KIND_U64},
-    [OPT_LIST] = {"--list", OPT_KIND_FLAG},
+    [OPT_PRESET] = {CTL_OPT_PRESET, "--preset", OPT_KIND_STRING},
+    [OPT_OUT] = {CTL_OPT_OUT, "--out", OPT_KIND_STRING},
+    [OPT_LAYERS] = {CTL_OPT_LAYERS, "--layers", OPT_KIND_U64},
+    [OPT_EXPERTS] = {CTL_OPT_EXPERTS, "--experts", OPT_KIND_U64},
+    [OPT_SEED] = {CTL_OPT_SEED, "--seed", OPT_KIND_U64},
+    [OPT_LIST] = {CTL_OPT_LIST, "--list", OPT_KIND_FLAG},
+    [OPT_SPARSE] = {CTL_OPT_SPARSE, "--sparse", OPT_KIND_FLAG},
 };
 
 struct options {
@@ -689,40 +278,16 @@ struct options {
   unsigned long long num[OPT_COUNT];
 };
 
-/* Parses argv (argv[0] is the command) into o; returns 0 or -1 after printing why. */
-static int options_parse(int argc, char **argv, struct options *o) {
+/* Reads the parsed arguments into o; returns 0 or -1 after printing why. */
+static int options_get(const struct ctl_args *a, struct options *o) {
   memset(o, 0, sizeof *o);
-  for (int a = 1; a < argc; a++) {
-    const char *arg = argv[a];
-    const char *eq = strchr(arg, '=');
-    size_t nlen = eq ? (size_t)(eq - arg) : strlen(arg);
-    int id = -1;
-    for (int k = 0; k < OPT_COUNT; k++)
-      if (strlen(opt_defs[k].name) == nlen && strncmp(opt_defs[k].name, arg, nlen) == 0) id = k;
-    if (id < 0) {
-      ctl_errorf("mkcheckpoint: unknown argument '%s'", arg);
+  for (int k = 0; k < OPT_COUNT; k++) {
+    o->given[k] = ctl_has(a, opt_defs[k].id);
+    o->text[k] = ctl_val(a, opt_defs[k].id);
+    if (o->given[k] && opt_defs[k].kind == OPT_KIND_U64 && ctl_parse_u64(o->text[k], &o->num[k]) < 0) {
+      ctl_usage_error("%s: '%s' is not a non-negative integer", opt_defs[k].name, o->text[k]);
       return -1;
     }
-    const char *value = NULL;
-    if (opt_defs[id].kind == OPT_KIND_FLAG) {
-      if (eq != NULL) {
-        ctl_errorf("mkcheckpoint: %s takes no value", opt_defs[id].name);
-        return -1;
-      }
-    } else if (eq != NULL) {
-      value = eq + 1;
-    } else if (a + 1 < argc) {
-      value = argv[++a];
-    } else {
-      ctl_errorf("mkcheckpoint: %s needs a value", opt_defs[id].name);
-      return -1;
-    }
-    if (opt_defs[id].kind == OPT_KIND_U64 && ctl_parse_u64(value, &o->num[id]) < 0) {
-      ctl_errorf("mkcheckpoint: %s: '%s' is not a non-negative integer", opt_defs[id].name, value);
-      return -1;
-    }
-    o->given[id] = true;
-    o->text[id] = value;
   }
   return 0;
 }
@@ -742,8 +307,12 @@ static struct ckpt_variant variant_of(const struct options *o, const struct ckpt
  */
 static int list_presets(const struct options *o) {
   struct wd_error err = {0};
-  printf("%-14s %-22s %6s %7s %8s %15s %10s %6s\n", "PRESET", "ARCHITECTURE", "LAYERS", "EXPERTS", "TENSORS",
-         "PAYLOAD_BYTES", "PAYLOAD_GB", "SHARDS");
+  cJSON *json = ctl_opts.json ? cJSON_CreateObject() : NULL;
+  cJSON *rows = json ? cJSON_AddArrayToObject(json, "presets") : NULL;
+  if (json != NULL) cJSON_AddTrueToObject(json, "ok");
+  else
+    printf("%-14s %-22s %6s %7s %8s %15s %11s %6s\n", "PRESET", "ARCHITECTURE", "LAYERS", "EXPERTS", "TENSORS",
+           "PAYLOAD_BYTES", "PAYLOAD_GIB", "SHARDS");
   for (size_t i = 0; i < ckpt_preset_count(); i++) {
     const struct ckpt_preset *p = ckpt_preset_at(i);
     if (o->given[OPT_PRESET] && strcmp(p->name, o->text[OPT_PRESET]) != 0) continue;
@@ -751,14 +320,28 @@ static int list_presets(const struct options *o) {
     struct ckpt_layout l;
     if (ckpt_layout_build(p, &v, &l, &err) < 0) {
       ctl_errorf("%s", err.msg);
+      cJSON_Delete(json);
       return CTL_EXIT_FAIL;
     }
     char experts[16] = "-";
     if (l.model.num_experts > 0) snprintf(experts, sizeof experts, "%u", l.model.num_experts);
-    printf("%-14s %-22s %6u %7s %8zu %15llu %10.2f %6u\n", p->name, p->architecture, l.layers, experts, l.count,
-           (unsigned long long)l.total_bytes, (double)l.total_bytes / 1e9, l.shards);
+    if (json != NULL) {
+      cJSON *r = cJSON_CreateObject();
+      cJSON_AddStringToObject(r, "preset", p->name);
+      cJSON_AddStringToObject(r, "architecture", p->architecture);
+      cJSON_AddItemToObject(r, "layers", json_u64_create(l.layers));
+      cJSON_AddItemToObject(r, "experts", json_u64_create(l.model.num_experts));
+      cJSON_AddItemToObject(r, "tensors", json_u64_create(l.count));
+      cJSON_AddItemToObject(r, "payload_bytes", json_u64_create(l.total_bytes));
+      cJSON_AddItemToObject(r, "shards", json_u64_create(l.shards));
+      cJSON_AddItemToArray(rows, r);
+    } else {
+      printf("%-14s %-22s %6u %7s %8zu %15llu %11.2f %6u\n", p->name, p->architecture, l.layers, experts, l.count,
+             (unsigned long long)l.total_bytes, (double)l.total_bytes / (double)(1ull << 30), l.shards);
+    }
     ckpt_layout_free(&l);
   }
+  if (json != NULL) ctl_json_print(json);
   return CTL_EXIT_OK;
 }
 
@@ -770,64 +353,129 @@ static int experts_check(const struct options *o, const struct ckpt_preset *p) {
   unsigned long long n = o->num[OPT_EXPERTS];
   if (!o->given[OPT_EXPERTS]) return 0;
   if (p == NULL) {
-    ctl_errorf("mkcheckpoint: --experts needs --preset");
+    ctl_usage_error("--experts needs --preset");
     return -1;
   }
   if (p->num_experts == 0) {
-    ctl_errorf("mkcheckpoint: --experts: %s is a dense model without routed experts", p->name);
+    ctl_usage_error("--experts: %s is a dense model without routed experts", p->name);
     return -1;
   }
   if (n < 1 || n > p->num_experts) {
-    ctl_errorf("mkcheckpoint: --experts must be 1 to %u for %s, not %llu", p->num_experts, p->name, n);
+    ctl_usage_error("--experts must be 1 to %u for %s, not %llu", p->num_experts, p->name, n);
     return -1;
   }
   return 0;
 }
 
-int cmd_mkcheckpoint(int argc, char **argv) {
+static int run_mkcheckpoint(const struct ctl_args *a) {
   struct options o;
   struct wd_error err = {0};
   struct ckpt_layout l = {0};
   const struct ckpt_preset *p = NULL;
   double seconds = 0;
+  uint64_t disk = 0;
 
-  if (options_parse(argc, argv, &o) < 0) return ctl_usage("mkcheckpoint");
+  if (options_get(a, &o) < 0) return CTL_EXIT_USAGE;
   if (o.given[OPT_PRESET]) {
     p = ckpt_preset_find(o.text[OPT_PRESET]);
     if (p == NULL) {
-      ctl_errorf("mkcheckpoint: unknown preset '%s' (--list shows them)", o.text[OPT_PRESET]);
-      return ctl_usage("mkcheckpoint");
+      const char *names[64];
+      size_t n = ckpt_preset_count() < 64 ? ckpt_preset_count() : 64;
+      for (size_t i = 0; i < n; i++) names[i] = ckpt_preset_at(i)->name;
+      const char *best = suggest_closest(o.text[OPT_PRESET], names, n);
+      if (best != NULL) return ctl_usage_error("unknown preset '%s'; did you mean '%s'?", o.text[OPT_PRESET], best);
+      return ctl_usage_error("unknown preset '%s' (--list shows them)", o.text[OPT_PRESET]);
     }
   }
   if (o.given[OPT_LAYERS] && (p == NULL || o.num[OPT_LAYERS] < 1 || o.num[OPT_LAYERS] > p->num_layers)) {
-    if (p == NULL) ctl_errorf("mkcheckpoint: --layers needs --preset");
-    else ctl_errorf("mkcheckpoint: --layers must be 1 to %u for %s", p->num_layers, p->name);
-    return ctl_usage("mkcheckpoint");
+    if (p == NULL) return ctl_usage_error("--layers needs --preset");
+    return ctl_usage_error("--layers must be 1 to %u for %s", p->num_layers, p->name);
   }
   if (experts_check(&o, p) < 0) return CTL_EXIT_USAGE;
   if (o.given[OPT_LIST]) return list_presets(&o);
-  if (p == NULL || !o.given[OPT_OUT]) {
-    ctl_errorf("mkcheckpoint: needs --preset and --out");
-    return ctl_usage("mkcheckpoint");
-  }
+  if (p == NULL || !o.given[OPT_OUT]) return ctl_usage_error("needs --preset and --out (or --list)");
 
   struct ckpt_variant v = variant_of(&o, p);
-  unsigned nthreads = usable_cpus();
-  if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
+  unsigned nthreads = stw_cpus_usable();
+  if (nthreads > STW_THREADS_MAX) nthreads = STW_THREADS_MAX;
   if (ckpt_layout_build(p, &v, &l, &err) < 0) goto fail;
-  if (checkpoint_write(&l, o.text[OPT_OUT], o.num[OPT_SEED], nthreads, &seconds, &err) < 0) goto fail;
+  bool sparse = o.given[OPT_SPARSE];
+  if (checkpoint_write(&l, o.text[OPT_OUT], o.num[OPT_SEED], nthreads, sparse, &seconds, &disk, &err) < 0) goto fail;
   char experts[48] = "";
   if (p->num_experts > 0) snprintf(experts, sizeof experts, ", %u of %u experts", l.model.num_experts, p->num_experts);
-  printf("wrote %s (%u of %u layers%s): %zu tensors, %llu payload bytes, %u shard%s in %s; %.2f s, %.2f GB/s, "
-         "%u thread%s\n",
-         p->name, l.layers, p->num_layers, experts, l.count, (unsigned long long)l.total_bytes, l.shards,
-         l.shards == 1 ? "" : "s", o.text[OPT_OUT], seconds, seconds > 0 ? (double)l.total_bytes / 1e9 / seconds : 0.0,
-         nthreads, nthreads == 1 ? "" : "s");
+  double rate = seconds > 0 ? (double)l.total_bytes / (double)(1ull << 30) / seconds : 0.0;
+  if (ctl_opts.json) {
+    cJSON *r = cJSON_CreateObject();
+    cJSON_AddTrueToObject(r, "ok");
+    cJSON_AddStringToObject(r, "preset", p->name);
+    cJSON_AddStringToObject(r, "out", o.text[OPT_OUT]);
+    cJSON_AddItemToObject(r, "layers", json_u64_create(l.layers));
+    cJSON_AddItemToObject(r, "experts", json_u64_create(l.model.num_experts));
+    cJSON_AddItemToObject(r, "tensors", json_u64_create(l.count));
+    cJSON_AddItemToObject(r, "payload_bytes", json_u64_create(l.total_bytes));
+    cJSON_AddItemToObject(r, "shards", json_u64_create(l.shards));
+    cJSON_AddBoolToObject(r, "sparse", sparse);
+    if (sparse) cJSON_AddItemToObject(r, "disk_bytes", json_u64_create(disk));
+    cJSON_AddNumberToObject(r, "seconds", seconds);
+    if (!sparse) cJSON_AddNumberToObject(r, "gib_per_s", rate);
+    cJSON_AddItemToObject(r, "threads", json_u64_create(nthreads));
+    ctl_json_print(r);
+  } else if (sparse) {
+    printf("wrote %s sparse (%u of %u layers%s): %zu tensors, %llu payload bytes as holes that read as zeros, "
+           "%u shard%s in %s; %llu bytes on disk; %.2f s\n",
+           p->name, l.layers, p->num_layers, experts, l.count, (unsigned long long)l.total_bytes, l.shards,
+           l.shards == 1 ? "" : "s", o.text[OPT_OUT], (unsigned long long)disk, seconds);
+  } else {
+    printf("wrote %s (%u of %u layers%s): %zu tensors, %llu payload bytes, %u shard%s in %s; %.2f s, %.2f GiB/s, "
+           "%u thread%s\n",
+           p->name, l.layers, p->num_layers, experts, l.count, (unsigned long long)l.total_bytes, l.shards,
+           l.shards == 1 ? "" : "s", o.text[OPT_OUT], seconds, rate, nthreads, nthreads == 1 ? "" : "s");
+  }
+  if (sparse) {
+    ckpt_layout_free(&l);
+    return CTL_EXIT_OK;
+  }
   ckpt_layout_free(&l);
   return CTL_EXIT_OK;
 
 fail:
-  ctl_errorf("mkcheckpoint: %s", err.msg);
+  ctl_errorc(weightd_err_name(err.code), "mkcheckpoint: %s", err.msg);
   ckpt_layout_free(&l);
   return CTL_EXIT_FAIL;
 }
+
+static const struct optab_opt mkcheckpoint_opts[] = {
+    {CTL_OPT_PRESET, "preset", 0, OPTAB_VALUE, "NAME",
+     "The published model whose layout to write (--list shows them: qwen3-0.6b, qwen3-4b, qwen3-30b-a3b, "
+     "deepseek-v3, ...).",
+     0, NULL},
+    {CTL_OPT_OUT, "out", 0, OPTAB_VALUE, "DIR", "The directory to write (created if missing; it must hold only "
+     "files mkcheckpoint writes).", 0, "@dir"},
+    {CTL_OPT_LAYERS, "layers", 0, OPTAB_VALUE, "N", "Write only the first N layers (default: all of them).", 0,
+     NULL},
+    {CTL_OPT_EXPERTS, "experts", 0, OPTAB_VALUE, "N",
+     "Routed experts per MoE layer (default: the model's own count); MoE presets only.", 0, NULL},
+    {CTL_OPT_SEED, "seed", 0, OPTAB_VALUE, "S", "The seed of the bytes (default 0): the same seed writes the same "
+     "files, whatever the thread count.", 0, NULL},
+    {CTL_OPT_LIST, "list", 0, OPTAB_SWITCH, NULL,
+     "List the presets (or the one --preset names, cut as --layers and --experts say) with their tensors, bytes "
+     "and shards, instead of writing.", 0, NULL},
+    {CTL_OPT_SPARSE, "sparse", 0, OPTAB_SWITCH, NULL,
+     "Write the tensor data as holes: files of the right size that read as zeros and take almost no disk (the "
+     "headers, index and config.json are real), so a 673 GB layout fits a small disk. The file system must keep "
+     "holes; one that does not is refused before anything large is written.",
+     0, NULL},
+};
+
+const struct ctl_cmd ctl_cmd_mkcheckpoint = {
+    .name = "mkcheckpoint",
+    .args = "",
+    .summary = "write a synthetic checkpoint with a published model's exact layout (no daemon)",
+    .description =
+        "Writes a checkpoint with the exact tensor names, shapes, dtypes, shard files, index and config.json of "
+        "a published Hugging Face model, filled with seeded random bytes, to qualify a node or test an engine "
+        "without downloading weights (see docs/checkpoints.md). On a terminal a progress line shows the bytes, "
+        "rate and time left.",
+    .opts = CTL_OPTS(mkcheckpoint_opts),
+    .run = run_mkcheckpoint,
+};

@@ -7,12 +7,18 @@ started with `--foreground --backend host` on a socket in a fresh directory;
 at the end of the test it is stopped with SIGTERM and must exit with status 0
 within a few seconds and without a sanitizer report in its log (an ASan build
 is detected and run with detect_leaks=1). A failing test prints the log.
+
+The metrics endpoints are off (`metrics_address=""`) unless a test asks for
+them: start_daemon(metrics=True) serves them on a free loopback port of the
+daemon's own (d.metrics_address), so that daemons of tests run in parallel
+never share one.
 """
 import faulthandler
 import os
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -197,10 +203,29 @@ def tiny(model_root):
 # ---- the daemon -------------------------------------------------------------------
 
 
-class Daemon:
-    """One weightd process on a private socket."""
+def free_port():
+    """A loopback TCP port that was free a moment ago (bound to port 0, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-    def __init__(self, workdir, model_root, settings=None, roots=None, log_level=None, public=False, nofile=None):
+
+# What weightd logs when metrics_address cannot be bound (it serves the socket anyway).
+METRICS_BIND_FAILED = "metrics and probes are off"
+
+
+class Daemon:
+    """One weightd process on a private socket.
+
+    metrics: serve the metrics endpoints on a free loopback port (d.metrics_address);
+    otherwise they are off unless settings name a metrics_address (None: no
+    flag, the config file decides). config: a config file (--config), read
+    again on SIGHUP. nofile: the daemon's RLIMIT_NOFILE, one number for soft
+    and hard or a (soft, hard) pair, for running it out of descriptors.
+    """
+
+    def __init__(self, workdir, model_root, settings=None, roots=None, log_level=None, public=False,
+                 metrics=False, nofile=None, config=None):
         self.dir = tempfile.mkdtemp(prefix="d-", dir=workdir)
         self.socket = os.path.join(self.dir, "weightd.sock")
         if len(self.socket) > 100 or public:  # sun_path holds 108 bytes
@@ -211,9 +236,14 @@ class Daemon:
         self.log_path = os.path.join(self.dir, "weightd.log")
         self.model_root = model_root
         self.settings = dict(settings or {})
+        self.pick_port = metrics and "metrics_address" not in self.settings
+        if self.pick_port:
+            self.settings["metrics_address"] = f"127.0.0.1:{free_port()}"
+        self.settings.setdefault("metrics_address", "")
+        self.nofile = nofile
+        self.config = config
         self.roots = roots if roots is not None else [model_root]
         self.log_level = log_level or os.environ.get("WD_DAEMON_LOG_LEVEL", "info")
-        self.nofile = nofile  # (soft, hard) RLIMIT_NOFILE the daemon starts with, or None: inherited
         self.proc = None
         self.exit_code = None
         self.stopped = False
@@ -221,30 +251,52 @@ class Daemon:
     def argv(self):
         a = [WEIGHTD, "--foreground", "--socket", self.socket, "--backend", "host",
              "--log-level", self.log_level]
+        if self.config is not None:
+            a += ["--config", self.config]
         for r in self.roots:
             a += ["--model-root", r]
         for k, v in self.settings.items():
-            a += ["--set", f"{k}={v}"]
+            if v is not None:
+                a += ["--set", f"{k}={v}"]
         return a
 
+    @property
+    def metrics_address(self):
+        """HOST:PORT of the metrics endpoints, "" when they are off (or set by a config file)."""
+        return self.settings["metrics_address"] or ""
+
     def start(self, timeout=None):
+        """Starts the daemon; a port picked for metrics that another process took meanwhile is picked again."""
+        for _ in range(5):
+            self._start(timeout)
+            if not (self.pick_port and METRICS_BIND_FAILED in self.log_text()):
+                return self
+            self.stop()
+            self.stopped = False
+            self.settings["metrics_address"] = f"127.0.0.1:{free_port()}"
+        raise AssertionError("no free port for metrics_address after 5 tries:\n" + self.log_text())
+
+    def _limits(self):
+        soft, hard = self.nofile if isinstance(self.nofile, tuple) else (self.nofile, self.nofile)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+    def _start(self, timeout=None):
         timeout = timeout or 20 * SLOW
         env = dict(os.environ)
         asan = env.get("ASAN_OPTIONS", "")
         if "detect_leaks" not in asan:
             asan = (asan + ":" if asan else "") + "detect_leaks=1"
+        # ASan holds freed memory back (256 MiB by default) to catch use after
+        # free; a small quarantine keeps RSS measurements about the daemon.
+        if "quarantine_size_mb" not in asan:
+            asan += ":quarantine_size_mb=8"
         env["ASAN_OPTIONS"] = asan
         env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
         env.pop("WEIGHTD_SOCKET", None)
         self.log = open(self.log_path, "wb")
-        nofile = self.nofile
-
-        def limit_descriptors():
-            resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
-
         self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=limit_descriptors if nofile else None)
+                                     preexec_fn=self._limits if self.nofile is not None else None)
         deadline = time.monotonic() + timeout
         while "weightd: listening on " + self.socket not in self.log_text():
             if self.proc.poll() is not None:
@@ -254,7 +306,6 @@ class Daemon:
                 self.kill()
                 raise AssertionError(f"weightd did not listen within {timeout} s:\n" + self.log_text())
             time.sleep(0.01)
-        return self
 
     @property
     def pid(self):
@@ -283,8 +334,8 @@ class Daemon:
 
     # ---- clients ----
 
-    def connect(self, hello=True, timeout=60.0):
-        return wdclient.Conn(self.socket, hello=hello, timeout=timeout)
+    def connect(self, hello=True, timeout=60.0, handles=None):
+        return wdclient.Conn(self.socket, hello=hello, timeout=timeout, handles=handles)
 
     def status(self):
         with self.connect() as c:
@@ -397,7 +448,8 @@ class Daemon:
 
 @pytest.fixture
 def start_daemon(workdir, model_root, binaries, request):
-    """A factory: start_daemon(settings={...}) -> a started Daemon, checked and stopped at the end."""
+    """A factory: start_daemon(settings={...}, metrics=False, nofile=None, ...) -> a started Daemon,
+    checked and stopped at the end (see Daemon for the keywords)."""
     started = []
 
     def start(settings=None, **kw):

@@ -56,7 +56,7 @@ class Conn:
     self.events[id] and any unrelated frame in self.backlog.
     """
 
-    def __init__(self, path, hello=True, timeout=60.0, client="integration-tests"):
+    def __init__(self, path, hello=True, timeout=60.0, client="integration-tests", handles=None):
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # A blocking connect waits for room in a full listen backlog (a
@@ -68,7 +68,9 @@ class Conn:
         self.backlog = []
         self.hello_reply = None
         if hello:
-            self.hello_reply = self.call("hello", protocol=PROTOCOL, client=client)
+            # handles: the handle kinds this client accepts; None sends none (as clients did before the field).
+            extra = {} if handles is None else {"handles": handles}
+            self.hello_reply = self.call("hello", protocol=PROTOCOL, client=client, **extra)
 
     # ---- context management ----------------------------------------------
 

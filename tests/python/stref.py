@@ -388,7 +388,7 @@ def weightd_path():
 class Daemon:
     """A weightd (host backend) on a private socket, serving model_root."""
 
-    def __init__(self, model_root):
+    def __init__(self, model_root, extra=()):
         self.dir = tempfile.mkdtemp(prefix="wdpy-")
         self.socket = os.path.join(self.dir, "s")
         self.log_path = os.path.join(self.dir, "log")
@@ -396,7 +396,8 @@ class Daemon:
         env = dict(os.environ)
         env.pop("WEIGHTD_SOCKET", None)
         self.proc = subprocess.Popen([weightd_path(), "--foreground", "--backend", "host", "--socket", self.socket,
-                                      "--model-root", str(model_root), "--log-level", "warn"],
+                                      "--model-root", str(model_root), "--log-level", "warn",
+                                      "--set", "metrics_address=", *extra],  # no metrics port shared with other tests
                                      stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 30
         while not self.listening():

@@ -716,12 +716,23 @@ class Client:
         self.sock.close()
 
 
-@pytest.fixture(scope="module")
-def daemon(models, weightctl):
+# The daemon with its default load path (the host backend copies into the
+# slab), and forced through the staging slots with strided pieces gathered
+# on the CPU or staged as whole source rows (2D copies out of the slot).
+DAEMON_CONFIGS = {
+    "memcpy": (),
+    "staged-gather": ("--set", "load_method=staged", "--set", "staged_strided=gather", "--set", "staging_slot_bytes=1MiB"),
+    "staged-rows": ("--set", "load_method=staged", "--set", "staged_strided=rows", "--set", "staging_slot_bytes=1MiB"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(DAEMON_CONFIGS))
+def daemon(request, models, weightctl):
     if not os.access(stref.weightd_path(), os.X_OK):
         pytest.fail(f"weightd not found at {stref.weightd_path()} (set WEIGHTD to the built binary)")
     root = os.path.dirname(models["qwen3"])
-    d = stref.Daemon(root)
+    d = stref.Daemon(root, DAEMON_CONFIGS[request.param])
+    d.config = request.param
     yield d
     complaint = d.stop()
     assert complaint is None, complaint
@@ -756,13 +767,16 @@ def attach_and_compare(daemon, ck, plan, want, what):
                     if (t["dtype"], t["shape"], t["nbytes"]) != (w.dtype, w.shape, w.nbytes):
                         bad.append(f"{name}: {t['dtype']} {t['shape']}, reference {w.dtype} {w.shape}")
                     elif m[t["offset"]:t["offset"] + t["nbytes"]] != L.materialize(ck, w):
-                        bad.append(f"{name}: bytes differ")
+                        bad.append(f"{name}: bytes differ ({daemon.config})")
                 assert not bad, f"{what}: the attached set disagrees with the reference:\n  " + "\n  ".join(bad[:20])
             finally:
                 m.close()
         finally:
             for fd in fds:
                 os.close(fd)
+        status, _ = c.call({"op": "status"})
+        methods = [x.get("method") for x in status["sets"] if x["set"] == reply["set"]]
+        assert methods == ["staged" if daemon.config.startswith("staged") else "memcpy"], (daemon.config, methods)
         rel, _ = c.call({"op": "release", "lease": reply["lease"]})
         assert rel.get("ok"), rel
     finally:

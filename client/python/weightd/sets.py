@@ -1,0 +1,219 @@
+"""Attached sets: a read-only mapping of tensor name -> array over the daemon's memory.
+
+Lifetime rule (deferred release): every array handed out keeps the set's
+mapping and lease alive. ``release()`` (or leaving the ``with`` block) ends
+the set's use through this object at once; the lease itself ends as soon as
+no array of the set is referenced any more — at once when none is, otherwise
+when the last one is garbage collected. ``release()`` says which happened.
+So no Python code can touch memory the daemon may have freed.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any, Iterator, NamedTuple
+
+from . import _cuda, _wrap
+from ._conn import _Conn
+from ._lib import HANDLE_KINDS, MEMORY_CUDA, MEMORY_HOST, Tensor, has, lib
+from .errors import by_name
+
+__all__ = ["AttachedSet", "TensorInfo"]
+
+TENSOR_TYPES = ("auto", "numpy", "torch")
+
+
+class TensorInfo(NamedTuple):
+    """One tensor of a set as the daemon describes it; ``data_ptr`` is a host or device address."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    data_ptr: int
+
+
+class _Keeper:
+    """Alive while the set object or any of its arrays is; its finalizer releases the set."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _info(t: Tensor) -> TensorInfo:
+    return TensorInfo(t.name.decode(), t.dtype.decode(), tuple(t.shape[:t.ndim]), t.offset, t.nbytes,
+                      t.data or 0)
+
+
+class AttachedSet(Mapping):
+    """A resident set attached to this process: ``s[name]`` is a zero-copy array of the tensor.
+
+    CUDA sets give torch CUDA tensors on the device the daemon loaded (found by
+    UUID, whatever CUDA_VISIBLE_DEVICES says); host sets give read-only numpy
+    arrays (or CPU torch tensors with ``tensor_type="torch"``). Arrays are made
+    on first access and cached. The memory is shared with every other process
+    attached to the set: never write to it.
+
+    Use it as a context manager, or call :meth:`release`.
+    """
+
+    def __init__(self, conn: _Conn, ptr: int, tensor_type: str):
+        self._conn: _Conn | None = conn
+        self._ptr: int | None = ptr
+        self.id: str = lib.weightd_set_id(ptr).decode()
+        self.lease: str = lib.weightd_set_lease(ptr).decode()
+        self.device: str = lib.weightd_set_device(ptr).decode()
+        kind = lib.weightd_set_memory_kind(ptr)
+        self.memory: str = {MEMORY_HOST: "host", MEMORY_CUDA: "cuda"}.get(kind, f"unknown ({kind})")
+        #: How the memory reached this process: "fd" (host), "cuda_vmm" or "cuda_ipc" (legacy);
+        #: None with a libweightd too old to say.
+        self.handle: str | None = None
+        #: True when this process cannot write the memory (host sets; VMM sets where the driver
+        #: granted a read-only mapping). A legacy IPC set's memory is writable: never write to it.
+        self.read_only: bool | None = None
+        if has("weightd_set_handle_kind"):
+            self.handle = HANDLE_KINDS.get(lib.weightd_set_handle_kind(ptr))
+            self.read_only = bool(lib.weightd_set_read_only(ptr))
+        self.nbytes: int = lib.weightd_set_bytes(ptr)
+        self.base: int = lib.weightd_set_base(ptr) or 0
+        self._count: int = lib.weightd_set_tensor_count(ptr)
+        if tensor_type == "auto":
+            tensor_type = "torch" if self.memory == "cuda" else "numpy"
+        if self.memory == "cuda" and tensor_type != "torch":
+            raise by_name["INVALID"](f"set {self.id} is in CUDA memory: tensor_type must be 'torch'")
+        self.tensor_type = tensor_type
+        self._keeper: _Keeper | None = _Keeper()
+        conn.add_keeper()
+        self._finalizer = weakref.finalize(self._keeper, conn.release_set, ptr)
+        self._finalizer.atexit = False
+        self._slab: _wrap.Slab | None = None
+        self._cache: dict[str, Any] = {}
+        self._names: list[str] | None = None
+
+    # ---- state ------------------------------------------------------------------
+
+    @property
+    def released(self) -> bool:
+        """True once :meth:`release` was called (the lease may outlive it while arrays do)."""
+        return self._ptr is None
+
+    @property
+    def lease_held(self) -> bool:
+        """True until the last array is gone (the release itself may then wait for a running call)."""
+        return self._finalizer.alive
+
+    def _live(self) -> int:
+        if self._ptr is None:
+            raise by_name["INVALID"](f"set {self.id} was released; its arrays stay valid, the set gives no more")
+        return self._ptr
+
+    # ---- the mapping --------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        return name in self._cache or lib.weightd_set_find(self._live(), name.encode(), Tensor()) == 0
+
+    def __getitem__(self, name: str) -> Any:
+        t = self._cache.get(name)
+        if t is not None:
+            return t
+        ptr = self._live()
+        info = Tensor()  # one per call: a set may be read from several threads
+        if not isinstance(name, str) or lib.weightd_set_find(ptr, name.encode(), info) != 0:
+            raise KeyError(name)
+        slab = self._slab or self._make_slab()
+        t = slab.view(name, info.dtype.decode(), tuple(info.shape[:info.ndim]), info.offset, info.nbytes)
+        self._cache[name] = t
+        return t
+
+    # Identity, not Mapping's element-wise comparison of arrays.
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def _entries(self) -> Iterator[Tensor]:
+        """The table's entries in slab order (one struct, refilled: read it before the next)."""
+        ptr = self._live()
+        t = Tensor()
+        for i in range(self._count):
+            lib.weightd_set_tensor(ptr, i, t)
+            yield t
+
+    def names(self) -> list[str]:
+        """Every tensor's name, in slab order (read from the table once)."""
+        if self._names is None:
+            self._names = [t.name.decode() for t in self._entries()]
+        return list(self._names)
+
+    def info(self, name: str) -> TensorInfo:
+        """The table entry of one tensor (no array is made)."""
+        t = Tensor()
+        if lib.weightd_set_find(self._live(), name.encode(), t) != 0:
+            raise KeyError(name)
+        return _info(t)
+
+    def infos(self) -> list[TensorInfo]:
+        """Every table entry, in slab order."""
+        return [_info(t) for t in self._entries()]
+
+    def _make_slab(self) -> _wrap.Slab:
+        keeper = self._keeper
+        if self.memory == "cuda":
+            self._slab = _wrap.cuda_torch(self.base, self.nbytes, keeper, _cuda.index_of(self.device))
+        elif self.memory == "host" and self.tensor_type == "torch":
+            self._slab = _wrap.host_torch(self.base, self.nbytes, keeper)
+        elif self.memory == "host":
+            self._slab = _wrap.host_numpy(self.base, self.nbytes, keeper)
+        else:
+            raise by_name["UNSUPPORTED"](f"set {self.id}: memory kind {self.memory} cannot be wrapped")
+        return self._slab
+
+    @property
+    def torch_device(self) -> Any:
+        """The torch device of the set's tensors (``cuda:N`` in this process's numbering, or ``cpu``)."""
+        import torch
+
+        if self.memory == "cuda":
+            return torch.device("cuda", _cuda.index_of(self.device))
+        return torch.device("cpu")
+
+    # ---- release --------------------------------------------------------------------
+
+    def release(self) -> bool:
+        """Ends this object's use of the set; returns True if the lease ended now.
+
+        It returns False when arrays of the set are still referenced: the lease
+        then ends when the last of them is garbage collected. Calling it again
+        only reports the state.
+        """
+        if self._ptr is None:
+            return not self._finalizer.alive
+        ptr, conn = self._ptr, self._conn
+        self._ptr = None
+        self._conn = None
+        self._cache.clear()
+        self._slab = None
+        self._keeper = None  # the finalizer runs here if no array holds the keeper
+        if self._finalizer.alive:
+            return False
+        failed = conn.drain(wait=True)
+        if ptr in failed:
+            raise failed[ptr]
+        return True
+
+    def __enter__(self) -> "AttachedSet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._ptr is None else "attached"
+        return (f"<weightd.AttachedSet {self.id} lease {self.lease} on {self.device} ({self.memory}, {self.handle}), "
+                f"{self._count} tensors, {self.nbytes} bytes, {state}>")

@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""The summary of tests/gpu/speed.sh: one table of every figure against its ceiling and target.
+
+    python3 tests/gpu/speed_report.py JSON_DIR [--out FILE]
+
+Reads the JSON each section of speed.sh wrote (weightd-bench --json-out and
+peers.py --json-out), prints one table (figure, time, GiB/s, % of the
+same run's ceiling, target, met or missed by how much) and, with --out,
+writes it together with the raw sections as one JSON file. A section that is
+missing (skipped or failed) is said so; nothing is made up.
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+
+GiB = float(1 << 30)
+
+
+def load_all(d):
+    out = {}
+    for p in sorted(glob.glob(os.path.join(d, "*.json"))):
+        key = os.path.basename(p)[:-5]
+        try:
+            with open(p) as f:
+                out[key] = json.load(f)
+        except (OSError, ValueError) as e:
+            out[key] = {"error": str(e)}
+    return out
+
+
+class Table:
+    def __init__(self):
+        self.rows = []
+
+    def head(self, text):
+        self.rows.append({"section": text})
+        print(f"\n{text}")
+
+    def add(self, what, seconds=None, nbytes=None, ceiling=None, target=None, note=""):
+        """A figure: ratio = ceiling time / this time (the share of the ceiling's rate reached)."""
+        row = {"what": what}
+        ratio = None
+        if seconds is not None and seconds > 0:
+            row["seconds"] = seconds
+            if nbytes:
+                row["gib_per_s"] = nbytes / GiB / seconds
+            if ceiling:
+                ratio = ceiling / seconds
+                row["of_ceiling"] = ratio
+        verdict = ""
+        if target is not None and ratio is not None:
+            row["target"] = target
+            row["met"] = ratio >= target
+            verdict = "met" if ratio >= target else f"MISSED by {100 * (target - ratio):.0f} points"
+            verdict = f"target >= {100 * target:.0f}%: {verdict}"
+        if note:
+            row["note"] = note
+        self.rows.append(row)
+        t = f"{1e3 * seconds:9.1f} ms" if seconds is not None and seconds >= 0 else f"{'-':>12s}"
+        g = f"{row['gib_per_s']:6.1f}" if "gib_per_s" in row else f"{'':6s}"
+        c = f"{100 * ratio:5.0f}%" if ratio is not None else f"{'':6s}"
+        print(f"  {what:54s} {t} {g} {c}  {verdict}{'  ' if verdict and note else ''}{note}")
+
+    def check(self, what, value, limit, unit, fmt="{:.2f}", lower_is_better=True):
+        ok = value <= limit if lower_is_better else value >= limit
+        self.rows.append({"what": what, "value": value, "limit": limit, "unit": unit, "met": ok})
+        verdict = "met" if ok else "MISSED"
+        print(f"  {what:54s} {fmt.format(value):>12s} {unit:13s} target {'<=' if lower_is_better else '>='} "
+              f"{fmt.format(limit)} {unit}: {verdict}")
+
+    def missing(self, what):
+        self.rows.append({"what": what, "missing": True})
+        print(f"  {what}: not measured in this run (section skipped or failed; see its log)")
+
+
+def loads(t, j, key, label, ceiling, nbytes, target=None):
+    s = j.get(key)
+    if not s:
+        return None
+    t.add(f"{label} ({s.get('method', '?')})", s["median_s"], nbytes, ceiling, target,
+          note=f"runs {', '.join(f'{1e3 * x:.0f}' for x in s['runs_s'])} ms")
+    if "back_to_back_median_s" in s:
+        t.add("  same, right after an evict", s["back_to_back_median_s"], nbytes, ceiling)
+    return s["median_s"]
+
+
+def section_a(t, s, name, title):
+    j = s.get(name)
+    if not j:
+        t.head(title)
+        t.missing(title)
+        return
+    nbytes, ceil = j["bytes"], j.get("ceiling_h2d_s")
+    t.head(f"{title}: {nbytes / GiB:.2f} GiB, {int(j['outputs'])} outputs")
+    t.add("H2D ceiling (pinned source, 64 MiB copies)", ceil, nbytes, ceil)
+    for mode in ("gather", "rows"):
+        if f"fill_{mode}_s" in j:
+            t.add(f"host fill, {mode} ({int(j['fill_threads'])} threads)", j[f"fill_{mode}_s"], nbytes, ceil,
+                  note=f"{j[f'fill_{mode}_copied_bytes'] / GiB:.2f} GiB copied")
+    staged = [k for k in j if k.startswith("staged")]
+    target_staged = 0.85
+    best = None
+    for k in sorted(staged):
+        m = loads(t, j, k, f"load, staged{', staged_strided ' + j[k]['staged_strided'] if k != 'staged' else ''}",
+                  ceil, nbytes, target_staged)
+        best = m if best is None or (m and m < best) else best
+    if "pin_once_s" in j:
+        t.add("pinning once (prefetch --pin --wait)", j["pin_once_s"], None, None,
+              note=f"{j.get('pin_registered_bytes', 0) / GiB:.2f} GiB registered")
+    loads(t, j, "pinned", "load, pinned-resident", ceil, nbytes, 0.93)
+    if "attach_s" in j:
+        t.add("fresh process: attach to usable pointers", j["attach_s"], note="(CUDA context apart: "
+              f"{1e3 * j['attach_context_s']:.0f} ms)")
+    if "daemon_rss_anon_bytes" in j:
+        t.check("daemon RssAnon", j["daemon_rss_anon_bytes"] / (1 << 20), 100, "MiB", "{:.1f}")
+
+
+def section_auto(t, s, name, title, target):
+    j = s.get(name)
+    t.head(title)
+    if not j or "auto" not in j:
+        t.missing(title)
+        return
+    a, nbytes, ceil = j["auto"], j["bytes"], j.get("ceiling_h2d_s")
+    t.add("H2D ceiling", ceil, nbytes, ceil)
+    t.add(f"first load ({a['first_method']})", a["first_s"], nbytes, ceil)
+    wait = a["pinned_after_s"]
+    t.add("  then pinned by the daemon itself after", wait if wait >= 0 else None,
+          note=f"{a['pinned_bytes'] / GiB:.2f} GiB" if wait >= 0 else "not within 60 s")
+    t.add(f"second and later loads ({a['later_method']})", a["later_median_s"], nbytes, ceil, target,
+          note=f"runs {', '.join(f'{1e3 * x:.0f}' for x in a['later_runs_s'])} ms")
+
+
+def section_peers(t, s, name, title):
+    j = s.get(name)
+    t.head(title)
+    if not j:
+        t.missing(title)
+        return
+    ref = j.get("weightd_reference_s")
+    if ref:
+        t.add(j.get("weightd_reference", "weightd"), ref)
+    slowest_ok = True
+    for r in j["loaders"]:
+        if "skipped" in r or "error" in r:
+            t.rows.append({"what": r["name"], "skipped": r.get("skipped") or r.get("error")})
+            print(f"  {r['name']:54s} {'skipped' if 'skipped' in r else 'FAILED'}: {r.get('skipped') or r.get('error')}")
+            continue
+        vs = r.get("vs_weightd")
+        note = f"{r['settings']}; v{r.get('version', '?')}"
+        if vs:
+            note = f"{vs:.2f}x weightd's time; " + note
+            slowest_ok &= vs > 1
+        t.add(r["name"], r["median_s"], r["bytes"], note=note)
+    if ref and any("vs_weightd" in r for r in j["loaders"]):
+        t.rows.append({"what": "weightd faster than every peer measured", "met": slowest_ok})
+        print(f"  {'weightd faster than every peer measured':54s} {'met' if slowest_ok else 'MISSED'}")
+
+
+def section_dsv3(t, s, name, title):
+    j = s.get(name)
+    t.head(title)
+    if not j:
+        t.missing(title)
+        return
+    nbytes, ceil = j["bytes"], j.get("ceiling_h2d_s")
+    print(f"  {int(j['shards'])} shards, {int(j['tensors'])} tensors; the rank: {nbytes / GiB:.2f} GiB, "
+          f"{int(j['outputs'])} outputs")
+    if "daemon_open_s" in j:
+        t.add("open in the daemon (163 headers validated, mapped)", j["daemon_open_s"])
+        t.add("plan_build of the rank", j["plan_build_s"])
+        t.check("open + plan", j["daemon_open_s"] + j["plan_build_s"], 1.0, "s")
+    t.add("H2D ceiling (measured on 16 GiB, scaled)", ceil, nbytes, ceil)
+    if "prefetch_s" in j:
+        t.add("prefetch of the rank's ranges (page cache warm)", j["prefetch_s"], nbytes)
+    loads(t, j, "staged", "load, staged", ceil, nbytes, 0.85)
+    if "pin_once_s" in j:
+        t.add("pinning the rank's ranges once", j["pin_once_s"], None,
+              note=f"{j.get('pin_registered_bytes', 0) / GiB:.2f} GiB registered")
+    loads(t, j, "pinned", "load, pinned per plan", ceil, nbytes, 0.85)
+    if "attach_s" in j:
+        t.add(f"fresh process: attach ({int(j['outputs'])} tensors)", j["attach_s"])
+    if "daemon_rss_anon_bytes" in j:
+        t.check("daemon RssAnon", j["daemon_rss_anon_bytes"] / (1 << 20), 200, "MiB", "{:.1f}")
+
+
+def section_cold(t, s):
+    j = s.get("K1_cold")
+    t.head("Cold (page cache dropped)")
+    if not j or "cold" not in j:
+        t.missing("cold path")
+        return
+    c = j["cold"]
+    if "skipped" in c:
+        print(f"  skipped: {c['skipped']} (dropped by {c['dropped_by']})")
+        t.rows.append({"what": "cold", "skipped": c["skipped"]})
+        return
+    print(f"  page cache dropped by {c['dropped_by']}; {100 * c['cached_after_drop']:.1f}% left cached")
+    for th in (1, 4):
+        k = f"odirect_{th}_threads_gbps"
+        if k in c:
+            t.rows.append({"what": f"O_DIRECT, {th} thread(s)", "gb_per_s": c[k]})
+            print(f"  {'disk: O_DIRECT 16 MiB reads, ' + str(th) + ' thread(s)':54s} {c[k]:9.2f} GB/s")
+    print(f"  {'cold load through the daemon (' + c['load_method'] + ')':54s} {c['load_gbps']:9.2f} GB/s "
+          f"{100 * c['of_odirect']:5.0f}% of the best O_DIRECT")
+    t.rows.append({"what": "cold load", "gb_per_s": c["load_gbps"], "of_odirect": c["of_odirect"],
+                   "met": c["of_odirect"] >= 0.9})
+    print(f"  {'':54s} target >= 90%: {'met' if c['of_odirect'] >= 0.9 else 'MISSED by %.0f points' % (100 * (0.9 - c['of_odirect']))}")
+    p = s.get("K2_peers_cold")
+    if p:
+        for r in p["loaders"]:
+            if "median_s" in r:
+                gbps = r["bytes"] / 1e9 / r["median_s"]
+                print(f"  {'cold: ' + r['name'] + ' (' + r['settings'] + ')':54s} {gbps:9.2f} GB/s")
+                t.rows.append({"what": f"cold {r['name']}", "gb_per_s": gbps})
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("json_dir")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    s = load_all(args.json_dir)
+    t = Table()
+    gpu = next((v.get("gpu") for v in s.values() if isinstance(v, dict) and v.get("gpu")), "?")
+    print(f"speed.sh summary: {gpu}; medians; each ratio against the ceiling measured in the same bench run")
+    section_a(t, s, "A1_whole", "Whole set, pin off")
+    section_a(t, s, "A2_tp2", "TP=2 fused rank 0, pin off (staged: gather vs whole rows)")
+    section_auto(t, s, "C1_auto_whole", "Default configuration (pin after_load), whole set", 0.95)
+    section_auto(t, s, "C2_auto_tp2", "Default configuration (pin after_load), TP=2 fused rank 0", 0.93)
+    section_auto(t, s, "D1_on_open_whole", "pin on_open, whole set", 0.95)
+    section_peers(t, s, "P_peers", "Peers, warm, same checkpoint (against the default configuration's later loads)")
+    section_dsv3(t, s, "S_dsv3_ep8", "DeepSeek-V3 (sparse), EP8 rank 0 onto one GPU")
+    section_cold(t, s)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"summary": t.rows, "sections": s}, f, indent=1)
+        print(f"\nwritten: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
