@@ -58,7 +58,15 @@ struct wd_slab {
   enum wd_handle_kind kind; /* fixed at allocation: what slab_export makes */
   uint64_t bytes;
   void *host_view; /* a writable host mapping while filling (host backend), else NULL */
-  void *impl;      /* backend-private */
+  /*
+   * slab_export may run while the slab is still being filled (early attach),
+   * and no importer can write it meanwhile: host slabs sealed against future
+   * writes from the start (F_SEAL_FUTURE_WRITE), GPU slabs always (importers
+   * map VMM memory read-only where the driver allows; legacy IPC importers
+   * are trusted, as for filled slabs). 0 when the kernel cannot seal early.
+   */
+  int export_while_filling;
+  void *impl; /* backend-private */
 };
 
 struct wd_stream;
@@ -82,7 +90,10 @@ struct wd_backend_ops {
   int (*device_count)(void *ctx);
   int (*device_info)(void *ctx, int device, struct wd_device_info *out, struct wd_error *err);
 
-  /* Slabs: allocate, make read-only once filled (NULL: nothing to do), export, free. */
+  /*
+   * Slabs: allocate, make read-only once filled (NULL: nothing to do), export
+   * (also while filling, where export_while_filling says so), free.
+   */
   int (*slab_alloc)(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err);
   int (*slab_seal)(void *ctx, struct wd_slab *slab, struct wd_error *err);
   int (*slab_export)(void *ctx, struct wd_slab *slab, struct wd_handle *out, struct wd_error *err);

@@ -400,6 +400,7 @@ static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab *
   s->device = device;
   s->kind = kind;
   s->bytes = bytes;
+  s->export_while_filling = 1; /* the handle exists from allocation; importers cannot write a VMM mapping */
   s->impl = cs;
   *out = s;
   return 0;

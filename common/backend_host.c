@@ -1,11 +1,15 @@
 /*
  * backend_host.c - the host backend: "device" memory is a memfd.
  *
- * A slab is a memfd mapped writable in the daemon while it is filled; once
- * filled, the writable mapping goes away and the memfd is sealed against
- * writes, growth and shrinking, so that clients (which map it read-only) can
- * never change shared weights. A copy is a memcpy on the calling thread, so
- * streams and events are trivially complete.
+ * A slab is a memfd mapped writable in the daemon while it is filled. From
+ * allocation on it is sealed against shrinking, growth and future writes
+ * (F_SEAL_FUTURE_WRITE, Linux 5.1): the daemon's mapping made before the seal
+ * still writes, every other mapping can only read, so the slab may be handed
+ * to clients while it fills (early attach). Once filled, the writable mapping
+ * goes away and the memfd is sealed against writes and further seals, so
+ * that clients (which map it read-only) can never change shared weights. A
+ * copy is a memcpy on the calling thread, so streams and events are
+ * trivially complete.
  *
  * Threads: no shared mutable state; each slab is used by one thread at a time.
  */
@@ -18,6 +22,10 @@
 #include <unistd.h>
 
 #include "backend.h"
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010 /* Linux 5.1 */
+#endif
 
 struct host_slab {
   int fd;
@@ -111,6 +119,8 @@ static int host_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab
   s->kind = WD_HANDLE_FD;
   s->bytes = bytes;
   s->host_view = p;
+  /* Before Linux 5.1 the slab is shared only once sealed whole (no early attach). */
+  s->export_while_filling = fcntl(h->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) == 0;
   s->impl = h;
   *out = s;
   return 0;
@@ -128,9 +138,16 @@ static int host_slab_seal(void *ctx, struct wd_slab *s, struct wd_error *err) {
     munmap(s->host_view, h->map_len);
     s->host_view = NULL;
   }
-  if (fcntl(h->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0)
-    return err_set(err, WEIGHTD_E_DEVICE, "sealing the slab: %s", strerror(errno));
-  return 0;
+  if (fcntl(h->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) == 0) return 0;
+  /*
+   * A client that attached early holds a read-write descriptor of the memfd
+   * and may have added F_SEAL_SEAL itself. The slab is immutable all the same
+   * (future writes sealed, no writable mapping left), so it is served.
+   */
+  int e = errno, seals = fcntl(h->fd, F_GET_SEALS);
+  int need = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL;
+  if (e == EPERM && seals >= 0 && (seals & need) == need) return 0;
+  return err_set(err, WEIGHTD_E_DEVICE, "sealing the slab: %s", strerror(e));
 }
 
 static int host_slab_export(void *ctx, struct wd_slab *s, struct wd_handle *out, struct wd_error *err) {

@@ -1,7 +1,7 @@
 /*
  * handles.h - what the daemon and libweightd share about memory handles,
- * written once: the handle kinds with their wire names, and the sizes of what
- * a handle carries.
+ * written once: the handle kinds with their wire names, the sizes of what
+ * a handle carries, and the attach features hello negotiates.
  *
  * A handle is how a client reaches a slab's memory. Its kind is fixed when the
  * slab is allocated (a legacy IPC handle cannot be made from VMM memory, nor
@@ -81,6 +81,47 @@ static inline int wd_handle_kind_from_name(const char *name) {
 /* True when a handle of kind k travels as a file descriptor (SCM_RIGHTS). */
 static inline int wd_handle_kind_has_fd(enum wd_handle_kind k) {
   return k == WD_HANDLE_FD || k == WD_HANDLE_CUDA_VMM;
+}
+
+/*
+ * Features of attach a client asks for in hello ("features", a list of these
+ * names; the daemon's reply lists those it has). Unknown names are ignored
+ * both ways, so either side may be newer (docs/protocol.md, "hello"):
+ *   tensor_table  attach replies carry the tensor table as a sealed memfd in
+ *                 the binary format of common/tensor_table.h ("tensor_table")
+ *                 instead of the JSON "tensors" list
+ *   early_attach  the daemon answers an attach with "early": true while the
+ *                 set loads, with its progress page (common/progress_page.h);
+ *                 listed by the daemon only (a client asks per attach)
+ */
+#define WD_FEATURE_MAP(XX)              \
+  XX(TENSOR_TABLE, "tensor_table")      \
+  XX(EARLY_ATTACH, "early_attach")
+
+enum wd_feature {
+#define WD_XX_(e, name) WD_FEATURE_##e,
+  WD_FEATURE_MAP(WD_XX_)
+#undef WD_XX_
+  WD_FEATURE_COUNT
+};
+
+#define WD_FEATURE_BIT(f) (1u << (unsigned)(f))
+
+/* The wire name of feature f ("?" outside the table). */
+static inline const char *wd_feature_name(enum wd_feature f) {
+  static const char *const names[] = {
+#define WD_XX_(e, name) name,
+      WD_FEATURE_MAP(WD_XX_)
+#undef WD_XX_
+  };
+  return (unsigned)f < WD_FEATURE_COUNT ? names[f] : "?";
+}
+
+/* The feature called name, or -1 for one this build does not know. */
+static inline int wd_feature_from_name(const char *name) {
+  for (int f = 0; name != NULL && f < WD_FEATURE_COUNT; f++)
+    if (strcmp(wd_feature_name((enum wd_feature)f), name) == 0) return f;
+  return -1;
 }
 
 #endif

@@ -78,9 +78,12 @@ bool plan_piece_rows(const struct plan_piece *pc, enum plan_strided mode, uint64
 
 /*
  * Cuts plan p into windows of at most slot_bytes, in slab order: every slab
- * byte is delivered by exactly one transfer (alignment gaps as image bytes).
- * With no piece staged as rows, window w is exactly slab bytes
- * [w * slot_bytes, (w + 1) * slot_bytes). Returns 0, or WEIGHTD_E_NOMEM.
+ * byte is delivered by exactly one transfer (alignment gaps as image bytes),
+ * transfers deliver consecutive slab ranges, so window w delivers one
+ * contiguous range that starts where window w - 1's ends (the loader's ready
+ * watermark relies on it). With no piece staged as rows, window w is exactly
+ * slab bytes [w * slot_bytes, (w + 1) * slot_bytes). Returns 0, or
+ * WEIGHTD_E_NOMEM.
  */
 int plan_stage_build(const struct plan *p, uint64_t slot_bytes, enum plan_strided mode, struct plan_stage **out,
                      struct wd_error *err);

@@ -134,6 +134,10 @@ static const struct cfg_key keys[] = {
      "or copy whole source rows and let the GPU's copy engine take each row's part (auto: rows only for short "
      "rows, by a provisional rule; docs/benchmarks.md)",
      strided_names},
+    {"test_load_gate", CFG_STRING, OFF(test_load_gate), 0, 0, 0, "",
+     "for tests only: a FIFO from which loads read one byte before each window they fill (memcpy loads: each "
+     "256 MiB window; staged loads: each staging window, once every window before it has landed; end of file lets "
+     "every window through), so that a test holds a load midway; \"\" (the default): none"},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])

@@ -56,6 +56,7 @@ struct wd_config {
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
   enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */
+  char *test_load_gate; /* "" = none; for tests: a FIFO loads read a byte from before each window */
 };
 
 /* Fills cfg with the defaults. */

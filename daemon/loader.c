@@ -15,6 +15,14 @@
  *           the slot to the GPU (2D for whole rows) while the next slot
  *           fills; the only wait is for a slot's previous transfers.
  *
+ * The ready watermark (ld_target.ready_bytes, for early attach) promises that
+ * every slab byte below it holds its final value, on the device: memcpy
+ * raises it over the finished prefix of fill tasks; staged over the prefix of
+ * the schedule's windows whose transfers are known complete (the slot's event
+ * waited for: by the next window that reuses the slot, at a test-gate stop,
+ * or in the final drain), each window being one contiguous slab range; direct
+ * at sync points, after every stream has drained.
+ *
  * Gathering is one routine: plan_gather writes the slab image of [lo, hi),
  * which is each output's pieces in order (rows of strided pieces one after
  * another) and zeros in the alignment gaps; plan_stage_fill uses it for the
@@ -26,14 +34,20 @@
  * for the staging slots) and the target. Fill tasks run on the fill pool and
  * write disjoint byte ranges; the first error wins under `lock`. Each GPU's
  * staging slots, streams and events belong to one load at a time
- * (`staging.lock`). Progress is the target's atomic bytes_done; cancellation
- * is its atomic cancel flag, checked between windows.
+ * (`staging.lock`). Progress is the target's atomic bytes_done, the ready
+ * watermark its atomic ready_bytes (raised by whichever thread learns that a
+ * prefix of the slab is complete: a compare-and-swap that only grows it);
+ * cancellation is its atomic cancel flag, checked between windows.
  */
 #include "loader.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "clock.h"
 #include "fault.h"
@@ -44,6 +58,8 @@
 #define LD_TASK_MAX (8ull << 20)
 /* Bytes one direct copy moves at most (keeps progress and cancellation responsive). */
 #define LD_DIRECT_CHUNK (256ull << 20)
+/* Bytes a direct load issues between sync points, where the ready watermark moves (one drain each, ~10 ms of copies). */
+#define LD_DIRECT_SYNC (512ull << 20)
 
 struct staging {
   pthread_mutex_t lock;
@@ -61,7 +77,18 @@ struct loader {
   enum plan_strided strided;
   struct staging *stagings; /* one per device, for backends without host-visible slabs */
   int nstagings;
+  char *gate; /* test_load_gate, or NULL */
 };
+
+/* Raises the target's ready watermark to v (never lowers it) and tells the hook. */
+static void publish_ready(struct ld_target *t, uint64_t v) {
+  uint_fast64_t cur = atomic_load(&t->ready_bytes);
+  while (cur < v)
+    if (atomic_compare_exchange_weak(&t->ready_bytes, &cur, v)) {
+      if (t->ready != NULL) t->ready(t, v);
+      return;
+    }
+}
 
 /* ---- gathering ---------------------------------------------------------------- */
 
@@ -99,7 +126,9 @@ struct window_fill {
   unsigned char *dst;
   size_t ntasks;
   uint64_t task;
-  pthread_mutex_t lock;
+  pthread_mutex_t lock;    /* guards rc, err, finished, next */
+  unsigned char *finished; /* per task */
+  size_t next;             /* tasks [0, next) have all finished */
   int rc;
   struct wd_error err;
 };
@@ -120,6 +149,15 @@ static void fill_task(void *arg, size_t i) {
     return;
   }
   atomic_fetch_add(&r->set->bytes_done, b - a);
+  /* The window's tasks finish in any order; the watermark covers the finished prefix. */
+  pthread_mutex_lock(&r->lock);
+  r->finished[i] = 1;
+  size_t before = r->next;
+  while (r->next < r->ntasks && r->finished[r->next]) r->next++;
+  uint64_t upto = r->lo + (uint64_t)r->next * r->task;
+  int moved = r->next != before;
+  pthread_mutex_unlock(&r->lock);
+  if (moved) publish_ready(r->set, upto < r->hi ? upto : r->hi);
 }
 
 /* Per shard, where its data section starts in the mapping (a new array, or NULL). */
@@ -144,9 +182,12 @@ static int fill_window(struct loader *ld, struct ld_target *s, const unsigned ch
   struct window_fill r = {.ld = ld, .set = s, .data = data, .lo = lo, .hi = hi, .dst = dst};
   r.task = task_bytes(ld, hi - lo);
   r.ntasks = (size_t)((hi - lo + r.task - 1) / r.task);
+  r.finished = calloc(r.ntasks ? r.ntasks : 1, 1);
+  if (r.finished == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   pthread_mutex_init(&r.lock, NULL);
   fill_run(ld->fill, r.ntasks, fill_task, &r);
   pthread_mutex_destroy(&r.lock);
+  free(r.finished);
   if (r.rc != 0) *err = r.err;
   return r.rc;
 }
@@ -156,18 +197,53 @@ static int check_cancel(struct ld_target *s, struct wd_error *err) {
   return err_set(err, WEIGHTD_E_CANCELED, "load of %s canceled", s->ck->path);
 }
 
+/* ---- the test gate ------------------------------------------------------------------ */
+
+/* Opens the test gate for one load: its descriptor, or -1 when there is none (the gate is open). */
+static int gate_open(const struct loader *ld) {
+  if (ld->gate == NULL) return -1;
+  int gate = open(ld->gate, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (gate < 0) log_msg(LOG_WARN, "test_load_gate %s: %s (the gate stays open)", ld->gate, strerror(errno));
+  return gate;
+}
+
+/*
+ * Waits for one byte from the test gate (a FIFO) before a window: 0 to go
+ * on, CANCELED when the load is canceled meanwhile. End of file (every writer
+ * gone) or a failed read closes *gate: from then on the gate is open.
+ */
+static int gate_pass(int *gate, struct ld_target *s, struct wd_error *err) {
+  while (*gate >= 0) {
+    char byte;
+    ssize_t n = read(*gate, &byte, 1);
+    if (n == 1) return 0;
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+      int rc = check_cancel(s, err);
+      if (rc != 0) return rc;
+      struct pollfd p = {.fd = *gate, .events = POLLIN};
+      poll(&p, 1, 20);
+      continue;
+    }
+    close(*gate);
+    *gate = -1;
+  }
+  return 0;
+}
+
 /* ---- memcpy: the slab is host memory ------------------------------------------------ */
 
 static int fill_memcpy(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const uint64_t window = 256ull << 20; /* cancellation is checked between windows */
   const unsigned char **data = shard_data(s);
   if (data == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  int gate = gate_open(ld);
   int rc = 0;
   for (uint64_t lo = 0; lo < s->plan->slab_bytes && rc == 0; lo += window) {
-    if ((rc = check_cancel(s, err)) != 0) break;
+    if ((rc = gate_pass(&gate, s, err)) != 0 || (rc = check_cancel(s, err)) != 0) break;
     uint64_t hi = lo + window < s->plan->slab_bytes ? lo + window : s->plan->slab_bytes;
     rc = fill_window(ld, s, data, lo, hi, (unsigned char *)s->slab->host_view + lo, err);
   }
+  if (gate >= 0) close(gate);
   free(data);
   return rc;
 }
@@ -185,6 +261,14 @@ static int fill_memcpy(struct loader *ld, struct ld_target *s, struct wd_error *
  * rows) on the slot's stream and records the slot's event. So threads that
  * are done with one window go on filling the next while stragglers finish,
  * and the only wait is for a slot's previous transfers.
+ *
+ * The ready watermark: the schedule's windows are consecutive slab ranges
+ * (window w delivers [end of w - 1, end of w), image runs and whole rows
+ * alike), and a window has landed once its slot's event, recorded after all
+ * of its transfers, has been waited for. That happens when window w + S
+ * reuses the slot, at a test-gate stop, and in the final drain; the
+ * watermark is the end of the longest prefix of windows that have landed
+ * (a window on one slot may land before an earlier one on another).
  */
 struct staged_run {
   struct loader *ld;
@@ -196,7 +280,11 @@ struct staged_run {
   size_t *task_base;          /* per window + 1: its first task's number */
   atomic_size_t *left;        /* per window: tasks not finished */
   size_t *issued;             /* per slot: windows whose transfers have started */
-  pthread_mutex_t lock;       /* guards issued, rc, err */
+  uint64_t *ends;             /* per window: the end of the slab range it delivers */
+  unsigned char *landed;      /* per window: its transfers are known to have completed */
+  size_t next_landed;         /* windows [0, next_landed) have all landed */
+  size_t first_task;          /* added to fill_run's task numbers (a gated run goes window by window) */
+  pthread_mutex_t lock;       /* guards issued, landed, next_landed, rc, err */
   pthread_cond_t moved;       /* a transfer started, or the run failed */
   int rc;
   struct wd_error err;
@@ -223,6 +311,45 @@ static void staged_fail(struct staged_run *r, int rc, const struct wd_error *err
   }
   pthread_cond_broadcast(&r->moved);
   pthread_mutex_unlock(&r->lock);
+}
+
+/*
+ * Marks window w landed (w == SIZE_MAX: none) and then every window after
+ * the landed prefix that has been issued when all_issued is set (the caller
+ * drained every slot); raises the watermark over the landed prefix.
+ */
+static void staged_landed(struct staged_run *r, size_t w, bool all_issued) {
+  size_t nslots = r->st->nslots;
+  pthread_mutex_lock(&r->lock);
+  if (w != SIZE_MAX) r->landed[w] = 1;
+  size_t before = r->next_landed;
+  for (size_t v = r->next_landed; v < r->sched->nwindows; v++, r->next_landed++) {
+    if (all_issued && v / nslots < r->issued[v % nslots]) r->landed[v] = 1;
+    if (!r->landed[v]) break;
+  }
+  uint64_t upto = r->next_landed > 0 ? r->ends[r->next_landed - 1] : 0;
+  int moved = r->next_landed != before;
+  pthread_mutex_unlock(&r->lock);
+  if (moved) publish_ready(r->set, upto);
+}
+
+/*
+ * Waits for every slot's last transfers while no task runs: every window
+ * issued so far has landed. A failed wait fails the run (and moves nothing).
+ */
+static void staged_drain(struct staged_run *r) {
+  const struct wd_backend *b = r->ld->backend;
+  bool ok = true;
+  for (size_t k = 0; k < r->st->nslots; k++) {
+    if (r->issued[k] == 0) continue;
+    struct wd_error e2 = {0};
+    int r2 = b->ops->event_wait(b->ctx, r->st->events[k], &e2);
+    if (r2 != 0) {
+      staged_fail(r, r2, &e2);
+      ok = false;
+    }
+  }
+  if (ok) staged_landed(r, SIZE_MAX, true);
 }
 
 /* The window task i belongs to. */
@@ -259,6 +386,7 @@ static void staged_task(void *arg, size_t i) {
   struct staged_run *r = arg;
   struct staging *st = r->st;
   const struct wd_backend *b = r->ld->backend;
+  i += r->first_task;
   size_t w = task_window(r, i), k = w % st->nslots;
   struct wd_error err = {0};
   /* Wait for the slot: window w - S must have started its transfers, then finished them. */
@@ -272,9 +400,13 @@ static void staged_task(void *arg, size_t i) {
     staged_fail(r, err.code, &err);
     return;
   }
-  if (w >= st->nslots && b->ops->event_wait(b->ctx, st->events[k], &err) != 0) {
-    staged_fail(r, err.code, &err);
-    return;
+  if (w >= st->nslots) {
+    if (b->ops->event_wait(b->ctx, st->events[k], &err) != 0) {
+      staged_fail(r, err.code, &err);
+      return;
+    }
+    /* The slot's last event is window w - S's (w itself records only after this task): it has landed. */
+    staged_landed(r, w - st->nslots, false);
   }
   const struct plan_window *win = &r->sched->windows[w];
   uint64_t lo = (uint64_t)(i - r->task_base[w]) * r->task;
@@ -308,31 +440,40 @@ static void staged_task(void *arg, size_t i) {
 }
 
 static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *err) {
-  const struct wd_backend *b = ld->backend;
   struct staging *st = &ld->stagings[s->device];
   struct plan_stage *sched = NULL;
   int rc = plan_stage_build(s->plan, st->slot_bytes, ld->strided, &sched, err);
   if (rc != 0) return rc;
   struct staged_run r = {.ld = ld, .set = s, .st = st, .sched = sched};
+  size_t nw = sched->nwindows ? sched->nwindows : 1;
   r.task = task_bytes(ld, st->slot_bytes);
   r.data = shard_data(s);
   r.task_base = malloc((sched->nwindows + 1) * sizeof *r.task_base);
-  r.left = malloc((sched->nwindows ? sched->nwindows : 1) * sizeof *r.left);
+  r.left = malloc(nw * sizeof *r.left);
   r.issued = calloc(st->nslots, sizeof *r.issued);
-  if (r.data == NULL || r.task_base == NULL || r.left == NULL || r.issued == NULL) {
+  r.ends = malloc(nw * sizeof *r.ends);
+  r.landed = calloc(nw, 1);
+  if (r.data == NULL || r.task_base == NULL || r.left == NULL || r.issued == NULL || r.ends == NULL ||
+      r.landed == NULL) {
     free(r.data);
     free(r.task_base);
     free(r.left);
     free(r.issued);
+    free(r.ends);
+    free(r.landed);
     plan_stage_free(sched);
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
   size_t ntasks = 0;
   for (size_t w = 0; w < sched->nwindows; w++) {
-    size_t n = (size_t)((sched->windows[w].used + r.task - 1) / r.task);
+    const struct plan_window *win = &sched->windows[w];
+    size_t n = (size_t)((win->used + r.task - 1) / r.task);
     r.task_base[w] = ntasks;
     atomic_init(&r.left[w], n);
     ntasks += n;
+    /* Windows deliver consecutive slab ranges (plan_stage.h): this one ends where its last transfer does. */
+    const struct plan_xfer *x = &sched->xfers[win->first + win->count - 1];
+    r.ends[w] = x->dst + (x->pc == NULL ? x->len : x->rows * x->pc->width);
   }
   r.task_base[sched->nwindows] = ntasks;
   if (sched->rows_pieces > 0)
@@ -340,18 +481,35 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
             sched->rows_pieces, (unsigned long long)sched->staged_bytes, (unsigned long long)s->plan->slab_bytes);
   pthread_mutex_init(&r.lock, NULL);
   pthread_cond_init(&r.moved, NULL);
+  int gate = gate_open(ld);
   pthread_mutex_lock(&st->lock);
-  fill_run(ld->fill, ntasks, staged_task, &r);
-  /* Drain every slot, also after an error: the slots must be idle for the next load. */
-  for (size_t k = 0; k < st->nslots; k++) {
-    if (r.issued[k] == 0) continue;
-    struct wd_error e2 = {0};
-    int r2 = b->ops->event_wait(b->ctx, st->events[k], &e2);
-    if (r.rc == 0 && r2 != 0) {
-      r.rc = r2;
-      r.err = e2;
+  if (gate < 0) {
+    fill_run(ld->fill, ntasks, staged_task, &r);
+  } else {
+    /*
+     * The test gate: window by window, each once every window before it has
+     * landed (the watermark stops exactly at its start) and a byte came
+     * through; once the gate opens, the rest in one run. No task runs
+     * between two fill_run calls, so r.rc and r.first_task need no lock here.
+     */
+    for (size_t w = 0; w < sched->nwindows && r.rc == 0; w++) {
+      staged_drain(&r);
+      struct wd_error ge = {0};
+      int grc = r.rc == 0 ? gate_pass(&gate, s, &ge) : 0;
+      if (grc != 0) {
+        staged_fail(&r, grc, &ge);
+        break;
+      }
+      if (r.rc != 0) break;
+      r.first_task = r.task_base[w];
+      size_t upto = gate >= 0 ? r.task_base[w + 1] : ntasks;
+      fill_run(ld->fill, upto - r.task_base[w], staged_task, &r);
+      if (gate < 0) break;
     }
+    if (gate >= 0) close(gate);
   }
+  /* Drain every slot, also after an error: the slots must be idle for the next load. */
+  staged_drain(&r);
   pthread_mutex_unlock(&st->lock);
   pthread_cond_destroy(&r.moved);
   pthread_mutex_destroy(&r.lock);
@@ -359,6 +517,8 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
   free(r.task_base);
   free(r.left);
   free(r.issued);
+  free(r.ends);
+  free(r.landed);
   plan_stage_free(sched);
   if (r.rc != 0) {
     *err = r.err;
@@ -454,6 +614,27 @@ static int direct_rows(struct loader *ld, struct ld_target *s, const struct plan
   return rc;
 }
 
+/* Waits for every copy issued on the staging streams; keeps the first error in rc/err. */
+static int direct_sync(struct loader *ld, struct staging *st, int rc, struct wd_error *err) {
+  const struct wd_backend_ops *ops = ld->backend->ops;
+  for (size_t k = 0; k < st->nslots; k++) {
+    struct wd_error e2 = {0};
+    int r2 = ops->event_record(ld->backend->ctx, st->events[k], st->streams[k], &e2);
+    if (r2 == 0) r2 = ops->event_wait(ld->backend->ctx, st->events[k], &e2);
+    if (rc == 0 && r2 != 0) {
+      rc = r2;
+      *err = e2;
+    }
+  }
+  return rc;
+}
+
+/*
+ * Copies output by output, piece by piece, round robin over the streams
+ * (zeros synchronously). The watermark moves at sync points: after an output
+ * that ends LD_DIRECT_SYNC bytes or more past the last one, every stream is
+ * drained, and then everything before that output's end is in place.
+ */
 static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
   void *ctx = ld->backend->ctx;
@@ -462,6 +643,7 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
   pthread_mutex_lock(&st->lock);
   int rc = 0;
   size_t n = 0;
+  uint64_t synced = 0; /* slab bytes below the last sync point */
   const struct plan *p = s->plan;
   for (size_t o = 0; o < p->noutputs && rc == 0; o++) {
     uint64_t dst = p->outputs[o].offset;
@@ -485,16 +667,14 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
       dst += len;
       atomic_fetch_add(&s->bytes_done, len);
     }
-  }
-  for (size_t k = 0; k < st->nslots; k++) {
-    struct wd_error e2 = {0};
-    int r2 = ops->event_record(ctx, st->events[k], st->streams[k], &e2);
-    if (r2 == 0) r2 = ops->event_wait(ctx, st->events[k], &e2);
-    if (rc == 0 && r2 != 0) {
-      rc = r2;
-      *err = e2;
+    /* A sync point: what was issued up to here has landed, so the watermark may pass it. */
+    uint64_t end = p->outputs[o].offset + p->outputs[o].nbytes;
+    if (rc == 0 && end - synced >= LD_DIRECT_SYNC && (rc = direct_sync(ld, st, rc, err)) == 0) {
+      synced = end;
+      publish_ready(s, end);
     }
   }
+  rc = direct_sync(ld, st, rc, err);
   pthread_mutex_unlock(&st->lock);
   return rc;
 }
@@ -506,11 +686,17 @@ bool ld_can_direct(const struct loader *ld) { return ld->stagings != NULL && ld-
 int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
   void *ctx = ld->backend->ctx;
-  double t0 = clock_s();
-  s->slab = NULL;
-  int rc = ops->slab_alloc(ctx, s->device, s->plan->slab_bytes, &s->slab, err);
-  s->alloc_seconds = clock_s() - t0;
-  if (rc != 0) return rc;
+  int rc;
+  if (s->slab == NULL) { /* else a load run again: it refills the slab that clients may map already */
+    double t0 = clock_s();
+    rc = ops->slab_alloc(ctx, s->device, s->plan->slab_bytes, &s->slab, err);
+    s->alloc_seconds = clock_s() - t0;
+    if (rc != 0) {
+      s->slab = NULL;
+      return rc;
+    }
+    if (s->allocated != NULL) s->allocated(s);
+  }
   if (ld->method == CFG_LOAD_STAGED) {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
@@ -524,14 +710,13 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
   }
+  if (rc == 0) {
+    atomic_store(&s->bytes_done, s->plan->slab_bytes);
+    publish_ready(s, s->plan->slab_bytes);
+  }
   /* A shard rewritten while we copied would have given a mix of old and new bytes. */
   if (rc == 0) rc = ckpt_check_unchanged(s->ck->ck, err);
-  if (rc == 0) atomic_store(&s->bytes_done, s->plan->slab_bytes);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, s->slab, err);
-  if (rc != 0) {
-    ops->slab_free(ctx, s->slab);
-    s->slab = NULL;
-  }
   return rc;
 }
 
@@ -545,6 +730,10 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
   ld->method = p->method;
   ld->strided = p->strided;
   *out = ld;
+  if (p->test_load_gate != NULL && p->test_load_gate[0] != '\0') {
+    if ((ld->gate = strdup(p->test_load_gate)) == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    log_msg(LOG_WARN, "test_load_gate %s: loads wait for it at every window (for tests only)", ld->gate);
+  }
   /* Host slabs are filled in place and need no staging, unless staging is forced. */
   if ((ops->caps & WD_CAP_HOST_SLABS) && p->method != CFG_LOAD_STAGED) return 0;
   ld->stagings = calloc((size_t)p->ndevices, sizeof *ld->stagings);
@@ -588,5 +777,6 @@ void ld_destroy(struct loader *ld) {
     pthread_mutex_destroy(&st->lock);
   }
   free(ld->stagings);
+  free(ld->gate);
   free(ld);
 }

@@ -45,16 +45,33 @@ static int hello_handles(const cJSON *root, unsigned *accepts, struct wd_error *
   return 0;
 }
 
+/* Reads hello's optional "features" into *features; names this daemon does not know are skipped. */
+static int hello_features(const cJSON *root, unsigned *features, struct wd_error *err) {
+  const cJSON *list = cJSON_GetObjectItemCaseSensitive(root, "features");
+  *features = 0;
+  if (list == NULL) return 0;
+  if (!cJSON_IsArray(list)) return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'features' must be a list of names");
+  int i = 0;
+  const cJSON *e;
+  cJSON_ArrayForEach(e, list) {
+    if (!cJSON_IsString(e)) return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'features[%d]' must be a string", i);
+    int f = wd_feature_from_name(e->valuestring);
+    if (f >= 0) *features |= WD_FEATURE_BIT(f);
+    i++;
+  }
+  return 0;
+}
+
 static void op_hello(struct request *r) {
   struct daemon *d = req_daemon(r);
   struct msg_obj o;
   struct wd_error err = {0};
   uint64_t proto = 0;
   const char *client = NULL;
-  unsigned accepts = 0;
+  unsigned accepts = 0, features = 0;
   if (msg_get_u64(ops_args(r, &o), "protocol", true, 0, UINT32_MAX, &proto, &err) < 0 ||
       msg_get_string(ops_args(r, &o), "client", false, &client, &err) < 0 ||
-      hello_handles(r->root, &accepts, &err) != 0) {
+      hello_handles(r->root, &accepts, &err) != 0 || hello_features(r->root, &features, &err) != 0) {
     req_fail_err(r, &err);
     return;
   }
@@ -69,6 +86,7 @@ static void op_hello(struct request *r) {
   snprintf(r->conn->client, sizeof r->conn->client, "%s", client ? client : "");
   r->conn->accepts = accepts;
   r->conn->accepts_listed = cJSON_GetObjectItemCaseSensitive(r->root, "handles") != NULL;
+  r->conn->features = features;
   r->conn->hello_done = true;
   cJSON *rep = msg_reply_ok(r->id);
   json_u64_add(rep, "protocol", WEIGHTD_PROTOCOL_VERSION);
@@ -77,6 +95,9 @@ static void op_hello(struct request *r) {
   json_u64_add(rep, "pid", (uint64_t)getpid());
   cJSON *devs = cJSON_AddArrayToObject(rep, "devices");
   for (int i = 0; i < d->ndevices; i++) cJSON_AddItemToArray(devs, ops_device_json(d, i));
+  cJSON *feats = cJSON_AddArrayToObject(rep, "features");
+  for (int f = 0; f < WD_FEATURE_COUNT; f++)
+    cJSON_AddItemToArray(feats, cJSON_CreateString(wd_feature_name((enum wd_feature)f)));
   req_reply(r, rep, NULL, 0);
 }
 

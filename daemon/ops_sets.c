@@ -3,11 +3,14 @@
  * prefetch, load, attach and evict. Each hands the work to the registry or
  * residency with a continuation that builds the reply.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include "clock.h"
@@ -15,6 +18,7 @@
 #include "jsonutil.h"
 #include "log.h"
 #include "ops_common.h"
+#include "tensor_table.h"
 
 /* ---- open, close, prefetch ------------------------------------------------------------- */
 
@@ -249,6 +253,48 @@ static const char *attach_table(struct res_set *s) {
   return s->table_cache;
 }
 
+/* The writer's view of a plan's outputs. */
+static void plan_tensor(void *arg, size_t i, struct ttab_tensor *t) {
+  const struct plan_output *o = &((const struct plan *)arg)->outputs[i];
+  t->name = o->name;
+  t->name_len = strlen(o->name);
+  t->dtype = dtype_name(o->dtype);
+  t->ndim = o->ndim;
+  t->shape = o->shape;
+  t->offset = o->offset;
+  t->nbytes = o->nbytes;
+}
+
+/*
+ * The binary tensor table of a set as a sealed memfd, built once per set
+ * (s->table_fd; every attach sends a duplicate of it).
+ */
+static int attach_table_fd(struct res_set *s, struct wd_error *err) {
+  if (s->table_fd >= 0) return 0;
+  unsigned char *buf;
+  size_t len;
+  int rc = ttab_write(s->plan->noutputs, plan_tensor, s->plan, s->plan->slab_bytes, &buf, &len, err);
+  if (rc != 0) return err_prefix(err, "set %s: its tensor table", s->id);
+  int fd = memfd_create("weightd-table", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) rc = err_set(err, WEIGHTD_E_NOMEM, "memfd_create for a tensor table: %s", strerror(errno));
+  for (size_t at = 0; rc == 0 && at < len;) {
+    ssize_t n = write(fd, buf + at, len - at);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) rc = err_set(err, WEIGHTD_E_NOMEM, "writing a tensor table of %zu bytes: %s", len, strerror(errno));
+    else at += (size_t)n;
+  }
+  if (rc == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0)
+    rc = err_set(err, WEIGHTD_E_INTERNAL, "sealing a tensor table: %s", strerror(errno));
+  free(buf);
+  if (rc != 0) {
+    if (fd >= 0) close(fd);
+    return rc;
+  }
+  s->table_fd = fd;
+  s->table_bytes = len;
+  return 0;
+}
+
 /* Writes the names of the kinds in mask into buf: "fd, cuda_ipc" ("none" when empty). */
 static void kinds_text(unsigned mask, char *buf, size_t len) {
   size_t n = 0;
@@ -286,20 +332,52 @@ static bool handle_accepted(struct request *r, const struct res_set *s) {
   return false;
 }
 
-/* Leases a ready set to the request's connection and replies with its handle and tensor table. */
+/* A duplicate of fd for a reply, or -1 with err set. */
+static int dup_for_reply(int fd, const char *what, struct wd_error *err) {
+  int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (d < 0) err_set(err, WEIGHTD_E_LIMIT, "duplicating the %s descriptor: %s", what, strerror(errno));
+  return d;
+}
+
+/* {"fd_index": i, "bytes": n, "version": v}, the descriptor of a reply's table or page. */
+static cJSON *fd_object(size_t index, uint64_t bytes, unsigned version) {
+  cJSON *o = cJSON_CreateObject();
+  json_u64_add(o, "fd_index", index);
+  json_u64_add(o, "bytes", bytes);
+  json_u64_add(o, "version", version);
+  return o;
+}
+
+/*
+ * Leases a ready set (or, for an early attach, a loading one whose memory
+ * may be shared) to the request's connection and replies with its handle,
+ * its tensor table (binary for clients that asked for "tensor_table" in
+ * hello, else JSON) and, for an early attach, its progress page. The
+ * reply's descriptors, in fd_index order: the slab's (when its kind has
+ * one), the table's, the page's.
+ */
 static void reply_attached(struct request *r, struct res_set *s) {
   struct daemon *d = req_daemon(r);
   const struct wd_backend *b = &d->backend;
   struct wd_error err = {0};
   if (!handle_accepted(r, s)) return;
-  const char *table = attach_table(s);
-  if (table == NULL) {
-    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+  bool binary = (r->conn->features & WD_FEATURE_BIT(WD_FEATURE_TENSOR_TABLE)) != 0;
+  bool page = r->early && s->page_fd >= 0;
+  const char *table = NULL;
+  int rc = binary ? attach_table_fd(s, &err) : (table = attach_table(s)) == NULL ? err_set(&err, WEIGHTD_E_NOMEM, "out of memory") : 0;
+  if (rc != 0) {
+    req_fail_err(r, &err);
     return;
   }
-  /* A descriptor for the reply must leave the daemon room to accept (root too) and to work. */
-  if (wd_handle_kind_has_fd(s->load.slab->kind) &&
-      d->stats.connections + d->stats.fds_queued + d->cfg.reserved_connections >= daemon_fd_budget(d)) {
+  /*
+   * The reply's descriptors must stay within what connections and replies may
+   * hold (daemon_fd_budget: room to accept, root too), and leave the daemon
+   * room to work beside the descriptors its sets hold.
+   */
+  size_t want = (size_t)wd_handle_kind_has_fd(s->load.slab->kind) + binary + page;
+  uint64_t held = d->stats.connections + d->stats.fds_queued + d->cfg.reserved_connections + want;
+  if (want > 0 && (held > daemon_fd_budget(d) ||
+                   (d->stats.fd_limit > 0 && held + 64 + res_set_fds(d->res) >= d->stats.fd_limit))) {
     req_fail(r, WEIGHTD_E_LIMIT,
              "the daemon is near its descriptor limit (%" PRIu64 ", %" PRIu64 " waiting in unread replies); retry",
              d->stats.fd_limit, d->stats.fds_queued);
@@ -310,11 +388,17 @@ static void reply_attached(struct request *r, struct res_set *s) {
     req_fail_err(r, &err);
     return;
   }
+  int fds[3];
+  size_t nfds = 0;
+  if (wd_handle_kind_has_fd(h.kind)) fds[nfds++] = h.fd;
+  size_t table_index = nfds, page_index = nfds + binary;
+  if (binary && (fds[nfds] = dup_for_reply(s->table_fd, "tensor table", &err)) >= 0) nfds++;
+  if (page && err.code == 0 && (fds[nfds] = dup_for_reply(s->page_fd, "progress page", &err)) >= 0) nfds++;
   struct lease_holder holder = {.owner = r->conn, .pid = r->conn->pid, .uid = r->conn->uid};
   snprintf(holder.client, sizeof holder.client, "%s", r->conn->client);
   struct lease *l;
-  if (res_lease_add(d->res, s, &holder, &l, &err) != 0) {
-    if (h.fd >= 0) close(h.fd);
+  if (err.code != 0 || res_lease_add(d->res, s, &holder, &l, &err) != 0) {
+    for (size_t i = 0; i < nfds; i++) close(fds[i]);
     req_fail_err(r, &err);
     return;
   }
@@ -323,15 +407,11 @@ static void reply_attached(struct request *r, struct res_set *s) {
   msg_add_string(rep, "lease", l->id);
   msg_add_string(rep, "device", res_device(d->res, s->device)->info.uuid);
   json_u64_add(rep, "bytes", s->plan->slab_bytes);
+  if (r->early) msg_add_string(rep, "state", s->state == SET_READY ? "ready" : "loading");
   cJSON *handles = cJSON_AddArrayToObject(rep, "handles");
   cJSON *ho = cJSON_CreateObject();
-  int fds[1];
-  size_t nfds = 0;
   msg_add_string(ho, "kind", wd_handle_kind_name(h.kind));
-  if (wd_handle_kind_has_fd(h.kind)) {
-    json_u64_add(ho, "fd_index", 0);
-    fds[nfds++] = h.fd;
-  }
+  if (wd_handle_kind_has_fd(h.kind)) json_u64_add(ho, "fd_index", 0);
   if (h.kind == WD_HANDLE_CUDA_IPC) {
     char hex[2 * WD_IPC_HANDLE_BYTES + 1];
     msg_hex_encode(h.ipc, WD_IPC_HANDLE_BYTES, hex);
@@ -343,7 +423,10 @@ static void reply_attached(struct request *r, struct res_set *s) {
   }
   json_u64_add(ho, "bytes", h.bytes);
   cJSON_AddItemToArray(handles, ho);
-  cJSON_AddItemToObject(rep, "tensors", cJSON_CreateRaw(table));
+  json_u64_add(rep, "tensor_count", s->plan->noutputs);
+  if (binary) cJSON_AddItemToObject(rep, "tensor_table", fd_object(table_index, s->table_bytes, TTAB_VERSION));
+  else cJSON_AddItemToObject(rep, "tensors", cJSON_CreateRaw(table));
+  if (page) cJSON_AddItemToObject(rep, "progress", fd_object(page_index, WD_PAGE_BYTES, WD_PAGE_VERSION));
   char lease_id[sizeof l->id];
   snprintf(lease_id, sizeof lease_id, "%s", l->id);
   pid_t pid = r->conn->pid;
@@ -374,6 +457,7 @@ static void set_progress(struct res_waiter *w, uint64_t done, uint64_t total) {
 static void wait_init(struct request *r) {
   r->wait.done = set_done;
   r->wait.progress = set_progress;
+  r->wait.early = r->op == MSG_OP_ATTACH && r->early;
 }
 
 bool ops_sets_cancel(struct request *t) {
@@ -486,6 +570,12 @@ void op_load(struct request *r) {
 
 void op_attach(struct request *r) {
   const char *set_id;
+  struct msg_obj o;
+  struct wd_error err = {0};
+  if (msg_get_bool(ops_args(r, &o), "early", false, false, &r->early, &err) < 0) {
+    req_fail_err(r, &err);
+    return;
+  }
   if (!ops_str_arg(r, "set", false, &set_id)) return;
   if (set_id == NULL) { /* by path: load if needed, then attach */
     op_load(r);

@@ -69,6 +69,7 @@ struct conn {
   char client[64]; /* the name the client gave in hello ("" when none) */
   unsigned accepts; /* the handle kinds the client can open (WD_HANDLE_BIT), from hello */
   bool accepts_listed; /* hello listed them ("handles"); else accepts is WD_HANDLES_DEFAULT */
+  unsigned features;   /* the attach features the client asked for in hello (WD_FEATURE_BIT) */
   bool hello_done;
   bool closing;
   bool dead;   /* closing soon from the loop (conn_kill); nothing more is sent */
@@ -105,6 +106,7 @@ struct request {
   bool done;    /* the final reply was sent */
   bool canceled;
   bool started; /* dispatched (counted in conn->inflight), not just queued */
+  bool early;   /* attach: answer while the set loads ("early": true) */
   struct res_waiter wait; /* load and attach: waiting for a set */
   uint64_t serial;        /* the daemon-wide id: "r<serial>" in status and cancel */
   uint64_t created_ms;    /* when it was read */

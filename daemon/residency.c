@@ -8,14 +8,22 @@
  * Slabs are freed on the job pool (freeing a large slab takes tens of
  * milliseconds), by the load that needs the room before it allocates, or by
  * an eviction job that reports back once the memory is free.
+ *
+ * The load's threads touch two things of a set besides its ld_target: its
+ * progress page (advanced through the loader's ready hook; the page is made
+ * before the job starts and unmapped after it ended) and, once, the
+ * `allocated` flag with an async wake-up of the loop (`notify`), which then
+ * answers the set's early waiters.
  */
 #include "residency.h"
 
 #include <inttypes.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "clock.h"
 #include "log.h"
@@ -32,8 +40,10 @@ struct residency {
   uint64_t device_budget;
   uint64_t next_id;
   struct res_set *sets;
+  struct res_set *orphans; /* failed or canceled while leased: freed with their last lease */
   struct lease *leases;
   struct res_stats stats;
+  uv_async_t notify; /* a load allocated its slab: answer early waiters */
 };
 
 const char *res_method_name(enum res_method m) {
@@ -78,6 +88,14 @@ struct slab_list {
   size_t n, cap;
 };
 
+static void serve_early_waiters(struct res_set *s);
+
+static void on_notify(uv_async_t *a) {
+  struct residency *r = a->data;
+  for (struct res_set *s = r->sets; s != NULL; s = s->next)
+    if (res_set_early_ok(s)) serve_early_waiters(s);
+}
+
 int res_create(const struct res_params *p, struct residency **out, struct wd_error *err) {
   struct residency *r = calloc(1, sizeof *r);
   if (r == NULL || (r->devices = calloc((size_t)(p->ndevices > 0 ? p->ndevices : 1), sizeof *r->devices)) == NULL) {
@@ -91,6 +109,12 @@ int res_create(const struct res_params *p, struct residency **out, struct wd_err
   r->ndevices = p->ndevices;
   r->device_budget = p->device_budget;
   for (int i = 0; i < p->ndevices; i++) r->devices[i].info = p->devices[i];
+  if (uv_async_init(r->loop, &r->notify, on_notify) != 0) {
+    free(r->devices);
+    free(r);
+    return err_set(err, WEIGHTD_E_INTERNAL, "uv_async_init failed");
+  }
+  r->notify.data = r;
   *out = r;
   return 0;
 }
@@ -122,6 +146,13 @@ size_t res_device_budget_set(struct residency *r, uint64_t budget) {
   return n;
 }
 
+size_t res_set_fds(const struct residency *r) {
+  size_t n = 0;
+  for (const struct res_set *s = r->sets; s != NULL; s = s->next) n++;
+  for (const struct res_set *s = r->orphans; s != NULL; s = s->next) n++;
+  return 3 * n;
+}
+
 size_t res_count_sets_of(const struct residency *r, const struct reg_ckpt *ck) {
   size_t n = 0;
   for (const struct res_set *s = r->sets; s != NULL; s = s->next) n += s->ck == ck;
@@ -142,6 +173,11 @@ static struct res_set *find_by_key(const struct residency *r, const char *key) {
 
 bool res_set_canceling(const struct res_set *s) {
   return s->state == SET_LOADING && s->waiters == NULL && atomic_load(&s->load.cancel);
+}
+
+bool res_set_early_ok(const struct res_set *s) {
+  return s->state == SET_LOADING && s->page != NULL && atomic_load(&s->allocated) &&
+         s->load.slab->export_while_filling;
 }
 
 /* ---- freeing slabs ------------------------------------------------------------------ */
@@ -213,17 +249,25 @@ static void free_later(struct residency *r, struct free_job *f, struct slab_list
 
 static void timer_closed(uv_handle_t *h) {
   struct res_set *s = h->data;
+  ppage_destroy(s->page, s->page_fd);
+  if (s->table_fd >= 0) close(s->table_fd);
   free(s->table_cache);
   free(s->key);
   free(s);
 }
 
+/* Takes s out of the list it is on (the sets, or the orphans). */
+static void set_unlink(struct res_set *s) {
+  struct res_set **pp = s->orphan ? &s->res->orphans : &s->res->sets;
+  while (*pp != NULL && *pp != s) pp = &(*pp)->next;
+  if (*pp == s) *pp = s->next;
+  s->next = NULL;
+}
+
 /* Unlinks and frees a set; its slab goes to `keep` when given, else to a free job. */
 static void set_destroy(struct res_set *s, struct slab_list *keep) {
   struct residency *r = s->res;
-  struct res_set **pp = &r->sets;
-  while (*pp != NULL && *pp != s) pp = &(*pp)->next;
-  if (*pp == s) *pp = s->next;
+  set_unlink(s);
   if (s->load.slab != NULL) {
     struct slab_list one = {0};
     slab_list_push(r, keep != NULL ? keep : &one, s->load.slab);
@@ -269,6 +313,8 @@ static bool make_room(struct residency *r, int device, uint64_t need, struct sla
   uint64_t pinned = 0;
   for (struct res_set *s = r->sets; s != NULL; s = s->next)
     if (s->device == device && (s->state != SET_READY || s->leases > 0)) pinned += s->plan->slab_bytes;
+  for (struct res_set *s = r->orphans; s != NULL; s = s->next)
+    if (s->device == device) pinned += s->plan->slab_bytes;
   if (need > budget || pinned > budget - need) return false;
   for (;;) {
     if (r->devices[device].used + need <= budget) return true;
@@ -332,6 +378,28 @@ static void on_progress_timer(uv_timer_t *t) {
     if (w->progress != NULL) w->progress(w, done, s->plan->slab_bytes);
 }
 
+/* Answers the set's early waiters (the slab may be shared now); they stop waiting. */
+static void serve_early_waiters(struct res_set *s) {
+  struct res_waiter *early = NULL, **pp = &s->waiters;
+  while (*pp != NULL) {
+    struct res_waiter *w = *pp;
+    if (!w->early) {
+      pp = &w->next;
+      continue;
+    }
+    *pp = w->next;
+    w->next = early;
+    early = w;
+  }
+  while (early != NULL) {
+    struct res_waiter *w = early;
+    early = w->next;
+    w->set = NULL;
+    w->next = NULL;
+    w->done(w, s, w->joined, NULL);
+  }
+}
+
 static void add_waiter(struct res_set *s, struct res_waiter *w, bool joined) {
   w->joined = joined;
   w->set = s;
@@ -387,6 +455,22 @@ struct load_job {
   struct wd_error err;
 };
 
+static struct res_set *target_set(struct ld_target *t) {
+  return (struct res_set *)((char *)t - offsetof(struct res_set, load));
+}
+
+/* The load's hooks (its threads): the slab exists; the watermark moved. */
+static void load_allocated(struct ld_target *t) {
+  struct res_set *s = target_set(t);
+  atomic_store(&s->allocated, true);
+  uv_async_send(&s->res->notify);
+}
+
+static void load_ready(struct ld_target *t, uint64_t ready) {
+  struct res_set *s = target_set(t);
+  if (s->page != NULL) ppage_advance(s->page, ready);
+}
+
 static void load_work(struct job *j) {
   struct load_job *lj = (struct load_job *)j;
   slab_list_free_now(lj->backend, &lj->to_free);
@@ -403,8 +487,8 @@ static void load_done(struct job *j) {
   struct load_job *lj = (struct load_job *)j;
   struct res_set *s = lj->set;
   struct residency *r = s->res;
-  if (lj->rc == WEIGHTD_E_CANCELED && s->waiters != NULL && !atomic_load(&s->load.cancel)) {
-    /* Canceled, but someone asked for the same set since: load it for them. */
+  if (lj->rc == WEIGHTD_E_CANCELED && (s->waiters != NULL || s->leases > 0) && !atomic_load(&s->load.cancel)) {
+    /* Canceled, but someone asked for the same set since: load it for them (into the same slab). */
     log_msg(LOG_INFO, "set %s: canceled load restarted for a request that joined it", s->id);
     atomic_store(&s->load.bytes_done, 0);
     jobs_submit(r->bulk, &lj->job);
@@ -449,6 +533,12 @@ static void load_done(struct job *j) {
     s->state = SET_FAILED;
     log_msg(LOG_WARN, "load of set %s (%s) failed: %s", s->id, s->ck->path, lj->err.msg);
   }
+  if (s->page != NULL)
+    ppage_finish(s->page,
+                 lj->rc == 0                    ? WD_PAGE_READY
+                 : lj->rc == WEIGHTD_E_CANCELED ? WD_PAGE_CANCELED
+                                                : WD_PAGE_FAILED,
+                 lj->rc, lj->rc != 0 ? lj->err.msg : "");
   while (w != NULL) {
     struct res_waiter *next = w->next;
     w->set = NULL;
@@ -460,7 +550,16 @@ static void load_done(struct job *j) {
   /* The pin policy after the waiters have their answer: registering runs in the background. */
   if (lj->rc == 0 && lj->ranges != NULL) reg_pin_after_load(s->ck, lj->ranges, lj->nranges);
   else free(lj->ranges);
-  if (lj->rc != 0) set_destroy(s, NULL);
+  if (lj->rc != 0 && s->leases > 0) {
+    /* Early attachers still map the slab: off the list now, freed with the last lease. */
+    set_unlink(s);
+    s->orphan = true;
+    s->next = r->orphans;
+    r->orphans = s;
+    log_msg(LOG_INFO, "set %s: %d early lease(s) keep its slab until they end", s->id, s->leases);
+  } else if (lj->rc != 0) {
+    set_destroy(s, NULL);
+  }
   free(lj->to_free.v);
   free(lj);
 }
@@ -516,8 +615,16 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   struct plan_range *pins = NULL;
   if (reg_pins_copy(ck, &pins, &s->load.npins) != 0) s->load.npins = 0; /* no memory: it stages instead */
   s->load.pins = pins;
+  s->load.allocated = load_allocated;
+  s->load.ready = load_ready;
   atomic_init(&s->load.bytes_done, 0);
+  atomic_init(&s->load.ready_bytes, 0);
   atomic_init(&s->load.cancel, false);
+  atomic_init(&s->allocated, false);
+  s->table_fd = -1;
+  struct wd_error perr = {0};
+  if (ppage_create(plan->slab_bytes, &s->page, &s->page_fd, &perr) != 0)
+    log_msg(LOG_DEBUG, "set %s: no progress page, so no early attach: %s", s->id, perr.msg);
   s->last_used_ms = clock_ms();
   uv_timer_init(r->loop, &s->progress_timer);
   s->progress_timer.data = s;
@@ -543,15 +650,21 @@ void res_wait(struct residency *r, struct res_set *s, struct res_waiter *w) {
   (void)r;
   w->set = NULL;
   s->last_used_ms = clock_ms();
-  if (s->state == SET_READY) w->done(w, s, true, NULL);
-  else add_waiter(s, w, true);
+  if (s->state == SET_READY) {
+    w->done(w, s, true, NULL);
+  } else if (w->early && res_set_early_ok(s)) {
+    atomic_store(&s->load.cancel, false); /* a canceled load someone wants again goes on */
+    w->done(w, s, true, NULL);
+  } else {
+    add_waiter(s, w, true);
+  }
 }
 
 /* ---- leases ------------------------------------------------------------------------------ */
 
 int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,
                   struct wd_error *err) {
-  if (s->state != SET_READY) return err_set(err, WEIGHTD_E_BUSY, "set %s is not ready", s->id);
+  if (s->state != SET_READY && !res_set_early_ok(s)) return err_set(err, WEIGHTD_E_BUSY, "set %s is not ready", s->id);
   struct lease *l = calloc(1, sizeof *l);
   if (l == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   snprintf(l->id, sizeof l->id, "l%" PRIu64, ++r->next_id);
@@ -571,9 +684,14 @@ void res_lease_drop(struct residency *r, struct lease *l) {
   while (*pp != NULL && *pp != l) pp = &(*pp)->next;
   if (*pp == NULL) return;
   *pp = l->next;
-  l->set->leases--;
-  l->set->last_used_ms = clock_ms();
+  struct res_set *s = l->set;
+  s->leases--;
+  s->last_used_ms = clock_ms();
   free(l);
+  if (s->orphan && s->leases == 0) {
+    log_msg(LOG_DEBUG, "set %s: its last early lease ended; freeing it", s->id);
+    set_destroy(s, NULL);
+  }
 }
 
 struct lease *res_find_lease(const struct residency *r, const char *id) {
@@ -604,10 +722,15 @@ void res_cancel_all(struct residency *r) {
     if (s->state == SET_LOADING) atomic_store(&s->load.cancel, true);
 }
 
-void res_destroy(struct residency *r) {
-  if (r == NULL) return;
-  while (r->leases != NULL) res_lease_drop(r, r->leases);
-  while (r->sets != NULL) set_destroy(r->sets, NULL);
+static void residency_closed(uv_handle_t *h) {
+  struct residency *r = h->data;
   free(r->devices);
   free(r);
+}
+
+void res_destroy(struct residency *r) {
+  if (r == NULL) return;
+  while (r->leases != NULL) res_lease_drop(r, r->leases); /* orphans go with their last lease */
+  while (r->sets != NULL) set_destroy(r->sets, NULL);
+  uv_close((uv_handle_t *)&r->notify, residency_closed);
 }

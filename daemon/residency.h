@@ -14,6 +14,14 @@
  * recently used first when a device's budget (or the device itself) has no
  * room for a new set. A request that arrives while an identical set loads
  * waits for it instead of loading again.
+ *
+ * Early attach: a waiter that says `early` is answered while the set still
+ * loads, as soon as its slab exists and may be shared, and may lease it; how
+ * far the load has come is on the set's progress page (progress_page.h),
+ * which the load's threads advance and load_done finishes (ready, failed or
+ * canceled). A set whose load fails or is canceled while leased leaves the
+ * list of sets at once (nobody finds it, status does not show it) but keeps
+ * its slab, counted against its device, until its last lease ends.
  */
 #ifndef WD_RESIDENCY_H
 #define WD_RESIDENCY_H
@@ -25,6 +33,7 @@
 
 #include "backend.h"
 #include "error.h"
+#include "progress_page.h"
 #include "jobs.h"
 #include "loader.h"
 #include "plan.h"
@@ -49,6 +58,12 @@ struct res_set {
   double seconds;             /* the whole load job */
   struct res_waiter *waiters; /* waiting for SET_LOADING */
   char *table_cache;          /* the attach table as the op handlers serialise it, built once */
+  int table_fd;               /* the binary tensor table, a sealed memfd the op handlers build once; -1 */
+  uint64_t table_bytes;
+  struct wd_progress_page *page; /* how far the load has come (NULL: the kernel cannot share one) */
+  int page_fd;                   /* the page's sealed memfd, or -1 */
+  atomic_bool allocated;         /* the load job has allocated load.slab (then readable on the loop) */
+  bool orphan;                   /* failed or canceled while leased: off the list until its last lease ends */
   uv_timer_t progress_timer;
   struct res_set *next;
 };
@@ -58,11 +73,14 @@ struct res_set {
  * progress, or NULL). done runs once, on the loop thread: with the ready set
  * (err NULL; joined tells whether the set was already loading or resident
  * when asked), or with s NULL and err saying why the load failed. It may run
- * before the call that registered the waiter returns.
+ * before the call that registered the waiter returns. An early waiter's done
+ * may come with the set still SET_LOADING: as soon as its slab is allocated
+ * and res_set_early_ok says it can be shared.
  */
 struct res_waiter {
   void (*done)(struct res_waiter *w, struct res_set *s, bool joined, const struct wd_error *err);
   void (*progress)(struct res_waiter *w, uint64_t done, uint64_t total);
+  bool early; /* the caller's: done may come while the set loads */
   /* Residency's own. */
   struct res_set *set; /* the set waited for; NULL when not waiting */
   bool joined;
@@ -137,6 +155,8 @@ struct res_device *res_device(struct residency *r, int device);
 uint64_t res_device_budget(const struct residency *r, int device);
 /* Changes the configured budget; evicts unleased sets (least recently used first) where a device is over it. Returns how many. */
 size_t res_device_budget_set(struct residency *r, uint64_t budget);
+/* Descriptors the sets hold at most (slab, progress page, table), those that failed while leased included. */
+size_t res_set_fds(const struct residency *r);
 /* Sets of ck (any state). */
 size_t res_count_sets_of(const struct residency *r, const struct reg_ckpt *ck);
 
@@ -164,14 +184,17 @@ bool res_waiter_cancel(struct res_waiter *w);
 /* True while the set is loading and nobody waits for it any more. */
 bool res_set_canceling(const struct res_set *s);
 
+/* True when a LOADING set may be attached early: its slab exists, may be exported while filling, and it has a page. */
+bool res_set_early_ok(const struct res_set *s);
+
 struct res_set *res_find_set(const struct residency *r, const char *id);
 
 /* ---- leases --------------------------------------------------------------- */
 
-/* Adds a lease on a READY set for holder; *out is the new lease. */
+/* Adds a lease on a READY set, or a LOADING one that res_set_early_ok, for holder; *out is the new lease. */
 int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,
                   struct wd_error *err);
-/* Ends one lease (the lease is freed). */
+/* Ends one lease (the lease is freed); the last lease of a set that failed frees the set. */
 void res_lease_drop(struct residency *r, struct lease *l);
 struct lease *res_find_lease(const struct residency *r, const char *id);
 /* True when owner holds a lease. */

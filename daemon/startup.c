@@ -173,7 +173,8 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                          .method = d->cfg.load_method,
                          .strided = (enum plan_strided)d->cfg.staged_strided,
                          .staging_slots = (size_t)d->cfg.staging_slots,
-                         .staging_slot_bytes = (size_t)d->cfg.staging_slot_bytes};
+                         .staging_slot_bytes = (size_t)d->cfg.staging_slot_bytes,
+                         .test_load_gate = d->cfg.test_load_gate};
   struct reg_params gp = {.backend = &d->backend,
                           .control = d->control_pool,
                           .bulk = d->job_pool,

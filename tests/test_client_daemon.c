@@ -2,7 +2,8 @@
  * test_client_daemon.c - libweightd against the real weightd on a private
  * socket: load, attach (twice by set, once by path: one mapping), every byte
  * of every tensor against the file, evict of a leased set, leases ended by
- * close, path confinement, and a clean shutdown.
+ * close, early attach (each tensor waited for, then compared with the file;
+ * the states and the watermark), path confinement, and a clean shutdown.
  *
  * The backend comes from argv[1] ("host" by default, "cuda" for the GPU run,
  * which reads device memory back through the dlopen'd driver). The test skips
@@ -176,6 +177,53 @@ static void test_load_attach_verify(void) {
   weightd_close(c);
 }
 
+static void test_early_attach(void) {
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(sock, &c), 0);
+  char *reply = NULL;
+  CHECK_EQ_INT(weightd_request(c, "{\"op\":\"evict\",\"device\":0}", &reply, NULL, NULL), 0);
+  weightd_free(reply);
+  struct weightd_load_options o = {.struct_size = sizeof o, .flags = WEIGHTD_ATTACH_EARLY};
+  weightd_set *s = NULL, *r = NULL;
+  CHECK_EQ_INT(weightd_attach_path(c, ckpt, &o, &s), 0);
+  if (s == NULL) {
+    fprintf(stderr, "early attach: %s\n", weightd_last_error(c));
+    weightd_close(c);
+    return;
+  }
+  enum weightd_set_state st = weightd_set_state(s);
+  CHECK(st == WEIGHTD_SET_LOADING || st == WEIGHTD_SET_READY);
+  CHECK_EQ_INT(weightd_set_tensor_count(s), NTENSORS);
+  uint64_t last = 0;
+  for (size_t i = 0; i < weightd_set_tensor_count(s); i++) {
+    weightd_tensor t;
+    CHECK_EQ_INT(weightd_set_wait_tensor(s, i, 30000), 0);
+    CHECK_EQ_INT(weightd_set_tensor(s, i, &t), 0);
+    uint64_t ready = weightd_set_ready_bytes(s);
+    CHECK(ready >= t.offset + t.nbytes && ready >= last);
+    last = ready;
+  }
+  CHECK_EQ_INT(weightd_set_wait(s, NULL, 30000), 0);
+  CHECK_EQ_INT(weightd_set_state(s), WEIGHTD_SET_READY);
+  CHECK_EQ_INT(weightd_set_ready_bytes(s), weightd_set_bytes(s));
+  CHECK(strcmp(weightd_set_load_error(s), "") == 0);
+  CHECK_EQ_INT(weightd_set_wait(s, "no.such.tensor", 0), WEIGHTD_E_NOT_FOUND);
+  CHECK_EQ_INT(weightd_set_wait_tensor(s, NTENSORS, 0), WEIGHTD_E_NOT_FOUND);
+  CHECK_EQ_INT(weightd_set_wait(s, "model.layers.0.odd", 0), 0);
+  CHECK(set_matches_file(s));
+  /* The same set attached the ordinary way: ready, one mapping with the early one. */
+  CHECK_EQ_INT(weightd_attach(c, weightd_set_id(s), &r), 0);
+  if (r != NULL) {
+    CHECK_EQ_INT(weightd_set_state(r), WEIGHTD_SET_READY);
+    CHECK_EQ_INT(weightd_set_wait(r, NULL, 0), 0);
+    CHECK(weightd_set_base(r) == weightd_set_base(s));
+    CHECK_EQ_INT(weightd_release(r), 0);
+  }
+  CHECK_EQ_INT(weightd_release(s), 0);
+  CHECK_EQ_INT(weightd_set_state(NULL), 0);
+  weightd_close(c);
+}
+
 static void test_errors(void) {
   weightd_client *c = NULL;
   CHECK_EQ_INT(weightd_connect(sock, &c), 0);
@@ -238,6 +286,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   RUN(test_load_attach_verify);
+  RUN(test_early_attach);
   RUN(test_errors);
   RUN(test_shutdown);
   if (tu_tests_failed) show_log();

@@ -6,7 +6,9 @@
  * plan, direct loads that never copy across two registrations, the budget
  * with least-recently-used unpinning that spares a checkpoint with a load
  * queued, requests parked behind a running pin, a failed registration, and
- * every registration undone on close.
+ * every registration undone on close; and the ready watermark of early
+ * attach, staged on the schedule's windows and direct, on a backend whose
+ * copies complete only when an event after them is waited for.
  *
  * The host backend cannot register memory, so the tier runs on a test
  * backend: the host backend's table with caps 0 and registration hooks that
@@ -373,6 +375,320 @@ static void test_staged_rows_truncated(void) {
   fix_stop(&f);
 }
 
+/* ---- the ready watermark (early attach) ------------------------------------------------------ */
+
+/*
+ * A test backend whose copy engine runs late: the registering backend, but a
+ * copy on a stream happens only when an event recorded after it is waited for
+ * (reading its source then, as a DMA engine would); copies without a stream
+ * happen at once. A watermark raised before the copies below it completed, or
+ * a slot refilled while its copy still waits, shows as wrong slab bytes.
+ */
+struct acopy {
+  struct wd_slab *dst;
+  uint64_t off;
+  size_t dpitch, spitch, width, height;
+  const void *src;
+};
+struct astream {
+  struct acopy *q;
+  size_t n, cap, done;
+};
+struct aevent {
+  struct astream *s;
+  size_t upto;
+};
+
+static struct wd_backend_ops async_ops;
+static pthread_mutex_t amu = PTHREAD_MUTEX_INITIALIZER;
+static unsigned async_late; /* copies that ran at an event wait */
+
+static int async_stream_create(void *ctx, int device, struct wd_stream **out, struct wd_error *err) {
+  (void)ctx;
+  (void)device;
+  struct astream *s = calloc(1, sizeof *s);
+  if (s == NULL) return err_set(err, WEIGHTD_E_NOMEM, "stream");
+  *out = (struct wd_stream *)(void *)s;
+  return 0;
+}
+
+static void async_stream_destroy(void *ctx, struct wd_stream *ws) {
+  (void)ctx;
+  struct astream *s = (struct astream *)(void *)ws;
+  if (s == NULL) return;
+  if (s->done != s->n) fprintf(stderr, "test backend: a stream destroyed with %zu copies pending\n", s->n - s->done);
+  CHECK_EQ_INT(s->done, s->n);
+  free(s->q);
+  free(s);
+}
+
+static int async_event_create(void *ctx, int device, struct wd_event **out, struct wd_error *err) {
+  (void)ctx;
+  (void)device;
+  struct aevent *e = calloc(1, sizeof *e);
+  if (e == NULL) return err_set(err, WEIGHTD_E_NOMEM, "event");
+  *out = (struct wd_event *)(void *)e;
+  return 0;
+}
+
+static void async_event_destroy(void *ctx, struct wd_event *e) {
+  (void)ctx;
+  free(e);
+}
+
+static int async_event_record(void *ctx, struct wd_event *we, struct wd_stream *ws, struct wd_error *err) {
+  (void)ctx;
+  (void)err;
+  struct aevent *e = (struct aevent *)(void *)we;
+  pthread_mutex_lock(&amu);
+  e->s = (struct astream *)(void *)ws;
+  e->upto = e->s->n;
+  pthread_mutex_unlock(&amu);
+  return 0;
+}
+
+/* Runs the copies the event covers that have not run yet, in stream order. */
+static int async_event_wait(void *ctx, struct wd_event *we, struct wd_error *err) {
+  struct aevent *e = (struct aevent *)(void *)we;
+  int rc = 0;
+  pthread_mutex_lock(&amu);
+  struct astream *s = e->s;
+  while (s != NULL && s->done < e->upto && rc == 0) {
+    const struct acopy *c = &s->q[s->done++];
+    rc = fake_copy(ctx, c->dst, c->off, c->dpitch, c->src, c->spitch, c->width, c->height, NULL, err);
+    async_late++;
+  }
+  pthread_mutex_unlock(&amu);
+  return rc;
+}
+
+static int async_copy(void *ctx, struct wd_slab *dst, uint64_t dst_offset, size_t dst_pitch, const void *src,
+                      size_t src_pitch, size_t width, size_t height, struct wd_stream *ws, struct wd_error *err) {
+  if (ws == NULL) return fake_copy(ctx, dst, dst_offset, dst_pitch, src, src_pitch, width, height, NULL, err);
+  struct astream *s = (struct astream *)(void *)ws;
+  pthread_mutex_lock(&amu);
+  if (s->n == s->cap) {
+    size_t cap = s->cap ? 2 * s->cap : 64;
+    struct acopy *q = realloc(s->q, cap * sizeof *q);
+    if (q == NULL) {
+      pthread_mutex_unlock(&amu);
+      return err_set(err, WEIGHTD_E_NOMEM, "copy queue");
+    }
+    s->q = q;
+    s->cap = cap;
+  }
+  s->q[s->n++] = (struct acopy){dst, dst_offset, dst_pitch, src_pitch, width, height, src};
+  pthread_mutex_unlock(&amu);
+  return 0;
+}
+
+static void async_init(void) {
+  async_ops = fake_ops;
+  async_ops.name = "late-copy test backend";
+  async_ops.stream_create = async_stream_create;
+  async_ops.stream_destroy = async_stream_destroy;
+  async_ops.event_create = async_event_create;
+  async_ops.event_destroy = async_event_destroy;
+  async_ops.event_record = async_event_record;
+  async_ops.event_wait = async_event_wait;
+  async_ops.copy_h2d = async_copy;
+}
+
+/* A load driven by ld_fill directly, whose ready hook checks the slab below every watermark it is given. */
+struct wm {
+  struct ld_target t; /* first: the hooks cast back */
+  const unsigned char *want; /* the plan gathered from the file's bytes */
+  const uint64_t *ends;      /* the schedule's window ends (staged), or NULL: only the set's size */
+  size_t nends;
+  pthread_mutex_t mu;
+  unsigned allocated, calls, bad, off_schedule;
+  uint64_t max;
+};
+
+static void wm_allocated(struct ld_target *t) {
+  struct wm *w = (struct wm *)t;
+  w->allocated++;
+  memset(t->slab->host_view, 0xEE, (size_t)t->slab->bytes); /* poison: a byte not yet copied shows */
+}
+
+static void wm_ready(struct ld_target *t, uint64_t v) {
+  struct wm *w = (struct wm *)t;
+  const struct plan *p = t->plan;
+  const unsigned char *slab = t->slab->host_view;
+  uint64_t first_bad = UINT64_MAX;
+  for (size_t i = 0; i < p->noutputs && p->outputs[i].offset < v && first_bad == UINT64_MAX; i++) {
+    const struct plan_output *o = &p->outputs[i];
+    uint64_t e = o->offset + o->nbytes < v ? o->offset + o->nbytes : v;
+    for (uint64_t b = o->offset; b < e; b++)
+      if (slab[b] != w->want[b]) {
+        first_bad = b;
+        break;
+      }
+  }
+  bool listed = w->ends == NULL ? v == p->slab_bytes : false;
+  for (size_t i = 0; i < w->nends && !listed; i++) listed = w->ends[i] == v;
+  pthread_mutex_lock(&w->mu);
+  w->calls++;
+  if (first_bad != UINT64_MAX) {
+    if (w->bad++ == 0)
+      fprintf(stderr, "watermark %llu: slab byte %llu is not in place yet\n", (unsigned long long)v,
+              (unsigned long long)first_bad);
+  }
+  if (!listed) w->off_schedule++;
+  if (v > w->max) w->max = v;
+  pthread_mutex_unlock(&w->mu);
+}
+
+/* The plan gathered from the shard's bytes as read() gives them (free it). */
+static unsigned char *want_image(const struct reg_ckpt *ck, const struct plan *p) {
+  const struct ckpt_shard *sh = &ck->ck->shards[0];
+  unsigned char *file = malloc((size_t)sh->size), *want = calloc(1, p->slab_bytes ? p->slab_bytes : 1);
+  int fd = open(sh->real, O_RDONLY);
+  CHECK(fd >= 0 && pread(fd, file, (size_t)sh->size, 0) == (ssize_t)sh->size);
+  if (fd >= 0) close(fd);
+  const unsigned char *data[1] = {file + sh->hdr->data_start};
+  plan_gather(p, data, 0, p->slab_bytes, want);
+  free(file);
+  return want;
+}
+
+/*
+ * Fills plan spec of ck with ld_fill, checking the slab below each watermark
+ * as it is raised; with strided != -1 (staged) every watermark must be one
+ * of the schedule's window ends. cancel_first: a first run is canceled
+ * before it copies, and the run again refills the slab it allocated.
+ * Returns the method.
+ */
+static const char *wm_load(struct fix *f, struct reg_ckpt *ck, const char *spec, int strided, size_t slot,
+                           const struct plan_range *pins, size_t npins, bool cancel_first) {
+  static char method[16];
+  method[0] = '\0';
+  struct plan *p = plan_of(ck, spec);
+  if (p == NULL) return method;
+  struct wm w;
+  memset(&w, 0, sizeof w);
+  pthread_mutex_init(&w.mu, NULL);
+  w.t.plan = p;
+  w.t.ck = ck;
+  w.t.pins = pins;
+  w.t.npins = npins;
+  w.t.allocated = wm_allocated;
+  w.t.ready = wm_ready;
+  atomic_init(&w.t.bytes_done, 0);
+  atomic_init(&w.t.ready_bytes, 0);
+  atomic_init(&w.t.cancel, cancel_first);
+  w.want = want_image(ck, p);
+  uint64_t *ends = NULL;
+  struct plan_stage *sched = NULL;
+  struct wd_error err = {0};
+  if (strided >= 0) {
+    CHECK_EQ_INT(plan_stage_build(p, slot, (enum plan_strided)strided, &sched, &err), 0);
+    ends = calloc(sched ? sched->nwindows + 1 : 1, sizeof *ends);
+    for (size_t k = 0, sum = 0; sched != NULL && k < sched->nwindows; k++) ends[k] = sum += sched->windows[k].slab_bytes;
+    w.ends = ends;
+    w.nends = sched ? sched->nwindows : 0;
+  }
+  int rc = ld_fill(f->e.ld, &w.t, &err);
+  if (cancel_first) {
+    CHECK_EQ_INT(rc, WEIGHTD_E_CANCELED);
+    CHECK(w.t.slab != NULL); /* kept for early attachers: a run again refills it */
+    CHECK_EQ_INT(atomic_load(&w.t.ready_bytes), 0);
+    atomic_store(&w.t.cancel, false);
+    rc = ld_fill(f->e.ld, &w.t, &err);
+  }
+  if (rc != 0) fprintf(stderr, "ld_fill: %s\n", err.msg);
+  CHECK_EQ_INT(rc, 0);
+  CHECK_EQ_INT(w.allocated, 1);
+  CHECK_EQ_INT(w.bad, 0);
+  CHECK_EQ_INT(w.off_schedule, 0);
+  CHECK_EQ_INT(w.max, p->slab_bytes);
+  CHECK_EQ_INT(atomic_load(&w.t.ready_bytes), p->slab_bytes);
+  if (strided >= 0 && sched != NULL && sched->nwindows > 4)
+    CHECK(w.calls > sched->nwindows / 4); /* it moved window by window, not only at the end */
+  if (w.t.method != NULL) snprintf(method, sizeof method, "%s", w.t.method);
+  if (w.t.slab != NULL) {
+    /* Sealed now: read it through an export, as a client would. */
+    struct wd_handle h;
+    const struct wd_backend *b = &f->e.backend;
+    CHECK_EQ_INT(b->ops->slab_export(b->ctx, w.t.slab, &h, &err), 0);
+    const unsigned char *slab = mmap(NULL, p->slab_bytes, PROT_READ, MAP_SHARED, h.fd, 0);
+    close(h.fd);
+    CHECK(slab != MAP_FAILED);
+    if (slab != MAP_FAILED) {
+      for (size_t i = 0; i < p->noutputs; i++)
+        CHECK(memcmp(slab + p->outputs[i].offset, w.want + p->outputs[i].offset, p->outputs[i].nbytes) == 0);
+      munmap((void *)slab, p->slab_bytes);
+    }
+    b->ops->slab_free(b->ctx, w.t.slab);
+  }
+  plan_stage_free(sched);
+  free(ends);
+  free((void *)w.want);
+  pthread_mutex_destroy(&w.mu);
+  plan_free(p);
+  return method;
+}
+
+/*
+ * The watermark promises that every byte below it is in place: staged loads
+ * on the schedule's windows (image runs, and strided pieces as whole rows cut
+ * by 2D copies), in slots of a few KiB, two or three of them; direct loads
+ * (plain and 2D copies from registered mappings); each on a backend whose
+ * copies complete only when waited for.
+ */
+static void test_watermark(void) {
+  static const enum plan_strided modes[] = {PLAN_STRIDED_GATHER, PLAN_STRIDED_ROWS, PLAN_STRIDED_AUTO};
+  static const size_t slots[] = {4096, 5000};
+  static const char *const *specs[] = {&col_plan, &rows_plan, NULL};
+  for (size_t m = 0; m < 3; m++)
+    for (size_t k = 0; k < 2; k++) {
+      fake_reset();
+      async_late = 0;
+      struct fix f;
+      struct env_opts o = {.ops = &async_ops,
+                           .method = CFG_LOAD_STAGED,
+                           .strided = modes[m],
+                           .staging_slots = k == 1 ? 3 : 2,
+                           .staging_slot_bytes = slots[k],
+                           .pin_mode = REG_PIN_OFF};
+      if (!fix_start(&f, "ld-wm", &o)) {
+        fix_stop(&f);
+        continue;
+      }
+      struct reg_ckpt *ck = open_ckpt(&f, "m");
+      for (size_t i = 0; ck != NULL && i < 3; i++)
+        CHECK(strcmp(wm_load(&f, ck, specs[i] ? *specs[i] : NULL, (int)modes[m], slots[k], NULL, 0, i == 0),
+                     "staged") == 0);
+      CHECK(async_late > 0);
+      reg_unref(ck);
+      fix_stop(&f);
+    }
+  /* Direct: the watermark moves at sync points (here only the end: the set is far below LD_DIRECT_SYNC). */
+  fake_reset();
+  struct fix f;
+  struct env_opts o = {.ops = &async_ops, .pin_mode = REG_PIN_OFF, .pin_budget = 64ull << 20};
+  if (!fix_start(&f, "ld-wm-direct", &o)) {
+    fix_stop(&f);
+    return;
+  }
+  struct reg_ckpt *ck = open_ckpt(&f, "m");
+  if (ck != NULL) {
+    CHECK_EQ_INT(pin_and_wait(&f, ck, NULL), 0);
+    struct plan_range *pins = NULL;
+    size_t npins = 0;
+    CHECK_EQ_INT(reg_pins_copy(ck, &pins, &npins), 0);
+    CHECK(npins > 0);
+    async_late = 0;
+    for (size_t i = 0; i < 3; i++)
+      CHECK(strcmp(wm_load(&f, ck, specs[i] ? *specs[i] : NULL, -1, 0, pins, npins, i == 2), "direct") == 0);
+    CHECK(async_late > 0);
+    free(pins);
+  }
+  CHECK_EQ_INT(fk.violations, 0);
+  reg_unref(ck);
+  fix_stop(&f);
+}
+
 /* ---- the pin policy ---------------------------------------------------------------------- */
 
 static void test_after_load(void) {
@@ -647,8 +963,10 @@ int main(void) {
     return 1;
   }
   fake_init();
+  async_init();
   RUN(test_staged_strided);
   RUN(test_staged_rows_truncated);
+  RUN(test_watermark);
   RUN(test_after_load);
   RUN(test_direct_splits_at_registrations);
   RUN(test_on_open);

@@ -634,6 +634,7 @@ static void test_ranges(void) {
 static unsigned char *run_schedule(const struct model *m, const struct plan *p, const struct plan_stage *s) {
   unsigned char *slab = malloc(p->slab_bytes ? p->slab_bytes : 1), *slot = malloc(s->slot_bytes);
   memset(slab, 0xEE, p->slab_bytes);
+  uint64_t pos = 0; /* windows deliver consecutive slab ranges, in order (the ready watermark relies on it) */
   for (size_t w = 0; w < s->nwindows; w++) {
     const struct plan_window *win = &s->windows[w];
     CHECK(win->used > 0 && win->used <= s->slot_bytes && win->count > 0);
@@ -646,6 +647,8 @@ static unsigned char *run_schedule(const struct model *m, const struct plan *p, 
     for (size_t i = win->first; i < win->first + win->count; i++) {
       const struct plan_xfer *x = &s->xfers[i];
       CHECK(x->at + x->len <= win->used);
+      CHECK_EQ_INT(x->dst, pos);
+      pos += x->pc == NULL ? x->len : x->rows * x->pc->width;
       if (x->pc == NULL) {
         memcpy(slab + x->dst, slot + x->at, (size_t)x->len);
         delivered += x->len;
@@ -658,6 +661,7 @@ static unsigned char *run_schedule(const struct model *m, const struct plan *p, 
     }
     CHECK_EQ_INT(delivered, win->slab_bytes);
   }
+  CHECK_EQ_INT(pos, p->slab_bytes);
   free(slot);
   return slab;
 }

@@ -64,7 +64,8 @@ extern "C" {
   XX(SHUTDOWN,     26, "daemon is shutting down")                               \
   XX(LIMIT,        27, "limit exceeded")                                        \
   XX(BAD_CHECKSUM, 28, "bytes differ from the file")                            \
-  XX(INTERNAL,     29, "internal error")
+  XX(INTERNAL,     29, "internal error")                                        \
+  XX(BAD_TABLE,    30, "invalid tensor table")
 
 enum weightd_errno {
   WEIGHTD_OK = 0,
@@ -178,6 +179,9 @@ void weightd_set_timeout(weightd_client *c, int timeout_ms);
 /* Progress of a load: bytes done of bytes total. */
 typedef void (*weightd_progress_fn)(uint64_t bytes_done, uint64_t bytes_total, void *arg);
 
+/* weightd_load_options.flags */
+#define WEIGHTD_ATTACH_EARLY 1u /* weightd_attach_path: return while the set loads (see weightd_attach_early) */
+
 /*
  * Options of a load or load-and-attach. Set struct_size to sizeof the struct
  * you compiled against: fields added later are appended and read only when
@@ -189,6 +193,7 @@ struct weightd_load_options {
   const char *plan_json;       /* a plan object as JSON text; NULL: {"preset":"whole"} */
   weightd_progress_fn progress;/* called from inside weightd_load; may be NULL */
   void *progress_arg;
+  unsigned flags;              /* WEIGHTD_ATTACH_*; 0 (the default): none */
 };
 
 /* Opens (validates and maps) a checkpoint in the daemon. */
@@ -221,9 +226,31 @@ int weightd_load(weightd_client *c, const char *path, const struct weightd_load_
  */
 int weightd_attach(weightd_client *c, const char *set_id, weightd_set **out);
 
-/* Loads if needed, then attaches: one call for an engine starting up. */
+/* Loads if needed, then attaches: one call for an engine starting up (see WEIGHTD_ATTACH_EARLY). */
 int weightd_attach_path(weightd_client *c, const char *path,
                         const struct weightd_load_options *opts, weightd_set **out);
+
+/*
+ * Attaches a set that may still be loading: returns as soon as the set's
+ * memory exists (a set that is already resident returns as weightd_attach
+ * would), with a lease that holds the set whatever happens to its load.
+ * Tensors come in place in slab order (weightd_set_tensor's order): wait for
+ * one with weightd_set_wait before reading it, or for the whole set with
+ * name NULL; weightd_set_state and weightd_set_ready_bytes say how far the
+ * load is. An engine builds its model and captures graphs for the first
+ * layers while later layers still travel.
+ *
+ * If the load fails or is canceled, the state says so (weightd_set_wait
+ * returns the load's error for tensors not yet in place, and
+ * weightd_set_load_error gives its message); the lease and the mapping stay
+ * until weightd_release, and the daemon frees the memory then (the set is no
+ * longer listed). The tensor table, names, shapes and addresses are complete
+ * from the start. A daemon without early attach answers once the set is
+ * ready, which the state then says. The bytes below the watermark are as the
+ * daemon read them: if a checkpoint file changes during the load, the load
+ * fails (STALE) after they were served, and the engine must drop the set.
+ */
+int weightd_attach_early(weightd_client *c, const char *set_id, weightd_set **out);
 
 /*
  * Releases the lease and unmaps the set (once no other attach in this process
@@ -242,7 +269,9 @@ int weightd_evict(weightd_client *c, const char *set_id);
  * the reply is an error; the return value is 0 or the reply's error code
  * (*reply is NULL when no reply came). Progress events are passed to progress
  * when given. Descriptors that come with a reply are closed: use
- * weightd_attach to map a set.
+ * weightd_attach to map a set. (This library asks the daemon for the binary
+ * tensor table in hello, so a raw attach reply names it as "tensor_table",
+ * a descriptor closed here, rather than listing "tensors".)
  */
 int weightd_request(weightd_client *c, const char *request_json, char **reply,
                     weightd_progress_fn progress, void *progress_arg);
@@ -298,6 +327,47 @@ size_t weightd_set_tensor_count(const weightd_set *s);
 int weightd_set_tensor(const weightd_set *s, size_t i, weightd_tensor *out);
 /* The tensor called name; WEIGHTD_E_NOT_FOUND when the set has none. */
 int weightd_set_find(const weightd_set *s, const char *name, weightd_tensor *out);
+
+/*
+ * The tensor table comes from the daemon as a read-only mapping that is read
+ * in place (daemons before the binary table send a list that is copied at
+ * attach): the strings and shapes a weightd_tensor points to live as long
+ * as the set, and finding a tensor by name is a binary search.
+ */
+
+/* ---- early attach (weightd_attach_early) ------------------------------------------
+ *
+ * These read a small page the daemon shares read-only and updates as the
+ * load goes; they touch no connection, so any thread may call them on a
+ * set, at the same time as anything else, until weightd_release. A set
+ * attached otherwise is READY and never waits.
+ */
+
+enum weightd_set_state {
+  WEIGHTD_SET_LOADING = 1,  /* tensors come in place in slab order */
+  WEIGHTD_SET_READY = 2,    /* every tensor is in place */
+  WEIGHTD_SET_FAILED = 3,   /* the load failed: see weightd_set_load_error */
+  WEIGHTD_SET_CANCELED = 4, /* the load was canceled (its requester canceled it, or the daemon stopped) */
+};
+
+/* The state of the set's load (0 for NULL). */
+enum weightd_set_state weightd_set_state(const weightd_set *s);
+/* Slab bytes in place: tensor i is ready once its offset + nbytes <= this. It only grows. */
+uint64_t weightd_set_ready_bytes(const weightd_set *s);
+/* The daemon's message for a failed or canceled load ("" otherwise). */
+const char *weightd_set_load_error(const weightd_set *s);
+/*
+ * Waits until the tensor called name is in place (0), at most timeout_ms
+ * (< 0: forever; 0: only looks): WEIGHTD_E_TIMEOUT, WEIGHTD_E_NOT_FOUND for
+ * no such tensor, or the load's error when it failed or was canceled first
+ * (WEIGHTD_E_CANCELED, WEIGHTD_E_FAULT, ...). A tensor once in place stays
+ * so: waiting for it succeeds after a failure too. name NULL waits for the
+ * whole set and succeeds only when the load ended READY. On a GPU, a tensor
+ * in place is visible to kernels the caller launches afterwards.
+ */
+int weightd_set_wait(const weightd_set *s, const char *name, int timeout_ms);
+/* The same for the tensor at index i (weightd_set_tensor's order). */
+int weightd_set_wait_tensor(const weightd_set *s, size_t i, int timeout_ms);
 
 #if defined(__GNUC__)
 #pragma GCC visibility pop

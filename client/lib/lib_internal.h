@@ -17,6 +17,8 @@
 #include "cuda_import.h"
 #include "error.h"
 #include "json_strict.h"
+#include "progress_page.h"
+#include "tensor_table.h"
 #include "weightd.h"
 #include "wire.h"
 
@@ -31,6 +33,7 @@ struct weightd_client {
   char *socket_path;  /* the path connected to */
   char client_name[64]; /* sent in hello */
   char daemon_version[32];
+  unsigned daemon_features; /* the attach features hello's reply listed (WD_FEATURE_BIT) */
   struct wd_error err;   /* the last error's detail */
   struct weightd_set *sets; /* sets attached through this handle, a list */
 };
@@ -58,6 +61,20 @@ struct lib_mapping {
   int refs;
 };
 
+/*
+ * A mapped binary tensor table, shared by every attach in this process that
+ * received the same memfd (the daemon builds one per set), validated once.
+ */
+struct lib_table {
+  struct lib_table *next;
+  dev_t dev;
+  ino_t ino;
+  void *base;
+  size_t len;
+  struct ttab t;
+  int refs;
+};
+
 struct weightd_set {
   weightd_client *client; /* NULL once weightd_close detached it */
   struct weightd_set *prev, *next;
@@ -67,6 +84,8 @@ struct weightd_set {
   enum wd_handle_kind handle;
   uint64_t bytes;
   struct lib_mapping *map;
+  struct lib_table *table;         /* the binary table; NULL: the JSON table below */
+  const struct wd_progress_page *page; /* an early attach's progress page; NULL: the set was ready */
   size_t ntensors;
   struct weightd_tensor *tensors; /* slab order, data filled in */
   size_t *by_name;                /* indexes into tensors, sorted by name */
@@ -155,6 +174,17 @@ int lib_map_cuda(const char *set_id, const char *device_uuid,
  */
 int lib_map_vmm(const char *set_id, const char *device_uuid, int fd, uint64_t bytes,
                 const unsigned char alloc_id[WD_ALLOC_ID_BYTES], struct lib_mapping **out, struct wd_error *err);
+
+/*
+ * Maps a binary tensor table received as fd (which this call always closes)
+ * read-only and validates it, or takes another reference on this process's
+ * mapping of the same memfd. WEIGHTD_E_BAD_TABLE for a table that is not
+ * valid, WEIGHTD_E_PROTOCOL for a descriptor that is not a sealed memfd of
+ * `bytes`.
+ */
+int lib_map_table(int fd, uint64_t bytes, struct lib_table **out, struct wd_error *err);
+/* Drops a reference; the last one unmaps. NULL-safe. */
+void lib_table_put(struct lib_table *t);
 
 /*
  * Drops a reference; the last one unmaps (host, cuda_vmm) or closes the

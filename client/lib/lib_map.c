@@ -9,7 +9,8 @@
  * weightd_release unmaps. One mutex guards the list and is held across mmap,
  * cuIpcOpenMemHandle and the VMM import, so two threads attaching the same set
  * never map it twice; the last reference is unlinked under the lock and
- * unmapped after it.
+ * unmapped after it. Binary tensor tables are shared the same way (by the
+ * memfd's identity), under a lock of their own, and validated once.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -22,8 +23,14 @@
 
 #include "lib_internal.h"
 
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010 /* Linux 5.1 */
+#endif
+
 static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct lib_mapping *maps;
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct lib_table *tables;
 
 /*
  * The mapping of set_id with that identity (ident: the IPC handle or the
@@ -69,9 +76,13 @@ int lib_map_host(const char *set_id, int fd, uint64_t bytes, struct lib_mapping 
     *out = m;
     goto done;
   }
-  /* Sealed against shrinking (no SIGBUS under our readers) and writing (shared weights stay intact). */
+  /*
+   * Sealed against shrinking (no SIGBUS under our readers) and writing (shared
+   * weights stay intact): F_SEAL_WRITE once filled, F_SEAL_FUTURE_WRITE while
+   * it fills (an early attach: only the daemon's own mapping writes).
+   */
   int seals = fcntl(fd, F_GET_SEALS);
-  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_WRITE)) != (F_SEAL_SHRINK | F_SEAL_WRITE)) {
+  if (seals < 0 || !(seals & F_SEAL_SHRINK) || !(seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE))) {
     rc = err_set(err, WEIGHTD_E_PROTOCOL, "the set's memory descriptor is not sealed against writing and shrinking");
     goto done;
   }
@@ -205,4 +216,73 @@ int lib_map_put(struct lib_mapping *m, int in_child, struct wd_error *err) {
   free(m->set_id);
   free(m);
   return rc;
+}
+
+/* ---- binary tensor tables ------------------------------------------------------------ */
+
+int lib_map_table(int fd, uint64_t bytes, struct lib_table **out, struct wd_error *err) {
+  struct stat st;
+  int rc = 0;
+  pthread_mutex_lock(&table_lock);
+  if (fstat(fd, &st) != 0) {
+    rc = err_set(err, WEIGHTD_E_IO, "fstat of the tensor table's descriptor: %s", strerror(errno));
+    goto done;
+  }
+  for (struct lib_table *t = tables; t != NULL; t = t->next)
+    if (t->dev == st.st_dev && t->ino == st.st_ino) {
+      t->refs++;
+      *out = t;
+      goto done;
+    }
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_WRITE)) != (F_SEAL_SHRINK | F_SEAL_WRITE) || !S_ISREG(st.st_mode) ||
+      st.st_size < 0 || (uint64_t)st.st_size != bytes || bytes == 0 || bytes > SIZE_MAX) {
+    rc = err_set(err, WEIGHTD_E_PROTOCOL, "the tensor table's descriptor is not a sealed memfd of %llu bytes",
+                 (unsigned long long)bytes);
+    goto done;
+  }
+  struct lib_table *t = calloc(1, sizeof *t);
+  if (t == NULL) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    goto done;
+  }
+  t->len = (size_t)bytes;
+  t->base = mmap(NULL, t->len, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+  if (t->base == MAP_FAILED) {
+    rc = err_set(err, errno == ENOMEM ? WEIGHTD_E_NOMEM : WEIGHTD_E_IO, "mmap of the tensor table: %s", strerror(errno));
+    free(t);
+    goto done;
+  }
+  if ((rc = ttab_open(t->base, t->len, &t->t, err)) != 0) {
+    munmap(t->base, t->len);
+    free(t);
+    goto done;
+  }
+  t->dev = st.st_dev;
+  t->ino = st.st_ino;
+  t->refs = 1;
+  t->next = tables;
+  tables = t;
+  *out = t;
+done:
+  pthread_mutex_unlock(&table_lock);
+  close(fd);
+  return rc;
+}
+
+void lib_table_put(struct lib_table *t) {
+  if (t == NULL) return;
+  pthread_mutex_lock(&table_lock);
+  if (--t->refs > 0) {
+    pthread_mutex_unlock(&table_lock);
+    return;
+  }
+  for (struct lib_table **p = &tables; *p != NULL; p = &(*p)->next)
+    if (*p == t) {
+      *p = t->next;
+      break;
+    }
+  pthread_mutex_unlock(&table_lock);
+  munmap(t->base, t->len);
+  free(t);
 }

@@ -141,18 +141,25 @@ static int attach_call(weightd_client *c, cJSON *req, weightd_progress_fn progre
   return rc;
 }
 
-int weightd_attach(weightd_client *c, const char *set_id, weightd_set **out) {
+static int attach_id(weightd_client *c, const char *set_id, int early, weightd_set **out) {
   if (out != NULL) *out = NULL;
   int rc = lib_usable(c);
   if (rc != 0) return rc;
   if (out == NULL) return lib_fail(c, WEIGHTD_E_INVALID, "attach: out is NULL");
   if (set_id == NULL || set_id[0] == '\0') return lib_fail(c, WEIGHTD_E_INVALID, "no set id given");
   cJSON *req = lib_request_new("attach");
-  if (req == NULL || cJSON_AddStringToObject(req, "set", set_id) == NULL) {
+  if (req == NULL || cJSON_AddStringToObject(req, "set", set_id) == NULL ||
+      (early && cJSON_AddBoolToObject(req, "early", 1) == NULL)) {
     cJSON_Delete(req);
     return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
   }
   return attach_call(c, req, NULL, NULL, out);
+}
+
+int weightd_attach(weightd_client *c, const char *set_id, weightd_set **out) { return attach_id(c, set_id, 0, out); }
+
+int weightd_attach_early(weightd_client *c, const char *set_id, weightd_set **out) {
+  return attach_id(c, set_id, 1, out);
 }
 
 int weightd_attach_path(weightd_client *c, const char *path, const struct weightd_load_options *opts,
@@ -163,6 +170,11 @@ int weightd_attach_path(weightd_client *c, const char *path, const struct weight
   if (out == NULL) return lib_fail(c, WEIGHTD_E_INVALID, "attach: out is NULL");
   cJSON *req;
   if ((rc = load_request(c, "attach", path, opts, &req)) != 0) return rc;
+  unsigned flags = OPT_HAS(opts, flags) ? opts->flags : 0;
+  if ((flags & WEIGHTD_ATTACH_EARLY) && cJSON_AddBoolToObject(req, "early", 1) == NULL) {
+    cJSON_Delete(req);
+    return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+  }
   weightd_progress_fn progress = OPT_HAS(opts, progress) ? opts->progress : NULL;
   void *arg = OPT_HAS(opts, progress_arg) ? opts->progress_arg : NULL;
   return attach_call(c, req, progress, arg, out);

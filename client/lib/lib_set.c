@@ -1,4 +1,12 @@
-/* lib_set.c - attached sets: building one from an attach reply, and its accessors. */
+/*
+ * lib_set.c - attached sets: building one from an attach reply, and its
+ * accessors. The tensor table is either the daemon's binary table (mapped
+ * read-only and read in place: an accessor reads one record, a lookup by
+ * name is a binary search over its index; nothing is allocated per tensor)
+ * or, from a daemon without it, the JSON list copied into arrays here.
+ * An early attach's progress page is read in place too; waiting on it is a
+ * FUTEX_WAIT, which touches no handle, so any thread may wait.
+ */
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -87,6 +95,58 @@ static int read_tensors(weightd_client *c, weightd_set *s, const struct sj_node 
   return 0;
 }
 
+/* Takes the descriptor a reply object names by "fd_index" out of the frame (-1 with an error). */
+static int take_fd(weightd_client *c, const struct sj_node *o, const char *what, struct wire_frame *frame, int *fd) {
+  uint64_t idx;
+  *fd = -1;
+  int rc = lib_sj_u64(c, o, "fd_index", &idx);
+  if (rc != 0) return rc;
+  if (idx >= frame->nfds || frame->fds[idx] < 0)
+    return lib_fail(c, WEIGHTD_E_PROTOCOL, "attach: the %s names fd %llu but the reply carried %zu descriptor%s", what,
+                    (unsigned long long)idx, frame->nfds, frame->nfds == 1 ? "" : "s");
+  *fd = frame->fds[idx];
+  frame->fds[idx] = -1;
+  return 0;
+}
+
+/* Maps the reply's binary tensor table ("tensor_table": {"fd_index", "bytes", "version"}). */
+static int read_table(weightd_client *c, weightd_set *s, const struct sj_node *tt, struct wire_frame *frame) {
+  uint64_t bytes, version;
+  int fd, rc;
+  if ((rc = lib_sj_u64(c, tt, "version", &version)) != 0 || (rc = lib_sj_u64(c, tt, "bytes", &bytes)) != 0) return rc;
+  if (version != TTAB_VERSION)
+    return lib_fail(c, WEIGHTD_E_UNSUPPORTED, "attach: tensor table version %llu; this library reads %u",
+                    (unsigned long long)version, TTAB_VERSION);
+  if ((rc = take_fd(c, tt, "tensor table", frame, &fd)) != 0) return rc;
+  struct wd_error e;
+  err_clear(&e);
+  if ((rc = lib_map_table(fd, bytes, &s->table, &e)) != 0) return lib_fail(c, rc, "set %s: %s", s->id, e.msg);
+  if (s->table->t.slab_bytes != s->bytes)
+    return lib_fail(c, WEIGHTD_E_BAD_TABLE, "set %s: the tensor table describes a %llu-byte slab, the set has %llu",
+                    s->id, (unsigned long long)s->table->t.slab_bytes, (unsigned long long)s->bytes);
+  return 0;
+}
+
+/* Maps an early attach's progress page ("progress": {"fd_index", "bytes", "version"}). */
+static int map_page(weightd_client *c, weightd_set *s, const struct sj_node *pg, struct wire_frame *frame) {
+  uint64_t version;
+  int fd, rc;
+  if ((rc = lib_sj_u64(c, pg, "version", &version)) != 0) return rc;
+  if (version != WD_PAGE_VERSION)
+    return lib_fail(c, WEIGHTD_E_UNSUPPORTED, "attach: progress page version %llu; this library reads %u",
+                    (unsigned long long)version, WD_PAGE_VERSION);
+  if ((rc = take_fd(c, pg, "progress page", frame, &fd)) != 0) return rc;
+  struct wd_error e;
+  err_clear(&e);
+  rc = ppage_map(fd, &s->page, &e);
+  close(fd);
+  if (rc != 0) return lib_fail(c, rc, "set %s: %s", s->id, e.msg);
+  if (s->page->total_bytes != s->bytes)
+    return lib_fail(c, WEIGHTD_E_PROTOCOL, "set %s: the progress page counts %llu bytes, the set has %llu", s->id,
+                    (unsigned long long)s->page->total_bytes, (unsigned long long)s->bytes);
+  return 0;
+}
+
 /* ---- handles ------------------------------------------------------------------------ */
 
 /* Maps the reply's single slab handle. */
@@ -169,7 +229,9 @@ int lib_set_from_reply(weightd_client *c, const struct sj_node *reply, struct wi
     goto fail;
   }
   if ((rc = lib_sj_u64(c, reply, "bytes", &s->bytes)) != 0) goto fail;
-  if ((rc = read_tensors(c, s, reply)) != 0) goto fail;
+  const struct sj_node *tt = lib_sj_get(reply, "tensor_table"), *pg = lib_sj_get(reply, "progress");
+  if ((rc = tt != NULL ? read_table(c, s, tt, frame) : read_tensors(c, s, reply)) != 0) goto fail;
+  if (pg != NULL && (rc = map_page(c, s, pg, frame)) != 0) goto fail;
   if ((rc = map_handle(c, s, reply, frame)) != 0) goto fail;
   for (size_t i = 0; i < s->ntensors; i++)
     s->tensors[i].data = s->map->base ? (char *)s->map->base + s->tensors[i].offset : NULL;
@@ -189,6 +251,8 @@ void lib_set_free(weightd_set *s) {
   free(s->id);
   free(s->lease);
   free(s->device);
+  lib_table_put(s->table);
+  ppage_unmap(s->page);
   free(s->tensors);
   free(s->by_name);
   free(s->strings);
@@ -215,27 +279,92 @@ enum weightd_handle_kind weightd_set_handle_kind(const weightd_set *s) {
 int weightd_set_read_only(const weightd_set *s) { return s && s->map ? s->map->read_only : 0; }
 void *weightd_set_base(const weightd_set *s) { return s && s->map ? s->map->base : NULL; }
 uint64_t weightd_set_bytes(const weightd_set *s) { return s ? s->bytes : 0; }
-size_t weightd_set_tensor_count(const weightd_set *s) { return s ? s->ntensors : 0; }
+size_t weightd_set_tensor_count(const weightd_set *s) {
+  return s == NULL ? 0 : s->table != NULL ? (size_t)s->table->t.count : s->ntensors;
+}
+
+/* Tensor i of a binary table as the public struct: pointers into the table. */
+static void table_tensor(const weightd_set *s, size_t i, weightd_tensor *out) {
+  struct ttab_entry e;
+  ttab_get(&s->table->t, i, &e);
+  out->name = e.name;
+  out->dtype = e.dtype;
+  out->ndim = (int)e.ndim;
+  out->shape = e.shape;
+  out->offset = e.offset;
+  out->nbytes = e.nbytes;
+  out->data = s->map != NULL && s->map->base != NULL ? (char *)s->map->base + e.offset : NULL;
+}
 
 int weightd_set_tensor(const weightd_set *s, size_t i, weightd_tensor *out) {
   if (s == NULL || out == NULL) return WEIGHTD_E_INVALID;
-  if (i >= s->ntensors) return WEIGHTD_E_NOT_FOUND;
-  *out = s->tensors[i];
+  if (i >= weightd_set_tensor_count(s)) return WEIGHTD_E_NOT_FOUND;
+  if (s->table != NULL) table_tensor(s, i, out);
+  else *out = s->tensors[i];
   return 0;
 }
 
-int weightd_set_find(const weightd_set *s, const char *name, weightd_tensor *out) {
-  if (s == NULL || name == NULL || out == NULL) return WEIGHTD_E_INVALID;
+/* The number of the tensor called name in slab order, or -1. */
+static int64_t find_index(const weightd_set *s, const char *name) {
+  if (s->table != NULL) return ttab_find(&s->table->t, name, strlen(name));
   size_t lo = 0, hi = s->ntensors;
   while (lo < hi) {
     size_t mid = lo + (hi - lo) / 2;
     int cmp = strcmp(s->tensors[s->by_name[mid]].name, name);
-    if (cmp == 0) {
-      *out = s->tensors[s->by_name[mid]];
-      return 0;
-    }
+    if (cmp == 0) return (int64_t)s->by_name[mid];
     if (cmp < 0) lo = mid + 1;
     else hi = mid;
   }
-  return WEIGHTD_E_NOT_FOUND;
+  return -1;
+}
+
+int weightd_set_find(const weightd_set *s, const char *name, weightd_tensor *out) {
+  if (s == NULL || name == NULL || out == NULL) return WEIGHTD_E_INVALID;
+  int64_t i = find_index(s, name);
+  return i < 0 ? WEIGHTD_E_NOT_FOUND : weightd_set_tensor(s, (size_t)i, out);
+}
+
+/* ---- early attach: the load's progress --------------------------------------------------- */
+
+enum weightd_set_state weightd_set_state(const weightd_set *s) {
+  static const enum weightd_set_state from_page[] = {
+      [WD_PAGE_LOADING] = WEIGHTD_SET_LOADING,
+      [WD_PAGE_READY] = WEIGHTD_SET_READY,
+      [WD_PAGE_FAILED] = WEIGHTD_SET_FAILED,
+      [WD_PAGE_CANCELED] = WEIGHTD_SET_CANCELED,
+  };
+  if (s == NULL) return (enum weightd_set_state)0;
+  if (s->page == NULL) return WEIGHTD_SET_READY;
+  uint32_t st = atomic_load_explicit(&s->page->state, memory_order_acquire);
+  return st <= WD_PAGE_CANCELED ? from_page[st] : WEIGHTD_SET_FAILED;
+}
+
+uint64_t weightd_set_ready_bytes(const weightd_set *s) {
+  if (s == NULL) return 0;
+  if (s->page == NULL) return s->bytes;
+  uint64_t v = atomic_load_explicit(&s->page->ready_bytes, memory_order_acquire);
+  return v < s->bytes ? v : s->bytes;
+}
+
+const char *weightd_set_load_error(const weightd_set *s) {
+  enum weightd_set_state st = weightd_set_state(s);
+  if (st != WEIGHTD_SET_FAILED && st != WEIGHTD_SET_CANCELED) return "";
+  /* Written before the state: complete now. A message without its NUL is no message. */
+  return memchr(s->page->message, '\0', sizeof s->page->message) != NULL ? s->page->message : "";
+}
+
+int weightd_set_wait_tensor(const weightd_set *s, size_t index, int timeout_ms) {
+  if (s == NULL) return WEIGHTD_E_INVALID;
+  if (index >= weightd_set_tensor_count(s)) return WEIGHTD_E_NOT_FOUND;
+  if (s->page == NULL) return 0;
+  weightd_tensor t;
+  weightd_set_tensor(s, index, &t);
+  return ppage_wait(s->page, t.offset + t.nbytes, timeout_ms < 0 ? -1 : timeout_ms);
+}
+
+int weightd_set_wait(const weightd_set *s, const char *name, int timeout_ms) {
+  if (s == NULL) return WEIGHTD_E_INVALID;
+  if (name == NULL) return s->page == NULL ? 0 : ppage_wait(s->page, UINT64_MAX, timeout_ms < 0 ? -1 : timeout_ms);
+  int64_t i = find_index(s, name);
+  return i < 0 ? WEIGHTD_E_NOT_FOUND : weightd_set_wait_tensor(s, (size_t)i, timeout_ms);
 }

@@ -460,10 +460,13 @@ static void client_name_set(weightd_client *c, const char *name) {
 static int hello(weightd_client *c) {
   cJSON *req = lib_request_new("hello");
   /* Every handle kind this library opens (lib_set.c), so the daemon may hand it any set. */
-  cJSON *kinds = NULL;
+  cJSON *kinds = NULL, *features = NULL, *table = NULL;
   if (req == NULL || cJSON_AddNumberToObject(req, "protocol", WEIGHTD_PROTOCOL_VERSION) == NULL ||
       cJSON_AddStringToObject(req, "client", c->client_name) == NULL ||
-      (kinds = cJSON_AddArrayToObject(req, "handles")) == NULL) {
+      (kinds = cJSON_AddArrayToObject(req, "handles")) == NULL ||
+      (features = cJSON_AddArrayToObject(req, "features")) == NULL ||
+      (table = cJSON_CreateString(wd_feature_name(WD_FEATURE_TENSOR_TABLE))) == NULL ||
+      !cJSON_AddItemToArray(features, table)) {
     cJSON_Delete(req);
     return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
   }
@@ -491,6 +494,11 @@ static int hello(weightd_client *c) {
   const char *version = lib_get_str(reply, "version");
   snprintf(c->backend, sizeof c->backend, "%s", backend ? backend : "");
   snprintf(c->daemon_version, sizeof c->daemon_version, "%s", version ? version : "");
+  const cJSON *f;
+  cJSON_ArrayForEach(f, cJSON_GetObjectItemCaseSensitive(reply, "features")) {
+    int k = cJSON_IsString(f) ? wd_feature_from_name(f->valuestring) : -1;
+    if (k >= 0) c->daemon_features |= WD_FEATURE_BIT(k);
+  }
   const cJSON *proto = cJSON_GetObjectItemCaseSensitive(reply, "protocol");
   if (cJSON_IsNumber(proto) && proto->valuedouble != WEIGHTD_PROTOCOL_VERSION)
     rc = lib_fail(c, WEIGHTD_E_VERSION, "the daemon answered hello with protocol %g, this library speaks %d",

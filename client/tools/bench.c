@@ -12,16 +12,20 @@
  * alone: cudaIpcOpenMemHandle for a legacy cuda_ipc set, import + reserve +
  * map + set access for a cuda_vmm set, whichever the daemon's cuda_handles
  * setting makes), and reads the daemon's anonymous RSS. Each figure is
- * printed with its ratio to the ceiling measured in this same run.
- * --attach-only is --phases attach: it loads the set once and times the
- * attaches (tests/gpu/bench.sh runs it against a second daemon with the
- * other handle kind).
+ * printed with its ratio to the ceiling measured in this same run. Attach
+ * figures name the set's tensor count (the attach reply's size no longer
+ * grows with it: the table is a shared binary memfd). --attach-only is
+ * --phases attach: it loads the set once and times the attaches
+ * (tests/gpu/bench.sh runs it against a second daemon with the other handle
+ * kind; tests/gpu/attach.sh at several tensor counts). --early adds the
+ * early phase (after the others).
  *
  * weightd-bench --checkpoint DIR --socket PATH [--device N] [--runs N] [--plan JSON]
  *               [--phases LIST] [--alt-socket PATH] [--label TEXT] [--fill-threads N]
  *               [--settle-ms MS] [--no-b2b] [--ceiling-max-gib N] [--attach-only]
- *               [--json] [--json-out FILE]
+ *               [--early] [--json] [--json-out FILE]
  * weightd-bench --attach-probe SET --socket PATH   (the fresh process)
+ * weightd-bench --early-probe DIR --socket PATH    (the fresh process, early attach)
  *
  * Phases (comma-separated; default ceiling,fill,staged,pin,pinned,attach,rss):
  *   open     the daemon's `open` of the checkpoint, closed first (every shard
@@ -40,9 +44,16 @@
  *   auto     the pin policy: the checkpoint closed, one load (staged), the
  *            wait until the daemon has pinned it by itself, then --runs loads
  *   attach   a fresh process attaches the resident set (--runs, at most 16):
- *            context, round trip, handle open (per the set's handle kind),
- *            the whole attach through libweightd
+ *            context, round trip (with the binary tensor table, as
+ *            libweightd asks), handle open (per the set's handle kind), the
+ *            whole attach through libweightd, the set's tensor count
  *   rss      the daemon's RssAnon (smaps_rollup Anonymous)
+ *   early    early attach (--early): a fresh process attaches the set while
+ *            it loads (the device's sets evicted first, so the load starts
+ *            with the attach) and times the attach, the moment the first
+ *            layer's tensors (every tensor up to the last one named
+ *            *.layers.0.* in slab order) are in place and usable, and the
+ *            whole load, all from the attach call (--runs, at most 16)
  *   cold     the page cache dropped (root: /proc/sys/vm/drop_caches; else
  *            posix_fadvise DONTNEED, checked with mincore): O_DIRECT 16 MiB
  *            reads of the plan's ranges with 1 and 4 threads (the disk's
@@ -469,7 +480,7 @@ static double vmm_open_time(int fd, uint64_t bytes, int device) {
 
 /*
  * The fresh process: context creation, then attach, each timed; prints
- * "ctx_s attach_s roundtrip_s open_s kind": the round trip and the open split
+ * "ctx_s attach_s roundtrip_s open_s kind tensors": the round trip and the open split
  * the attach into a bare request/reply (with its descriptor, if any) and
  * opening the handle alone.
  */
@@ -481,7 +492,11 @@ static int attach_probe(const char *set, const char *sock, int device) {
   /* The parts: one raw attach (reply only), then opening its handle alone. */
   int raw = raw_connect(sock);
   struct wire_frame f;
-  cJSON_Delete(raw_call(raw, "{\"op\":\"hello\",\"id\":1,\"protocol\":1,\"handles\":[\"fd\",\"cuda_ipc\",\"cuda_vmm\"]}", &f));
+  /* The binary tensor table, as libweightd asks for it: the reply's size does not grow with the tensors. */
+  cJSON_Delete(raw_call(raw,
+                        "{\"op\":\"hello\",\"id\":1,\"protocol\":1,\"handles\":[\"fd\",\"cuda_ipc\",\"cuda_vmm\"],"
+                        "\"features\":[\"tensor_table\"]}",
+                        &f));
   wire_frame_clear(&f);
   char req[128];
   snprintf(req, sizeof req, "{\"op\":\"attach\",\"id\":2,\"set\":\"%s\"}", set);
@@ -492,6 +507,7 @@ static int attach_probe(const char *set, const char *sock, int device) {
   const cJSON *kind = cJSON_GetObjectItemCaseSensitive(h, "kind");
   const cJSON *lease = cJSON_GetObjectItemCaseSensitive(reply, "lease");
   const cJSON *hbytes = cJSON_GetObjectItemCaseSensitive(h, "bytes");
+  const cJSON *fdi = cJSON_GetObjectItemCaseSensitive(h, "fd_index");
   if (!cJSON_IsString(kind) || !cJSON_IsString(lease) || !cJSON_IsNumber(hbytes)) die("attach", f.json);
   char kind_name[16];
   snprintf(kind_name, sizeof kind_name, "%s", kind->valuestring);
@@ -506,8 +522,9 @@ static int attach_probe(const char *set, const char *sock, int device) {
     t_open = clock_s() - t0;
     CUDA_OK(cudaIpcCloseMemHandle(p));
   } else if (strcmp(kind_name, "cuda_vmm") == 0) {
-    if (f.nfds < 1) die("attach", "a cuda_vmm reply without its descriptor");
-    t_open = vmm_open_time(f.fds[0], (uint64_t)hbytes->valuedouble, device);
+    int i = cJSON_IsNumber(fdi) ? fdi->valueint : 0;
+    if (i < 0 || (size_t)i >= f.nfds) die("attach", "a cuda_vmm reply without its descriptor");
+    t_open = vmm_open_time(f.fds[i], (uint64_t)hbytes->valuedouble, device);
   }
   wire_frame_clear(&f); /* closes the descriptor */
   snprintf(req, sizeof req, "{\"op\":\"release\",\"id\":3,\"lease\":\"%s\"}", lease->valuestring);
@@ -520,20 +537,26 @@ static int attach_probe(const char *set, const char *sock, int device) {
   weightd_set *s = NULL;
   t0 = clock_s();
   if (weightd_attach(c, set, &s) != 0) die("attach", weightd_last_error(c));
+  size_t ntensors = weightd_set_tensor_count(s);
   weightd_tensor t;
-  if (weightd_set_tensor(s, 0, &t) != 0 || t.data == NULL) die("attach", "no usable pointer");
+  if (weightd_set_tensor(s, ntensors / 2, &t) != 0 || t.data == NULL) die("attach", "no usable pointer");
   double t_attach = clock_s() - t0;
   /* Touch the memory through the pointer to show it is usable. */
   unsigned char byte;
   CUDA_OK(cudaMemcpy(&byte, t.data, 1, cudaMemcpyDeviceToHost));
-  printf("%.6f %.6f %.6f %.6f %s\n", t_ctx, t_attach, t_rt, t_open, kind_name);
+  printf("%.6f %.6f %.6f %.6f %s %zu\n", t_ctx, t_attach, t_rt, t_open, kind_name, ntensors);
   weightd_release(s);
   weightd_close(c);
   return 0;
 }
 
-static void probe_attach(const char *self, const char *sock, const char *set, int device, double *ctx,
-                         double *att, double *rt, double *opn, char kind[16]) {
+/*
+ * Runs this program as a fresh process, `self flag arg --socket S --device D
+ * [--plan P]`, and reads what it prints into buf (NUL-terminated; empty when
+ * it printed nothing).
+ */
+static void run_probe(const char *self, const char *flag, const char *arg, const char *sock, int device, char *buf,
+                      size_t len) {
   int p[2];
   if (pipe(p) != 0) die("pipe", strerror(errno));
   pid_t pid = fork();
@@ -541,16 +564,102 @@ static void probe_attach(const char *self, const char *sock, const char *set, in
     dup2(p[1], 1);
     char dev[16];
     snprintf(dev, sizeof dev, "%d", device);
-    execl(self, self, "--attach-probe", set, "--socket", sock, "--device", dev, (char *)NULL);
+    if (opt.plan_json != NULL)
+      execl(self, self, flag, arg, "--socket", sock, "--device", dev, "--plan", opt.plan_json, (char *)NULL);
+    else
+      execl(self, self, flag, arg, "--socket", sock, "--device", dev, (char *)NULL);
     _exit(127);
   }
   close(p[1]);
-  char buf[128] = "";
-  ssize_t n = read(p[0], buf, sizeof buf - 1);
+  size_t got = 0;
+  for (;;) { /* until the probe closes its end: one line, perhaps in pieces */
+    ssize_t n = read(p[0], buf + got, len - 1 - got);
+    if (n > 0 && (got += (size_t)n) < len - 1) continue;
+    if (n < 0 && errno == EINTR) continue;
+    break;
+  }
+  buf[got] = '\0';
   close(p[0]);
   int st;
   waitpid(pid, &st, 0);
-  if (n <= 0 || sscanf(buf, "%lf %lf %lf %lf %15s", ctx, att, rt, opn, kind) != 5) die("attach probe", "no result");
+}
+
+static void probe_attach(const char *self, const char *sock, const char *set, int device, double *ctx,
+                         double *att, double *rt, double *opn, char kind[16], size_t *ntensors) {
+  char buf[160];
+  run_probe(self, "--attach-probe", set, sock, device, buf, sizeof buf);
+  if (sscanf(buf, "%lf %lf %lf %lf %15s %zu", ctx, att, rt, opn, kind, ntensors) != 6) die("attach probe", "no result");
+}
+
+/* ---- early attach ------------------------------------------------------------------- */
+
+/*
+ * The fresh process of an early attach: a context, then attach the
+ * checkpoint early (the parent evicted its set, so the load starts with
+ * the attach); prints "ctx_s attach_s first_layer_s all_s tensors
+ * first_layer_tensors", every time from the attach call.
+ */
+static int early_probe(const char *path, const char *sock, int device) {
+  double t0 = clock_s();
+  CUDA_OK(cudaSetDevice(device));
+  CUDA_OK(cudaFree(0));
+  double t_ctx = clock_s() - t0;
+  weightd_client *c = connect_or_die(sock);
+  char dev[16];
+  snprintf(dev, sizeof dev, "%d", device);
+  struct weightd_load_options o = {
+      .struct_size = sizeof o, .device = dev, .plan_json = opt.plan_json, .flags = WEIGHTD_ATTACH_EARLY};
+  weightd_set *s = NULL;
+  t0 = clock_s();
+  if (weightd_attach_path(c, path, &o, &s) != 0) die("early attach", weightd_last_error(c));
+  double t_attach = clock_s() - t0;
+  size_t n = weightd_set_tensor_count(s), last = 0;
+  weightd_tensor t;
+  for (size_t i = 0; i < n; i++)
+    if (weightd_set_tensor(s, i, &t) == 0 && strstr(t.name, ".layers.0.") != NULL) last = i;
+  int rc = weightd_set_wait_tensor(s, last, 600000);
+  if (rc != 0) die("waiting for the first layer", weightd_strerror(rc));
+  weightd_set_tensor(s, last, &t);
+  unsigned char byte;
+  CUDA_OK(cudaMemcpy(&byte, t.data, 1, cudaMemcpyDeviceToHost)); /* usable: a read through its pointer */
+  double t_first = clock_s() - t0;
+  if ((rc = weightd_set_wait(s, NULL, 600000)) != 0) die("waiting for the set", weightd_strerror(rc));
+  double t_all = clock_s() - t0;
+  printf("%.6f %.6f %.6f %.6f %zu %zu\n", t_ctx, t_attach, t_first, t_all, n, last + 1);
+  weightd_release(s);
+  weightd_close(c);
+  return 0;
+}
+
+/* The early phase: evicts the device's sets, then times fresh processes attaching the checkpoint early (medians). */
+static void phase_early(const char *self, const char *abs) {
+  double att[16], first[16], all[16], ctx;
+  size_t tensors = 0, first_tensors = 0;
+  int probes = opt.runs < 16 ? opt.runs : 16;
+  for (int i = 0; i < probes; i++) {
+    evict_all(opt.device);
+    if (opt.settle_ms > 0) usleep((useconds_t)opt.settle_ms * 1000);
+    char buf[256];
+    run_probe(self, "--early-probe", abs, daemons[0].sock, opt.device, buf, sizeof buf);
+    if (sscanf(buf, "%lf %lf %lf %lf %zu %zu", &ctx, &att[i], &first[i], &all[i], &tensors, &first_tensors) != 6)
+      die("early probe", "no result");
+  }
+  double a = median(att, probes), f = median(first, probes), w = median(all, probes);
+  put_num(result, "early_attach_s", a);
+  put_num(result, "early_first_layer_s", f);
+  put_num(result, "early_all_s", w);
+  put_num(result, "early_tensors", (double)tensors);
+  put_num(result, "early_first_layer_tensors", (double)first_tensors);
+  put_num(result, "early_first_layer_ratio", w > 0 ? f / w : 0);
+  put_num(result, "early_probes", probes);
+  fprintf(out, "%-46s %8.3f ms   (the set still loading; median of %d)\n", "early attach: attach returns", a * 1e3,
+          probes);
+  char label[64];
+  snprintf(label, sizeof label, "early attach: first layer usable (%zu tensors)", first_tensors);
+  fprintf(out, "%-46s %8.1f ms   (%.1f%% of the whole load; target <= 10%%)\n", label, f * 1e3,
+          w > 0 ? 100 * f / w : 0);
+  snprintf(label, sizeof label, "early attach: whole set ready (%zu tensors)", tensors);
+  fprintf(out, "%-46s %8.1f ms   (from the attach call: plan, allocation and load)\n", label, w * 1e3);
 }
 
 /* ---- the cold path ------------------------------------------------------------------------- */
@@ -802,14 +911,15 @@ static void phase_cold(const char *abs, const struct ckpt *c, const struct plan 
 }
 
 int main(int argc, char **argv) {
-  const char *probe = NULL;
-  int attach_only = 0;
+  const char *probe = NULL, *eprobe = NULL;
+  int attach_only = 0, early = 0;
   opt.fill_threads = (unsigned)sysconf(_SC_NPROCESSORS_ONLN);
   for (int i = 1; i < argc; i++) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
     if (strcmp(argv[i], "--json") == 0) opt.json = 1;
     else if (strcmp(argv[i], "--no-b2b") == 0) opt.b2b = 0;
     else if (strcmp(argv[i], "--attach-only") == 0) attach_only = 1;
+    else if (strcmp(argv[i], "--early") == 0) early = 1;
     else if (v && strcmp(argv[i], "--checkpoint") == 0) opt.path = argv[++i];
     else if (v && strcmp(argv[i], "--socket") == 0) opt.sock = argv[++i];
     else if (v && strcmp(argv[i], "--alt-socket") == 0) opt.alt_sock = argv[++i];
@@ -823,18 +933,24 @@ int main(int argc, char **argv) {
     else if (v && strcmp(argv[i], "--ceiling-max-gib") == 0) opt.ceiling_max_gib = atof(argv[++i]);
     else if (v && strcmp(argv[i], "--fill-threads") == 0) opt.fill_threads = (unsigned)atoi(argv[++i]);
     else if (v && strcmp(argv[i], "--attach-probe") == 0) probe = argv[++i];
+    else if (v && strcmp(argv[i], "--early-probe") == 0) eprobe = argv[++i];
     else {
       fprintf(stderr,
               "usage: weightd-bench --checkpoint DIR --socket PATH [--device N] [--runs N] [--plan JSON]\n"
               "                     [--phases LIST] [--alt-socket PATH] [--label TEXT] [--fill-threads N]\n"
               "                     [--settle-ms MS] [--no-b2b] [--ceiling-max-gib N] [--attach-only]\n"
-              "                     [--json] [--json-out FILE]\n");
+              "                     [--early] [--json] [--json-out FILE]\n");
       return 2;
     }
   }
   if (probe) return attach_probe(probe, opt.sock, opt.device);
+  if (eprobe) return early_probe(eprobe, opt.sock, opt.device);
   /* Only the attach figures: for a daemon with the other cuda_handles (tests/gpu/bench.sh). */
   if (attach_only) snprintf(opt.phases, sizeof opt.phases, "attach");
+  if (early && !phase("early")) {
+    size_t n = strlen(opt.phases);
+    snprintf(opt.phases + n, sizeof opt.phases - n, "%searly", n ? "," : "");
+  }
   if (opt.path == NULL || opt.sock == NULL || opt.runs < 1 || opt.fill_threads < 1) {
     fprintf(stderr, "weightd-bench: --checkpoint DIR and --socket PATH are required\n");
     return 2;
@@ -1004,11 +1120,13 @@ int main(int argc, char **argv) {
     if (phase("attach")) {
       double ctx_all[16], att_all[16], rt_all[16], open_all[16];
       char handles[16] = "?"; /* the set's handle kind: cuda_vmm or cuda_ipc, per the daemon's cuda_handles */
+      size_t tensors = 0;
       int probes = opt.runs < 16 ? opt.runs : 16;
       for (int i = 0; i < probes; i++)
         probe_attach(argv[0], daemons[0].sock, set, opt.device, &ctx_all[i], &att_all[i], &rt_all[i], &open_all[i],
-                     handles);
+                     handles, &tensors);
       cJSON_AddStringToObject(result, "attach_handles", handles);
+      put_num(result, "attach_tensors", (double)tensors);
       put_num(result, "attach_context_s", median(ctx_all, probes));
       put_num(result, "attach_s", median(att_all, probes));
       put_num(result, "attach_roundtrip_s", median(rt_all, probes));
@@ -1018,7 +1136,7 @@ int main(int argc, char **argv) {
       snprintf(label, sizeof label, "fresh process: attach (%s handles)", handles);
       fprintf(out, "%-46s %8.2f ms   (one-time per process)\n", "fresh process: CUDA context", median(ctx_all, probes) * 1e3);
       fprintf(out, "%-46s %8.3f ms   (to usable pointers, %zu tensors; median of %d)\n", label,
-              median(att_all, probes) * 1e3, plan->noutputs, probes);
+              median(att_all, probes) * 1e3, tensors, probes);
       fprintf(out, "%-46s %8.3f ms\n", "  of which: request/reply round trip", median(rt_all, probes) * 1e3);
       fprintf(out, "%-46s %8.3f ms\n",
               strcmp(handles, "cuda_vmm") == 0 ? "  of which: VMM import + map + access" : "  of which: cudaIpcOpenMemHandle",
@@ -1032,6 +1150,8 @@ int main(int argc, char **argv) {
   }
 
   if (phase("cold")) phase_cold(abs, c, plan, ranges, nranges, read_bytes);
+
+  if (phase("early")) phase_early(argv[0], abs);
 
   char *text = cJSON_PrintUnformatted(result);
   if (opt.json) printf("%s\n", text);

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Runs every libFuzzer target of a WEIGHTD_FUZZ build for SECONDS each, from
-# the seeds in tests/fuzz/corpus/<target> with tests/fuzz/<target>.dict, JOBS
-# targets at a time (default: one per CPU).
+# Runs every libFuzzer target of a WEIGHTD_FUZZ build (or the TARGETs named)
+# for SECONDS each, from the seeds in tests/fuzz/corpus/<target> with
+# tests/fuzz/<target>.dict, JOBS targets at a time (default: one per CPU).
 #
-#   tests/fuzz/run.sh BUILD SECONDS [JOBS]
+#   tests/fuzz/run.sh BUILD SECONDS [JOBS [TARGET...]]
 #
 # A crash, leak, sanitizer report, out-of-memory or slow input (over 25 s)
 # fails the run; the input that did it is kept under BUILD/fuzz-run/artifacts/
@@ -12,14 +12,24 @@
 # line per target: executions, coverage (cov: edges, ft: features), result.
 set -euo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 BUILD SECONDS [JOBS]" >&2
+  echo "usage: $0 BUILD SECONDS [JOBS [TARGET...]]" >&2
   exit 2
 fi
 build=$(cd "$1" && pwd)
 secs=$2
 jobs=${3:-$(nproc 2>/dev/null || echo 2)}
 here=$(cd "$(dirname "$0")" && pwd)
-targets=(header index frame request plan)
+targets=(header index frame request plan table) # as WD_FUZZ_TARGETS in CMakeLists.txt
+if [ $# -gt 3 ]; then
+  shift 3
+  for t in "$@"; do
+    case " ${targets[*]} " in
+    *" $t "*) ;;
+    *) echo "$0: no fuzz target '$t' (targets: ${targets[*]})" >&2; exit 2 ;;
+    esac
+  done
+  targets=("$@")
+fi
 out=$build/fuzz-run
 mkdir -p "$out/corpus" "$out/artifacts" "$out/logs"
 

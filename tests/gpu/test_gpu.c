@@ -22,9 +22,13 @@
  * process and leaving the bytes intact (set WD_TEST_NO_GPU_FAULT=1 to skip
  * that one: it provokes a GPU MMU fault, which the kernel log reports); and a
  * clear DEVICE_NOMEM when the GPU is full, after which the daemon keeps
- * serving. The main daemon runs with pin off, so that its staged loads stay
- * staged; two more (with the same cuda_handles) check the other paths on the
- * real device: staged_strided rows (2D copies out of the pinned slots) and
+ * serving; early attach of a set while it loads, staged and direct, every
+ * tensor read back from the GPU as soon as libweightd says it is in place
+ * (the progress page's watermark) and compared with the files. The main
+ * daemon runs with pin off, so that its staged loads stay staged; two more
+ * (with the same cuda_handles) check the other paths on the real device:
+ * staged_strided rows (2D copies out of the pinned slots; a rank's set also
+ * attached early, each tensor checked as its window's copies complete) and
  * the default pin policy (a rank's ranges registered after its first load
  * with cudaHostRegister on parts of the mappings, the next load direct with
  * its copies cut at registration boundaries), every byte read back. Every
@@ -132,7 +136,14 @@ static void stop_daemon(void) {
  * Compares every tensor of an attached set with what the plan spec says it
  * holds, computed here from the checkpoint's files (NULL spec: whole tensors).
  */
+static void verify_plan_waiting(weightd_set *s, const struct ckpt *c, const char *spec_json, int wait_each);
+
 static void verify_plan(weightd_set *s, const struct ckpt *c, const char *spec_json) {
+  verify_plan_waiting(s, c, spec_json, 0);
+}
+
+/* verify_plan; wait_each: first waits for each tensor to be in place (an early attach), in slab order. */
+static void verify_plan_waiting(weightd_set *s, const struct ckpt *c, const char *spec_json, int wait_each) {
   CHECK_EQ_INT(weightd_set_memory_kind(s), WEIGHTD_MEMORY_CUDA);
   cJSON *spec = spec_json ? cJSON_Parse(spec_json) : NULL;
   struct plan *p = NULL;
@@ -162,6 +173,12 @@ static void verify_plan(weightd_set *s, const struct ckpt *c, const char *spec_j
     if (o == NULL) continue;
     CHECK_EQ_INT(t.nbytes, o->nbytes);
     CHECK_EQ_INT(t.offset % 256, 0);
+    if (wait_each) {
+      int rc = weightd_set_wait_tensor(s, i, 120000);
+      CHECK_EQ_INT(rc, 0);
+      CHECK(weightd_set_ready_bytes(s) >= t.offset + t.nbytes);
+      if (rc != 0) break;
+    }
     for (uint64_t off = 0; off < t.nbytes; off += cap) {
       size_t len = t.nbytes - off < cap ? (size_t)(t.nbytes - off) : cap;
       plan_gather(p, data, o->offset + off, o->offset + off + len, want);
@@ -584,6 +601,44 @@ static void test_pinned_direct(void) {
   }
 }
 
+/*
+ * Early attach: the set is attached while it loads (evicted first, so the
+ * load starts with the attach), each tensor read back as soon as it is
+ * reported in place; method is the load's ("staged" or "direct").
+ */
+static void early_attach_plan(weightd_client *c, const char *spec, const char *method) {
+  char req[64];
+  snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":0}");
+  char *reply = NULL;
+  CHECK_EQ_INT(weightd_request(c, req, &reply, NULL, NULL), 0);
+  weightd_free(reply);
+  struct weightd_load_options o = {.struct_size = sizeof o, .plan_json = spec, .flags = WEIGHTD_ATTACH_EARLY};
+  weightd_set *s = NULL;
+  int rc = weightd_attach_path(c, ckpt, &o, &s);
+  CHECK_EQ_INT(rc, 0);
+  if (s == NULL) {
+    fprintf(stderr, "early attach: %s\n", weightd_last_error(c));
+    return;
+  }
+  enum weightd_set_state st = weightd_set_state(s);
+  printf("  early attach (%s): state %d, %llu of %llu bytes in place at attach\n", method, (int)st,
+         (unsigned long long)weightd_set_ready_bytes(s), (unsigned long long)weightd_set_bytes(s));
+  CHECK(st == WEIGHTD_SET_LOADING || st == WEIGHTD_SET_READY);
+  verify_plan_waiting(s, g_ck, spec, 1);
+  CHECK_EQ_INT(weightd_set_wait(s, NULL, 120000), 0);
+  CHECK_EQ_INT(weightd_set_state(s), WEIGHTD_SET_READY);
+  reply = NULL;
+  CHECK_EQ_INT(weightd_request(c, "{\"op\":\"status\"}", &reply, NULL, NULL), 0);
+  char want[64];
+  snprintf(want, sizeof want, "\"method\":\"%s\"", method);
+  CHECK_STR_CONTAINS(reply, want);
+  weightd_free(reply);
+  release_and_evict(c, s);
+}
+
+static void test_early_attach_direct(void) { early_attach_plan(g_c, NULL, "direct"); }
+static void test_early_attach_staged(void) { early_attach_plan(g_c, NULL, "staged"); }
+
 /* Per-rank layouts on the GPU: staged and direct loads of sliced, fused and replicated outputs. */
 static void test_rank_layouts(void) {
   static const char *const specs[] = {
@@ -700,6 +755,8 @@ static void test_staged_rows(void) {
     CHECK(strcmp(method, "staged") == 0);
     verify_and_evict(c, id, specs[i]);
   }
+  /* Early attach of a rank whose column slices go as whole rows: the watermark per completed window. */
+  if (c != NULL) early_attach_plan(c, specs[0], "staged");
   weightd_close(c);
   daemon_stop(pid);
 }
@@ -793,12 +850,14 @@ int main(int argc, char **argv) {
   RUN(test_out_of_memory);
   RUN(test_pinned_direct);
   RUN(test_rank_layouts); /* direct (the checkpoint is pinned now) */
+  RUN(test_early_attach_direct);
   char req[PATH_MAX + 64];
   snprintf(req, sizeof req, "{\"op\":\"close\",\"path\":\"%s\"}", ckpt);
   char *reply = NULL;
   CHECK_EQ_INT(weightd_request(c, req, &reply, NULL, NULL), 0); /* unpins */
   weightd_free(reply);
   RUN(test_rank_layouts); /* staged */
+  RUN(test_early_attach_staged);
   RUN(test_moe_layouts);
   RUN(test_staged_rows);
   RUN(test_pin_after_load);

@@ -334,8 +334,8 @@ class Daemon:
 
     # ---- clients ----
 
-    def connect(self, hello=True, timeout=60.0, handles=None):
-        return wdclient.Conn(self.socket, hello=hello, timeout=timeout, handles=handles)
+    def connect(self, hello=True, timeout=60.0, handles=None, features=None):
+        return wdclient.Conn(self.socket, hello=hello, timeout=timeout, handles=handles, features=features)
 
     def status(self):
         with self.connect() as c:

@@ -222,13 +222,18 @@ def test_reply_over_frame_limit_is_limit_for_integer_and_string_ids(daemon, huge
         assert c.call("evict", set=set_id)["evicted"] == [set_id]
 
 
-def test_weightctl_gets_limit_not_closed(daemon, huge_table):
+def test_weightctl_gets_limit_not_closed(start_daemon, tiny):
     """libweightd (integer ids) gets the LIMIT error for an over-limit reply.
 
+    libweightd asks for the binary tensor table, so its attach replies stay
+    small whatever the table's size; the limit they meet here is
+    max_queued_fds, at 1, below the reply's two descriptors (slab and table).
+
     Before: weightctl failed with CLOSED."""
-    with daemon.connect() as c:
-        set_id = c.call("load", path=huge_table)["set"]
-        r = subprocess.run([WEIGHTCTL, "--socket", daemon.socket, "attach", set_id], capture_output=True,
+    d = start_daemon(settings={"max_queued_fds": 1})
+    with d.connect() as c:
+        set_id = c.call("load", path=tiny["a"])["set"]
+        r = subprocess.run([WEIGHTCTL, "--socket", d.socket, "attach", set_id], capture_output=True,
                            text=True, timeout=60 * SLOW)
         assert r.returncode == 1, r
         assert "LIMIT" in r.stderr or "limit" in r.stderr, r.stderr
@@ -300,8 +305,9 @@ def test_out_of_descriptors_at_accept_refuses_without_spinning(start_daemon, mod
     """More connections than descriptors: the extra peers get a LIMIT frame, the
     daemon does not spin (CPU over 3 s stays low), the episode is logged once,
     and once connections close a new client is served. (The daemon holds
-    twenty resident sets here, a memfd each, so that its descriptors run out
-    before its connection limit is reached.)
+    resident sets here, each with its shard and its slab, until a dozen
+    descriptors are left, so that they run out before the connections reach
+    the daemon's descriptor budget: 24 of 48.)
 
     Before: accept failed with EMFILE in a loop at 100% of a core, logging
     "accept: Too many open files" tens of thousands of times, and the waiting
@@ -309,13 +315,16 @@ def test_out_of_descriptors_at_accept_refuses_without_spinning(start_daemon, mod
     limit = 48
     files = os.path.join(model_root, "many-files")
     os.makedirs(files, exist_ok=True)
-    for i in range(20):
+    for i in range(limit):
         write_safetensors(os.path.join(files, f"f{i}.safetensors"), [("w", "F32", [4])], seed=i)
     d = start_daemon(nofile=(limit, limit))
     with d.connect() as c:
-        for i in range(20):
+        for i in range(limit):
+            if d.fd_count() >= limit - 11:  # c's own descriptor among them
+                break
             c.call("load", path=os.path.join(files, f"f{i}.safetensors"))
     base = d.fd_count()
+    assert limit - 12 <= base < limit - 4, base
     room = limit - base  # connections it can hold (its reserve descriptor is in base)
     peers = []
     try:

@@ -56,7 +56,7 @@ class Conn:
     self.events[id] and any unrelated frame in self.backlog.
     """
 
-    def __init__(self, path, hello=True, timeout=60.0, client="integration-tests", handles=None):
+    def __init__(self, path, hello=True, timeout=60.0, client="integration-tests", handles=None, features=None):
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # A blocking connect waits for room in a full listen backlog (a
@@ -70,6 +70,8 @@ class Conn:
         if hello:
             # handles: the handle kinds this client accepts; None sends none (as clients did before the field).
             extra = {} if handles is None else {"handles": handles}
+            if features is not None:  # the attach features asked for (tensor_table)
+                extra["features"] = features
             self.hello_reply = self.call("hello", protocol=PROTOCOL, client=client, **extra)
 
     # ---- context management ----------------------------------------------
@@ -470,3 +472,115 @@ def verify_attached(reply, fd, ckpt, names=None, whole=True):
         return total
     finally:
         m.close()
+
+
+# ---- the binary tensor table and the progress page (docs/protocol.md) -----------------
+
+_M64 = (1 << 64) - 1
+_P1, _P2, _P3, _P4, _P5 = (11400714785074694791, 14029467366897019727, 1609587929392839161,
+                           9650029242287828579, 2870177450012600261)
+
+
+def _rotl(x, r):
+    return ((x << r) | (x >> (64 - r))) & _M64
+
+
+def _xround(acc, v):
+    return (_rotl((acc + v * _P2) & _M64, 31) * _P1) & _M64
+
+
+def xxh64(data):
+    """XXH64 with seed 0, written from its specification (the table's checksum)."""
+    n, p = len(data), 0
+    if n >= 32:
+        v = [(_P1 + _P2) & _M64, _P2, 0, (-_P1) & _M64]
+        words = struct.unpack_from(f"<{(n // 32) * 4}Q", data)
+        for i in range(0, len(words), 4):
+            v = [_xround(v[k], words[i + k]) for k in range(4)]
+        p = (n // 32) * 32
+        h = (_rotl(v[0], 1) + _rotl(v[1], 7) + _rotl(v[2], 12) + _rotl(v[3], 18)) & _M64
+        for x in v:
+            h = ((h ^ _xround(0, x)) * _P1 + _P4) & _M64
+    else:
+        h = _P5
+    h = (h + n) & _M64
+    while n - p >= 8:
+        (k,) = struct.unpack_from("<Q", data, p)
+        h = (_rotl(h ^ _xround(0, k), 27) * _P1 + _P4) & _M64
+        p += 8
+    if n - p >= 4:
+        (k,) = struct.unpack_from("<I", data, p)
+        h = (_rotl(h ^ ((k * _P1) & _M64), 23) * _P2 + _P3) & _M64
+        p += 4
+    while p < n:
+        h = (_rotl(h ^ ((data[p] * _P5) & _M64), 11) * _P1) & _M64
+        p += 1
+    h ^= h >> 33
+    h = (h * _P2) & _M64
+    h ^= h >> 29
+    h = (h * _P3) & _M64
+    return h ^ (h >> 32)
+
+
+def parse_tensor_table(buf, check_sum=True):
+    """Reads a binary tensor table (version 1) into {"slab_bytes", "tensors": [JSON-form entries]}.
+
+    Written from docs/protocol.md, "The binary tensor table", as an oracle
+    independent of libweightd's reader.
+    """
+    buf = bytes(buf)
+    assert buf[:8] == b"WDTENSOR", buf[:8]
+    version, header_bytes, checksum, total, slab, count, rec_off, rec_bytes, flags, dims_off, ndims, \
+        index_off, strings_off, strings_bytes = struct.unpack_from("<IIQQQQQIIQQQQQ", buf, 8)
+    assert version == 1 and header_bytes == 128 and flags == 0 and total == len(buf)
+    if check_sum:
+        assert checksum == xxh64(buf[24:]), "checksum"
+    assert rec_off == header_bytes and rec_bytes == 64
+    assert dims_off == rec_off + count * rec_bytes and index_off == dims_off + 8 * ndims
+    assert strings_off == index_off + (4 * count + 7) // 8 * 8 and strings_off + strings_bytes == total
+    tensors = []
+    for i in range(count):
+        off, nbytes, dim0, ndim, name_len, name_off = struct.unpack_from("<QQQIIQ", buf, rec_off + i * rec_bytes)
+        dtype = buf[rec_off + i * rec_bytes + 40: rec_off + i * rec_bytes + 56].rstrip(b"\0").decode()
+        shape = list(struct.unpack_from(f"<{ndim}q", buf, dims_off + 8 * dim0))
+        name = buf[strings_off + name_off: strings_off + name_off + name_len].decode()
+        assert buf[strings_off + name_off + name_len] == 0
+        tensors.append({"name": name, "dtype": dtype, "shape": shape, "offset": off, "nbytes": nbytes})
+    index = struct.unpack_from(f"<{count}I", buf, index_off)
+    names = [tensors[i]["name"].encode() for i in index]
+    assert names == sorted(names) and len(set(names)) == count, "the index orders the names"
+    return {"slab_bytes": slab, "tensors": tensors}
+
+
+def read_fd(fd, size):
+    """The first size bytes of a memfd."""
+    return os.pread(fd, size, 0)
+
+
+STATES = {0: "loading", 1: "ready", 2: "failed", 3: "canceled"}
+
+
+class ProgressPage:
+    """An early attach's progress page, mapped read-only (docs/protocol.md, "The progress page")."""
+
+    def __init__(self, fd):
+        self.map = mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ)
+        magic, version = struct.unpack_from("<II", self.map, 0)
+        assert magic == 0x50504457 and version == 1, (hex(magic), version)
+
+    def read(self):
+        """(seq, state name, ready_bytes, total_bytes, error code, message)."""
+        seq, state, ready, total, error = struct.unpack_from("<IIQQi", self.map, 8)
+        msg = self.map[64:64 + 256].split(b"\0", 1)[0].decode(errors="replace")
+        return seq, STATES.get(state, state), ready, total, error, msg
+
+    @property
+    def state(self):
+        return self.read()[1]
+
+    @property
+    def ready(self):
+        return self.read()[2]
+
+    def close(self):
+        self.map.close()

@@ -21,7 +21,7 @@ import glob
 import os
 
 __all__ = ["lib", "path", "LibraryNotFound", "Tensor", "LoadOptions", "PROGRESS_FN", "MEMORY_HOST", "MEMORY_CUDA",
-           "HANDLE_KINDS", "has"]
+           "HANDLE_KINDS", "SET_STATES", "ATTACH_EARLY", "has"]
 
 #: The library's soname major version this package speaks (SOVERSION in CMakeLists.txt).
 ABI_MAJOR = 0
@@ -41,6 +41,12 @@ MEMORY_CUDA = 2
 
 #: enum weightd_handle_kind -> the handle kind's wire name.
 HANDLE_KINDS = {1: "fd", 2: "cuda_ipc", 3: "cuda_vmm"}
+
+#: enum weightd_set_state -> its name.
+SET_STATES = {1: "loading", 2: "ready", 3: "failed", 4: "canceled"}
+
+#: WEIGHTD_ATTACH_EARLY, a weightd_load_options flag.
+ATTACH_EARLY = 1
 
 
 class Tensor(ctypes.Structure):
@@ -66,6 +72,7 @@ class LoadOptions(ctypes.Structure):
         ("plan_json", ctypes.c_char_p),
         ("progress", PROGRESS_FN),
         ("progress_arg", ctypes.c_void_p),
+        ("flags", ctypes.c_uint),
     ]
 
 
@@ -109,6 +116,12 @@ _SIGNATURES = {
 _OPTIONAL = {
     "weightd_set_handle_kind": (_c.c_int, [_set_p]),
     "weightd_set_read_only": (_c.c_int, [_set_p]),
+    "weightd_attach_early": (_c.c_int, [_client_p, _c.c_char_p, _c.POINTER(_set_p)]),
+    "weightd_set_state": (_c.c_int, [_set_p]),
+    "weightd_set_ready_bytes": (_c.c_uint64, [_set_p]),
+    "weightd_set_load_error": (_c.c_char_p, [_set_p]),
+    "weightd_set_wait": (_c.c_int, [_set_p, _c.c_char_p, _c.c_int]),
+    "weightd_set_wait_tensor": (_c.c_int, [_set_p, _c.c_size_t, _c.c_int]),
 }
 
 

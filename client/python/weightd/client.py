@@ -9,7 +9,7 @@ from typing import Any, Iterable, Optional, Union
 
 from . import _cuda
 from ._conn import _Conn
-from ._lib import PROGRESS_FN, LoadOptions, lib
+from ._lib import ATTACH_EARLY, PROGRESS_FN, LoadOptions, has, lib
 from .errors import by_name, error_from_code
 from .progress import Progress, ProgressFn, resolve
 from .sets import TENSOR_TYPES, AttachedSet
@@ -225,21 +225,30 @@ class Client:
 
     def attach(self, path: Union[str, os.PathLike, None] = None, *, set_id: Optional[str] = None,
                device: Device = None, progress: Progress = None, tensor_type: str = "auto",
-               plan: Optional[dict] = None, **layout: Any) -> AttachedSet:
+               plan: Optional[dict] = None, early: bool = False, **layout: Any) -> AttachedSet:
         """Attaches a resident set: by ``set_id``, or by ``path`` (loaded first if needed).
 
         With a path, the device, plan and progress arguments are those of
         :meth:`load`. ``tensor_type``: "auto" (torch for CUDA sets, numpy for
         host sets), "numpy" or "torch" (host sets as CPU tensors).
+
+        ``early=True`` returns as soon as the set's memory exists, while it
+        may still load (progress is reported until then): wait for a tensor
+        with :meth:`AttachedSet.wait`, or iterate
+        :meth:`AttachedSet.ready_tensors`, before reading its values.
         """
         if (path is None) == (set_id is None):
             raise TypeError("attach takes a checkpoint path or set_id=, exactly one of them")
         if tensor_type not in TENSOR_TYPES:
             raise ValueError(f"tensor_type must be one of {', '.join(TENSOR_TYPES)}, not {tensor_type!r}")
+        if early and not has("weightd_attach_early"):
+            raise by_name["UNSUPPORTED"]("early attach needs a newer libweightd (weightd_attach_early)")
         if set_id is not None:
             if device is not None or plan is not None or layout or progress is not None:
                 raise TypeError("attach(set_id=...) takes no device, plan or progress: the set has them")
-            return self._attach_id(set_id, tensor_type)
+            return self._attach_id(set_id, tensor_type, early)
+        if early:
+            return self._attach_path_early(path, device, progress, tensor_type, plan, layout)
         # A load then an attach by id: the load is cancelable and reports progress. The set could be
         # evicted in between (another load needing room); then it is loaded once more.
         for attempt in range(2):
@@ -251,13 +260,34 @@ class Client:
                     raise
         raise AssertionError("unreachable")
 
-    def _attach_id(self, set_id: str, tensor_type: str) -> AttachedSet:
+    def _attach_path_early(self, path: Union[str, os.PathLike], device: Device, progress: Progress,
+                           tensor_type: str, plan: Optional[dict], layout: dict) -> AttachedSet:
+        spec = plan_from_args(plan, **layout)
+        dev = self.device_arg(device)
+        conn = self._c
+        call = _Call(conn, resolve(progress, f"weightd attach {os.fspath(path)}"), load=False)
+        opts = LoadOptions(ctypes.sizeof(LoadOptions), dev.encode() if dev is not None else None,
+                           json.dumps(spec).encode() if spec is not None else None, call.cfn, None, ATTACH_EARLY)
+        out = ctypes.c_void_p()
+        with conn.call() as c, call:
+            rc = lib.weightd_attach_path(c, os.fsencode(path), ctypes.byref(opts), ctypes.byref(out))
+            if rc == 0 and call.exc is not None:  # the progress callback raised: give the set back
+                lib.weightd_release(out.value)
+            call.check(rc)
+        return self._wrap_set(conn, out.value, tensor_type)
+
+    def _attach_id(self, set_id: str, tensor_type: str, early: bool = False) -> AttachedSet:
         out = ctypes.c_void_p()
         conn = self._c
+        fn = lib.weightd_attach_early if early else lib.weightd_attach
         with conn.call() as c:
-            rc = lib.weightd_attach(c, set_id.encode(), ctypes.byref(out))
+            rc = fn(c, set_id.encode(), ctypes.byref(out))
             if rc != 0:
                 raise conn.error(rc)
+        return self._wrap_set(conn, out.value, tensor_type)
+
+    def _wrap_set(self, conn: _Conn, ptr: int, tensor_type: str) -> AttachedSet:
+        out = ctypes.c_void_p(ptr)
         try:
             return AttachedSet(conn, out.value, tensor_type)
         except BaseException:

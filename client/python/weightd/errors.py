@@ -22,7 +22,7 @@ from ._lib import lib
 
 __all__ = ["Error", "by_name", "by_code", "error_from_code"]
 
-# Codes are small positive numbers negated; the table has 29 today. Scanning a
+# Codes are small positive numbers negated; the table has 30 today. Scanning a
 # wider range keeps codes added later (and any gap left by a retired one).
 _SCAN = 256
 

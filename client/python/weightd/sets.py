@@ -6,17 +6,25 @@ the set's use through this object at once; the lease itself ends as soon as
 no array of the set is referenced any more — at once when none is, otherwise
 when the last one is garbage collected. ``release()`` says which happened.
 So no Python code can touch memory the daemon may have freed.
+
+Early attach (``Client.attach(..., early=True)``): the set may still be
+loading. Its table is complete and ``s[name]`` gives a view at once, but a
+tensor's values are in place only once :meth:`AttachedSet.wait` returned for
+it; :meth:`AttachedSet.ready_tensors` yields the tensors in slab order as
+they come in. Waiting touches no connection: any thread may wait.
 """
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any, Iterator, NamedTuple
 
 from . import _cuda, _wrap
 from ._conn import _Conn
-from ._lib import HANDLE_KINDS, MEMORY_CUDA, MEMORY_HOST, Tensor, has, lib
-from .errors import by_name
+from ._lib import HANDLE_KINDS, MEMORY_CUDA, MEMORY_HOST, SET_STATES, Tensor, has, lib
+from .errors import by_name, error_from_code
 
 __all__ = ["AttachedSet", "TensorInfo"]
 
@@ -89,6 +97,8 @@ class AttachedSet(Mapping):
         self._slab: _wrap.Slab | None = None
         self._cache: dict[str, Any] = {}
         self._names: list[str] | None = None
+        self._waits = threading.Condition()  # release() waits for waits in progress
+        self._waiting = 0
 
     # ---- state ------------------------------------------------------------------
 
@@ -106,6 +116,80 @@ class AttachedSet(Mapping):
         if self._ptr is None:
             raise by_name["INVALID"](f"set {self.id} was released; its arrays stay valid, the set gives no more")
         return self._ptr
+
+    # ---- early attach: the load's progress ---------------------------------------
+
+    @property
+    def state(self) -> str:
+        """"loading", "ready", "failed" or "canceled" (a set not attached early is "ready")."""
+        if not has("weightd_set_state"):
+            return "ready"
+        return SET_STATES.get(lib.weightd_set_state(self._live()), "failed")
+
+    @property
+    def ready_bytes(self) -> int:
+        """Slab bytes in place: a tensor is ready once its offset + nbytes is at most this."""
+        if not has("weightd_set_ready_bytes"):
+            return self.nbytes
+        return lib.weightd_set_ready_bytes(self._live())
+
+    @property
+    def load_error(self) -> str:
+        """The daemon's message when the load failed or was canceled, else ""."""
+        if not has("weightd_set_load_error"):
+            return ""
+        return lib.weightd_set_load_error(self._live()).decode(errors="replace")
+
+    # Waits run in slices, so that Ctrl-C and release() from another thread get through.
+    _SLICE_MS = 100
+
+    def _wait(self, call: Any, what: str, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._waits:
+                ptr = self._live()
+                self._waiting += 1
+            try:
+                left = self._SLICE_MS if deadline is None else max(0, min(self._SLICE_MS, int((deadline - time.monotonic()) * 1000)))
+                rc = call(ptr, left)
+            finally:
+                with self._waits:
+                    self._waiting -= 1
+                    self._waits.notify_all()
+            if rc == 0:
+                return
+            name = lib.weightd_err_name(rc).decode()
+            if name == "TIMEOUT" and (deadline is None or time.monotonic() < deadline):
+                continue
+            if name == "NOT_FOUND":
+                raise KeyError(what)
+            detail = self.load_error if name != "TIMEOUT" else f"{what} not ready within {timeout} s"
+            raise error_from_code(rc, f"set {self.id}: {detail or lib.weightd_strerror(rc).decode()}")
+
+    def wait(self, name: str | None = None, timeout: float | None = None) -> None:
+        """Waits until the tensor ``name`` is in place (None: the whole set, which must end ready).
+
+        Raises KeyError for no such tensor, ``weightd.TimeoutError`` after
+        ``timeout`` seconds, or the load's error (``CanceledError``,
+        ``FaultError``, ...) when it failed first. A tensor once in place stays
+        so. A set that was not attached early returns at once.
+        """
+        if not has("weightd_set_wait"):
+            return
+        key = None if name is None else name.encode()
+        self._wait(lambda ptr, ms: lib.weightd_set_wait(ptr, key, ms), name or "the set", timeout)
+
+    def ready_tensors(self, timeout: float | None = None) -> Iterator[tuple[str, Any]]:
+        """Yields (name, tensor) in slab order, each as soon as its bytes are in place.
+
+        ``timeout`` bounds the wait for each tensor. The load's error is raised
+        when it fails before a tensor is in place.
+        """
+        names = self.names()
+        for i, name in enumerate(names):
+            if has("weightd_set_wait_tensor"):
+                self._wait(lambda ptr, ms, i=i: lib.weightd_set_wait_tensor(ptr, i, ms), name, timeout)
+            yield name, self[name]
 
     # ---- the mapping --------------------------------------------------------------
 
@@ -194,9 +278,12 @@ class AttachedSet(Mapping):
         """
         if self._ptr is None:
             return not self._finalizer.alive
-        ptr, conn = self._ptr, self._conn
-        self._ptr = None
-        self._conn = None
+        with self._waits:
+            ptr, conn = self._ptr, self._conn
+            self._ptr = None
+            self._conn = None
+            while self._waiting:  # a wait on another thread ends within a slice
+                self._waits.wait()
         self._cache.clear()
         self._slab = None
         self._keeper = None  # the finalizer runs here if no array holds the keeper
