@@ -510,7 +510,10 @@ int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
   unsigned char key[SHA256_DIGEST_LEN] = {0};
   if (ix != NULL && verdicts != NULL) {
     verdict_key(&index_st, c, key);
-    if ((rc = verdict_find(verdicts, key, err)) != 0) goto fail;
+    if ((rc = verdict_find(verdicts, key, err)) != 0) {
+      if (opts->remembered != NULL) *opts->remembered = true;
+      goto fail;
+    }
   }
   for (size_t i = 0; i < c->nshards; i++) {
     char sl[160];

@@ -19,6 +19,7 @@
 #ifndef WD_CHECKPOINT_H
 #define WD_CHECKPOINT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -54,6 +55,7 @@ struct ckpt_opts {
   const char *const *model_roots; /* resolved directories; none means no confinement */
   size_t nroots;
   struct ckpt_verdicts *verdicts; /* remembered failures of the consistency check, or NULL */
+  bool *remembered;               /* set to true when the open fails from a remembered verdict, or NULL */
 };
 
 struct ckpt {

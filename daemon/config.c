@@ -99,9 +99,10 @@ static const struct cfg_key keys[] = {
      "file descriptors queued in one connection's unread replies; an attach past it is answered LIMIT", .reload = true},
     {"max_request_bytes", CFG_BYTES, OFF(max_request_bytes), 0, 4096, 16 * MiB, "4MiB",
      "the largest request frame; a longer one is refused from its length prefix, before it is read", .reload = true},
-    {"request_memory", CFG_BYTES, OFF(request_memory), 0, 16 * MiB, 64 * GiB, "512MiB",
-     "memory for requests read and not finished, all connections together (estimated as 32 bytes per "
-     "request byte); a request past it is answered LIMIT unread, and one connection may use a quarter", .reload = true},
+    {"request_memory", CFG_BYTES, OFF(request_memory), 0, 16 * MiB, 64 * GiB, "1GiB",
+     "memory for requests read and not finished, all connections together (charged as 64 bytes per "
+     "request byte, what parsing the densest JSON can take); one connection may use a quarter, and a "
+     "request that does not fit waits unparsed until memory frees", .reload = true},
     {"idle_timeout_ms", CFG_UINT, OFF(idle_timeout_ms), 0, 0, 86400000, "300000",
      "a connection that holds no lease and has nothing in progress is closed after this long (0: never)", .reload = true},
     {"reserved_connections", CFG_UINT, OFF(reserved_connections), 0, 0, 1000, "16",

@@ -78,6 +78,20 @@ struct daemon {
   void (*request_stop)(struct daemon *d);
 };
 
+/*
+ * The descriptors that connections and the descriptors queued in their
+ * replies may hold together: RLIMIT_NOFILE less what the daemon keeps for its
+ * own work (shards of open checkpoints, resident sets' slabs, the loop, the
+ * log), a quarter of the limit, at least 64 or half of it. The server admits
+ * a connection, and an attach queues a descriptor, only within it.
+ */
+static inline uint64_t daemon_fd_budget(const struct daemon *d) {
+  uint64_t n = d->stats.fd_limit;
+  if (n == 0 || n == UINT64_MAX) return UINT64_MAX;
+  uint64_t keep = n / 4 > 64 ? n / 4 : (64 < n / 2 ? 64 : n / 2);
+  return n - keep;
+}
+
 /* Counts an error reply (any code of the table). */
 static inline void daemon_count_error(struct daemon *d, int code) {
   unsigned i = (unsigned)-code;

@@ -16,6 +16,8 @@ static inline int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t
 }
 static inline void req_finish(struct request *r) { r->conn->ops->finish(r); }
 static inline struct request *conn_unqueue(struct conn *c, const cJSON *id) { return c->ops->unqueue(c, id); }
+/* Frees the parsed request once nothing needs it (a waiting load keeps only its id). */
+static inline void req_args_free(struct request *r) { r->conn->ops->drop_args(r); }
 /* The final reply: sends it and finishes the request; returns what conn_send did. */
 int req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds);
 void req_fail(struct request *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -370,11 +370,15 @@ static void reply_attached(struct request *r, struct res_set *s) {
     req_fail_err(r, &err);
     return;
   }
-  /* The reply's descriptors must leave the daemon room to accept and to work. */
+  /*
+   * The reply's descriptors must stay within what connections and replies may
+   * hold (daemon_fd_budget: room to accept, root too), and leave the daemon
+   * room to work beside the descriptors its sets hold.
+   */
   size_t want = (size_t)wd_handle_kind_has_fd(s->load.slab->kind) + binary + page;
-  uint64_t headroom = 64 + d->stats.connections + d->cfg.reserved_connections;
-  if (want > 0 && d->stats.fd_limit > 0 &&
-      d->stats.fds_queued + want + headroom + res_set_fds(d->res) >= d->stats.fd_limit) {
+  uint64_t held = d->stats.connections + d->stats.fds_queued + d->cfg.reserved_connections + want;
+  if (want > 0 && (held > daemon_fd_budget(d) ||
+                   (d->stats.fd_limit > 0 && held + 64 + res_set_fds(d->res) >= d->stats.fd_limit))) {
     req_fail(r, WEIGHTD_E_LIMIT,
              "the daemon is near its descriptor limit (%" PRIu64 ", %" PRIu64 " waiting in unread replies); retry",
              d->stats.fd_limit, d->stats.fds_queued);

@@ -424,10 +424,14 @@ static void acquire_work(struct job *j) {
     a->rc = ckpt_check_unchanged(a->entry->ck, &a->err);
     return;
   case ACQ_OPEN: {
-    struct ckpt_opts opts = {(const char *const *)rt->dirs, rt->n, a->verdicts};
+    bool remembered = false;
+    struct ckpt_opts opts = {(const char *const *)rt->dirs, rt->n, a->verdicts, &remembered};
     struct ckpt *c = NULL;
     a->rc = ckpt_open(a->resolved, &opts, &c, &a->err);
-    if (a->rc != 0) return;
+    if (a->rc != 0) {
+      if (remembered) log_msg(LOG_DEBUG, "%s: refused from the remembered verdict (the files are unchanged)", a->resolved);
+      return;
+    }
     a->entry->ck = c; /* the entry is OPENING: nobody else reads it yet */
     a->rc = map_shards(a->entry, &a->err);
     return;

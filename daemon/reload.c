@@ -1,10 +1,10 @@
 /* reload.c - applying a new configuration to a running daemon (see reload.h). */
 #include "reload.h"
 
-#include <inttypes.h>
 #include <string.h>
 
 #include "log.h"
+#include "server.h"
 #include "startup.h"
 
 struct diff {
@@ -37,15 +37,14 @@ int reload_apply(struct daemon *d, struct wd_config *next, struct wd_error *err)
   startup_budgets_cap(next, devices, ndev);
   config_compare(&d->cfg, next, note_change, &df);
   /* Check what can fail before anything changes. */
-  if (next->max_request_bytes * 32 > next->request_memory / 4)
-    return err_set(err, WEIGHTD_E_INVALID, "max_request_bytes (%" PRIu64 ") needs a larger request_memory (%" PRIu64 ")",
-                   next->max_request_bytes, next->request_memory);
+  int rc = server_config_check(next, err);
+  if (rc != 0) return rc;
   if (changed(&df, "model_roots")) {
-    int rc = startup_roots_apply(d, next, err);
+    rc = startup_roots_apply(d, next, err);
     if (rc != 0) return rc;
   }
   for (size_t i = 0; i < df.n; i++) {
-    int rc = config_copy_key(&d->cfg, next, df.keys[i], err);
+    rc = config_copy_key(&d->cfg, next, df.keys[i], err);
     if (rc != 0) return rc; /* out of memory: what was copied stays */
     log_msg(LOG_INFO, "reload: '%s' changed", df.keys[i]);
   }

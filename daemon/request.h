@@ -41,6 +41,9 @@ struct ops_group;
  *           cancel by daemon-wide id); false if it is not queued
  *   first   the first open connection of the daemon (follow ->next), for
  *           what looks across connections: status, cancel by daemon-wide id
+ *   drop_args frees the parsed request (root) once nothing needs it (a
+ *           waiting load keeps only its id) and gives its request memory
+ *           back, so that connections waiting for that memory go on
  */
 struct conn_ops {
   int (*send)(struct conn *c, cJSON *msg, const int *fds, size_t nfds);
@@ -48,6 +51,7 @@ struct conn_ops {
   struct request *(*unqueue)(struct conn *c, const cJSON *id);
   bool (*dequeue)(struct conn *c, struct request *r);
   struct conn *(*first)(const struct conn *c);
+  void (*drop_args)(struct request *r);
 };
 
 struct conn {
@@ -113,15 +117,6 @@ struct request {
   uint64_t mem;           /* request memory charged for root (released with it) */
   struct request *next_in_conn;
 };
-
-/* Frees the parsed request (once nothing needs it: a waiting load keeps only its id) and its memory charge. */
-static inline void req_args_free(struct request *r) {
-  cJSON_Delete(r->root);
-  r->root = NULL;
-  r->conn->request_mem -= r->mem;
-  r->conn->d->stats.request_mem -= r->mem;
-  r->mem = 0;
-}
 
 /* Root, or the daemon's own uid. */
 static inline bool conn_is_privileged(const struct conn *c) { return c->uid == 0 || c->uid == geteuid(); }

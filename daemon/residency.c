@@ -148,12 +148,6 @@ size_t res_device_budget_set(struct residency *r, uint64_t budget) {
   return n;
 }
 
-size_t res_set_count(const struct residency *r) {
-  size_t n = 0;
-  for (const struct res_set *s = r->sets; s != NULL; s = s->next) n++;
-  return n;
-}
-
 size_t res_set_fds(const struct residency *r) {
   size_t n = 0;
   for (const struct res_set *s = r->sets; s != NULL; s = s->next) n++;

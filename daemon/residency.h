@@ -171,8 +171,6 @@ struct res_device *res_device(struct residency *r, int device);
 uint64_t res_device_budget(const struct residency *r, int device);
 /* Changes the configured budget; evicts unleased sets (least recently used first) where a device is over it. Returns how many. */
 size_t res_device_budget_set(struct residency *r, uint64_t budget);
-/* Sets of every state. */
-size_t res_set_count(const struct residency *r);
 /* Descriptors the sets hold at most (slab, progress page, table), those that failed while leased included. */
 size_t res_set_fds(const struct residency *r);
 /* Sets of ck (any state). */

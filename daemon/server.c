@@ -16,15 +16,19 @@
  *     past them the socket is not read;
  *   - request bytes: a frame over max_request_bytes is refused from its length
  *     prefix; parsed requests are charged against request_memory (a quarter
- *     of it per connection); a frame that does not fit waits unparsed until
- *     memory frees;
+ *     of it per connection, and large requests together at most three
+ *     quarters, so that they never keep small ones waiting); a frame that
+ *     does not fit waits unparsed until memory frees;
  *   - reply bytes and descriptors queued for a client that does not read:
  *     past half of max_queued_output / max_queued_fds its requests are not
  *     read, and a reply that would pass the limit is answered LIMIT instead;
  *   - connections: max_connections, plus reserved_connections for root and the
- *     daemon's uid; idle ones (no lease, nothing in progress) close after
- *     idle_timeout_ms; when descriptors run out, accept refuses with LIMIT
- *     through a reserved descriptor and pauses instead of spinning.
+ *     daemon's uid; connections and the descriptors queued in replies stay
+ *     within RLIMIT_NOFILE less what the daemon keeps for its own work (a
+ *     quarter, daemon_fd_budget); idle ones (no lease, nothing in progress)
+ *     close after idle_timeout_ms; when descriptors run out all the same,
+ *     accept refuses with LIMIT through a reserved descriptor and pauses
+ *     instead of spinning.
  * A connection is reference counted: the server holds one reference until it
  * closes, and each request still in progress holds one.
  */
@@ -32,6 +36,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <inttypes.h>
+#include <malloc.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -52,8 +57,20 @@
 
 /* Requests up to this size are parsed on the loop; larger ones on a control job. */
 #define PARSE_INLINE_MAX (64u * 1024u)
-/* Parsed JSON can take this many bytes per byte of text (a tree node per short token). */
-#define REQUEST_MEMORY_FACTOR 32u
+/*
+ * Reading and parsing a request can take this many bytes per byte of its text:
+ * the densest JSON ("0,0,0,...") is a tree node per two bytes, 72 bytes each
+ * in the strict parser's arena and then 80 with malloc's overhead in cJSON's
+ * tree, besides the text itself. Measured with glibc: at most 50.
+ */
+#define REQUEST_MEMORY_FACTOR 64u
+/*
+ * Once requests charged at least this much have given their memory back, and
+ * no request that large is still held, the heap is returned to the system
+ * (malloc_trim) after TRIM_DELAY_MS: at most once per delay, never per request.
+ */
+#define REQUEST_MEMORY_TRIM (16u << 20)
+#define TRIM_DELAY_MS 250
 /* How long the listener pauses when the process is out of descriptors. */
 #define ACCEPT_PAUSE_MS 100
 
@@ -65,6 +82,7 @@ struct server {
   bool passed;             /* the socket was passed at start: never unlinked */
   int reserve_fd;          /* held to accept-and-refuse when descriptors run out */
   uv_timer_t accept_timer; /* resumes accepting after a pause */
+  uv_timer_t trim_timer;   /* returns the heap of large requests to the system */
   bool accept_paused;
   uint64_t refused_emfile; /* connections refused in the current out-of-descriptors episode */
   struct conn *conns;
@@ -80,6 +98,7 @@ static void req_finish(struct request *r);
 static struct request *conn_unqueue(struct conn *c, const cJSON *id);
 static bool conn_dequeue(struct conn *c, struct request *r);
 static struct conn *conn_first(const struct conn *c);
+static void req_drop_args(struct request *r);
 
 /* What the op handlers reach the transport through (request.h). */
 static const struct conn_ops transport = {
@@ -88,6 +107,7 @@ static const struct conn_ops transport = {
     .unqueue = conn_unqueue,
     .dequeue = conn_dequeue,
     .first = conn_first,
+    .drop_args = req_drop_args,
 };
 
 /* ---- references --------------------------------------------------------------- */
@@ -275,31 +295,74 @@ static void wake_memory_waiters(struct server *srv) {
     }
 }
 
+/*
+ * Returns the heap that large requests' parse trees took to the system, once
+ * none is held: glibc would keep it, and one 4 MiB request would leave
+ * 150 MiB resident.
+ */
+static void on_trim(uv_timer_t *t) {
+  struct server *srv = t->data;
+  if (srv->d->stats.request_mem >= REQUEST_MEMORY_TRIM) { /* a large request is still held: later */
+    uv_timer_start(t, on_trim, TRIM_DELAY_MS, 0);
+    return;
+  }
+#ifdef __GLIBC__
+  double t0 = clock_s();
+  malloc_trim(0);
+  log_msg(LOG_DEBUG, "returned the heap of large requests to the system in %.1f ms", (clock_s() - t0) * 1e3);
+#endif
+}
+
+/*
+ * Gives back request memory charged to c (whether c is alive or not), lets
+ * every connection that waits for request memory try again, and after a
+ * large request has the heap returned (on_trim).
+ */
+static void release_memory(struct conn *c, uint64_t mem) {
+  if (mem == 0) return;
+  c->request_mem -= mem;
+  c->d->stats.request_mem -= mem;
+  if (mem >= REQUEST_MEMORY_TRIM && c->srv->listening && !uv_is_active((uv_handle_t *)&c->srv->trim_timer))
+    uv_timer_start(&c->srv->trim_timer, on_trim, TRIM_DELAY_MS, 0);
+  wake_memory_waiters(c->srv);
+}
+
+static void req_drop_args(struct request *r) {
+  cJSON_Delete(r->root);
+  r->root = NULL;
+  uint64_t mem = r->mem;
+  r->mem = 0;
+  release_memory(r->conn, mem);
+}
+
 static void on_idle(uv_timer_t *t);
+
+/* True when the connection has a request in any stage: started, queued, being parsed or waiting for memory. */
+static bool busy(const struct conn *c) {
+  return c->inflight > 0 || c->nqueued > 0 || c->parsing || c->held.json != NULL;
+}
 
 /* Arms the idle timer when nothing is in progress (whether leases are held is asked when it fires). */
 static void watch_idle(struct conn *c) {
   if (!alive(c) || c->closing || c->d->cfg.idle_timeout_ms == 0) return;
-  if (c->inflight == 0 && c->nqueued == 0 && !c->parsing) uv_timer_start(&c->idle_timer, on_idle, c->d->cfg.idle_timeout_ms, 0);
+  if (!busy(c)) uv_timer_start(&c->idle_timer, on_idle, c->d->cfg.idle_timeout_ms, 0);
   else uv_timer_stop(&c->idle_timer);
 }
 
 static void req_finish(struct request *r) {
   struct conn *c = r->conn;
-  bool freed_memory = r->mem > 0;
   req_unlink(r);
   if (r->started) {
     c->inflight--;
     c->d->stats.requests_inflight--;
   }
-  req_args_free(r);
+  req_drop_args(r);
   cJSON_Delete(r->id);
   free(r);
   if (alive(c)) {
     kick(c); /* not from inside a handler: queued requests and buffered frames go on from the loop */
     watch_idle(c);
   }
-  if (freed_memory) wake_memory_waiters(c->srv);
   conn_unref(c);
 }
 
@@ -387,9 +450,7 @@ static void take_request(struct conn *c, struct msg_request *m, int rc, const st
   if (refusal == NULL && r == NULL) conn_send(c, msg_reply_error(m->id, WEIGHTD_E_NOMEM, "out of memory"), NULL, 0);
   if (r == NULL) {
     msg_request_free(m);
-    c->request_mem -= mem;
-    c->d->stats.request_mem -= mem;
-    wake_memory_waiters(c->srv);
+    release_memory(c, mem);
     return;
   }
   r->conn = c;
@@ -441,9 +502,7 @@ static void parse_done(struct job *j) {
     watch_idle(c);
   } else {
     msg_request_free(&pj->m);
-    c->request_mem -= pj->mem;
-    c->d->stats.request_mem -= pj->mem;
-    wake_memory_waiters(c->srv);
+    release_memory(c, pj->mem);
   }
   conn_unref(c);
   free(pj);
@@ -481,10 +540,17 @@ static void on_frame_timeout(uv_timer_t *t) {
   conn_fail(c, NULL, WEIGHTD_E_PROTOCOL, "a request frame did not arrive whole within frame_timeout_ms");
 }
 
-/* Reserves memory for the next frame, or marks the connection as waiting for it. */
+/*
+ * Reserves memory for the next frame, or marks the connection as waiting for
+ * it. Large requests (those parsed on a job) may use three quarters of
+ * request_memory together: the rest keeps small ones (a status, a release)
+ * going while large ones wait.
+ */
 static bool reserve_memory(struct conn *c, size_t mem) {
   const struct wd_config *cfg = &c->d->cfg;
-  if (c->request_mem + mem <= cfg->request_memory / 4 && c->d->stats.request_mem + mem <= cfg->request_memory) {
+  uint64_t global = cfg->request_memory;
+  if (mem > (uint64_t)PARSE_INLINE_MAX * REQUEST_MEMORY_FACTOR) global -= cfg->request_memory / 4;
+  if (c->request_mem + mem <= cfg->request_memory / 4 && c->d->stats.request_mem + mem <= global) {
     c->request_mem += mem;
     c->d->stats.request_mem += mem;
     return true;
@@ -602,7 +668,7 @@ static void on_poll(uv_poll_t *p, int status, int events) {
 
 static void on_idle(uv_timer_t *t) {
   struct conn *c = t->data;
-  if (!alive(c) || c->closing || c->inflight > 0 || c->nqueued > 0 || c->parsing) return;
+  if (!alive(c) || c->closing || busy(c)) return;
   if (ops_conn_holds_leases(c)) return; /* engines holding leases are never dropped */
   log_msg(LOG_DEBUG, "connection of pid %d idle for %" PRIu64 " ms: closing", (int)c->pid,
           c->d->cfg.idle_timeout_ms);
@@ -652,6 +718,21 @@ static void conn_close(struct conn *c) {
 }
 
 static bool uid_privileged(uid_t uid) { return uid == 0 || uid == geteuid(); }
+
+/*
+ * Whether one more connection may be served: within max_connections (plus
+ * reserved_connections for root and the daemon's uid), and within the
+ * descriptors the daemon gives to connections and queued replies
+ * (daemon_fd_budget), so that clients never take the descriptors it needs to
+ * open shards and create slabs for them. The reserved connections stay free
+ * of other peers' connections in both counts.
+ */
+static bool may_accept(const struct server *srv, bool privileged) {
+  const struct daemon *d = srv->d;
+  uint64_t held_back = privileged ? 0 : d->cfg.reserved_connections;
+  if (srv->nconns + held_back >= d->cfg.max_connections + d->cfg.reserved_connections) return false;
+  return srv->nconns + d->stats.fds_queued + held_back < daemon_fd_budget(d);
+}
 
 static bool peer_allowed(const struct conn *c) {
   const struct wd_config *cfg = &c->d->cfg;
@@ -733,8 +814,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       close(fd);
       continue;
     }
-    uint64_t limit = d->cfg.max_connections + (uid_privileged(cred.uid) ? d->cfg.reserved_connections : 0);
-    struct conn *c = d->stopping || srv->nconns >= limit ? NULL : calloc(1, sizeof *c);
+    struct conn *c = d->stopping || !may_accept(srv, uid_privileged(cred.uid)) ? NULL : calloc(1, sizeof *c);
     if (c == NULL) {
       if (!d->stopping) refuse(fd, "too many connections");
       close(fd);
@@ -804,24 +884,30 @@ static int adopt(struct daemon *d, struct server *srv, int fd, struct wd_error *
   return 0;
 }
 
+int server_config_check(const struct wd_config *cfg, struct wd_error *err) {
+  if (cfg->max_request_bytes * REQUEST_MEMORY_FACTOR > cfg->request_memory / 4)
+    return err_set(err, WEIGHTD_E_INVALID,
+                   "max_request_bytes (%" PRIu64 ") needs request_memory of at least %" PRIu64
+                   " (four connections' worth of its largest request, at %u bytes per byte)",
+                   cfg->max_request_bytes, cfg->max_request_bytes * REQUEST_MEMORY_FACTOR * 4,
+                   REQUEST_MEMORY_FACTOR);
+  return 0;
+}
+
 int server_start(struct daemon *d, int passed_fd, struct wd_error *err) {
   const char *path = d->socket_path;
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   if (strlen(path) >= sizeof addr.sun_path) return err_set(err, WEIGHTD_E_INVALID, "socket path too long: %s", path);
   strcpy(addr.sun_path, path);
-  if (d->cfg.max_request_bytes * REQUEST_MEMORY_FACTOR > d->cfg.request_memory / 4)
-    return err_set(err, WEIGHTD_E_INVALID,
-                   "max_request_bytes (%" PRIu64 ") needs request_memory of at least %" PRIu64
-                   " (four connections' worth of its largest request, at %u bytes per byte)",
-                   d->cfg.max_request_bytes, d->cfg.max_request_bytes * REQUEST_MEMORY_FACTOR * 4,
-                   REQUEST_MEMORY_FACTOR);
+  int rc = server_config_check(&d->cfg, err);
+  if (rc != 0) return rc;
   struct server *srv = calloc(1, sizeof *srv);
   if (srv == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   srv->d = d;
   srv->listen_fd = -1;
   srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (passed_fd >= 0) {
-    int rc = adopt(d, srv, passed_fd, err);
+    rc = adopt(d, srv, passed_fd, err);
     if (rc != 0) {
       if (srv->reserve_fd >= 0) close(srv->reserve_fd);
       free(srv);
@@ -835,7 +921,6 @@ int server_start(struct daemon *d, int passed_fd, struct wd_error *err) {
     free(srv);
     return err_set(err, WEIGHTD_E_IO, "socket: %s", strerror(errno));
   }
-  int rc = 0;
   /* A stale socket from a daemon that died is replaced; a live one is not. */
   struct stat sb;
   if (lstat(path, &sb) == 0 && S_ISSOCK(sb.st_mode)) {
@@ -904,6 +989,8 @@ serve:
   srv->listen_poll.data = srv;
   uv_timer_init(d->loop, &srv->accept_timer);
   srv->accept_timer.data = srv;
+  uv_timer_init(d->loop, &srv->trim_timer);
+  srv->trim_timer.data = srv;
   uv_poll_start(&srv->listen_poll, UV_READABLE, on_accept);
   d->srv = srv;
   d->stats.listening = true;
@@ -921,8 +1008,10 @@ void server_stop(struct server *srv) {
   if (srv->listening) {
     uv_poll_stop(&srv->listen_poll);
     uv_timer_stop(&srv->accept_timer);
+    uv_timer_stop(&srv->trim_timer);
     uv_close((uv_handle_t *)&srv->listen_poll, listen_closed);
     uv_close((uv_handle_t *)&srv->accept_timer, listen_closed);
+    uv_close((uv_handle_t *)&srv->trim_timer, listen_closed);
     close(srv->listen_fd); /* a passed socket lives on in its owner; ours was bound here */
     srv->listen_fd = -1;
     srv->listening = false;

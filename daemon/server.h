@@ -13,6 +13,12 @@
 #include "error.h"
 
 /*
+ * Whether cfg's request limits fit together: request_memory must hold four
+ * connections' worth of the largest request at what parsing it can take.
+ * Returns 0 or WEIGHTD_E_INVALID with the figures in err (start and reload).
+ */
+int server_config_check(const struct wd_config *cfg, struct wd_error *err);
+/*
  * Serves listen_fd, a listening socket passed at start (socket activation),
  * or, when it is -1, binds and listens on d->socket_path. d->srv is set. A
  * passed socket is never unlinked: its owner keeps it.

@@ -220,8 +220,8 @@ class Daemon:
     metrics: serve the metrics endpoints on a free loopback port (d.metrics_address);
     otherwise they are off unless settings name a metrics_address (None: no
     flag, the config file decides). config: a config file (--config), read
-    again on SIGHUP. nofile: the daemon's RLIMIT_NOFILE (soft and hard), for
-    running it out of descriptors.
+    again on SIGHUP. nofile: the daemon's RLIMIT_NOFILE, one number for soft
+    and hard or a (soft, hard) pair, for running it out of descriptors.
     """
 
     def __init__(self, workdir, model_root, settings=None, roots=None, log_level=None, public=False,
@@ -278,7 +278,8 @@ class Daemon:
         raise AssertionError("no free port for metrics_address after 5 tries:\n" + self.log_text())
 
     def _limits(self):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+        soft, hard = self.nofile if isinstance(self.nofile, tuple) else (self.nofile, self.nofile)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     def _start(self, timeout=None):
         timeout = timeout or 20 * SLOW
@@ -381,6 +382,24 @@ class Daemon:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1])
         raise AssertionError("no VmRSS")
+
+    def rss_anon_kib(self):
+        """RssAnon: the daemon's own heap (not the memfd slabs, not the mapped shards)."""
+        return self.proc_status("RssAnon")
+
+    def proc_status(self, key):
+        """A field of /proc/PID/status in KiB (VmRSS, VmHWM, RssAnon, ...)."""
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        raise AssertionError(f"no {key} in /proc/{self.pid}/status")
+
+    def cpu_seconds(self):
+        """User plus system CPU time the daemon has used so far."""
+        with open(f"/proc/{self.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def threads(self):
         return len(os.listdir(f"/proc/{self.pid}/task"))

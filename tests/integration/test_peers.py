@@ -5,9 +5,11 @@ nobody), so they need root; elsewhere they skip.
 """
 import json
 import os
+import subprocess
 
 import pytest
 
+from conftest import WEIGHTCTL
 from wdclient import Closed, Conn
 
 NOBODY = 65534
@@ -96,3 +98,71 @@ def test_allowed_peer_may_not_shutdown_or_release_others_leases(start_daemon, ti
         with d.connect() as admin:
             assert admin.call("release", lease=att["lease"])["released"] is True
         assert owner.status()["sets"][0]["leases"] == 0
+
+
+class NobodyConnections:
+    """n connections held open by a forked child running as nobody, each past hello.
+
+    Entering waits until all are open (or fails with what the child saw);
+    leaving closes them and reaps the child.
+    """
+
+    def __init__(self, sock, n):
+        self.sock = sock
+        self.n = n
+
+    def __enter__(self):
+        ready_r, ready_w = os.pipe()
+        self.hold_r, self.hold_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns into pytest
+            code = 0
+            try:
+                os.close(ready_r)
+                os.close(self.hold_w)
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                conns = []
+                try:
+                    for _ in range(self.n):
+                        conns.append(Conn(self.sock, timeout=20))
+                    os.write(ready_w, b"ok")
+                except BaseException as e:
+                    os.write(ready_w, repr(e).encode())
+                    code = 1
+                os.close(ready_w)
+                os.read(self.hold_r, 1)  # until the parent closes its end
+            finally:
+                os._exit(code)
+        os.close(ready_w)
+        os.close(self.hold_r)
+        said = os.read(ready_r, 4096).decode()
+        os.close(ready_r)
+        if said != "ok":
+            self.__exit__()
+            raise AssertionError(f"the child running as nobody could not open {self.n} connections: {said}")
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.hold_w)
+        os.waitpid(self.pid, 0)
+
+
+def test_root_is_served_beyond_max_connections(start_daemon):
+    """max_connections held by an unprivileged user's idle connections: root still
+    connects (reserved_connections, default 16, are for root and the daemon's
+    uid) and weightctl status works; another unprivileged peer is refused.
+
+    Before: root got LIMIT like anyone else, so twenty idle sockets of one user
+    locked the operator's weightctl status out."""
+    d = start_daemon({"max_connections": 4, "socket_mode": "0666"}, public=True)
+    with NobodyConnections(d.socket, 4):
+        with Conn(d.socket, timeout=10) as root:
+            assert root.status()["daemon"]["connections"] == 5
+            r = subprocess.run([WEIGHTCTL, "--socket", d.socket, "status"], capture_output=True, text=True,
+                               timeout=60)
+            assert r.returncode == 0, r
+        got = as_nobody(d.socket, [HELLO], until_eof=True)
+        assert got[0].get("error", {}).get("code") == "LIMIT", got
+        assert got[1:] == [{"eof": True}], got
