@@ -281,7 +281,8 @@ def test_a_load_that_fails_midway_is_seen_failed(gated, ckpt_small, model_root):
     shutil.rmtree(path)
 
 
-def test_a_load_canceled_midway_is_seen_canceled(gated, ckpt_sharded):
+def test_another_clients_cancel_does_not_stop_an_early_attached_load(gated, ckpt_sharded):
+    """A's early lease keeps the load going when B, who loads the same set, cancels its own load."""
     d, gate = gated
     with d.connect() as a, d.connect(features=TABLE) as b:
         a.start("load", id="L", path=ckpt_sharded, device=0)
@@ -291,16 +292,16 @@ def test_a_load_canceled_midway_is_seen_canceled(gated, ckpt_sharded):
             assert a.call("cancel", target="L")["canceled"] is True
             r, _ = a.wait("L")
             assert r["error"]["code"] == "CANCELED", r
-            wait_until(lambda: page.state != "loading", timeout=30 * SLOW, what="the load to stop")
-            _, state, ready, _, error, _ = page.read()
-            assert state == "canceled" and error == -16 and ready == WINDOW, page.read()
+            gate.open()
+            wait_until(lambda: page.state != "loading", timeout=60 * SLOW, what="the load to end")
+            _, state, ready, total, error, _ = page.read()
+            assert (state, ready, error) == ("ready", m["bytes"], 0), page.read()
             st = b.status()
-            assert st["sets"] == [] and st["daemon"]["leases"] == 1
+            assert [s["state"] for s in st["sets"]] == ["ready"] and st["daemon"]["leases"] == 1, st
             page.close()
         finally:
             close_all(fds)
         assert b.call("release", lease=m["lease"])["released"] is True
-        wait_until(lambda: b.status()["devices"][0]["used"] == 0, timeout=10 * SLOW, what="the slab to be freed")
 
 
 def test_early_attach_of_a_ready_set_and_descriptor_counts(daemon, tiny):
