@@ -399,6 +399,11 @@ static void collect_daemon(struct daemon *d, struct collection *c) {
   sample(c, f, (double)d->stats.requests, NULL);
   f = family(c, "weightd_requests_in_flight", "gauge", "Requests started and not finished.");
   sample(c, f, (double)d->stats.requests_inflight, NULL);
+  f = family(c, "weightd_reply_bytes_queued", "gauge", "Reply bytes queued for clients and not yet sent.");
+  sample(c, f, (double)d->stats.output_queued, NULL);
+  f = family(c, "weightd_progress_events_dropped_total", "counter",
+             "Progress events not sent because their client did not read its replies.");
+  sample(c, f, (double)d->stats.events_dropped, NULL);
   f = family(c, "weightd_open_fds", "gauge", "Open file descriptors of the daemon.");
   sample(c, f, open_fds(d->stats.fd_limit), NULL);
   f = family(c, "weightd_max_fds", "gauge", "The daemon's descriptor limit (RLIMIT_NOFILE).");

@@ -515,3 +515,59 @@ def test_staged_rank_plan_window_by_window(start_daemon, workdir, qwen3_tp, stri
     finally:
         gate.open()
         ckpt.close()
+
+
+# ---- a client that never reads: progress events are dropped, not queued ------------------------
+
+
+def metric(st, name):
+    fam = st["metrics"].get(name)
+    return None if fam is None else fam["samples"][0]["value"]
+
+
+def test_progress_for_a_client_that_never_reads_stays_bounded(start_daemon, workdir, ckpt_sharded, model_root):
+    """Progress ticks for a client that never reads: its queue stays under max_queued_output.
+
+    Its queue is first filled past half the limit with large attach replies (the
+    JSON table of 5,000 tensors), while four gated loads tick every 100 ms. A
+    daemon that queued the ticks (or, past the limit, a LIMIT error for each)
+    grew the queue without end. The stream stays in step: each load gets its
+    progress events, then exactly one final reply.
+    """
+    import socket
+    import tempfile
+
+    cap = 1 << 20
+    gate = Gate(tempfile.mkdtemp(prefix="gate-", dir=workdir))
+    d = start_daemon({"test_load_gate": gate.path, "max_queued_output": "1MiB"})
+    try:
+        with d.connect() as mute, d.connect() as o:
+            gate.let_one_window_through()  # the only load yet: the small set loads whole
+            many = write_single(os.path.join(model_root, "never-reads"),
+                                [(f"layers.{i}.weight", "F16", [4]) for i in range(5000)], 5)
+            big = o.call("load", path=many, device=0)["set"]
+            mute.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            loads = [mute.start("load", id=f"L{i}", path=ckpt_sharded, device=0) for i in range(4)]
+            for i in range(30):
+                mute.start("attach", id=f"A{i}", set=big)
+            st = wait_until(lambda: (lambda s: s if (metric(s, "weightd_progress_events_dropped_total") or 0) >= 40
+                                     or (metric(s, "weightd_reply_bytes_queued") or cap + 1) > cap else None)(o.status()),
+                            timeout=120 * SLOW, what="progress events to be dropped or the queue to pass the limit")
+            queued = metric(st, "weightd_reply_bytes_queued")
+            assert queued is not None and queued <= cap, queued
+            gate.open()
+            mute.settimeout(120 * SLOW)
+            final = {}
+            while not all(rid in final for rid in loads):
+                m, fds = mute.recv()
+                for fd in fds:
+                    os.close(fd)
+                rid = m.get("id")
+                assert rid not in final, ("a frame after the final reply", str(m)[:200])
+                if "event" not in m:
+                    final[rid] = m.get("ok") is True or m["error"]["code"] == "LIMIT"
+            assert all(final.values()), final
+            assert metric(o.status(), "weightd_reply_bytes_queued") < cap
+        shutil.rmtree(os.path.join(model_root, "never-reads"))
+    finally:
+        gate.open()
