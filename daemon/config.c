@@ -125,7 +125,8 @@ static const struct cfg_key keys[] = {
      */
     {"cuda_handles", CFG_ENUM, OFF(cuda_handles), 0, 0, 0, "vmm",
      "vmm | legacy: how the cuda backend allocates and shares sets. vmm: CUDA VMM memory whose handle is a file "
-     "descriptor (clients map it read-only, any number of times); legacy: cudaMalloc memory shared with "
+     "descriptor (libweightd maps it read-only, any number of times, but any importer may map it read-write: "
+     "every client that can attach a set is trusted with write access to it); legacy: cudaMalloc memory shared with "
      "cudaIpcMemHandle, for clients that open only those (they get UNSUPPORTED for a vmm set). A GPU or driver "
      "without VMM descriptor export gets legacy, with a warning",
      cuda_handles_names},
