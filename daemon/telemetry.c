@@ -84,10 +84,11 @@ static void resident_done(struct job *j) {
     clear_resident(t);
     t->resident = calloc(rj->n ? rj->n : 1, sizeof *t->resident);
     for (size_t i = 0; t->resident != NULL && i < rj->n; i++) {
-      t->resident[i].path = strdup(rj->cks[i]->path);
-      t->resident[i].generation = rj->cks[i]->generation;
-      t->resident[i].bytes = rj->bytes[i];
-      if (t->resident[i].path != NULL) t->nresident++;
+      struct resident_entry *e = &t->resident[t->nresident]; /* a failed strdup leaves no hole */
+      e->path = strdup(rj->cks[i]->path);
+      e->generation = rj->cks[i]->generation;
+      e->bytes = rj->bytes[i];
+      if (e->path != NULL) t->nresident++;
     }
     t->resident_at_ms = clock_ms();
     t->resident_running = false;
