@@ -68,9 +68,11 @@ struct wd_slab {
   /*
    * slab_export may run while the slab is still being filled (early attach),
    * and no importer can write it meanwhile: host slabs sealed against future
-   * writes from the start (F_SEAL_FUTURE_WRITE), GPU slabs always (importers
-   * map VMM memory read-only where the driver allows; legacy IPC importers
-   * are trusted, as for filled slabs). 0 when the kernel cannot seal early.
+   * writes from the start (F_SEAL_FUTURE_WRITE). GPU slabs cannot be
+   * protected by the exporter: a cuda_vmm importer chooses its own access
+   * flags (libweightd asks for read-only, but any importer may map it
+   * read-write) and a cuda_ipc importer can always write, so GPU importers
+   * are trusted, filling or filled. 0 when the kernel cannot seal early.
    */
   int export_while_filling;
   void *impl; /* backend-private */

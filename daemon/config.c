@@ -94,7 +94,8 @@ static const struct cfg_key keys[] = {
      "connections served at once; more are refused", .reload = true},
     {"max_queued_output", CFG_BYTES, OFF(max_queued_output), 0, 1 * MiB, 16 * GiB, "64MiB",
      "reply bytes queued for a client that does not read; past half of it the client's requests are not "
-     "read, and a reply that would pass it is answered LIMIT", .reload = true},
+     "read and its progress events are dropped, a reply that would pass it is answered LIMIT, and a LIMIT "
+     "answer that would pass twice it closes the connection", .reload = true},
     {"max_queued_fds", CFG_UINT, OFF(max_queued_fds), 0, 1, 65536, "64",
      "file descriptors queued in one connection's unread replies; an attach past it is answered LIMIT", .reload = true},
     {"max_request_bytes", CFG_BYTES, OFF(max_request_bytes), 0, 4096, 16 * MiB, "4MiB",
@@ -128,7 +129,8 @@ static const struct cfg_key keys[] = {
      */
     {"cuda_handles", CFG_ENUM, OFF(cuda_handles), 0, 0, 0, "vmm",
      "vmm | legacy: how the cuda backend allocates and shares sets. vmm: CUDA VMM memory whose handle is a file "
-     "descriptor (clients map it read-only, any number of times); legacy: cudaMalloc memory shared with "
+     "descriptor (libweightd maps it read-only, any number of times, but any importer may map it read-write: "
+     "every client that can attach a set is trusted with write access to it); legacy: cudaMalloc memory shared with "
      "cudaIpcMemHandle, for clients that open only those (they get UNSUPPORTED for a vmm set). A GPU or driver "
      "without VMM descriptor export gets legacy, with a warning",
      cuda_handles_names},

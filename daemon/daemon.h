@@ -42,6 +42,8 @@ struct daemon_stats {
   uint64_t errors[DAEMON_ERROR_SLOTS]; /* error replies sent, by -code */
   uint64_t connections; /* open now */
   uint64_t fds_queued;  /* descriptors waiting in replies not yet sent */
+  uint64_t output_queued;  /* reply bytes waiting unsent, all connections */
+  uint64_t events_dropped; /* progress events not sent to backlogged connections */
   uint64_t request_mem; /* request memory charged (see server.c) */
   uint64_t fd_limit;    /* RLIMIT_NOFILE's soft limit, raised to the hard one at start */
   bool listening;       /* the server accepts connections */

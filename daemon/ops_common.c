@@ -37,7 +37,7 @@ void req_fail_err(struct request *r, const struct wd_error *err) {
 
 void req_progress(struct request *r, uint64_t done, uint64_t total) {
   if (r->conn->closed) return;
-  conn_send(r->conn, msg_event_progress(r->id, done, total), NULL, 0);
+  r->conn->ops->send_event(r->conn, msg_event_progress(r->id, done, total));
 }
 
 /* ---- arguments ------------------------------------------------------------------------ */

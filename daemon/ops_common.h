@@ -22,6 +22,7 @@ static inline void req_args_free(struct request *r) { r->conn->ops->drop_args(r)
 int req_reply(struct request *r, cJSON *reply, const int *fds, size_t nfds);
 void req_fail(struct request *r, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void req_fail_err(struct request *r, const struct wd_error *err);
+/* A progress event: dropped, not queued, when the client does not read its replies. */
 void req_progress(struct request *r, uint64_t done, uint64_t total);
 
 /* The daemon a request belongs to. */

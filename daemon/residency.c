@@ -431,7 +431,8 @@ bool res_waiter_leave(struct res_waiter *w) {
 bool res_waiter_cancel(struct res_waiter *w) {
   struct res_set *s = w->set;
   if (!res_waiter_leave(w)) return false;
-  if (s->waiters == NULL) atomic_store(&s->load.cancel, true);
+  /* Early attachers are not waiters: their leases keep the load going too. */
+  if (s->waiters == NULL && s->leases == 0) atomic_store(&s->load.cancel, true);
   return true;
 }
 
@@ -724,6 +725,7 @@ int res_lease_add(struct residency *r, struct res_set *s, const struct lease_hol
   r->leases = l;
   s->leases++;
   s->last_used_ms = l->created_ms;
+  if (s->state == SET_LOADING) atomic_store(&s->load.cancel, false); /* a leased load goes on */
   *out = l;
   return 0;
 }

@@ -191,8 +191,8 @@ void res_wait(struct residency *r, struct res_set *s, struct res_waiter *w);
 bool res_waiter_leave(struct res_waiter *w);
 
 /*
- * Stops w waiting (without calling done); when nobody else waits, the load is
- * told to stop and the set shows as canceling until its job returns. True if
+ * Stops w waiting (without calling done); when nobody else waits and no
+ * early attacher holds a lease on the set, the load is told to stop and the set shows as canceling until its job returns. True if
  * w was waiting.
  */
 bool res_waiter_cancel(struct res_waiter *w);
@@ -207,7 +207,10 @@ struct res_set *res_find_set(const struct residency *r, const char *id);
 
 /* ---- leases --------------------------------------------------------------- */
 
-/* Adds a lease on a READY set, or a LOADING one that res_set_early_ok, for holder; *out is the new lease. */
+/*
+ * Adds a lease on a READY set, or a LOADING one that res_set_early_ok, for holder; *out is the new lease.
+ * A lease on a LOADING set keeps its load going (a cancel asked for before is withdrawn).
+ */
 int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,
                   struct wd_error *err);
 /* Ends one lease (the lease is freed); the last lease of a set that failed frees the set. */

@@ -21,7 +21,10 @@
  *     does not fit waits unparsed until memory frees;
  *   - reply bytes and descriptors queued for a client that does not read:
  *     past half of max_queued_output / max_queued_fds its requests are not
- *     read, and a reply that would pass the limit is answered LIMIT instead;
+ *     read and its progress events are dropped (they can be); a final reply
+ *     that would pass the limit is answered LIMIT instead (once per request,
+ *     so at most one per request read); a LIMIT answer that would pass twice
+ *     max_queued_output closes the connection;
  *   - connections: max_connections, plus reserved_connections for root and the
  *     daemon's uid; connections and the descriptors queued in replies stay
  *     within RLIMIT_NOFILE less what the daemon keeps for its own work (a
@@ -94,6 +97,7 @@ struct server {
 static void conn_close(struct conn *c);
 static void kick(struct conn *c);
 static int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds);
+static int conn_send_event(struct conn *c, cJSON *ev);
 static void req_finish(struct request *r);
 static struct request *conn_unqueue(struct conn *c, const cJSON *id);
 static bool conn_dequeue(struct conn *c, struct request *r);
@@ -103,6 +107,7 @@ static void req_drop_args(struct request *r);
 /* What the op handlers reach the transport through (request.h). */
 static const struct conn_ops transport = {
     .send = conn_send,
+    .send_event = conn_send_event,
     .finish = req_finish,
     .unqueue = conn_unqueue,
     .dequeue = conn_dequeue,
@@ -170,9 +175,10 @@ static void conn_kill(struct conn *c) {
 static void flush(struct conn *c) {
   if (!alive(c)) return;
   bool was_backlogged = backlogged(c);
-  size_t fds_before = wire_writer_fds(&c->writer);
+  size_t fds_before = wire_writer_fds(&c->writer), bytes_before = wire_writer_bytes(&c->writer);
   int rc = wire_writer_flush(&c->writer, c->fd);
   c->d->stats.fds_queued -= fds_before - wire_writer_fds(&c->writer);
+  c->d->stats.output_queued -= bytes_before - wire_writer_bytes(&c->writer);
   if (rc < 0) {
     log_msg(LOG_DEBUG, "connection of pid %d: send failed: %s", (int)c->pid, weightd_strerror(rc));
     conn_kill(c);
@@ -201,12 +207,30 @@ static char *error_text(const cJSON *id, int code, const char *fmt, ...) {
   return text;
 }
 
+/* Queues a serialised frame (text is freed) and sends what it can; on failure the connection is killed. */
+static int queue_text(struct conn *c, char *text, const int *fds, size_t nfds) {
+  size_t bytes_before = wire_writer_bytes(&c->writer);
+  int rc = wire_writer_push(&c->writer, text, strlen(text), fds, nfds);
+  free(text);
+  if (rc != 0) {
+    log_msg(LOG_ERROR, "cannot queue a reply for pid %d: %s", (int)c->pid, weightd_strerror(rc));
+    conn_kill(c);
+    return rc;
+  }
+  c->d->stats.fds_queued += nfds;
+  c->d->stats.output_queued += wire_writer_bytes(&c->writer) - bytes_before;
+  flush(c);
+  return 0;
+}
+
 /*
- * Queues a frame. A reply that breaks a limit (the frame size, the
- * connection's queued bytes or descriptors) is replaced by a LIMIT error for
- * the same id and its descriptors are closed. Returns 0 when the frame itself
- * was queued, WEIGHTD_E_LIMIT when a LIMIT error went in its place, or
- * WEIGHTD_E_CLOSED / WEIGHTD_E_NOMEM when nothing could be queued.
+ * Queues a final reply (one per request; the handlers never send two). A
+ * reply that breaks a limit (the frame size, the connection's queued bytes or
+ * descriptors) is replaced by a LIMIT error for the same id and its
+ * descriptors are closed; when even that would pass twice max_queued_output
+ * the connection is closed. Returns 0 when the frame itself was queued,
+ * WEIGHTD_E_LIMIT when a LIMIT error went in its place, or WEIGHTD_E_CLOSED /
+ * WEIGHTD_E_NOMEM when nothing could be queued.
  */
 static int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) {
   const struct wd_config *cfg = &c->d->cfg;
@@ -235,6 +259,14 @@ static int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) 
     for (size_t i = 0; i < nfds; i++) close(fds[i]);
     nfds = 0;
     result = WEIGHTD_E_LIMIT;
+    if (alive(c) && wire_writer_bytes(&c->writer) + strlen(text) > 2 * cfg->max_queued_output) {
+      log_msg(LOG_WARN, "connection of pid %d: %zu reply bytes wait unread, past twice max_queued_output: closing it",
+              (int)c->pid, wire_writer_bytes(&c->writer));
+      cJSON_Delete(reply);
+      free(text);
+      conn_kill(c);
+      return WEIGHTD_E_CLOSED;
+    }
   }
   cJSON_Delete(reply);
   if (!alive(c)) {
@@ -248,16 +280,31 @@ static int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds) 
     conn_kill(c);
     return WEIGHTD_E_NOMEM;
   }
-  int rc = wire_writer_push(&c->writer, text, strlen(text), fds, nfds);
-  free(text);
-  if (rc != 0) {
-    log_msg(LOG_ERROR, "cannot queue a reply for pid %d: %s", (int)c->pid, weightd_strerror(rc));
-    conn_kill(c);
-    return rc;
+  int rc = queue_text(c, text, fds, nfds);
+  return rc != 0 ? rc : result;
+}
+
+/*
+ * Queues an event (a progress tick), or drops it: events can be lost, so one
+ * for a connection that is backlogged, or that would break a limit, is not
+ * sent (and is counted). Returns 0 when queued, WEIGHTD_E_LIMIT when dropped,
+ * WEIGHTD_E_CLOSED when the connection is gone.
+ */
+static int conn_send_event(struct conn *c, cJSON *ev) {
+  if (ev == NULL) return WEIGHTD_E_NOMEM;
+  if (!alive(c)) {
+    cJSON_Delete(ev);
+    return WEIGHTD_E_CLOSED;
   }
-  c->d->stats.fds_queued += nfds;
-  flush(c);
-  return result;
+  char *text = backlogged(c) ? NULL : msg_serialize(ev);
+  cJSON_Delete(ev);
+  if (text == NULL || strlen(text) > WIRE_MAX_FRAME ||
+      wire_writer_bytes(&c->writer) + strlen(text) > c->d->cfg.max_queued_output) {
+    free(text);
+    c->d->stats.events_dropped++;
+    return WEIGHTD_E_LIMIT;
+  }
+  return queue_text(c, text, NULL, 0);
 }
 
 static void on_closing_deadline(uv_timer_t *t) { conn_kill(t->data); }
@@ -706,6 +753,7 @@ static void conn_close(struct conn *c) {
   wire_frame_clear(&c->held);
   wire_reader_free(&c->reader);
   srv->d->stats.fds_queued -= wire_writer_fds(&c->writer);
+  srv->d->stats.output_queued -= wire_writer_bytes(&c->writer);
   wire_writer_free(&c->writer);
   close(c->fd);
   c->fd = -1;

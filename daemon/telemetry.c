@@ -84,10 +84,11 @@ static void resident_done(struct job *j) {
     clear_resident(t);
     t->resident = calloc(rj->n ? rj->n : 1, sizeof *t->resident);
     for (size_t i = 0; t->resident != NULL && i < rj->n; i++) {
-      t->resident[i].path = strdup(rj->cks[i]->path);
-      t->resident[i].generation = rj->cks[i]->generation;
-      t->resident[i].bytes = rj->bytes[i];
-      if (t->resident[i].path != NULL) t->nresident++;
+      struct resident_entry *e = &t->resident[t->nresident]; /* a failed strdup leaves no hole */
+      e->path = strdup(rj->cks[i]->path);
+      e->generation = rj->cks[i]->generation;
+      e->bytes = rj->bytes[i];
+      if (e->path != NULL) t->nresident++;
     }
     t->resident_at_ms = clock_ms();
     t->resident_running = false;
@@ -399,6 +400,11 @@ static void collect_daemon(struct daemon *d, struct collection *c) {
   sample(c, f, (double)d->stats.requests, NULL);
   f = family(c, "weightd_requests_in_flight", "gauge", "Requests started and not finished.");
   sample(c, f, (double)d->stats.requests_inflight, NULL);
+  f = family(c, "weightd_reply_bytes_queued", "gauge", "Reply bytes queued for clients and not yet sent.");
+  sample(c, f, (double)d->stats.output_queued, NULL);
+  f = family(c, "weightd_progress_events_dropped_total", "counter",
+             "Progress events not sent because their client did not read its replies.");
+  sample(c, f, (double)d->stats.events_dropped, NULL);
   f = family(c, "weightd_open_fds", "gauge", "Open file descriptors of the daemon.");
   sample(c, f, open_fds(d->stats.fd_limit), NULL);
   f = family(c, "weightd_max_fds", "gauge", "The daemon's descriptor limit (RLIMIT_NOFILE).");

@@ -281,7 +281,8 @@ def test_a_load_that_fails_midway_is_seen_failed(gated, ckpt_small, model_root):
     shutil.rmtree(path)
 
 
-def test_a_load_canceled_midway_is_seen_canceled(gated, ckpt_sharded):
+def test_another_clients_cancel_does_not_stop_an_early_attached_load(gated, ckpt_sharded):
+    """A's early lease keeps the load going when B, who loads the same set, cancels its own load."""
     d, gate = gated
     with d.connect() as a, d.connect(features=TABLE) as b:
         a.start("load", id="L", path=ckpt_sharded, device=0)
@@ -291,16 +292,16 @@ def test_a_load_canceled_midway_is_seen_canceled(gated, ckpt_sharded):
             assert a.call("cancel", target="L")["canceled"] is True
             r, _ = a.wait("L")
             assert r["error"]["code"] == "CANCELED", r
-            wait_until(lambda: page.state != "loading", timeout=30 * SLOW, what="the load to stop")
-            _, state, ready, _, error, _ = page.read()
-            assert state == "canceled" and error == -16 and ready == WINDOW, page.read()
+            gate.open()
+            wait_until(lambda: page.state != "loading", timeout=60 * SLOW, what="the load to end")
+            _, state, ready, total, error, _ = page.read()
+            assert (state, ready, error) == ("ready", m["bytes"], 0), page.read()
             st = b.status()
-            assert st["sets"] == [] and st["daemon"]["leases"] == 1
+            assert [s["state"] for s in st["sets"]] == ["ready"] and st["daemon"]["leases"] == 1, st
             page.close()
         finally:
             close_all(fds)
         assert b.call("release", lease=m["lease"])["released"] is True
-        wait_until(lambda: b.status()["devices"][0]["used"] == 0, timeout=10 * SLOW, what="the slab to be freed")
 
 
 def test_early_attach_of_a_ready_set_and_descriptor_counts(daemon, tiny):
@@ -514,3 +515,59 @@ def test_staged_rank_plan_window_by_window(start_daemon, workdir, qwen3_tp, stri
     finally:
         gate.open()
         ckpt.close()
+
+
+# ---- a client that never reads: progress events are dropped, not queued ------------------------
+
+
+def metric(st, name):
+    fam = st["metrics"].get(name)
+    return None if fam is None else fam["samples"][0]["value"]
+
+
+def test_progress_for_a_client_that_never_reads_stays_bounded(start_daemon, workdir, ckpt_sharded, model_root):
+    """Progress ticks for a client that never reads: its queue stays under max_queued_output.
+
+    Its queue is first filled past half the limit with large attach replies (the
+    JSON table of 5,000 tensors), while four gated loads tick every 100 ms. A
+    daemon that queued the ticks (or, past the limit, a LIMIT error for each)
+    grew the queue without end. The stream stays in step: each load gets its
+    progress events, then exactly one final reply.
+    """
+    import socket
+    import tempfile
+
+    cap = 1 << 20
+    gate = Gate(tempfile.mkdtemp(prefix="gate-", dir=workdir))
+    d = start_daemon({"test_load_gate": gate.path, "max_queued_output": "1MiB"})
+    try:
+        with d.connect() as mute, d.connect() as o:
+            gate.let_one_window_through()  # the only load yet: the small set loads whole
+            many = write_single(os.path.join(model_root, "never-reads"),
+                                [(f"layers.{i}.weight", "F16", [4]) for i in range(5000)], 5)
+            big = o.call("load", path=many, device=0)["set"]
+            mute.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            loads = [mute.start("load", id=f"L{i}", path=ckpt_sharded, device=0) for i in range(4)]
+            for i in range(30):
+                mute.start("attach", id=f"A{i}", set=big)
+            st = wait_until(lambda: (lambda s: s if (metric(s, "weightd_progress_events_dropped_total") or 0) >= 40
+                                     or (metric(s, "weightd_reply_bytes_queued") or cap + 1) > cap else None)(o.status()),
+                            timeout=120 * SLOW, what="progress events to be dropped or the queue to pass the limit")
+            queued = metric(st, "weightd_reply_bytes_queued")
+            assert queued is not None and queued <= cap, queued
+            gate.open()
+            mute.settimeout(120 * SLOW)
+            final = {}
+            while not all(rid in final for rid in loads):
+                m, fds = mute.recv()
+                for fd in fds:
+                    os.close(fd)
+                rid = m.get("id")
+                assert rid not in final, ("a frame after the final reply", str(m)[:200])
+                if "event" not in m:
+                    final[rid] = m.get("ok") is True or m["error"]["code"] == "LIMIT"
+            assert all(final.values()), final
+            assert metric(o.status(), "weightd_reply_bytes_queued") < cap
+        shutil.rmtree(os.path.join(model_root, "never-reads"))
+    finally:
+        gate.open()

@@ -60,6 +60,8 @@ FAMILIES = {
     "weightd_connections": ("gauge", set()),
     "weightd_requests_total": ("counter", set()),
     "weightd_requests_in_flight": ("gauge", set()),
+    "weightd_reply_bytes_queued": ("gauge", set()),
+    "weightd_progress_events_dropped_total": ("counter", set()),
     "weightd_open_fds": ("gauge", set()),
     "weightd_max_fds": ("gauge", set()),
     "weightd_ready": ("gauge", set()),
@@ -224,7 +226,7 @@ def check_histogram(fams, name):
 
 # Samples whose value moves between two collections without anything happening (free
 # memory: a health probe that a collection started may measure it in between).
-MOVING = {"weightd_uptime_seconds", "weightd_open_fds", "weightd_requests_in_flight", "weightd_device_free_bytes"}
+MOVING = {"weightd_uptime_seconds", "weightd_open_fds", "weightd_reply_bytes_queued", "weightd_requests_in_flight", "weightd_device_free_bytes"}
 
 
 def check_same(json_fams, text_fams):

@@ -72,7 +72,8 @@ def gated_daemon(start_daemon, workdir):
         pass
 
 
-def test_a_canceled_load_is_seen_by_the_early_set(gated_daemon, ckpt_small):
+def test_another_clients_cancel_leaves_the_early_set_loading(gated_daemon, ckpt_small):
+    """The early lease keeps the load going when the other request for the same set is canceled."""
     d, gate = gated_daemon
     with weightd.Client(d.socket) as c, Conn(d.socket) as raw:
         raw.start("load", id="L", path=ckpt_small, device=0)
@@ -83,15 +84,13 @@ def test_a_canceled_load_is_seen_by_the_early_set(gated_daemon, ckpt_small):
             with pytest.raises(weightd.TimeoutError):
                 s.wait(first.name, timeout=0.05)  # the gate holds the first window
             assert raw.call("cancel", target="L")["canceled"] is True
-            with pytest.raises(weightd.CanceledError):
-                s.wait(timeout=60 * SLOW)
-            assert s.state == "canceled" and "canceled" in s.load_error
-            with pytest.raises(weightd.CanceledError):
-                next(iter(s.ready_tensors()))
+            os.close(gate)  # opens the gate
+            s.wait(timeout=60 * SLOW)
+            assert s.state == "ready"
         finally:
             s.release()
         wait_leases(d, 0)
-        wait_until(lambda: d.status()["devices"][0]["used"] == 0, timeout=10 * SLOW, what="the slab to be freed")
+        assert [x["state"] for x in d.status()["sets"]] == ["ready"]
 
 
 def test_a_wait_ends_when_the_daemon_dies_mid_load(gated_daemon, ckpt_small):
