@@ -69,7 +69,7 @@ FAMILIES = {
     "weightd_uptime_seconds": ("gauge", set()),
 }
 RESULTS = {"ok", "failed", "canceled"}
-METHODS = {"memcpy", "staged", "direct"}
+METHODS = {"memcpy", "staged", "direct", "peer", "striped"}  # peer, striped: replicas and striped loads (docs/multi-gpu.md)
 REASONS = {"budget", "device_full", "request", "reload"}
 # Every error code of the table (docs/protocol.md), each with its own sample.
 CODES = {"IO", "NOMEM", "INVALID", "NOT_FOUND", "BAD_HEADER", "BAD_TENSOR", "BAD_SIZE", "BAD_INDEX",
