@@ -33,7 +33,8 @@ struct cfg_key {
 /* Enumerated keys are stored as int through the table's offset. */
 _Static_assert(sizeof(enum cfg_backend) == sizeof(int) && sizeof(enum log_level) == sizeof(int) &&
                    sizeof(enum cfg_load_method) == sizeof(int) && sizeof(enum cfg_cuda_handles) == sizeof(int) &&
-                   sizeof(enum cfg_strided) == sizeof(int) && sizeof(enum cfg_pin) == sizeof(int),
+                   sizeof(enum cfg_strided) == sizeof(int) && sizeof(enum cfg_pin) == sizeof(int) &&
+                   sizeof(enum cfg_fd_store) == sizeof(int),
                "enumerated config keys are stored as int");
 
 static const char *const backend_names[] = {"auto", "cuda", "host", NULL};
@@ -42,6 +43,7 @@ static const char *const load_method_names[] = {"auto", "staged", NULL};
 static const char *const cuda_handles_names[] = {"vmm", "legacy", NULL};
 static const char *const strided_names[] = {"gather", "rows", "auto", NULL};
 static const char *const pin_names[] = {"after_load", "on_open", "off", NULL};
+static const char *const fd_store_names[] = {"auto", "on", "off", NULL};
 
 #define OFF(f) offsetof(struct wd_config, f)
 #define GiB (1ull << 30)
@@ -133,6 +135,16 @@ static const struct cfg_key keys[] = {
      "or copy whole source rows and let the GPU's copy engine take each row's part (auto: rows only for short "
      "rows, by a provisional rule; docs/benchmarks.md)",
      strided_names},
+    /* Not reloadable: what was stored, and whether sets were re-adopted, is decided at start. */
+    {"fd_store", CFG_ENUM, OFF(fd_store), 0, 0, 0, "auto",
+     "auto | on | off: keep resident VMM sets (host: memfd sets) and their leases in the service manager's file "
+     "descriptor store, so that a restarted daemon re-adopts them without loading (docs/operations.md, "
+     "\"Restarts\"). auto: on when NOTIFY_SOCKET is set and the manager announces a store ($FDSTORE, systemd 254+) "
+     "or passed a set description at start; on: whenever NOTIFY_SOCKET is set (systemd 252 announces nothing: "
+     "set on there, with FileDescriptorStoreMax= in the unit); off: never", fd_store_names},
+    {"restart_grace_ms", CFG_UINT, OFF(restart_grace_ms), 0, 0, 86400000, "30000",
+     "after a restart, how long a re-adopted lease waits for its holder (same uid and pid) to reclaim it before "
+     "it ends (read at start)"},
     {"test_load_gate", CFG_STRING, OFF(test_load_gate), 0, 0, 0, "",
      "for tests only: a FIFO from which loads read one byte before each window they fill (memcpy loads: each "
      "256 MiB window; staged loads: each staging window, once every window before it has landed; end of file lets "

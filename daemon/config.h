@@ -20,6 +20,7 @@ enum cfg_cuda_handles { CFG_CUDA_HANDLES_VMM, CFG_CUDA_HANDLES_LEGACY };
 /* In the order of enum plan_strided (plan_stage.h). */
 enum cfg_strided { CFG_STRIDED_GATHER, CFG_STRIDED_ROWS, CFG_STRIDED_AUTO };
 enum cfg_pin { CFG_PIN_AFTER_LOAD, CFG_PIN_ON_OPEN, CFG_PIN_OFF };
+enum cfg_fd_store { CFG_FD_STORE_AUTO, CFG_FD_STORE_ON, CFG_FD_STORE_OFF };
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
@@ -57,6 +58,8 @@ struct wd_config {
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
   enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */
   char *test_load_gate; /* "" = none; for tests: a FIFO loads read a byte from before each window */
+  enum cfg_fd_store fd_store; /* keep sets in the service manager's fd store across restarts */
+  uint64_t restart_grace_ms;  /* how long recovered leases wait for their holders to reclaim them */
 };
 
 /* Fills cfg with the defaults. */

@@ -75,7 +75,9 @@ struct loader {
   struct fillpool *fill;
   enum cfg_load_method method;
   enum plan_strided strided;
-  struct staging *stagings; /* one per device, for backends without host-visible slabs */
+  struct staging *stagings; /* one per device, for backends without host-visible slabs (ld_staging_start) */
+  int ndevices;
+  size_t staging_slots, staging_slot_bytes;
   int nstagings;
   char *gate; /* test_load_gate, or NULL */
 };
@@ -721,8 +723,6 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
 }
 
 int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *err) {
-  const struct wd_backend_ops *ops = p->backend->ops;
-  void *ctx = p->backend->ctx;
   struct loader *ld = calloc(1, sizeof *ld);
   if (ld == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   ld->backend = p->backend;
@@ -734,16 +734,26 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
     if ((ld->gate = strdup(p->test_load_gate)) == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     log_msg(LOG_WARN, "test_load_gate %s: loads wait for it at every window (for tests only)", ld->gate);
   }
+  ld->ndevices = p->ndevices;
+  ld->staging_slots = p->staging_slots;
+  ld->staging_slot_bytes = p->staging_slot_bytes;
+  return 0;
+}
+
+int ld_staging_start(struct loader *ld, struct wd_error *err) {
+  const struct wd_backend_ops *ops = ld->backend->ops;
+  void *ctx = ld->backend->ctx;
+  if (ld->stagings != NULL) return 0;
   /* Host slabs are filled in place and need no staging, unless staging is forced. */
-  if ((ops->caps & WD_CAP_HOST_SLABS) && p->method != CFG_LOAD_STAGED) return 0;
-  ld->stagings = calloc((size_t)p->ndevices, sizeof *ld->stagings);
+  if ((ops->caps & WD_CAP_HOST_SLABS) && ld->method != CFG_LOAD_STAGED) return 0;
+  ld->stagings = calloc((size_t)ld->ndevices, sizeof *ld->stagings);
   if (ld->stagings == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  for (int d = 0; d < p->ndevices; d++) {
+  for (int d = 0; d < ld->ndevices; d++) {
     struct staging *st = &ld->stagings[d];
     pthread_mutex_init(&st->lock, NULL);
     ld->nstagings = d + 1;
-    st->nslots = p->staging_slots;
-    st->slot_bytes = p->staging_slot_bytes;
+    st->nslots = ld->staging_slots;
+    st->slot_bytes = ld->staging_slot_bytes;
     st->slots = calloc(st->nslots, sizeof *st->slots);
     st->streams = calloc(st->nslots, sizeof *st->streams);
     st->events = calloc(st->nslots, sizeof *st->events);

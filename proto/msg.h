@@ -61,7 +61,8 @@
   XX(EVICT, "evict", 0, "free an unleased resident set")                                            \
   XX(STATUS, "status", MSG_OPF_WHILE_STOPPING, "report checkpoints, resident sets and leases")      \
   XX(SHUTDOWN, "shutdown", MSG_OPF_PRIVILEGED, "stop the daemon")                                   \
-  XX(HEALTH, "health", MSG_OPF_WHILE_STOPPING, "say whether the daemon is ready to serve (as /readyz)")
+  XX(HEALTH, "health", MSG_OPF_WHILE_STOPPING, "say whether the daemon is ready to serve (as /readyz)") \
+  XX(RECLAIM, "reclaim", 0, "take back a lease granted before a daemon restart (same uid and pid)")
 
 enum msg_op {
   MSG_OP_UNKNOWN = -1,

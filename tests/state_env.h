@@ -91,6 +91,7 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
                            .staging_slots = o->staging_slots ? o->staging_slots : 2,
                            .staging_slot_bytes = o->staging_slot_bytes ? o->staging_slot_bytes : 64u << 20};
     rc = ld_create(&lp, &e->ld, &err);
+    if (rc == 0) rc = ld_staging_start(e->ld, &err);
     struct res_params rp = {.loop = &e->loop,
                             .backend = &e->backend,
                             .bulk = e->bulk,
