@@ -3,8 +3,10 @@
  * description as they change, and re-adopting them at start.
  *
  * DESIGN: everything runs on the loop thread. A change (residency's
- * res_on_change) arms a zero timer, so that one description is written per
- * loop turn however many leases changed in it. Re-adoption holds one
+ * res_on_change) stores a new description at once, before the reply that
+ * reports it (an attach's lease) is sent: whatever a client was told is in
+ * the store when it hears it. Re-adoption stores nothing until it is done,
+ * then one description of what it kept. Re-adoption holds one
  * `struct readopt` per described set while its checkpoint is acquired on
  * the registry's control jobs; the last callback finishes the start.
  */
@@ -34,8 +36,7 @@ struct survive {
   struct fdstore *fs;
   uint64_t generation;
   bool frozen;
-  bool timers_open;
-  uv_timer_t publish_timer;
+  bool adopting; /* re-adoption runs: publish once it is done */
   uv_timer_t grace_timer;
   /* Re-adoption at start. */
   struct setdesc desc;
@@ -179,12 +180,9 @@ static void publish(struct survive *sv) {
   free(desc.leases);
 }
 
-static void on_publish_timer(uv_timer_t *t) { publish(t->data); }
-
 static void on_changed(void *arg) {
   struct survive *sv = arg;
-  if (!sv->frozen && !uv_is_active((uv_handle_t *)&sv->publish_timer))
-    uv_timer_start(&sv->publish_timer, on_publish_timer, 0, 0);
+  if (!sv->adopting) publish(sv);
 }
 
 /* ---- re-adopting ---------------------------------------------------------------------------- */
@@ -208,6 +206,7 @@ static void finish(struct survive *sv) {
   setdesc_free(&sv->desc);
   if (sv->map != NULL) munmap((void *)sv->map, sv->map_len);
   sv->map = NULL;
+  sv->adopting = false;
   publish(sv);
   if (sv->leases > 0) uv_timer_start(&sv->grace_timer, on_grace, sv->d->cfg.restart_grace_ms, 0);
   if (sv->done != NULL) sv->done(sv->done_arg);
@@ -334,8 +333,10 @@ static struct service_fd *newest_description(struct survive *sv) {
 bool survive_start(struct survive *sv, void (*done)(void *arg), void *arg) {
   if (sv == NULL || !fdstore_enabled(sv->fs)) return false;
   sv->started_ns = clock_ns();
+  sv->adopting = true;
   struct service_fd *f = newest_description(sv);
   if (f == NULL) {
+    sv->adopting = false;
     publish(sv); /* the first generation: stale names of ours (if any) go */
     return false;
   }
@@ -349,6 +350,7 @@ bool survive_start(struct survive *sv, void (*done)(void *arg), void *arg) {
     log_msg(LOG_ERROR, "set description %s rejected, starting with no sets: %s", sv->desc_name, err.msg);
     if (sv->map != NULL) munmap((void *)sv->map, sv->map_len);
     sv->map = NULL;
+    sv->adopting = false;
     publish(sv);
     return false;
   }
@@ -415,10 +417,8 @@ struct survive *survive_create(struct daemon *d) {
     return NULL;
   }
   sv->d = d;
-  uv_timer_init(d->loop, &sv->publish_timer);
   uv_timer_init(d->loop, &sv->grace_timer);
-  sv->publish_timer.data = sv->grace_timer.data = sv;
-  sv->timers_open = true;
+  sv->grace_timer.data = sv;
   if (on) res_on_change(d->res, on_changed, sv);
   return sv;
 }
@@ -426,7 +426,6 @@ struct survive *survive_create(struct daemon *d) {
 void survive_freeze(struct survive *sv) {
   if (sv == NULL) return;
   sv->frozen = true;
-  uv_timer_stop(&sv->publish_timer);
   uv_timer_stop(&sv->grace_timer);
 }
 
@@ -434,10 +433,8 @@ unsigned survive_adopted(const struct survive *sv) { return sv != NULL ? sv->ado
 
 static void timer_closed(uv_handle_t *h) {
   struct survive *sv = h->data;
-  if (h == (uv_handle_t *)&sv->grace_timer) {
-    fdstore_destroy(sv->fs);
-    free(sv);
-  }
+  fdstore_destroy(sv->fs);
+  free(sv);
 }
 
 void survive_destroy(struct survive *sv) {
@@ -446,6 +443,5 @@ void survive_destroy(struct survive *sv) {
   if (sv->d->res != NULL) res_on_change(sv->d->res, NULL, NULL);
   setdesc_free(&sv->desc);
   if (sv->map != NULL) munmap((void *)sv->map, sv->map_len);
-  uv_close((uv_handle_t *)&sv->publish_timer, timer_closed);
   uv_close((uv_handle_t *)&sv->grace_timer, timer_closed);
 }
