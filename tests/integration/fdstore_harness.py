@@ -109,9 +109,10 @@ class FdStore:
         deadline = time.monotonic() + timeout
         with self.lock:
             while True:
-                for m in self.messages[start:]:
-                    if pred(m):
-                        return m
+                for i in range(start, len(self.messages)):
+                    if pred(self.messages[i]):
+                        self.last_time = self.times[i]
+                        return self.messages[i]
                 left = deadline - time.monotonic()
                 assert left > 0, f"no {what}; got {self.messages}"
                 self.lock.wait(left)
@@ -171,7 +172,8 @@ class Supervisor:
                                      pass_fds=fds)
         self.starts += 1
         try:
-            self.ready_msg = self.store.wait_for(lambda m: m.get("READY") == "1", "READY=1", start, self.timeout)
+            self.store.wait_for(lambda m: m.get("READY") == "1", "READY=1", start, self.timeout)
+            self.ready_at = self.store.last_time  # when READY=1 came (time.monotonic)
         except AssertionError as err:
             raise AssertionError(f"{err}\n{self.log_text()}") from None
         return self
