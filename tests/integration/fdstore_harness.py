@@ -72,14 +72,18 @@ class FdStore:
             r, _, _ = select.select([self.sock], [], [], 0.05)
             if not r:
                 continue
-            data, anc, _, _ = self.sock.recvmsg(65536, room)
-            got = []
-            for level, kind, payload in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    n = len(payload) // 4
-                    got += list(struct.unpack(f"{n}i", payload[: n * 4]))
-            fields = dict(line.split("=", 1) for line in data.decode().split("\n") if "=" in line)
+            # Read and apply under the lock, so that drain() never sees a datagram read and not yet applied.
             with self.lock:
+                try:
+                    data, anc, _, _ = self.sock.recvmsg(65536, room, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                got = []
+                for level, kind, payload in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        n = len(payload) // 4
+                        got += list(struct.unpack(f"{n}i", payload[: n * 4]))
+                fields = dict(line.split("=", 1) for line in data.decode().split("\n") if "=" in line)
                 if fields.get("FDSTORE") == "1":
                     for fd in got:
                         if self._same_file(fd):
@@ -100,6 +104,16 @@ class FdStore:
                 self.messages.append(fields)
                 self.times.append(time.monotonic())
                 self.lock.notify_all()
+
+    def drain(self):
+        """Returns once every notification sent so far is applied (systemd reads a dead service's
+        notifications before it restarts it)."""
+        while True:
+            with self.lock:
+                r, _, _ = select.select([self.sock], [], [], 0)
+                if not r:
+                    return
+            time.sleep(0.005)
 
     def names(self):
         with self.lock:
@@ -151,6 +165,7 @@ class Supervisor:
         self.starts = 0
 
     def start(self, extra_env=None):
+        self.store.drain()
         with self.store.lock:
             passed = list(self.store.fds)
         fds = ([self.listener.fileno()] if self.listener else []) + [fd for _, fd in passed]
