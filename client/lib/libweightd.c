@@ -527,7 +527,9 @@ static int reconnect(weightd_client *c) {
   if (e != 0) {
     char why[700];
     describe_connect_error(c->socket_path, -e, why, sizeof why);
-    return lib_fail(c, WEIGHTD_E_CONNECT, "the connection to weightd closed and reconnecting failed: %s", why);
+    return lib_fail(c, c->shutdown_seen ? WEIGHTD_E_SHUTDOWN : WEIGHTD_E_CONNECT,
+                    "the connection to weightd closed%s and reconnecting failed: %s",
+                    c->shutdown_seen ? " (the daemon shut down)" : "", why);
   }
   close(c->sock);
   c->sock = fd;
