@@ -73,7 +73,7 @@ REASONS = {"budget", "device_full", "request", "reload"}
 CODES = {"IO", "NOMEM", "INVALID", "NOT_FOUND", "BAD_HEADER", "BAD_TENSOR", "BAD_SIZE", "BAD_INDEX",
          "BAD_CONFIG", "PATH_DENIED", "BAD_REQUEST", "PROTOCOL", "VERSION", "PERMISSION", "BUSY", "CANCELED",
          "DEVICE", "DEVICE_NOMEM", "STALE", "FAULT", "BAD_PLAN", "CONNECT", "CLOSED", "TIMEOUT", "UNSUPPORTED",
-         "SHUTDOWN", "LIMIT", "BAD_CHECKSUM", "INTERNAL"}
+         "SHUTDOWN", "LIMIT", "BAD_CHECKSUM", "INTERNAL", "BAD_TABLE"}
 
 
 # ---- HTTP -------------------------------------------------------------------------------
