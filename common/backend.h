@@ -126,6 +126,16 @@ struct wd_backend_ops {
   int (*slab_seal)(void *ctx, struct wd_slab *slab, struct wd_error *err);
   int (*slab_export)(void *ctx, struct wd_slab *slab, struct wd_handle *out, struct wd_error *err);
   void (*slab_free)(void *ctx, struct wd_slab *slab);
+  /*
+   * Takes back a filled slab from a descriptor an earlier daemon exported
+   * (restart survival, docs/architecture.md "Restarts"): fd becomes the
+   * slab's on success (the caller closes it on failure); bytes is the
+   * slab's size, alloc_bytes and alloc_id what the export said. The slab is
+   * read-only (never filled again). NULL: slabs of this backend cannot
+   * outlive the daemon (legacy IPC devices refuse with UNSUPPORTED).
+   */
+  int (*slab_adopt)(void *ctx, int device, enum wd_handle_kind kind, int fd, uint64_t bytes, uint64_t alloc_bytes,
+                    const unsigned char *alloc_id, struct wd_slab **out, struct wd_error *err);
 
   /* Pinned (page-locked) host buffers for the staging pipeline. */
   int (*pinned_alloc)(void *ctx, int device, size_t bytes, void **out, struct wd_error *err);

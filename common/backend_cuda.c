@@ -78,6 +78,7 @@ struct cu_vmm_api {
   PFN_cuMemMap_v10020 map;
   PFN_cuMemSetAccess_v10020 set_access;
   PFN_cuMemExportToShareableHandle_v10020 export_handle;
+  PFN_cuMemImportFromShareableHandle_v10020 import_handle;
   PFN_cuMemUnmap_v10020 unmap;
   PFN_cuMemAddressFree_v10020 address_free;
   PFN_cuMemRelease_v10020 release;
@@ -199,6 +200,7 @@ static int vmm_api_load(struct cu_vmm_api *a, char *why, size_t len) {
       {"cuMemMap", offsetof(struct cu_vmm_api, map)},
       {"cuMemSetAccess", offsetof(struct cu_vmm_api, set_access)},
       {"cuMemExportToShareableHandle", offsetof(struct cu_vmm_api, export_handle)},
+      {"cuMemImportFromShareableHandle", offsetof(struct cu_vmm_api, import_handle)},
       {"cuMemUnmap", offsetof(struct cu_vmm_api, unmap)},
       {"cuMemAddressFree", offsetof(struct cu_vmm_api, address_free)},
       {"cuMemRelease", offsetof(struct cu_vmm_api, release)},
@@ -425,6 +427,82 @@ static int cu_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab *
     return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", device, c->ndev);
   }
   return slab_make(c, device, bytes, c->dev[device].kind, out, err);
+}
+
+/*
+ * A VMM allocation an earlier daemon exported (restart survival): imported
+ * from its descriptor, mapped read-write as a fresh slab is (the daemon
+ * never writes it again), and exported by dup of that same descriptor.
+ */
+static int cu_slab_adopt(void *ctx, int device, enum wd_handle_kind kind, int fd, uint64_t bytes,
+                         uint64_t alloc_bytes, const unsigned char *alloc_id, struct wd_slab **out,
+                         struct wd_error *err) {
+  const struct cuda_ctx *c = ctx;
+  *out = NULL;
+  if (device < 0 || device >= c->ndev)
+    return err_set(err, WEIGHTD_E_NOT_FOUND, "no GPU %d (%d present)", device, c->ndev);
+  if (kind != WD_HANDLE_CUDA_VMM || c->dev[device].kind != WD_HANDLE_CUDA_VMM)
+    return err_set(err, WEIGHTD_E_UNSUPPORTED, "GPU %d adopts only cuda_vmm slabs while it uses them (not %s)",
+                   device, wd_handle_kind_name(kind));
+  if (alloc_bytes < bytes || alloc_bytes % c->dev[device].grain != 0)
+    return err_set(err, WEIGHTD_E_INVALID, "allocation of %llu bytes is not whole grains of %llu holding %llu",
+                   (unsigned long long)alloc_bytes, (unsigned long long)c->dev[device].grain,
+                   (unsigned long long)bytes);
+  CK(cudaSetDevice(device), "cudaSetDevice");
+  const struct cu_vmm_api *a = &c->api;
+  CUmemGenericAllocationHandle h = 0;
+  CUresult r = a->import_handle(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  if (r != CUDA_SUCCESS) return cu_fail(c, err, r, "cuMemImportFromShareableHandle");
+  struct wd_slab *s = calloc(1, sizeof *s);
+  struct cuda_slab *cs = calloc(1, sizeof *cs);
+  CUdeviceptr va = 0;
+  bool reserved = false, mapped = false;
+  int rc = 0;
+  if (s == NULL || cs == NULL) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    goto fail;
+  }
+  size_t grain = (size_t)c->dev[device].grain, align = (grain & (grain - 1)) == 0 ? grain : 0;
+  if ((r = a->reserve(&va, (size_t)alloc_bytes, align, 0, 0)) != CUDA_SUCCESS) {
+    rc = cu_fail(c, err, r, "cuMemAddressReserve");
+    goto fail;
+  }
+  reserved = true;
+  if ((r = a->map(va, (size_t)alloc_bytes, 0, h, 0)) != CUDA_SUCCESS) {
+    rc = cu_fail(c, err, r, "cuMemMap");
+    goto fail;
+  }
+  mapped = true;
+  CUmemAccessDesc access;
+  memset(&access, 0, sizeof access);
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = c->dev[device].cudev;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  if ((r = a->set_access(va, (size_t)alloc_bytes, &access, 1)) != CUDA_SUCCESS) {
+    rc = cu_fail(c, err, r, "cuMemSetAccess");
+    goto fail;
+  }
+  int fl = fcntl(fd, F_GETFD);
+  if (fl >= 0) fcntl(fd, F_SETFD, fl | FD_CLOEXEC);
+  cs->base = (void *)(uintptr_t)va;
+  cs->alloc_bytes = alloc_bytes;
+  cs->h = h;
+  cs->fd = fd;
+  memcpy(cs->alloc_id, alloc_id, sizeof cs->alloc_id);
+  s->device = device;
+  s->kind = WD_HANDLE_CUDA_VMM;
+  s->bytes = bytes;
+  s->export_while_filling = 1;
+  s->impl = cs;
+  *out = s;
+  return 0;
+fail:
+  if (mapped) a->unmap(va, (size_t)alloc_bytes);
+  if (reserved) a->address_free(va, (size_t)alloc_bytes);
+  a->release(h);
+  free(cs);
+  free(s);
+  return rc;
 }
 
 /* An export costs no driver call for VMM slabs (a dup), one cheap call for legacy ones. */
@@ -765,6 +843,7 @@ static const struct wd_backend_ops cuda_ops = {
     .slab_seal = NULL, /* nothing to seal: VMM importers map read-only themselves, legacy IPC cannot */
     .slab_export = cu_slab_export,
     .slab_free = cu_slab_free,
+    .slab_adopt = cu_slab_adopt,
     .pinned_alloc = cu_pinned_alloc,
     .pinned_free = cu_pinned_free,
     .host_register = cu_host_register,

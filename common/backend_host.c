@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "backend.h"
@@ -190,6 +191,45 @@ static void host_slab_free(void *ctx, struct wd_slab *s) {
   free(s);
 }
 
+/* A memfd an earlier daemon filled and sealed: served read-only, as a sealed slab is. */
+static int host_slab_adopt(void *ctx, int device, enum wd_handle_kind kind, int fd, uint64_t bytes,
+                           uint64_t alloc_bytes, const unsigned char *alloc_id, struct wd_slab **out,
+                           struct wd_error *err) {
+  (void)ctx;
+  (void)alloc_bytes;
+  (void)alloc_id;
+  *out = NULL;
+  if (kind != WD_HANDLE_FD)
+    return err_set(err, WEIGHTD_E_UNSUPPORTED, "the host backend adopts fd slabs, not %s", wd_handle_kind_name(kind));
+  long page = sysconf(_SC_PAGESIZE);
+  size_t map_len = bytes ? (size_t)bytes : (size_t)page;
+  struct stat st;
+  int seals = fcntl(fd, F_GET_SEALS);
+  int need = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE;
+  if (seals < 0 || (seals & need) != need)
+    return err_set(err, WEIGHTD_E_INVALID, "slab descriptor is not a memfd sealed against writes and resizing");
+  if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != map_len)
+    return err_set(err, WEIGHTD_E_INVALID, "slab memfd has %lld bytes, the set needs %zu", (long long)st.st_size,
+                   map_len);
+  struct wd_slab *s = calloc(1, sizeof *s);
+  struct host_slab *h = calloc(1, sizeof *h);
+  if (s == NULL || h == NULL) {
+    free(s);
+    free(h);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  fcntl(fd, F_SETFD, FD_CLOEXEC);
+  h->fd = fd;
+  h->map_len = map_len;
+  s->device = device;
+  s->kind = WD_HANDLE_FD;
+  s->bytes = bytes;
+  s->export_while_filling = 1;
+  s->impl = h;
+  *out = s;
+  return 0;
+}
+
 static int host_pinned_alloc(void *ctx, int device, size_t bytes, void **out, struct wd_error *err) {
   (void)ctx;
   (void)device;
@@ -314,6 +354,7 @@ static const struct wd_backend_ops host_ops = {
     .slab_seal = host_slab_seal,
     .slab_export = host_slab_export,
     .slab_free = host_slab_free,
+    .slab_adopt = host_slab_adopt,
     .pinned_alloc = host_pinned_alloc,
     .pinned_free = host_pinned_free,
     .host_register = NULL, /* the CPU reads any host memory: no registration */

@@ -105,6 +105,22 @@ const struct plan_output *plan_output_at(const struct plan *p, uint64_t off);
 void plan_gather(const struct plan *p, const unsigned char *const *data, uint64_t lo, uint64_t hi,
                  unsigned char *dst);
 
+/* ---- a plan and the binary tensor table (plan_table.c) ------------------------------ */
+
+struct ttab;
+struct ttab_tensor;
+
+/* The tensor table writer's view (ttab_get_fn) of output i of plan (a struct plan *). */
+void plan_ttab_get(void *plan, size_t i, struct ttab_tensor *out);
+
+/*
+ * A plan rebuilt from an opened tensor table and its key: the outputs in
+ * slab order without pieces (for a set whose bytes are already in place,
+ * re-adopted after a restart; it can never be loaded). WEIGHTD_E_BAD_PLAN
+ * for an unknown dtype or a key too long, WEIGHTD_E_NOMEM.
+ */
+int plan_from_ttab(const struct ttab *t, const char *key, struct plan **out, struct wd_error *err);
+
 /* ---- the byte ranges a plan reads -------------------------------------------------- */
 
 /* A range of one shard file (header included in the offsets), as registration takes it. */

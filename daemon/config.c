@@ -34,7 +34,7 @@ struct cfg_key {
 _Static_assert(sizeof(enum cfg_backend) == sizeof(int) && sizeof(enum log_level) == sizeof(int) &&
                    sizeof(enum cfg_load_method) == sizeof(int) && sizeof(enum cfg_cuda_handles) == sizeof(int) &&
                    sizeof(enum cfg_strided) == sizeof(int) && sizeof(enum cfg_pin) == sizeof(int) &&
-                   sizeof(enum cfg_switch) == sizeof(int),
+                   sizeof(enum cfg_switch) == sizeof(int) && sizeof(enum cfg_fd_store) == sizeof(int),
                "enumerated config keys are stored as int");
 
 static const char *const backend_names[] = {"auto", "cuda", "host", NULL};
@@ -44,6 +44,7 @@ static const char *const cuda_handles_names[] = {"vmm", "legacy", NULL};
 static const char *const strided_names[] = {"gather", "rows", "auto", NULL};
 static const char *const pin_names[] = {"after_load", "on_open", "off", NULL};
 static const char *const switch_names[] = {"auto", "off", NULL};
+static const char *const fd_store_names[] = {"auto", "on", "off", NULL};
 
 #define OFF(f) offsetof(struct wd_config, f)
 #define GiB (1ull << 30)
@@ -163,6 +164,16 @@ static const struct cfg_key keys[] = {
     {"host_peers", CFG_STRING, OFF(host_peers), 0, 0, 0, "all",
      "host backend: which device pairs have peer access (a peer copy is a memcpy): all, none, or pairs such as "
      "0-1,2-3"},
+    /* Not reloadable: what was stored, and whether sets were re-adopted, is decided at start. */
+    {"fd_store", CFG_ENUM, OFF(fd_store), 0, 0, 0, "auto",
+     "auto | on | off: keep resident VMM sets (host: memfd sets) and their leases in the service manager's file "
+     "descriptor store, so that a restarted daemon re-adopts them without loading (docs/operations.md, "
+     "\"Restarts\"). auto: on when NOTIFY_SOCKET is set and the manager announces a store ($FDSTORE, systemd 254+) "
+     "or passed a set description at start; on: whenever NOTIFY_SOCKET is set (systemd 252 announces nothing: "
+     "set on there, with FileDescriptorStoreMax= in the unit); off: never", fd_store_names},
+    {"restart_grace_ms", CFG_UINT, OFF(restart_grace_ms), 0, 0, 86400000, "30000",
+     "after a restart, how long a re-adopted lease waits for its holder (same uid and pid) to reclaim it before "
+     "it ends (read at start)"},
     {"test_load_gate", CFG_STRING, OFF(test_load_gate), 0, 0, 0, "",
      "for tests only: a FIFO from which loads read one byte before each window they fill (memcpy loads: each "
      "256 MiB window; staged loads: each staging window, once every window before it has landed; end of file lets "

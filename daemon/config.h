@@ -21,6 +21,7 @@ enum cfg_cuda_handles { CFG_CUDA_HANDLES_VMM, CFG_CUDA_HANDLES_LEGACY };
 enum cfg_strided { CFG_STRIDED_GATHER, CFG_STRIDED_ROWS, CFG_STRIDED_AUTO };
 enum cfg_pin { CFG_PIN_AFTER_LOAD, CFG_PIN_ON_OPEN, CFG_PIN_OFF };
 enum cfg_switch { CFG_SWITCH_AUTO, CFG_SWITCH_OFF }; /* a feature the daemon uses where it helps, or never */
+enum cfg_fd_store { CFG_FD_STORE_AUTO, CFG_FD_STORE_ON, CFG_FD_STORE_OFF };
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
@@ -66,6 +67,8 @@ struct wd_config {
   enum cfg_switch numa;      /* fill threads and staging memory placed per NUMA node */
   uint64_t host_devices;     /* host backend: devices it presents */
   char *host_peers;          /* host backend: pairs with "peer access" */
+  enum cfg_fd_store fd_store; /* keep sets in the service manager's fd store across restarts */
+  uint64_t restart_grace_ms;  /* how long recovered leases wait for their holders to reclaim them */
 };
 
 /* Fills cfg with the defaults. */

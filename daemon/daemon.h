@@ -71,6 +71,7 @@ struct daemon {
   struct server *srv;
   struct telemetry *tel; /* metrics' cached measurements and readiness */
   struct http *http;     /* the metrics and probe endpoints, when configured */
+  struct survive *surv;  /* restart survival: the fd store and re-adoption (survive.h) */
   char *socket_path;
   struct daemon_stats stats;
   uint64_t started_ms;

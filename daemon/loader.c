@@ -80,7 +80,11 @@ struct loader {
   struct mg *mg;
   enum cfg_load_method method;
   enum plan_strided strided;
-  struct staging *stagings; /* one per device, for backends without host-visible slabs */
+  struct staging *stagings; /* one per device, for backends without host-visible slabs (ld_staging_start) */
+  int ndevices;
+  size_t staging_slots, staging_slot_bytes;
+  void (*place)(void *arg, int device); /* NUMA placement before a device's staging slots (ld_params) */
+  void *place_arg;
   int nstagings;
   char *gate; /* test_load_gate, or NULL */
   int *nodes; /* per device, its NUMA node (-1: none) */
@@ -750,8 +754,6 @@ void ld_unreserve(struct loader *ld, int device) {
 }
 
 int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *err) {
-  const struct wd_backend_ops *ops = p->backend->ops;
-  void *ctx = p->backend->ctx;
   struct loader *ld = calloc(1, sizeof *ld);
   if (ld == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   ld->backend = p->backend;
@@ -769,22 +771,34 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
       return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     memcpy(ld->nodes, p->device_nodes, (size_t)p->ndevices * sizeof *ld->nodes);
   }
+  ld->ndevices = p->ndevices;
+  ld->staging_slots = p->staging_slots;
+  ld->staging_slot_bytes = p->staging_slot_bytes;
+  ld->place = p->place;
+  ld->place_arg = p->place_arg;
+  return 0;
+}
+
+int ld_staging_start(struct loader *ld, struct wd_error *err) {
+  const struct wd_backend_ops *ops = ld->backend->ops;
+  void *ctx = ld->backend->ctx;
+  if (ld->stagings != NULL) return 0;
   /* Host slabs are filled in place and need no staging, unless staging is forced. */
-  if ((ops->caps & WD_CAP_HOST_SLABS) && p->method != CFG_LOAD_STAGED) return 0;
-  ld->stagings = calloc((size_t)p->ndevices, sizeof *ld->stagings);
+  if ((ops->caps & WD_CAP_HOST_SLABS) && ld->method != CFG_LOAD_STAGED) return 0;
+  ld->stagings = calloc((size_t)ld->ndevices, sizeof *ld->stagings);
   if (ld->stagings == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  for (int d = 0; d < p->ndevices; d++) {
+  for (int d = 0; d < ld->ndevices; d++) {
     struct staging *st = &ld->stagings[d];
     pthread_mutex_init(&st->lock, NULL);
     ld->nstagings = d + 1;
-    st->nslots = p->staging_slots;
-    st->slot_bytes = p->staging_slot_bytes;
+    st->nslots = ld->staging_slots;
+    st->slot_bytes = ld->staging_slot_bytes;
     st->slots = calloc(st->nslots, sizeof *st->slots);
     st->streams = calloc(st->nslots, sizeof *st->streams);
     st->events = calloc(st->nslots, sizeof *st->events);
     if (st->slots == NULL || st->streams == NULL || st->events == NULL)
       return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-    if (p->place != NULL) p->place(p->place_arg, d);
+    if (ld->place != NULL) ld->place(ld->place_arg, d);
     for (size_t k = 0; k < st->nslots; k++) {
       int rc = ops->pinned_alloc(ctx, d, st->slot_bytes, &st->slots[k], err);
       if (rc == 0) rc = ops->stream_create(ctx, d, &st->streams[k], err);

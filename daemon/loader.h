@@ -49,7 +49,15 @@ struct ld_params {
 };
 
 /* Allocates the staging slots (pinned host memory) of every GPU, once. */
+/* Creates the loader; its staging slots come later, from ld_staging_start. */
 int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *err);
+/*
+ * Allocates the pinned staging slots, streams and events of every device
+ * (nothing on a host backend unless load_method is staged). The daemon calls
+ * it right after READY, before it serves a request, so that a restart is
+ * READY before paying for them; tests call it after ld_create. 0 or an error.
+ */
+int ld_staging_start(struct loader *ld, struct wd_error *err);
 void ld_destroy(struct loader *ld);
 
 /* The most devices one striped load uses: its own and up to LD_MAX_LINKS - 1 neighbours. */

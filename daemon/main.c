@@ -32,6 +32,7 @@
 #include "server.h"
 #include "service.h"
 #include "startup.h"
+#include "survive.h"
 #include "telemetry.h"
 
 /* How often the STATUS= line is refreshed (only sent when it changed). */
@@ -48,6 +49,7 @@ static int saved_argc;
 static char **saved_argv;
 static bool foreground;
 static char last_status[256];
+static uint64_t start_ns; /* when main began: restart-to-READY is measured from here */
 
 /* ---- the flags ------------------------------------------------------------------------ */
 
@@ -255,6 +257,8 @@ static void on_stop_tick(uv_timer_t *t) {
   if (jobs_outstanding(d->control_pool) > 0 || jobs_outstanding(d->job_pool) > 0) return;
   uv_timer_stop(t);
   uv_close((uv_handle_t *)t, handle_closed);
+  survive_destroy(d->surv); /* the store keeps the last generation: the next daemon re-adopts it */
+  d->surv = NULL;
   server_close_all(d->srv);
   res_destroy(d->res); /* its slabs are freed on the job pool, drained below */
   d->res = NULL;
@@ -277,6 +281,7 @@ static void on_stop_tick(uv_timer_t *t) {
 static void request_stop(struct daemon *d) {
   if (d->stopping) return;
   d->stopping = true;
+  survive_freeze(d->surv); /* what follows (leases ending, sets freed) is the stop, not a change to keep */
   service_notifyf("STOPPING=1\nSTATUS=stopping: canceling loads, closing connections");
   log_msg(LOG_INFO, "stopping: canceling loads and prefetches, closing connections");
   uv_timer_stop(&status_timer);
@@ -379,7 +384,10 @@ static void start_handles(struct daemon *d) {
   if (service_notify_enabled()) uv_timer_start(&status_timer, on_status_timer, STATUS_INTERVAL_MS, STATUS_INTERVAL_MS);
 }
 
+static void readopted(void *arg) { *(bool *)arg = true; }
+
 int main(int argc, char **argv) {
+  start_ns = clock_ns();
   struct daemon *d = &the_daemon;
   struct wd_error err = {0};
   d->request_stop = request_stop;
@@ -421,10 +429,17 @@ int main(int argc, char **argv) {
   d->stats.fd_limit = startup_raise_fd_limit();
   d->loop = uv_default_loop();
   int listen_fd = passed_socket(d);
+  if (startup_backend(d, &err) != 0) goto fail;
+  uint64_t backend_ns = clock_ns();
+  log_msg(LOG_INFO, "%s backend ready %.1f ms after start", d->backend_name, (double)(backend_ns - start_ns) / 1e6);
+  if (startup_state(d, &err) != 0 || telemetry_create(d, &d->tel, &err) != 0) goto fail;
+  /* Sets kept in the service manager's store come back before anything is served. */
+  d->surv = survive_create(d);
+  bool adopted = false;
+  if (survive_start(d->surv, readopted, &adopted))
+    while (!adopted) uv_run(d->loop, UV_RUN_ONCE);
   service_fds_close_unclaimed();
-  if (startup_backend(d, &err) != 0 || startup_state(d, &err) != 0 || telemetry_create(d, &d->tel, &err) != 0 ||
-      server_start(d, listen_fd, &err) != 0)
-    goto fail;
+  if (server_start(d, listen_fd, &err) != 0) goto fail;
   start_handles(d);
   start_http(d);
   telemetry_refresh(d);
@@ -440,6 +455,15 @@ int main(int argc, char **argv) {
   tell_parent(1);
   update_status(d);
   service_notifyf("READY=1");
+  uint64_t ready_ns = clock_ns();
+  log_msg(LOG_INFO, "READY %.1f ms after start, %.1f ms after the backend was ready; %u set(s) re-adopted",
+          (double)(ready_ns - start_ns) / 1e6, (double)(ready_ns - backend_ns) / 1e6, survive_adopted(d->surv));
+  /* Staging slots after READY: a restart serves its re-adopted sets without waiting for them. */
+  if (ld_staging_start(d->ld, &err) != 0) {
+    log_msg(LOG_ERROR, "cannot allocate the staging slots: %s; stopping", err.msg);
+    d->exit_code = 1;
+    request_stop(d);
+  }
   uv_run(d->loop, UV_RUN_DEFAULT);
   uv_loop_close(d->loop);
   log_msg(LOG_INFO, "stopped");
@@ -451,6 +475,9 @@ fail:
   if (strcmp(log_target_name(), "stderr") != 0 && strcmp(log_target_name(), "journald") != 0)
     fprintf(stderr, "weightd: %s\n", err.msg[0] ? err.msg : "start-up failed");
   tell_parent(0);
+  survive_freeze(d->surv);
+  survive_destroy(d->surv);
+  d->surv = NULL;
   if (d->srv != NULL) server_stop(d->srv);
   res_destroy(d->res);
   d->res = NULL;

@@ -226,6 +226,41 @@ static void op_health(struct request *r) {
   req_reply(r, rep, NULL, 0);
 }
 
+/*
+ * A lease granted before a restart and re-adopted with its set comes back to
+ * the process that held it: the peer's uid and pid (SO_PEERCRED) must be the
+ * recorded holder's. Reclaiming one's own lease again is a no-op.
+ */
+static void op_reclaim(struct request *r) {
+  struct daemon *d = req_daemon(r);
+  const char *id;
+  if (!ops_str_arg(r, "lease", true, &id)) return;
+  struct lease *l = res_find_lease(d->res, id);
+  if (l == NULL) {
+    req_fail(r, WEIGHTD_E_NOT_FOUND, "no lease %.64s (it ended, was not re-adopted after the restart, or its grace "
+                                     "period of restart_grace_ms passed)", id);
+    return;
+  }
+  if (l->holder.owner != NULL && l->holder.owner != r->conn) {
+    req_fail(r, WEIGHTD_E_PERMISSION, "lease %s is held by a live connection (pid %d); only leases re-adopted after "
+                                      "a restart can be reclaimed", l->id, (int)l->holder.pid);
+    return;
+  }
+  if (l->holder.uid != r->conn->uid || l->holder.pid != r->conn->pid) {
+    req_fail(r, WEIGHTD_E_PERMISSION, "lease %s was granted to uid %u pid %d; this connection is uid %u pid %d",
+             l->id, (unsigned)l->holder.uid, (int)l->holder.pid, (unsigned)r->conn->uid, (int)r->conn->pid);
+    return;
+  }
+  if (l->holder.owner == NULL) log_msg(LOG_INFO, "lease %s of set %s reclaimed by pid %d", l->id, l->set->id, (int)r->conn->pid);
+  l->holder.owner = r->conn;
+  if (r->conn->client[0] != '\0') snprintf(l->holder.client, sizeof l->holder.client, "%s", r->conn->client);
+  cJSON *rep = msg_reply_ok(r->id);
+  msg_add_string(rep, "lease", l->id);
+  msg_add_string(rep, "set", l->set->id);
+  cJSON_AddBoolToObject(rep, "reclaimed", 1);
+  req_reply(r, rep, NULL, 0);
+}
+
 /* ---- the table -------------------------------------------------------------------------- */
 
 static void (*const handlers[MSG_OP_COUNT])(struct request *r) = {
@@ -234,6 +269,7 @@ static void (*const handlers[MSG_OP_COUNT])(struct request *r) = {
     [MSG_OP_ATTACH] = op_attach,     [MSG_OP_RELEASE] = op_release, [MSG_OP_EVICT] = op_evict,
     [MSG_OP_STATUS] = op_status,     [MSG_OP_SHUTDOWN] = op_shutdown, [MSG_OP_HEALTH] = op_health,
     [MSG_OP_LOAD_GROUP] = op_load_group,
+    [MSG_OP_RECLAIM] = op_reclaim,
 };
 
 void ops_dispatch(struct request *r) {

@@ -18,6 +18,7 @@
 #include "jsonutil.h"
 #include "log.h"
 #include "ops_common.h"
+#include "sealed_memfd.h"
 #include "tensor_table.h"
 
 /* ---- open, close, prefetch ------------------------------------------------------------- */
@@ -254,18 +255,6 @@ static const char *attach_table(struct res_set *s) {
   return s->table_cache;
 }
 
-/* The writer's view of a plan's outputs. */
-static void plan_tensor(void *arg, size_t i, struct ttab_tensor *t) {
-  const struct plan_output *o = &((const struct plan *)arg)->outputs[i];
-  t->name = o->name;
-  t->name_len = strlen(o->name);
-  t->dtype = dtype_name(o->dtype);
-  t->ndim = o->ndim;
-  t->shape = o->shape;
-  t->offset = o->offset;
-  t->nbytes = o->nbytes;
-}
-
 /*
  * The binary tensor table of a set as a sealed memfd, built once per set
  * (s->table_fd; every attach sends a duplicate of it).
@@ -274,23 +263,12 @@ static int attach_table_fd(struct res_set *s, struct wd_error *err) {
   if (s->table_fd >= 0) return 0;
   unsigned char *buf;
   size_t len;
-  int rc = ttab_write(s->plan->noutputs, plan_tensor, s->plan, s->plan->slab_bytes, &buf, &len, err);
+  int rc = ttab_write(s->plan->noutputs, plan_ttab_get, s->plan, s->plan->slab_bytes, &buf, &len, err);
   if (rc != 0) return err_prefix(err, "set %s: its tensor table", s->id);
-  int fd = memfd_create("weightd-table", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) rc = err_set(err, WEIGHTD_E_NOMEM, "memfd_create for a tensor table: %s", strerror(errno));
-  for (size_t at = 0; rc == 0 && at < len;) {
-    ssize_t n = write(fd, buf + at, len - at);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) rc = err_set(err, WEIGHTD_E_NOMEM, "writing a tensor table of %zu bytes: %s", len, strerror(errno));
-    else at += (size_t)n;
-  }
-  if (rc == 0 && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0)
-    rc = err_set(err, WEIGHTD_E_INTERNAL, "sealing a tensor table: %s", strerror(errno));
+  int fd = -1;
+  rc = sealed_memfd_create("weightd-table", buf, len, &fd, err);
   free(buf);
-  if (rc != 0) {
-    if (fd >= 0) close(fd);
-    return rc;
-  }
+  if (rc != 0) return rc;
   s->table_fd = fd;
   s->table_bytes = len;
   return 0;

@@ -78,6 +78,7 @@ static cJSON *lease_json(const struct lease *l, uint64_t now) {
   json_u64_add(o, "pid", (uint64_t)l->holder.pid);
   json_u64_add(o, "uid", (uint64_t)l->holder.uid);
   msg_add_string(o, "client_name", l->holder.client);
+  cJSON_AddBoolToObject(o, "recovered", l->holder.owner == NULL); /* re-adopted after a restart, not reclaimed yet */
   cJSON_AddNumberToObject(o, "age_s", (double)(now - l->created_ms) / 1000.0);
   return o;
 }
@@ -156,6 +157,12 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
   json_u64_add(o, "host_pin_budget", reg_pin_budget(d->reg));
   msg_add_string(o, "host_pin_budget_from", reg_pin_budget_source(d->reg));
   json_u64_add(o, "pinned_bytes", reg_pinned_bytes(d->reg));
+  const struct res_stats *st = res_stats(d->res);
+  uint64_t loads = 0;
+  for (int rr = 0; rr < RES_RESULT_COUNT; rr++)
+    for (int m = 0; m < RES_METHOD_COUNT; m++) loads += st->loads[rr][m];
+  json_u64_add(o, "loads", loads); /* load jobs finished since start, whatever their result */
+  json_u64_add(o, "sets_readopted", st->adopted);
   cJSON *devs = cJSON_AddArrayToObject(r, "devices");
   for (int i = 0; i < d->ndevices; i++) cJSON_AddItemToArray(devs, ops_device_json(d, i));
   cJSON *cks = cJSON_AddArrayToObject(r, "checkpoints");

@@ -45,7 +45,18 @@ struct residency {
   struct res_stats stats;
   uv_async_t notify; /* a load allocated its slab: answer early waiters */
   bool replicas;
+  void (*changed)(void *arg); /* sets or leases changed (res_on_change) */
+  void *changed_arg;
 };
+
+static void changed(struct residency *r) {
+  if (r->changed != NULL) r->changed(r->changed_arg);
+}
+
+void res_on_change(struct residency *r, void (*fn)(void *arg), void *arg) {
+  r->changed = fn;
+  r->changed_arg = arg;
+}
 
 const char *res_method_name(enum res_method m) {
   static const char *const names[] = {"memcpy", "staged", "direct", "peer", "striped"};
@@ -272,6 +283,7 @@ static void set_unlink(struct res_set *s) {
 static void set_destroy(struct res_set *s, struct slab_list *keep) {
   struct residency *r = s->res;
   set_unlink(s);
+  if (s->state == SET_READY) changed(r);
   if (s->load.slab != NULL) {
     struct slab_list one = {0};
     slab_list_push(r, keep != NULL ? keep : &one, s->load.slab);
@@ -540,6 +552,7 @@ static void load_done(struct job *j) {
   if (lj->rc == 0) {
     s->state = SET_READY;
     s->last_used_ms = clock_ms();
+    changed(r);
     double gibs = s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0;
     log_msg(LOG_INFO,
             "loaded set %s: %s on %s, %zu tensors, %" PRIu64 " bytes in %.3f s (%.2f GiB/s, %s; slab allocation %.1f ms)",
@@ -727,6 +740,7 @@ int res_lease_add(struct residency *r, struct res_set *s, const struct lease_hol
   s->last_used_ms = l->created_ms;
   if (s->state == SET_LOADING) atomic_store(&s->load.cancel, false); /* a leased load goes on */
   *out = l;
+  changed(r);
   return 0;
 }
 
@@ -739,6 +753,7 @@ void res_lease_drop(struct residency *r, struct lease *l) {
   s->leases--;
   s->last_used_ms = clock_ms();
   free(l);
+  changed(r);
   if (s->orphan && s->leases == 0) {
     log_msg(LOG_DEBUG, "set %s: its last early lease ended; freeing it", s->id);
     set_destroy(s, NULL);
@@ -764,6 +779,82 @@ void res_leases_drop_owner(struct residency *r, const void *owner) {
     if (l->holder.owner == owner) res_lease_drop(r, l);
     l = next;
   }
+}
+
+/* ---- sets and leases re-adopted after a restart --------------------------------------- */
+
+/* Keeps new ids past one taken over ("s12", "l13"), so that none is given twice. */
+static void id_taken(struct residency *r, const char *id) {
+  char *end;
+  unsigned long long n = strtoull(id + 1, &end, 10);
+  if (*end == '\0' && n >= r->next_id) r->next_id = n;
+}
+
+int res_set_adopt(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, struct wd_slab *slab,
+                  const char *id, struct res_set **out, struct wd_error *err) {
+  *out = NULL;
+  char *key = NULL;
+  struct res_set *s = NULL;
+  if (device < 0 || device >= r->ndevices || strlen(id) >= sizeof s->id || res_find_set(r, id) != NULL)
+    return err_set(err, WEIGHTD_E_INVALID, "set %s cannot be adopted on device %d", id, device);
+  if (asprintf(&key, "%s#%" PRIu64 "|%d|%s", ck->path, ck->generation, device, plan->key) < 0)
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  if (find_by_key(r, key) != NULL) {
+    free(key);
+    return err_set(err, WEIGHTD_E_INVALID, "set %s is described twice (%s)", id, ck->path);
+  }
+  if ((s = calloc(1, sizeof *s)) == NULL) {
+    free(key);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  s->res = r;
+  snprintf(s->id, sizeof s->id, "%s", id);
+  id_taken(r, id);
+  s->key = key;
+  s->ck = ck;
+  s->device = device;
+  s->plan = plan;
+  s->state = SET_READY;
+  s->load.plan = plan;
+  s->load.ck = ck;
+  s->load.device = device;
+  s->load.slab = slab;
+  s->load.method = "adopted";
+  atomic_init(&s->load.bytes_done, plan->slab_bytes);
+  atomic_init(&s->load.ready_bytes, plan->slab_bytes);
+  atomic_init(&s->load.cancel, false);
+  atomic_init(&s->allocated, true);
+  s->table_fd = -1;
+  s->page_fd = -1;
+  s->last_used_ms = clock_ms();
+  uv_timer_init(r->loop, &s->progress_timer);
+  s->progress_timer.data = s;
+  s->next = r->sets;
+  r->sets = s;
+  r->devices[device].used += plan->slab_bytes;
+  r->stats.adopted++;
+  *out = s;
+  changed(r);
+  return 0;
+}
+
+int res_lease_restore(struct residency *r, struct res_set *s, const char *id, const struct lease_holder *holder,
+                      struct wd_error *err) {
+  struct lease *l = NULL;
+  if (strlen(id) >= sizeof l->id || res_find_lease(r, id) != NULL)
+    return err_set(err, WEIGHTD_E_INVALID, "lease %s cannot be restored", id);
+  if ((l = calloc(1, sizeof *l)) == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  snprintf(l->id, sizeof l->id, "%s", id);
+  id_taken(r, id);
+  l->set = s;
+  l->holder = *holder;
+  l->holder.owner = NULL;
+  l->created_ms = clock_ms();
+  l->next = r->leases;
+  r->leases = l;
+  s->leases++;
+  changed(r);
+  return 0;
 }
 
 /* ---- shutdown ----------------------------------------------------------------------------- */

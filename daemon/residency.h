@@ -139,6 +139,7 @@ struct res_stats {
   uint64_t duration_over;                             /* longer than the last bound */
   double duration_sum;
   uint64_t evictions[RES_EVICT_COUNT];
+  uint64_t adopted; /* sets re-adopted after a restart (no load) */
 };
 
 /* The names of the enums above, as labels. */
@@ -233,6 +234,28 @@ typedef void (*res_evicted_fn)(void *arg, char *const *ids, size_t n);
  */
 int res_evict(struct residency *r, const char *set_id, int device, res_evicted_fn cb, void *arg,
               struct wd_error *err);
+
+/* ---- restarts ------------------------------------------------------------ */
+
+/* fn(arg) runs on the loop whenever a set becomes ready or goes, or a lease starts or ends. */
+void res_on_change(struct residency *r, void (*fn)(void *arg), void *arg);
+
+/*
+ * Registers a set an earlier daemon loaded (re-adopted after a restart): READY
+ * at once, no load, its id kept (later ids come after it). Takes ck's
+ * reference, plan and slab on success only. INVALID when the id or the
+ * identity is taken already or the device does not exist.
+ */
+int res_set_adopt(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, struct wd_slab *slab,
+                  const char *id, struct res_set **out, struct wd_error *err);
+
+/*
+ * A lease an earlier daemon granted, restored with its id and holder's
+ * uid/pid but no owner (holder.owner NULL) until its holder reclaims it
+ * (ops: reclaim) or res_leases_drop_owner(r, NULL) ends the unclaimed ones.
+ */
+int res_lease_restore(struct residency *r, struct res_set *s, const char *id, const struct lease_holder *holder,
+                      struct wd_error *err);
 
 /* Tells every running load to stop (shutdown). */
 void res_cancel_all(struct residency *r);

@@ -23,6 +23,7 @@ static struct sockaddr_un notify_addr;
 static socklen_t notify_len;
 static int notify_fd = -1;
 static uint64_t watchdog_usec;
+static long long fdstore_max;
 static struct service_fd *fds;
 static size_t nfds;
 
@@ -101,8 +102,11 @@ int service_init(struct wd_error *err) {
   int rc = init_listen(err);
   if (rc == 0) rc = init_notify(err);
   if (rc == 0) rc = init_watchdog(err);
-  static const char *const vars[] = {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",
-                                     "LISTEN_PID",    "LISTEN_FDS",    "LISTEN_FDNAMES"};
+  bool bad = false;
+  fdstore_max = env_number("FDSTORE", &bad); /* systemd 254+: FileDescriptorStoreMax= when above 0 */
+  if (bad) fdstore_max = -1;
+  static const char *const vars[] = {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_PID",
+                                     "LISTEN_FDS",    "LISTEN_FDNAMES", "FDSTORE"};
   for (size_t i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
   return rc;
 }
@@ -149,6 +153,8 @@ void service_notifyf(const char *fmt, ...) {
 }
 
 uint64_t service_watchdog_usec(void) { return watchdog_usec; }
+
+long long service_fdstore_max(void) { return fdstore_max; }
 
 size_t service_fd_count(void) { return nfds; }
 struct service_fd *service_fd(size_t i) { return i < nfds ? &fds[i] : NULL; }

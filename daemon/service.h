@@ -54,6 +54,9 @@ void service_notifyf(const char *fmt, ...) __attribute__((format(printf, 1, 2)))
 /* The watchdog interval in microseconds, or 0 when none was asked for. */
 uint64_t service_watchdog_usec(void);
 
+/* $FDSTORE (systemd 254+ announces FileDescriptorStoreMax= there), or -1 when absent or malformed. */
+long long service_fdstore_max(void);
+
 /* Descriptors passed at start (LISTEN_FDS), in order. */
 size_t service_fd_count(void);
 struct service_fd *service_fd(size_t i);

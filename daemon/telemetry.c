@@ -330,6 +330,9 @@ static void collect_loads(struct daemon *d, struct collection *c) {
   sample(c, f, (double)st->bytes_loaded, NULL);
   f = family(c, "weightd_last_load_gib_per_second", "gauge", "Rate of the last successful load (payload GiB/s).");
   sample(c, f, st->last_gib_per_s, NULL);
+  f = family(c, "weightd_sets_readopted_total", "counter",
+             "Sets re-adopted after a restart from the service manager's fd store, without loading.");
+  sample(c, f, (double)st->adopted, NULL);
   f = family(c, "weightd_evictions_total", "counter", "Sets evicted, by reason.");
   for (int r = 0; r < RES_EVICT_COUNT; r++)
     sample(c, f, (double)st->evictions[r], "reason", res_evict_reason_name((enum res_evict_reason)r), NULL);

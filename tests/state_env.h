@@ -129,6 +129,7 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
                            .staging_slot_bytes = o->staging_slot_bytes ? o->staging_slot_bytes : 64u << 20,
                            .mg = e->mg};
     rc = ld_create(&lp, &e->ld, &err);
+    if (rc == 0) rc = ld_staging_start(e->ld, &err);
     struct res_params rp = {.loop = &e->loop,
                             .backend = &e->backend,
                             .bulk = e->bulk,

@@ -800,7 +800,17 @@ static void test_shutdown_event(void) {
   CHECK_EQ_INT(weightd_connect(f->sock_path, &c), 0);
   CHECK_EQ_INT(weightd_request(c, "{\"op\":\"shutdown\"}", NULL, NULL, NULL), WEIGHTD_E_SHUTDOWN);
   CHECK_STR_CONTAINS(weightd_last_error(c), "shutting down");
+  /* A daemon back on the socket (a restart): the next call reconnects once and is served. */
+  CHECK_EQ_INT(weightd_open(c, "/models/ok"), 0);
+  /* Shut down again and gone: the next call's one reconnect fails, and says so. */
+  CHECK_EQ_INT(weightd_request(c, "{\"op\":\"shutdown\"}", NULL, NULL, NULL), WEIGHTD_E_SHUTDOWN);
+  char away[PATH_MAX + 8];
+  snprintf(away, sizeof away, "%s.away", f->sock_path);
+  CHECK_EQ_INT(rename(f->sock_path, away), 0);
   CHECK_EQ_INT(weightd_open(c, "/x"), WEIGHTD_E_SHUTDOWN);
+  CHECK_STR_CONTAINS(weightd_last_error(c), "reconnecting failed");
+  CHECK_EQ_INT(weightd_open(c, "/x"), WEIGHTD_E_SHUTDOWN); /* each call tries once more */
+  CHECK_EQ_INT(rename(away, f->sock_path), 0); /* fake_stop wakes its accept through the path */
   weightd_close(c);
   fake_stop(f);
 }

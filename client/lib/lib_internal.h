@@ -30,6 +30,7 @@ struct weightd_client {
   int64_t next_id;    /* the next request id */
   int broken;         /* the stream is out of step or closed: nothing more is sent */
   int shutdown_seen;  /* the daemon announced that it is stopping */
+  int reconnecting;   /* lib_usable is reconnecting: the hello and reclaims it sends do not reconnect again */
   char backend[16];   /* from hello */
   char *socket_path;  /* the path connected to */
   char client_name[64]; /* sent in hello */

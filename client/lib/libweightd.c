@@ -51,6 +51,8 @@ const char *weightd_last_error(const weightd_client *c) {
   return c->err.msg;
 }
 
+static int reconnect(weightd_client *c);
+
 int lib_usable(weightd_client *c) {
   if (c == NULL) return WEIGHTD_E_INVALID;
   if (c->pid != getpid())
@@ -59,6 +61,10 @@ int lib_usable(weightd_client *c) {
                     "weightd_connect",
                     (long)c->pid);
   if (c->sock < 0) return lib_fail(c, WEIGHTD_E_CLOSED, "not connected");
+  if (c->broken && c->socket_path != NULL && !c->reconnecting) {
+    int rc = reconnect(c);
+    if (rc != 0) return rc;
+  }
   if (c->broken)
     return lib_fail(c, c->shutdown_seen ? WEIGHTD_E_SHUTDOWN : WEIGHTD_E_CLOSED,
                     "the connection to the daemon is no longer usable (%s)",
@@ -504,6 +510,49 @@ static int hello(weightd_client *c) {
     rc = lib_fail(c, WEIGHTD_E_VERSION, "the daemon answered hello with protocol %g, this library speaks %d",
                   proto->valuedouble, WEIGHTD_PROTOCOL_VERSION);
   cJSON_Delete(reply);
+  return rc;
+}
+
+/*
+ * A daemon that went away (killed, restarted) comes back on the same socket:
+ * one connection attempt per call, a hello, then a reclaim of every lease
+ * this handle holds, by id (the daemon grants it to the same uid and pid
+ * only). A lease the daemon no longer has (it was not re-adopted, or its
+ * grace period passed) stays lost; the set stays mapped as it was, so the
+ * caller's pointers never change. Returns 0, or CONNECT/CLOSED when the
+ * daemon is not back (the next call tries again).
+ */
+static int reconnect(weightd_client *c) {
+  int fd = -1, e = try_connect(c->socket_path, &fd);
+  if (e != 0) {
+    char why[700];
+    describe_connect_error(c->socket_path, -e, why, sizeof why);
+    return lib_fail(c, c->shutdown_seen ? WEIGHTD_E_SHUTDOWN : WEIGHTD_E_CONNECT,
+                    "the connection to weightd closed%s and reconnecting failed: %s",
+                    c->shutdown_seen ? " (the daemon shut down)" : "", why);
+  }
+  close(c->sock);
+  c->sock = fd;
+  c->broken = 0;
+  c->shutdown_seen = 0;
+  c->reconnecting = 1;
+  int rc = hello(c);
+  for (weightd_set *s = c->sets; rc == 0 && s != NULL; s = s->next) {
+    if (s->lease == NULL || s->lease[0] == '\0') continue;
+    cJSON *req = lib_request_new("reclaim");
+    if (req == NULL || cJSON_AddStringToObject(req, "lease", s->lease) == NULL) {
+      cJSON_Delete(req);
+      rc = lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+      break;
+    }
+    cJSON *reply = NULL;
+    int r = lib_call(c, req, NULL, NULL, &reply, NULL, NULL);
+    cJSON_Delete(req);
+    cJSON_Delete(reply);
+    if (r != 0 && c->broken) rc = r; /* a refused lease is lost; a dead connection stops here */
+  }
+  c->reconnecting = 0;
+  if (rc != 0) c->broken = 1;
   return rc;
 }
 

@@ -45,6 +45,7 @@ FAMILIES = {
     "weightd_loaded_bytes_total": ("counter", set()),
     "weightd_last_load_gib_per_second": ("gauge", set()),
     "weightd_evictions_total": ("counter", {"reason"}),
+    "weightd_sets_readopted_total": ("counter", set()),
     "weightd_resident_sets": ("gauge", {"device", "state"}),
     "weightd_resident_bytes": ("gauge", {"device"}),
     "weightd_device_budget_bytes": ("gauge", {"device"}),

@@ -1,0 +1,104 @@
+/*
+ * setdesc.h - the set description: what a daemon leaves in its service
+ * manager's file descriptor store so that the next daemon can re-adopt its
+ * resident sets (docs/protocol.md, "The set description"). One writer (the
+ * daemon, whenever its sets or leases change) and one reader (the daemon at
+ * start, and the fuzz target).
+ *
+ * Version 1, all integers little-endian:
+ *
+ *   header   SETDESC_HEADER_BYTES: magic "WDSETDSC", u32 version, u32 header
+ *            size, u64 total size, u64 generation, u32 sets, u32 leases, u64
+ *            checksum (XXH64, seed 0, of every byte after the header)
+ *   sets     per set: str id, str checkpoint path (resolved), str device
+ *            UUID, u32 handle kind, u64 slab bytes, u64 allocation bytes,
+ *            16 bytes allocation id, str store name of the slab descriptor,
+ *            str plan key, u32 shard count, per shard (str name, u64 device,
+ *            u64 inode, u64 size, i64 mtime ns), u64 table size, zeros to an
+ *            8-byte boundary, the binary tensor table (tensor_table.h)
+ *   leases   per lease: str id, str set id, u32 uid, i32 pid, str client
+ *
+ * A str is a u32 length and that many bytes without a NUL. The reader
+ * trusts nothing: every length is checked against what is left, every
+ * string against its own limit, the checksum, the version, the handle kinds
+ * (legacy IPC sets are never described), every tensor table with ttab_open,
+ * unique ids and store names, leases naming described sets, and no byte may
+ * follow the last lease. A description that breaks any rule is
+ * WEIGHTD_E_INVALID naming the rule; nothing is read out of bounds on
+ * arbitrary bytes.
+ */
+#ifndef WD_SETDESC_H
+#define WD_SETDESC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "error.h"
+#include "handles.h"
+
+#define SETDESC_MAGIC "WDSETDSC" /* 8 bytes, no NUL */
+#define SETDESC_VERSION 1u
+#define SETDESC_HEADER_BYTES 48u
+#define SETDESC_MAX_BYTES (1ull << 30)
+#define SETDESC_ID_MAX 23u      /* set and lease ids ("s12", "l13") */
+#define SETDESC_NAME_MAX 255u   /* store names (systemd's FDNAME limit) */
+#define SETDESC_CLIENT_MAX 63u  /* the name a client gave in hello */
+#define SETDESC_STR_MAX 4096u   /* paths, shard names, UUIDs, plan keys */
+
+struct setdesc_shard {
+  char *name; /* the shard's name in the checkpoint (the index's, or the file's) */
+  uint64_t dev, ino, size;
+  int64_t mtime_ns;
+};
+
+struct setdesc_set {
+  char *id;
+  char *path; /* the checkpoint's resolved path */
+  char *uuid; /* the device's */
+  uint32_t handle_kind; /* enum wd_handle_kind: fd or cuda_vmm */
+  uint64_t slab_bytes;  /* the set's slab (the plan's slab bytes) */
+  uint64_t alloc_bytes; /* what the handle maps (cuda_vmm: whole grains) */
+  unsigned char alloc_id[WD_ALLOC_ID_BYTES];
+  char *fdname;   /* the slab descriptor's name in the store */
+  char *plan_key; /* plan.h's identity key */
+  size_t nshards;
+  struct setdesc_shard *shards;
+  const unsigned char *table; /* the binary tensor table: the writer's input; the reader's points into its buffer */
+  size_t table_len;
+};
+
+struct setdesc_lease {
+  char *id;
+  char *set_id;
+  uint32_t uid;
+  int32_t pid;
+  char *client; /* "" when the client gave none */
+};
+
+struct setdesc {
+  uint64_t generation;
+  size_t nsets;
+  struct setdesc_set *sets;
+  size_t nleases;
+  struct setdesc_lease *leases;
+};
+
+/*
+ * Writes d into a new buffer (*out, free it; *len its size). WEIGHTD_E_INVALID
+ * naming what cannot be written (a string over its limit or holding a NUL, a
+ * legacy IPC set), WEIGHTD_E_NOMEM.
+ */
+int setdesc_write(const struct setdesc *d, unsigned char **out, size_t *len, struct wd_error *err);
+
+/*
+ * Validates len bytes at buf (8-byte aligned; it must outlive *out, whose
+ * tables point into it) and reads them into *out, whose strings and arrays
+ * are new (setdesc_free). 0, or WEIGHTD_E_INVALID with the rule broken
+ * ("set 2 (s7): shard 1: name runs past the end"), or WEIGHTD_E_NOMEM.
+ */
+int setdesc_read(const void *buf, size_t len, struct setdesc *out, struct wd_error *err);
+
+/* Frees what setdesc_read made (NULL-safe; *d is zeroed). */
+void setdesc_free(struct setdesc *d);
+
+#endif

@@ -1,0 +1,362 @@
+"""Restart survival (issue 18): sets kept in the service manager's fd store.
+
+CI has no systemd, so fdstore_harness.py plays its fd store as
+docs/operations.md ("Restarts") describes it. The daemon runs the host
+backend, whose memfd slabs stand in for VMM allocations.
+"""
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+
+import fdstore_harness
+from conftest import REPO, SANITIZER_MARKS, SLOW, STOP_SECONDS, WEIGHTD, write_single, TINY_TENSORS
+from wdclient import Checkpoint, Conn, WDError, map_readonly, ranges_equal, verify_attached, wait_until
+
+SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class Supervisor(fdstore_harness.Supervisor):
+    """The harness's supervisor with the test run's binary, timeouts and sanitizer checks."""
+
+    def __init__(self, model_root, **kw):
+        super().__init__(WEIGHTD, model_root, timeout=20 * SLOW, stop_seconds=STOP_SECONDS, **kw)
+
+    def stop(self):
+        super().stop()
+        marks = [m for m in SANITIZER_MARKS if m in self.log_text()]
+        assert not marks, self.log_text()
+
+    def connect(self):
+        return Conn(self.socket, timeout=30 * SLOW)
+
+    def status(self):
+        with self.connect() as c:
+            return c.status()
+
+
+@pytest.fixture
+def supervisor(model_root, binaries, request):
+    made = []
+
+    def make(**kw):
+        s = Supervisor(model_root, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    failed = getattr(request.node, "rep_call", None) is None or request.node.rep_call.failed
+    for s in made:
+        if failed and os.path.exists(s.log_path):
+            print(f"---- weightd log ----\n{s.log_text()[-12000:]}")
+        s.cleanup()
+
+
+@pytest.fixture
+def ckpt_copy(model_root):
+    """A private tiny checkpoint (tests change its files), removed afterwards."""
+    d = tempfile.mkdtemp(prefix="restart-", dir=model_root)
+    write_single(d, TINY_TENSORS, seed=11)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def loads(st):
+    return st["daemon"]["loads"]
+
+
+def stored_slabs(store):
+    return [n for n in store.names() if n.startswith("wd-slab-")]
+
+
+def stored_descriptions(store):
+    return [n for n in store.names() if n.startswith("wd-sets-")]
+
+
+def test_sigkill_keeps_sets_leases_and_bytes(supervisor, tiny):
+    """A client keeps reading a set through SIGKILL and restart; the set comes back without a load."""
+    s = supervisor().start()
+    assert "restart survival: on" in s.log_text()
+    ck = Checkpoint(os.path.join(tiny["a"], "model.safetensors"))
+    c = s.connect()
+    att, fd = c.attach(path=tiny["a"])
+    lease, set_id = att["lease"], att["set"]
+    assert verify_attached(att, fd, ck) > 0
+    wait_until(lambda: stored_slabs(s.store) == [f"wd-slab-{set_id}"], what="the slab in the store")
+    wait_until(lambda: len(stored_descriptions(s.store)) == 1, what="one description in the store")
+    # A reader that checks the mapping all the time, while the daemon dies and comes back.
+    mapping, _ = map_readonly(fd)
+    table = {t["name"]: t for t in att["tensors"]}
+    errors, rounds, stop = [], [0], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            for name, t in table.items():
+                src, b, e = ck.tensor_bytes(name)
+                if not ranges_equal(mapping, t["offset"], src, b, e - b):
+                    errors.append(name)
+            rounds[0] += 1
+
+    th = threading.Thread(target=reader)
+    th.start()
+    before = rounds[0]
+    s.kill()
+    with pytest.raises(Exception):
+        c.status()  # the connection is gone
+    c.close()
+    wait_until(lambda: rounds[0] > before + 2, what="reads after the kill")
+    s.start()
+    after_start = rounds[0]
+    st = s.status()
+    assert [x["set"] for x in st["sets"]] == [set_id], st["sets"]
+    assert st["daemon"]["sets_readopted"] == 1 and loads(st) == 0, st["daemon"]
+    assert [(l["lease"], l["recovered"]) for l in st["leases"]] == [(lease, True)]
+    assert "re-adopted set " + set_id in s.log_text()
+    # The holder (this process) reclaims its lease; a new attach is served from the re-adopted set.
+    c2 = s.connect()
+    rep = c2.call("reclaim", lease=lease)
+    assert rep["reclaimed"] is True and rep["set"] == set_id
+    att2, fd2 = c2.attach(path=tiny["a"])
+    assert att2["set"] == set_id
+    assert verify_attached(att2, fd2, ck) > 0
+    os.close(fd2)
+    st = s.status()
+    assert loads(st) == 0, "the attach after the restart loaded the set again"
+    assert {l["lease"]: l["recovered"] for l in st["leases"]}[lease] is False
+    wait_until(lambda: rounds[0] > after_start + 2, what="reads after the restart")
+    stop.set()
+    th.join()
+    assert errors == [], f"{len(errors)} tensors read wrong across the restart"
+    mapping.close()
+    os.close(fd)
+    c2.close()
+    s.stop()
+
+
+def test_reclaim_refused_to_another_process(supervisor, tiny):
+    s = supervisor().start()
+    c = s.connect()
+    att, fd = c.attach(path=tiny["b"])
+    os.close(fd)
+    s.kill()
+    c.close()
+    s.start()
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from wdclient import Conn, WDError\n"
+            "c = Conn(sys.argv[2])\n"
+            "try:\n    c.call('reclaim', lease=sys.argv[3]); print('RECLAIMED')\n"
+            "except WDError as e:\n    print(e.code, e.message)\n")
+    r = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__), s.socket, att["lease"]],
+                       capture_output=True, text=True, timeout=60 * SLOW)
+    assert r.stdout.startswith("PERMISSION"), r.stdout + r.stderr
+    assert f"granted to uid {os.getuid()} pid {os.getpid()}" in r.stdout
+    with s.connect() as c2:
+        with pytest.raises(WDError) as e:
+            c2.call("reclaim", lease="l999")
+        assert e.value.code == "NOT_FOUND"
+        assert c2.call("reclaim", lease=att["lease"])["reclaimed"] is True
+    s.stop()
+
+
+def test_unreclaimed_leases_end_after_the_grace_period(supervisor, tiny):
+    s = supervisor(config={"restart_grace_ms": 300}).start()
+    c = s.connect()
+    att, fd = c.attach(path=tiny["c"])
+    os.close(fd)
+    s.kill()
+    c.close()
+    s.start()
+    wait_until(lambda: "nobody reclaimed ended" in s.log_text(), what="the grace period's end")
+    st = s.status()
+    assert st["leases"] == []
+    assert [x["set"] for x in st["sets"]] == [att["set"]]  # the set stays, unleased
+    with s.connect() as c2:
+        with pytest.raises(WDError) as e:
+            c2.call("reclaim", lease=att["lease"])
+        assert e.value.code == "NOT_FOUND"
+    s.stop()
+
+
+def test_changed_checkpoint_is_not_readopted(supervisor, ckpt_copy):
+    s = supervisor().start()
+    with s.connect() as c:
+        att, fd = c.attach(path=ckpt_copy)
+        os.close(fd)
+        c.call("release", lease=att["lease"])
+    wait_until(lambda: len(stored_slabs(s.store)) == 1, what="the slab in the store")
+    s.kill()
+    shard = os.path.join(ckpt_copy, "model.safetensors")
+    write_single(ckpt_copy, TINY_TENSORS, seed=12)  # same size, new bytes: a new file
+    s.start()
+    text = s.log_text()
+    assert f"set {att['set']} of {os.path.realpath(ckpt_copy)} is not re-adopted: the checkpoint changed" in text, text
+    assert "model.safetensors" in text.split("is not re-adopted")[1].splitlines()[0]
+    st = s.status()
+    assert st["sets"] == [] and st["daemon"]["sets_readopted"] == 0
+    wait_until(lambda: stored_slabs(s.store) == [], what="the stale slab removed from the store")
+    # A new attach loads the new bytes.
+    with s.connect() as c:
+        att2, fd2 = c.attach(path=ckpt_copy)
+        assert verify_attached(att2, fd2, Checkpoint(shard)) > 0
+        os.close(fd2)
+    assert loads(s.status()) == 1
+    s.stop()
+
+
+def replace_description(store, data):
+    """Puts data, as a sealed memfd, in place of the stored description (same name)."""
+    with store.lock:
+        (i, (name, fd)), = [(i, e) for i, e in enumerate(store.fds) if e[0].startswith("wd-sets-")]
+        os.close(fd)
+        m = os.memfd_create("corrupt", os.MFD_ALLOW_SEALING)
+        os.write(m, data)
+        fcntl.fcntl(m, fcntl.F_ADD_SEALS, SEALS)
+        store.fds[i] = [name, m]
+
+
+def read_description(store):
+    with store.lock:
+        (fd,) = [fd for name, fd in store.fds if name.startswith("wd-sets-")]
+        return os.pread(fd, 1 << 20, 0)
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "magic", "unsealed"])
+def test_corrupt_description_starts_empty(supervisor, tiny, how):
+    s = supervisor().start()
+    with s.connect() as c:
+        att, fd = c.attach(path=tiny["a"])
+        os.close(fd)
+    wait_until(lambda: len(stored_slabs(s.store)) == 1, what="the slab in the store")
+    s.kill()
+    data = bytearray(read_description(s.store))
+    if how == "flipped":
+        data[len(data) // 2] ^= 0xFF
+    elif how == "truncated":
+        data = data[: len(data) - 9]
+    elif how == "magic":
+        data[0:8] = b"NOTADESC"
+    if how == "unsealed":
+        with s.store.lock:
+            (i,) = [i for i, e in enumerate(s.store.fds) if e[0].startswith("wd-sets-")]
+            os.close(s.store.fds[i][1])
+            m = os.memfd_create("unsealed")
+            os.write(m, bytes(data))
+            s.store.fds[i][1] = m
+    else:
+        replace_description(s.store, bytes(data))
+    s.start()
+    text = s.log_text()
+    assert "rejected, starting with no sets" in text, text
+    st = s.status()
+    assert st["sets"] == [] and st["leases"] == []
+    wait_until(lambda: stored_slabs(s.store) == [], what="the unusable slab removed from the store")
+    assert len(stored_descriptions(s.store)) == 1
+    s.stop()
+
+
+def test_descriptor_counts_stay_flat(supervisor, tiny):
+    """1000 attach/release cycles without a restart, then 20 restarts: no descriptor accumulates."""
+    s = supervisor().start()
+    c = s.connect()
+    att, fd = c.attach(path=tiny["a"])
+    os.close(fd)
+    c.call("release", lease=att["lease"])
+    wait_until(lambda: stored_slabs(s.store) == [f"wd-slab-{att['set']}"], what="the slab in the store")
+    wait_until(lambda: len(stored_descriptions(s.store)) == 1, what="one description")
+    base_daemon, base_store = s.fd_count(clients=1), s.store.names()
+    for _ in range(1000):
+        a, f = c.attach(path=tiny["a"])
+        os.close(f)
+        c.call("release", lease=a["lease"])
+    c.status()
+    wait_until(lambda: len(stored_descriptions(s.store)) == 1, what="one description")
+    assert s.fd_count(clients=1) == base_daemon
+    assert [n for n in s.store.names() if not n.startswith("wd-sets-")] == \
+        [n for n in base_store if not n.startswith("wd-sets-")]
+    c.close()
+    c = s.connect()  # holds a lease through the restarts
+    held, f = c.attach(path=tiny["b"])
+    os.close(f)
+    wait_until(lambda: len(stored_slabs(s.store)) == 2, what="two slabs stored")
+    counts, stores = [], []
+    for i in range(20):
+        if i % 2:
+            s.stop()
+        else:
+            s.kill()
+        s.start()
+        st = s.status()
+        assert sorted(x["set"] for x in st["sets"]) == sorted([att["set"], held["set"]])
+        assert loads(st) == 0
+        wait_until(lambda: len(stored_descriptions(s.store)) == 1, what="one description")
+        counts.append(s.fd_count())
+        stores.append(len(s.store.names()))
+    c.close()
+    assert len(set(counts)) == 1, counts
+    assert stores == [3] * 20, stores
+    s.stop()
+
+
+# ---- the clients: libweightd through the Python binding ------------------------------------
+
+
+def binding():
+    """The weightd package over the libweightd built next to WEIGHTD."""
+    lib = os.path.join(os.path.dirname(WEIGHTD), "libweightd.so")
+    if not os.path.exists(lib):
+        pytest.skip(f"no {lib}")
+    os.environ.setdefault("WEIGHTD_LIB", lib)
+    sys.path.insert(0, os.path.join(REPO, "client", "python"))
+    try:
+        import numpy  # noqa: F401
+        import weightd
+    except ImportError as e:
+        pytest.skip(f"the Python binding cannot load here: {e}")
+    return weightd
+
+
+def tensor_bytes(s, name):
+    import numpy
+    return numpy.ascontiguousarray(s[name]).view(numpy.uint8).tobytes()
+
+
+def test_binding_reconnects_and_reclaims(supervisor, tiny):
+    """After SIGKILL: calls fail with CONNECT while the daemon is gone; once it is back the next call
+    reconnects and reclaims the lease; the set's arrays read the file's bytes throughout."""
+    weightd = binding()
+    # Without socket activation a daemon that is gone refuses connections at once (with it, the manager's
+    # listening socket accepts and a call waits for the daemon to come back, up to the client's timeout).
+    s = supervisor(activate=False).start()
+    ck = Checkpoint(os.path.join(tiny["a"], "model.safetensors"))
+    names = ["layers.0.odd", "layers.0.norm.weight", "layers.0.bias"]
+
+    def check(ws):
+        for n in names:
+            src, b, e = ck.tensor_bytes(n)
+            assert tensor_bytes(ws, n) == bytes(src[b:e]), n
+
+    client = weightd.Client(s.socket)
+    ws = client.attach(tiny["a"])
+    check(ws)
+    lease = [l for l in s.status()["leases"]][0]["lease"]
+    s.kill()
+    check(ws)  # the mapping outlives the daemon
+    with pytest.raises(weightd.Error) as e:
+        client.status()
+    assert e.value.name in ("CONNECT", "CLOSED"), e.value
+    with pytest.raises(weightd.Error) as e:  # still gone: each call tries once, and fails the same way
+        client.status()
+    assert e.value.name == "CONNECT", e.value
+    s.start()
+    st = client.status()  # reconnects, reclaims
+    assert [(l["lease"], l["recovered"], l["pid"]) for l in st["leases"]] == [(lease, False, os.getpid())]
+    assert st["daemon"]["loads"] == 0
+    check(ws)
+    ws.release()
+    assert s.status()["leases"] == []
+    client.close()
+    s.stop()

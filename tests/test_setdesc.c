@@ -1,0 +1,264 @@
+/*
+ * test_setdesc.c - the set description (common/setdesc.h): a round trip of
+ * sets and leases with every field compared, the writer's refusals, and the
+ * reader's rejection of every truncation, a bad magic, an unknown version, a
+ * flipped byte (checksum), a bad table and a lease naming no set.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "setdesc.h"
+#include "tensor_table.h"
+#include "testutil.h"
+
+static const uint64_t SHAPE_A[2] = {4, 8}, SHAPE_B[1] = {3};
+
+static void get_tensor(void *arg, size_t i, struct ttab_tensor *t) {
+  (void)arg;
+  static const char *const names[] = {"model.embed.weight", "lm_head.bias"};
+  t->name = names[i];
+  t->name_len = strlen(names[i]);
+  t->dtype = i == 0 ? "BF16" : "F32";
+  t->ndim = i == 0 ? 2 : 1;
+  t->shape = i == 0 ? SHAPE_A : SHAPE_B;
+  t->offset = i == 0 ? 0 : 256;
+  t->nbytes = i == 0 ? 64 : 12;
+}
+
+static unsigned char *table;
+static size_t table_len;
+
+static struct setdesc_shard shards[2] = {
+    {.name = "model-00001-of-00002.safetensors", .dev = 2049, .ino = 77, .size = 1000, .mtime_ns = 1700000000123456789},
+    {.name = "model-00002-of-00002.safetensors", .dev = 2049, .ino = 78, .size = 2000, .mtime_ns = -5},
+};
+
+/* A description of two sets and three leases. */
+static void sample(struct setdesc *d, struct setdesc_set sets[2], struct setdesc_lease leases[3]) {
+  memset(sets, 0, 2 * sizeof *sets);
+  for (int i = 0; i < 2; i++) {
+    sets[i].id = i == 0 ? "s3" : "s12";
+    sets[i].path = i == 0 ? "/models/a" : "/models/b/model.safetensors";
+    sets[i].uuid = i == 0 ? "host-0123" : "GPU-8f0e1c2d-0000-1111-2222-333344445555";
+    sets[i].handle_kind = i == 0 ? WD_HANDLE_FD : WD_HANDLE_CUDA_VMM;
+    sets[i].slab_bytes = 268;
+    sets[i].alloc_bytes = i == 0 ? 268 : 2u << 20;
+    memset(sets[i].alloc_id, 0xa0 + i, WD_ALLOC_ID_BYTES);
+    sets[i].fdname = i == 0 ? "wd-slab-s3" : "wd-slab-s12";
+    sets[i].plan_key = i == 0 ? "{\"preset\":\"whole\"}" : "{\"outputs\":2,\"sha256\":\"ab\"}";
+    sets[i].nshards = i == 0 ? 2 : 1;
+    sets[i].shards = shards;
+    sets[i].table = table;
+    sets[i].table_len = table_len;
+  }
+  leases[0] = (struct setdesc_lease){.id = "l4", .set_id = "s3", .uid = 1000, .pid = 4242, .client = "vllm"};
+  leases[1] = (struct setdesc_lease){.id = "l5", .set_id = "s3", .uid = 0, .pid = 1, .client = ""};
+  leases[2] = (struct setdesc_lease){.id = "l13", .set_id = "s12", .uid = 65534, .pid = 99999, .client = "x"};
+  *d = (struct setdesc){.generation = 7, .nsets = 2, .sets = sets, .nleases = 3, .leases = leases};
+}
+
+static void write_sample(unsigned char **buf, size_t *len) {
+  struct setdesc d;
+  struct setdesc_set sets[2];
+  struct setdesc_lease leases[3];
+  sample(&d, sets, leases);
+  struct wd_error err = {0};
+  CHECK_EQ_INT(setdesc_write(&d, buf, len, &err), 0);
+}
+
+/* Rejects buf[0..len) (copied to aligned memory), with msg naming the rule. */
+static void expect_rejected(const unsigned char *buf, size_t len, const char *msg) {
+  unsigned char *copy = malloc(len ? len : 1);
+  memcpy(copy, buf, len);
+  struct setdesc d;
+  struct wd_error err = {0};
+  int rc = setdesc_read(copy, len, &d, &err);
+  CHECK_EQ_INT(rc, WEIGHTD_E_INVALID);
+  if (msg != NULL) CHECK_STR_CONTAINS(err.msg, msg);
+  CHECK(d.sets == NULL && d.nsets == 0 && d.leases == NULL);
+  free(copy);
+}
+
+static void test_round_trip(void) {
+  unsigned char *buf;
+  size_t len;
+  write_sample(&buf, &len);
+  struct setdesc in, out;
+  struct setdesc_set sets[2];
+  struct setdesc_lease leases[3];
+  sample(&in, sets, leases);
+  struct wd_error err = {0};
+  CHECK_EQ_INT(setdesc_read(buf, len, &out, &err), 0);
+  CHECK_EQ_INT(out.generation, 7);
+  CHECK_EQ_INT(out.nsets, 2);
+  CHECK_EQ_INT(out.nleases, 3);
+  for (size_t i = 0; i < 2 && out.nsets == 2; i++) {
+    const struct setdesc_set *a = &in.sets[i], *b = &out.sets[i];
+    CHECK(strcmp(a->id, b->id) == 0 && strcmp(a->path, b->path) == 0 && strcmp(a->uuid, b->uuid) == 0);
+    CHECK(strcmp(a->fdname, b->fdname) == 0 && strcmp(a->plan_key, b->plan_key) == 0);
+    CHECK_EQ_INT(b->handle_kind, a->handle_kind);
+    CHECK_EQ_INT(b->slab_bytes, a->slab_bytes);
+    CHECK_EQ_INT(b->alloc_bytes, a->alloc_bytes);
+    CHECK(memcmp(a->alloc_id, b->alloc_id, WD_ALLOC_ID_BYTES) == 0);
+    CHECK_EQ_INT(b->nshards, a->nshards);
+    for (size_t k = 0; k < a->nshards && b->nshards == a->nshards; k++) {
+      CHECK(strcmp(a->shards[k].name, b->shards[k].name) == 0);
+      CHECK(a->shards[k].dev == b->shards[k].dev && a->shards[k].ino == b->shards[k].ino);
+      CHECK(a->shards[k].size == b->shards[k].size && a->shards[k].mtime_ns == b->shards[k].mtime_ns);
+    }
+    CHECK_EQ_INT(b->table_len, table_len);
+    CHECK(b->table_len == table_len && memcmp(b->table, table, table_len) == 0);
+    CHECK_EQ_INT(((uintptr_t)b->table) % 8, 0);
+  }
+  for (size_t i = 0; i < 3 && out.nleases == 3; i++) {
+    const struct setdesc_lease *a = &in.leases[i], *b = &out.leases[i];
+    CHECK(strcmp(a->id, b->id) == 0 && strcmp(a->set_id, b->set_id) == 0 && strcmp(a->client, b->client) == 0);
+    CHECK_EQ_INT(b->uid, a->uid);
+    CHECK_EQ_INT(b->pid, a->pid);
+  }
+  setdesc_free(&out);
+  CHECK(out.sets == NULL && out.nsets == 0);
+  /* An empty description round-trips too. */
+  struct setdesc empty = {.generation = 1};
+  unsigned char *eb;
+  size_t el;
+  CHECK_EQ_INT(setdesc_write(&empty, &eb, &el, &err), 0);
+  CHECK_EQ_INT(el, SETDESC_HEADER_BYTES);
+  CHECK_EQ_INT(setdesc_read(eb, el, &out, &err), 0);
+  CHECK_EQ_INT(out.generation, 1);
+  CHECK_EQ_INT(out.nsets + out.nleases, 0);
+  setdesc_free(&out);
+  free(eb);
+  free(buf);
+}
+
+static void test_every_truncation_rejected(void) {
+  unsigned char *buf;
+  size_t len;
+  write_sample(&buf, &len);
+  for (size_t n = 0; n < len; n++) expect_rejected(buf, n, NULL);
+  /* With the header's length and checksum made to match, the body's own bounds reject it. */
+  for (size_t n = SETDESC_HEADER_BYTES; n < len; n++) {
+    unsigned char *c = malloc(len);
+    memcpy(c, buf, n);
+    uint64_t total = n, sum = ttab_xxh64(c + SETDESC_HEADER_BYTES, n - SETDESC_HEADER_BYTES);
+    memcpy(c + 16, &total, 8);
+    memcpy(c + 40, &sum, 8);
+    expect_rejected(c, n, NULL);
+    free(c);
+  }
+  free(buf);
+}
+
+/* Rewrites the checksum after a change, so that the rule itself rejects it. */
+static void reseal(unsigned char *buf, size_t len) {
+  uint64_t sum = ttab_xxh64(buf + SETDESC_HEADER_BYTES, len - SETDESC_HEADER_BYTES);
+  memcpy(buf + 40, &sum, 8);
+}
+
+static void test_bad_header_rejected(void) {
+  unsigned char *buf;
+  size_t len;
+  write_sample(&buf, &len);
+  buf[0] ^= 1;
+  expect_rejected(buf, len, "bad magic");
+  buf[0] ^= 1;
+  uint32_t v = 2;
+  memcpy(buf + 8, &v, 4);
+  expect_rejected(buf, len, "version 2");
+  v = SETDESC_VERSION;
+  memcpy(buf + 8, &v, 4);
+  buf[len / 2] ^= 0x40;
+  expect_rejected(buf, len, "checksum");
+  buf[len / 2] ^= 0x40;
+  uint32_t many = 1u << 30;
+  memcpy(buf + 32, &many, 4);
+  expect_rejected(buf, len, "do not fit");
+  free(buf);
+}
+
+static void test_bad_body_rejected(void) {
+  struct setdesc d;
+  struct setdesc_set sets[2];
+  struct setdesc_lease leases[3];
+  struct wd_error err = {0};
+  unsigned char *buf;
+  size_t len;
+  /* A lease naming a set that is not described. */
+  sample(&d, sets, leases);
+  leases[2].set_id = "s99";
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+  expect_rejected(buf, len, "s99");
+  free(buf);
+  /* Two sets with one id. */
+  sample(&d, sets, leases);
+  sets[1].id = "s3";
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+  expect_rejected(buf, len, "given twice");
+  free(buf);
+  /* A table for another slab size. */
+  sample(&d, sets, leases);
+  sets[1].slab_bytes = 512;
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+  expect_rejected(buf, len, "tensor table is for a slab");
+  free(buf);
+  /* A broken table (its own checksum fails). */
+  unsigned char *bad = malloc(table_len);
+  memcpy(bad, table, table_len);
+  bad[table_len - 2] ^= 1;
+  sample(&d, sets, leases);
+  sets[0].table = bad;
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+  expect_rejected(buf, len, "set 0 (s3): tensor table");
+  free(buf);
+  free(bad);
+  /* A store name systemd would refuse, and a kind byte changed to legacy IPC (resealed). */
+  sample(&d, sets, leases);
+  sets[0].fdname = "wd:slab";
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+  expect_rejected(buf, len, "store name");
+  free(buf);
+  sample(&d, sets, leases);
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+  size_t at = SETDESC_HEADER_BYTES + 4 + 2 + 4 + strlen(sets[0].path) + 4 + strlen(sets[0].uuid);
+  uint32_t kind = WD_HANDLE_CUDA_IPC;
+  memcpy(buf + at, &kind, 4);
+  reseal(buf, len);
+  expect_rejected(buf, len, "handle kind");
+  free(buf);
+}
+
+static void test_writer_refuses(void) {
+  struct setdesc d;
+  struct setdesc_set sets[2];
+  struct setdesc_lease leases[3];
+  struct wd_error err = {0};
+  unsigned char *buf = NULL;
+  size_t len = 0;
+  sample(&d, sets, leases);
+  sets[1].handle_kind = WD_HANDLE_CUDA_IPC;
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), WEIGHTD_E_INVALID);
+  CHECK_STR_CONTAINS(err.msg, "cuda_ipc handles cannot be described");
+  CHECK(buf == NULL);
+  sample(&d, sets, leases);
+  leases[0].id = "l123456789012345678901234";
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), WEIGHTD_E_INVALID);
+  CHECK_STR_CONTAINS(err.msg, "lease id");
+}
+
+int main(void) {
+  struct wd_error err = {0};
+  if (ttab_write(2, get_tensor, NULL, 268, &table, &table_len, &err) != 0) {
+    fprintf(stderr, "cannot write the sample table: %s\n", err.msg);
+    return 1;
+  }
+  RUN(test_round_trip);
+  RUN(test_every_truncation_rejected);
+  RUN(test_bad_header_rejected);
+  RUN(test_bad_body_rejected);
+  RUN(test_writer_refuses);
+  free(table);
+  return tu_finish();
+}
