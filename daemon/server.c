@@ -18,7 +18,9 @@
  *     prefix; parsed requests are charged against request_memory (a quarter
  *     of it per connection, and large requests together at most three
  *     quarters, so that they never keep small ones waiting); a frame that
- *     does not fit waits unparsed until memory frees;
+ *     does not fit waits unparsed until memory frees, for at most
+ *     frame_timeout_ms, then is answered LIMIT; requests that wait (for a
+ *     set, a prefetch) keep only their id;
  *   - reply bytes and descriptors queued for a client that does not read:
  *     past half of max_queued_output / max_queued_fds its requests are not
  *     read and its progress events are dropped (they can be); a final reply
@@ -588,6 +590,34 @@ static void on_frame_timeout(uv_timer_t *t) {
 }
 
 /*
+ * A frame held back for request memory for frame_timeout_ms is answered
+ * LIMIT (its id read without parsing it) and dropped; the connection stays
+ * open and goes on with its next frame. Waiting is bounded so that requests
+ * that hold memory for long cannot keep another client waiting for ever.
+ */
+static void on_held_timeout(uv_timer_t *t) {
+  struct conn *c = t->data;
+  if (!alive(c) || c->held.json == NULL) return;
+  cJSON *id = msg_request_peek_id(c->held.json, c->held.len);
+  size_t len = c->held.len;
+  wire_frame_clear(&c->held);
+  if (c->waiting_memory) {
+    c->waiting_memory = false;
+    c->srv->nwaiting_memory--;
+  }
+  log_msg(LOG_DEBUG, "a request of pid %d waited %" PRIu64 " ms for request memory: LIMIT", (int)c->pid,
+          c->d->cfg.frame_timeout_ms);
+  char msg[200];
+  snprintf(msg, sizeof msg,
+           "the request (%zu bytes) got no request memory within frame_timeout_ms: other requests hold "
+           "request_memory; send it again later",
+           len);
+  conn_send(c, msg_reply_error(id, WEIGHTD_E_LIMIT, msg), NULL, 0);
+  cJSON_Delete(id);
+  kick(c);
+}
+
+/*
  * Reserves memory for the next frame, or marks the connection as waiting for
  * it. Large requests (those parsed on a job) may use three quarters of
  * request_memory together: the rest keeps small ones (a status, a release)
@@ -629,6 +659,7 @@ static void process_frames(struct conn *c) {
     if (!reserve_memory(c, mem)) {
       /* Put it back: the reader keeps no frame once taken, so hold it until memory frees. */
       c->held = f;
+      uv_timer_start(&c->frame_timer, on_held_timeout, c->d->cfg.frame_timeout_ms, 0);
       return;
     }
     uv_timer_stop(&c->frame_timer);
@@ -639,7 +670,7 @@ static void process_frames(struct conn *c) {
 
 /* Arms the frame timer while a partial frame waits for bytes the client should send. */
 static void watch_partial_frame(struct conn *c) {
-  if (!alive(c) || c->closing) return;
+  if (!alive(c) || c->closing || c->held.json != NULL) return; /* the timer is the held frame's */
   if (can_take(c) && wire_reader_pending(&c->reader)) {
     if (!uv_is_active((uv_handle_t *)&c->frame_timer))
       uv_timer_start(&c->frame_timer, on_frame_timeout, c->d->cfg.frame_timeout_ms, 0);
@@ -672,6 +703,7 @@ static void take_held(struct conn *c) {
   if (c->held.json == NULL || !can_take(c)) return;
   size_t mem = c->held.len * REQUEST_MEMORY_FACTOR;
   if (!reserve_memory(c, mem)) return;
+  uv_timer_stop(&c->frame_timer);
   struct wire_frame f = c->held;
   memset(&c->held, 0, sizeof c->held);
   handle_frame(c, &f, mem);
