@@ -25,6 +25,8 @@
  * or in the final drain), each window being one contiguous slab range; direct
  * at sync points, after every stream has drained. Replicas and striped loads
  * (multigpu.c) raise it once, at the end, and never stop at the test gate.
+ * The last byte is published only after ckpt_check_unchanged passed, so a
+ * wait for the whole slab never succeeds for bytes a STALE load copied.
  *
  * Gathering is one routine: plan_gather writes the slab image of [lo, hi),
  * which is each output's pieces in order (rows of strided pieces one after
@@ -87,7 +89,7 @@ struct loader {
 };
 
 /* Raises the target's ready watermark to v (never lowers it) and tells the hook. */
-static void publish_ready(struct ld_target *t, uint64_t v) {
+static void raise_ready(struct ld_target *t, uint64_t v) {
   uint_fast64_t cur = atomic_load(&t->ready_bytes);
   while (cur < v)
     if (atomic_compare_exchange_weak(&t->ready_bytes, &cur, v)) {
@@ -95,6 +97,18 @@ static void publish_ready(struct ld_target *t, uint64_t v) {
       return;
     }
 }
+
+/*
+ * Raises the watermark while the fill runs, short of the end of the slab: a
+ * wait for the whole slab succeeds only once the shards are known unchanged
+ * (publish_final).
+ */
+static void publish_ready(struct ld_target *t, uint64_t v) {
+  if (v < t->plan->slab_bytes) raise_ready(t, v);
+}
+
+/* The whole slab is ready: after the fill and the check that no shard changed under it. */
+static void publish_final(struct ld_target *t) { raise_ready(t, t->plan->slab_bytes); }
 
 /* ---- gathering ---------------------------------------------------------------- */
 
@@ -730,12 +744,10 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
   }
-  if (rc == 0) {
-    atomic_store(&s->bytes_done, s->plan->slab_bytes);
-    publish_ready(s, s->plan->slab_bytes);
-  }
+  if (rc == 0) atomic_store(&s->bytes_done, s->plan->slab_bytes);
   /* A shard rewritten while we copied would have given a mix of old and new bytes. */
   if (rc == 0) rc = ckpt_check_unchanged(s->ck->ck, err);
+  if (rc == 0) publish_final(s);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, s->slab, err);
   fill_set_home(-1);
   return rc;
