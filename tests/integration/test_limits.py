@@ -738,6 +738,45 @@ def test_sighup_never_kills(daemon, tiny):
     assert "SIGHUP" in daemon.log_text()
 
 
+def test_reload_applies_the_frame_limit_to_connections_open_before_it(start_daemon, workdir):
+    """A reload that lowers max_request_bytes applies to connections opened
+    before it too: their next longer frame is refused from its length prefix
+    (PROTOCOL, closed), as a new connection's is.
+
+    Before: a connection kept the limit of the configuration it was accepted
+    under; its 512 KiB request, charged 32 MiB against a quarter of the new
+    16 MiB request_memory, waited for memory that could never be enough."""
+    import json
+
+    config = os.path.join(workdir, "frame-reload.json")
+
+    def write_config(**keys):
+        with open(config + ".tmp", "w") as f:
+            json.dump(keys, f)
+        os.replace(config + ".tmp", config)
+
+    write_config(max_request_bytes=1 * MiB, request_memory=256 * MiB)
+    d = start_daemon(config=config)
+    with d.connect() as old:
+        old.send_raw(pad_request("status", "before", 512 * 1024))
+        assert old.wait("before")[0].get("ok") is True
+        write_config(max_request_bytes=64 * 1024, request_memory=16 * MiB)
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "SIGHUP: reloading" in d.log_text(), timeout=10 * SLOW, what="the reload")
+        assert old.status()["daemon"]["pid"] == d.pid  # read after the reload: the loop handled the signal
+        for k in (old, d.connect()):
+            k.settimeout(10 * SLOW)
+            try:
+                k.send_raw(pad_request("status", "big", 512 * 1024))
+            except BrokenPipeError:  # refused from the length prefix, closed before the rest was sent
+                pass
+            m, _ = k.recv()
+            assert m.get("error", {}).get("code") == "PROTOCOL", m
+            assert k.expect_closed(10 * SLOW) == []
+            k.close()
+    d.check_serving()
+
+
 # ---- 8. a reply describes the state at the time it is sent ------------------------------
 
 
