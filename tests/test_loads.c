@@ -622,6 +622,11 @@ static const char *wm_load(struct fix *f, struct reg_ckpt *ck, const char *spec,
     if (slab != MAP_FAILED) {
       for (size_t i = 0; i < p->noutputs; i++)
         CHECK(memcmp(slab + p->outputs[i].offset, w.want + p->outputs[i].offset, p->outputs[i].nbytes) == 0);
+      /* The gaps between outputs too (zero, over the allocation's poison): bytes never depend on the method. */
+      if (memcmp(slab, w.want, p->slab_bytes) != 0) {
+        fprintf(stderr, "%s: the slab differs from the image outside its outputs\n", w.t.method ? w.t.method : "?");
+        CHECK(memcmp(slab, w.want, p->slab_bytes) == 0);
+      }
       munmap((void *)slab, p->slab_bytes);
     }
     b->ops->slab_free(b->ctx, w.t.slab);
