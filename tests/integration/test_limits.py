@@ -412,7 +412,8 @@ def test_request_memory_bounds_many_large_requests(start_daemon):
     status waited up to 9 s behind them."""
     budget = 64 * MiB
     req = 256 * 1024
-    d = start_daemon({"request_memory": budget, "max_request_bytes": req})
+    # frame_timeout_ms bounds a frame's wait for memory (then LIMIT); under ASan these requests wait longer.
+    d = start_daemon({"request_memory": budget, "max_request_bytes": req, "frame_timeout_ms": 600000})
     with d.connect() as c:
         c.call("status")
         base = d.proc_status("VmRSS")
