@@ -90,7 +90,9 @@ static const struct cfg_key keys[] = {
     {"staging_slot_bytes", CFG_BYTES, OFF(staging_slot_bytes), 0, 1 * MiB, 4 * GiB, "64MiB",
      "bytes per staging slot"},
     {"frame_timeout_ms", CFG_UINT, OFF(frame_timeout_ms), 0, 100, 3600000, "10000",
-     "a request frame must arrive whole within this time", .reload = true},
+     "a request frame must arrive whole within this time; a whole frame that gets no request memory "
+     "within it is answered LIMIT",
+     .reload = true},
     {"max_connections", CFG_UINT, OFF(max_connections), 0, 1, 1000000, "1024",
      "connections served at once; more are refused", .reload = true},
     {"max_queued_output", CFG_BYTES, OFF(max_queued_output), 0, 1 * MiB, 16 * GiB, "64MiB",
@@ -103,8 +105,10 @@ static const struct cfg_key keys[] = {
      "the largest request frame; a longer one is refused from its length prefix, before it is read", .reload = true},
     {"request_memory", CFG_BYTES, OFF(request_memory), 0, 16 * MiB, 64 * GiB, "1GiB",
      "memory for requests read and not finished, all connections together (charged as 64 bytes per "
-     "request byte, what parsing the densest JSON can take); one connection may use a quarter, and a "
-     "request that does not fit waits unparsed until memory frees", .reload = true},
+     "request byte, what parsing the densest JSON can take); one connection may use a quarter; a "
+     "request that does not fit waits unparsed until memory frees, at most frame_timeout_ms, then is "
+     "answered LIMIT; requests that wait for a load or a prefetch hold none",
+     .reload = true},
     {"idle_timeout_ms", CFG_UINT, OFF(idle_timeout_ms), 0, 0, 86400000, "300000",
      "a connection that holds no lease and has nothing in progress is closed after this long (0: never)", .reload = true},
     {"reserved_connections", CFG_UINT, OFF(reserved_connections), 0, 0, 1000, "16",

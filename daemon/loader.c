@@ -25,6 +25,8 @@
  * or in the final drain), each window being one contiguous slab range; direct
  * at sync points, after every stream has drained. Replicas and striped loads
  * (multigpu.c) raise it once, at the end, and never stop at the test gate.
+ * The last byte is published only after ckpt_check_unchanged passed, so a
+ * wait for the whole slab never succeeds for bytes a STALE load copied.
  *
  * Gathering is one routine: plan_gather writes the slab image of [lo, hi),
  * which is each output's pieces in order (rows of strided pieces one after
@@ -91,7 +93,7 @@ struct loader {
 };
 
 /* Raises the target's ready watermark to v (never lowers it) and tells the hook. */
-static void publish_ready(struct ld_target *t, uint64_t v) {
+static void raise_ready(struct ld_target *t, uint64_t v) {
   uint_fast64_t cur = atomic_load(&t->ready_bytes);
   while (cur < v)
     if (atomic_compare_exchange_weak(&t->ready_bytes, &cur, v)) {
@@ -99,6 +101,18 @@ static void publish_ready(struct ld_target *t, uint64_t v) {
       return;
     }
 }
+
+/*
+ * Raises the watermark while the fill runs, short of the end of the slab: a
+ * wait for the whole slab succeeds only once the shards are known unchanged
+ * (publish_final).
+ */
+static void publish_ready(struct ld_target *t, uint64_t v) {
+  if (v < t->plan->slab_bytes) raise_ready(t, v);
+}
+
+/* The whole slab is ready: after the fill and the check that no shard changed under it. */
+static void publish_final(struct ld_target *t) { raise_ready(t, t->plan->slab_bytes); }
 
 /* ---- gathering ---------------------------------------------------------------- */
 
@@ -645,28 +659,38 @@ static int direct_sync(struct loader *ld, struct staging *st, int rc, struct wd_
  * that ends LD_DIRECT_SYNC bytes or more past the last one, every stream is
  * drained, and then everything before that output's end is in place.
  */
-static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *err) {
-  const struct wd_backend_ops *ops = ld->backend->ops;
-  void *ctx = ld->backend->ctx;
-  struct staging *st = &ld->stagings[s->device];
+/* Writes zeros to slab bytes [dst, dst + len) (a synchronous copy from a static page of zeros). */
+static int zero_span(const struct wd_backend *b, struct wd_slab *slab, uint64_t dst, uint64_t len,
+                     struct wd_error *err) {
   static const unsigned char zeros[1u << 16];
+  int rc = 0;
+  for (uint64_t off = 0; off < len && rc == 0; off += sizeof zeros) {
+    size_t m = len - off < sizeof zeros ? (size_t)(len - off) : sizeof zeros;
+    rc = b->ops->copy_h2d(b->ctx, slab, dst + off, m, zeros, m, m, 1, NULL, err);
+  }
+  return rc;
+}
+
+static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *err) {
+  struct staging *st = &ld->stagings[s->device];
   pthread_mutex_lock(&st->lock);
   int rc = 0;
   size_t n = 0;
   uint64_t synced = 0; /* slab bytes below the last sync point */
+  uint64_t written = 0; /* slab bytes below the end of the last output */
   const struct plan *p = s->plan;
   for (size_t o = 0; o < p->noutputs && rc == 0; o++) {
     uint64_t dst = p->outputs[o].offset;
+    /* The alignment gap before it: zero, as the other methods leave it. */
+    if (dst > written) rc = zero_span(ld->backend, s->slab, written, dst - written, err);
+    written = dst + p->outputs[o].nbytes;
     for (size_t k = 0; k < p->outputs[o].npieces && rc == 0; k++) {
       const struct plan_piece *pc = &p->outputs[o].pieces[k];
       uint64_t len = pc->width * pc->height;
       if ((rc = check_cancel(s, err)) != 0) break;
       struct wd_stream *stream = st->streams[n++ % st->nslots];
       if (pc->src == NULL) {
-        for (uint64_t off = 0; off < len && rc == 0; off += sizeof zeros) {
-          size_t m = len - off < sizeof zeros ? (size_t)(len - off) : sizeof zeros;
-          rc = ops->copy_h2d(ctx, s->slab, dst + off, m, zeros, m, m, 1, NULL, err);
-        }
+        rc = zero_span(ld->backend, s->slab, dst, len, err);
       } else if (len == 0) {
         /* nothing to copy */
       } else if (pc->height <= 1 || pc->src_pitch == pc->width) {
@@ -684,6 +708,7 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
       publish_ready(s, end);
     }
   }
+  if (rc == 0 && p->slab_bytes > written) rc = zero_span(ld->backend, s->slab, written, p->slab_bytes - written, err);
   rc = direct_sync(ld, st, rc, err);
   pthread_mutex_unlock(&st->lock);
   return rc;
@@ -734,12 +759,10 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
   }
-  if (rc == 0) {
-    atomic_store(&s->bytes_done, s->plan->slab_bytes);
-    publish_ready(s, s->plan->slab_bytes);
-  }
+  if (rc == 0) atomic_store(&s->bytes_done, s->plan->slab_bytes);
   /* A shard rewritten while we copied would have given a mix of old and new bytes. */
   if (rc == 0) rc = ckpt_check_unchanged(s->ck->ck, err);
+  if (rc == 0) publish_final(s);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, s->slab, err);
   fill_set_home(-1);
   return rc;

@@ -137,6 +137,7 @@ static void prefetch_start(struct request *r, struct reg_ckpt *ck, const struct 
   }
   if (wait) {
     reg_unref(ck);
+    req_args_free(r); /* a waiting prefetch keeps only its id */
     ticker_start(r);
   } else {
     ops_reply_checkpoint(r, ck);
@@ -567,6 +568,7 @@ void op_attach(struct request *r) {
     req_fail(r, WEIGHTD_E_NOT_FOUND, "no resident set '%.64s'", set_id);
     return;
   }
+  req_args_free(r); /* set_id points into the request: not used past here; a waiting attach keeps only its id */
   wait_init(r);
   res_wait(d->res, s, &r->wait); /* a loading set: wait like an identical load would */
 }

@@ -7,7 +7,9 @@
  * and pinning all run on job threads (prefetch chunks on the fill threads);
  * each job reads only its own struct: the entry it was handed (immutable once
  * open, but for its loop-owned pin list, which jobs never read: a pin job is
- * handed the ranges to register, an unpin job the ranges to unregister), a
+ * handed the ranges to register, an unpin job the ranges to unregister; an
+ * entry nothing uses any more is handed whole to a release job, which
+ * unregisters its pins and unmaps its shards), a
  * reference to the model roots it started with, the backend's const table,
  * the registry's atomic stop flag and its memory of failed index checks
  * (which has its own lock). Their done() callbacks update the registry on the
@@ -279,22 +281,59 @@ static void registry_free(struct registry *r) {
   free(r);
 }
 
-/* Frees an entry nothing uses. The registry itself goes with its last entry once destroyed. */
-static void entry_free(struct reg_ckpt *ck) {
-  struct registry *r = ck->reg;
-  const struct wd_backend *b = r->backend;
+/* Unregisters an unused entry's pins and unmaps its shards: slow (tens of ms per GiB pinned), so on a job. */
+static void entry_release(struct reg_ckpt *ck) {
+  const struct wd_backend *b = ck->reg->backend;
   if (ck->npins > 0 && b->ops->host_unregister != NULL) unregister_ranges(b, ck, ck->pins, ck->npins);
   if (ck->ck != NULL) {
     for (size_t i = 0; i < ck->ck->nshards; i++)
       if (ck->maps != NULL && ck->maps[i] != NULL) munmap(ck->maps[i], ck->ck->shards[i].size);
   }
-  r->pinned_bytes -= ck->pinned_bytes;
+}
+
+/* Frees what is left of an entry once released. The registry itself goes with its last entry once destroyed. */
+static void entry_finish(struct reg_ckpt *ck) {
+  struct registry *r = ck->reg;
   free(ck->pins);
   free(ck->maps);
   ckpt_free(ck->ck);
   free(ck->path);
   free(ck);
   if (--r->nentries == 0 && r->destroyed) registry_free(r);
+}
+
+struct release_job {
+  struct job job;
+  struct reg_ckpt *ck; /* unused: only this job reads it */
+};
+
+static void release_work(struct job *j) { entry_release(((struct release_job *)j)->ck); }
+
+static void release_done(struct job *j) {
+  entry_finish(((struct release_job *)j)->ck);
+  free(j);
+}
+
+/*
+ * Frees an entry nothing uses. Its pins and mappings are released on a bulk
+ * job (the loop never waits for cudaHostUnregister or munmap), which the
+ * daemon's stop drains; once the registry is destroyed, or without memory for
+ * the job, here.
+ */
+static void entry_free(struct reg_ckpt *ck) {
+  struct registry *r = ck->reg;
+  r->pinned_bytes -= ck->pinned_bytes;
+  ck->pinned_bytes = 0;
+  struct release_job *rj = r->bulk != NULL && !r->destroyed && ck->maps != NULL ? calloc(1, sizeof *rj) : NULL;
+  if (rj != NULL) {
+    rj->job.work = release_work;
+    rj->job.done = release_done;
+    rj->ck = ck;
+    jobs_submit(r->bulk, &rj->job);
+    return;
+  }
+  entry_release(ck);
+  entry_finish(ck);
 }
 
 void reg_unref(struct reg_ckpt *ck) {

@@ -18,7 +18,9 @@
  *     prefix; parsed requests are charged against request_memory (a quarter
  *     of it per connection, and large requests together at most three
  *     quarters, so that they never keep small ones waiting); a frame that
- *     does not fit waits unparsed until memory frees;
+ *     does not fit waits unparsed until memory frees, for at most
+ *     frame_timeout_ms, then is answered LIMIT; requests that wait (for a
+ *     set, a prefetch) keep only their id;
  *   - reply bytes and descriptors queued for a client that does not read:
  *     past half of max_queued_output / max_queued_fds its requests are not
  *     read and its progress events are dropped (they can be); a final reply
@@ -588,6 +590,46 @@ static void on_frame_timeout(uv_timer_t *t) {
 }
 
 /*
+ * A frame held back for request memory for frame_timeout_ms is answered
+ * LIMIT (its id read without parsing it) and dropped; the connection stays
+ * open and goes on with its next frame. Waiting is bounded so that requests
+ * that hold memory for long cannot keep another client waiting for ever.
+ */
+/* Answers a frame that is not parsed LIMIT (its id read without parsing it) and drops it. */
+static void frame_refuse(struct conn *c, struct wire_frame *f, const char *why) {
+  cJSON *id = msg_request_peek_id(f->json, f->len);
+  char msg[256];
+  snprintf(msg, sizeof msg, "the request (%zu bytes) %s", f->len, why);
+  log_msg(LOG_DEBUG, "a request of pid %d: LIMIT: %s", (int)c->pid, msg);
+  wire_frame_clear(f);
+  conn_send(c, msg_reply_error(id, WEIGHTD_E_LIMIT, msg), NULL, 0);
+  cJSON_Delete(id);
+}
+
+static void on_held_timeout(uv_timer_t *t) {
+  struct conn *c = t->data;
+  if (!alive(c) || c->held.json == NULL) return;
+  if (c->waiting_memory) {
+    c->waiting_memory = false;
+    c->srv->nwaiting_memory--;
+  }
+  frame_refuse(c, &c->held,
+               "got no request memory within frame_timeout_ms: other requests hold request_memory; send it "
+               "again later");
+  kick(c);
+}
+
+/*
+ * Whether a frame charged mem can ever be taken: one connection's share of
+ * request_memory (a quarter). The configuration's checks keep frames within
+ * it; a reload that shrinks request_memory can leave a frame read before it
+ * over it.
+ */
+static bool within_share(const struct conn *c, size_t mem) { return mem <= c->d->cfg.request_memory / 4; }
+
+static const char over_share[] = "is over one connection's share of request_memory (a reload shrank it)";
+
+/*
  * Reserves memory for the next frame, or marks the connection as waiting for
  * it. Large requests (those parsed on a job) may use three quarters of
  * request_memory together: the rest keeps small ones (a status, a release)
@@ -620,15 +662,22 @@ static void process_frames(struct conn *c) {
     size_t mem = (size_t)next * REQUEST_MEMORY_FACTOR;
     struct wire_frame f = {0};
     struct wd_error err = {0};
+    c->reader.max_frame = (uint32_t)c->d->cfg.max_request_bytes; /* as configured now (reloads) */
     int n = wire_reader_next(&c->reader, &f, &err);
     if (n == 0) return;
     if (n < 0) {
       conn_fail(c, NULL, n, err.msg);
       return;
     }
+    if (!within_share(c, mem)) {
+      uv_timer_stop(&c->frame_timer);
+      frame_refuse(c, &f, over_share);
+      continue;
+    }
     if (!reserve_memory(c, mem)) {
       /* Put it back: the reader keeps no frame once taken, so hold it until memory frees. */
       c->held = f;
+      uv_timer_start(&c->frame_timer, on_held_timeout, c->d->cfg.frame_timeout_ms, 0);
       return;
     }
     uv_timer_stop(&c->frame_timer);
@@ -639,7 +688,7 @@ static void process_frames(struct conn *c) {
 
 /* Arms the frame timer while a partial frame waits for bytes the client should send. */
 static void watch_partial_frame(struct conn *c) {
-  if (!alive(c) || c->closing) return;
+  if (!alive(c) || c->closing || c->held.json != NULL) return; /* the timer is the held frame's */
   if (can_take(c) && wire_reader_pending(&c->reader)) {
     if (!uv_is_active((uv_handle_t *)&c->frame_timer))
       uv_timer_start(&c->frame_timer, on_frame_timeout, c->d->cfg.frame_timeout_ms, 0);
@@ -650,6 +699,7 @@ static void watch_partial_frame(struct conn *c) {
 
 static void do_read(struct conn *c) {
   for (int rounds = 0; rounds < 16 && can_take(c); rounds++) {
+    c->reader.max_frame = (uint32_t)c->d->cfg.max_request_bytes; /* as configured now (reloads) */
     int rc = wire_reader_fill(&c->reader, c->fd);
     if (rc == WIRE_AGAIN) break;
     if (rc == 0) {
@@ -671,7 +721,13 @@ static void do_read(struct conn *c) {
 static void take_held(struct conn *c) {
   if (c->held.json == NULL || !can_take(c)) return;
   size_t mem = c->held.len * REQUEST_MEMORY_FACTOR;
+  if (!within_share(c, mem)) {
+    uv_timer_stop(&c->frame_timer);
+    frame_refuse(c, &c->held, over_share);
+    return;
+  }
   if (!reserve_memory(c, mem)) return;
+  uv_timer_stop(&c->frame_timer);
   struct wire_frame f = c->held;
   memset(&c->held, 0, sizeof c->held);
   handle_frame(c, &f, mem);

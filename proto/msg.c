@@ -180,6 +180,71 @@ static int read_id(const cJSON *root, cJSON **out, struct wd_error *err) {
   return 0;
 }
 
+/* Skips white space; returns the index of the next byte. */
+static size_t skip_ws(const char *s, size_t i, size_t len) {
+  while (i < len && (s[i] == ' ' || s[i] == '\t' || s[i] == '\n' || s[i] == '\r')) i++;
+  return i;
+}
+
+/* Skips a string that starts at s[i] ('"'); returns the index past its closing quote, or len. */
+static size_t skip_string(const char *s, size_t i, size_t len) {
+  for (i++; i < len; i++) {
+    if (s[i] == '\\') i++;
+    else if (s[i] == '"') return i + 1;
+  }
+  return len;
+}
+
+/* Skips one value of the top-level object: up to the ',' or '}' that ends it at depth one. */
+static size_t skip_value(const char *s, size_t i, size_t len) {
+  unsigned depth = 0;
+  while (i < len) {
+    char ch = s[i];
+    if (ch == '"') {
+      i = skip_string(s, i, len);
+      continue;
+    }
+    if (ch == '{' || ch == '[') depth++;
+    else if ((ch == '}' || ch == ']') && depth > 0) depth--;
+    else if ((ch == ',' || ch == '}') && depth == 0) return i;
+    i++;
+  }
+  return len;
+}
+
+cJSON *msg_request_peek_id(const char *json, size_t len) {
+  size_t i = skip_ws(json, 0, len);
+  if (i >= len || json[i] != '{') return NULL;
+  i = skip_ws(json, i + 1, len);
+  while (i < len && json[i] == '"') {
+    size_t key = i + 1;
+    i = skip_string(json, i, len);
+    bool is_id = i - key == 3 && memcmp(json + key, "id", 2) == 0;
+    i = skip_ws(json, i, len);
+    if (i >= len || json[i] != ':') return NULL;
+    i = skip_ws(json, i + 1, len);
+    if (is_id) {
+      if (i >= len || !(json[i] == '"' || json[i] == '-' || (json[i] >= '0' && json[i] <= '9'))) return NULL;
+      const char *end = NULL;
+      cJSON *v = cJSON_ParseWithLengthOpts(json + i, len - i, &end, 0);
+      cJSON *wrap = v != NULL ? cJSON_CreateObject() : NULL;
+      cJSON *id = NULL;
+      struct wd_error err = {0};
+      if (wrap != NULL && cJSON_AddItemToObject(wrap, "id", v)) {
+        v = NULL;
+        if (read_id(wrap, &id, &err) != 0) id = NULL;
+      }
+      cJSON_Delete(v);
+      cJSON_Delete(wrap);
+      return id;
+    }
+    i = skip_value(json, i, len);
+    if (i >= len || json[i] != ',') return NULL;
+    i = skip_ws(json, i + 1, len);
+  }
+  return NULL;
+}
+
 int msg_request_parse(const char *json, size_t len, struct msg_request *out, struct wd_error *err) {
   memset(out, 0, sizeof *out);
   out->op = MSG_OP_UNKNOWN;

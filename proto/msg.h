@@ -109,6 +109,15 @@ struct msg_request {
 int msg_request_parse(const char *json, size_t len, struct msg_request *out, struct wd_error *err);
 
 /*
+ * The "id" of a request frame that is not parsed (one refused before its
+ * parse): read by a scan of the top-level object that allocates nothing but
+ * the id, which is checked as msg_request_parse checks it. Returns a detached
+ * copy, or NULL when the frame has no valid id where the scan finds it (the
+ * frame may still be malformed elsewhere).
+ */
+cJSON *msg_request_peek_id(const char *json, size_t len);
+
+/*
  * True when two request ids are the same id: strings byte for byte, integers
  * by exact value (never a tolerance: 2^52 + 1 and 2^52 + 2 differ).
  */

@@ -281,6 +281,35 @@ def test_a_load_that_fails_midway_is_seen_failed(gated, ckpt_small, model_root):
     shutil.rmtree(path)
 
 
+def test_a_load_of_a_replaced_shard_never_shows_the_whole_slab_ready(gated, ckpt_small, model_root):
+    """The watermark reaches the end of the slab only after the check that no shard changed.
+
+    The shard is replaced while the load waits at the gate; the load then
+    copies every byte (from the old mapping) and fails STALE at its final
+    check. Before: the whole slab was published ready before that check, so a
+    wait for all of it succeeded for a load that failed."""
+    d, gate = gated
+    path = copy_checkpoint(ckpt_small, os.path.join(model_root, "early-stale"))
+    shard = os.path.join(path, "model.safetensors")
+    with d.connect(features=TABLE) as c:
+        m, fds = binary_attach(c, path=path, device=0, early=True)
+        try:
+            assert m["state"] == "loading", m
+            page = ProgressPage(fds["page"])
+            shutil.copyfile(shard, shard + ".new")
+            os.replace(shard + ".new", shard)
+            gate.open()
+            wait_until(lambda: page.state != "loading", timeout=60 * SLOW, what="the load to end")
+            _, state, ready, _, error, msg = page.read()
+            assert state == "failed" and "replaced" in msg, page.read()
+            assert ready < m["bytes"], (ready, m["bytes"])
+            page.close()
+            assert c.call("release", lease=m["lease"])["released"] is True
+        finally:
+            close_all(fds)
+    shutil.rmtree(path)
+
+
 def test_another_clients_cancel_does_not_stop_an_early_attached_load(gated, ckpt_sharded):
     """A's early lease keeps the load going when B, who loads the same set, cancels its own load."""
     d, gate = gated

@@ -412,7 +412,8 @@ def test_request_memory_bounds_many_large_requests(start_daemon):
     status waited up to 9 s behind them."""
     budget = 64 * MiB
     req = 256 * 1024
-    d = start_daemon({"request_memory": budget, "max_request_bytes": req})
+    # frame_timeout_ms bounds a frame's wait for memory (then LIMIT); under ASan these requests wait longer.
+    d = start_daemon({"request_memory": budget, "max_request_bytes": req, "frame_timeout_ms": 600000})
     with d.connect() as c:
         c.call("status")
         base = d.proc_status("VmRSS")
@@ -565,47 +566,156 @@ def test_idle_connection_without_lease_is_closed(start_daemon, tiny):
         k.close()
 
 
-def test_request_waiting_for_memory_is_not_idle(start_daemon, ckpt_sharded):
+def hold_request_memory(d, set_id, nbytes, holders=4):
+    """Connections that each hold one queued request of nbytes while the set loads.
+
+    Each sends 16 attaches of the loading set (CONN_MAX_INFLIGHT: they wait and,
+    waiting, hold no request memory), then a padded status that queues behind
+    them, its memory charged until one of them ends. Returns the connections.
+    """
+    conns = []
+    for _ in range(holders):  # each connects just before it sends: an idle one would be closed
+        k = d.connect()
+        for i in range(16):
+            k.send({"op": "attach", "id": f"A{i}", "set": set_id})
+        k.send_raw(pad_request("status", "Q", nbytes))
+        sync(k)
+        conns.append(k)
+    return conns
+
+
+def finish_holders(holders):
+    """Waits for every request of hold_request_memory's connections and closes them."""
+    for k in holders:
+        for i in range(16):
+            m, fds = k.wait(f"A{i}")
+            for fd in fds:
+                os.close(fd)
+            assert m.get("ok") is True, m
+        assert k.wait("Q")[0].get("ok") is True
+        k.close()
+
+
+@pytest.fixture
+def gate(workdir):
+    import tempfile
+
+    from test_early_attach import Gate
+
+    g = Gate(tempfile.mkdtemp(prefix="gate-", dir=workdir))
+    yield g
+    g.open()
+
+
+def test_waiting_requests_hold_no_request_memory(start_daemon, tiny, gate):
+    """Requests that wait for a set hold no request memory: four connections
+    whose large requests wait cannot keep a fifth client's status from being
+    answered.
+
+    A load waits at the test gate. A connection sends a 60 KiB load of it (it
+    joins the load), four others an attach of the loading set each, 60 KiB
+    (charged 3.75 MiB, 15 MiB of the 16 MiB of request_memory together). A
+    sixth connection's status of 32 KiB (2 MiB) must be answered ok while they
+    all wait.
+
+    Before: an attach by set id kept its whole request while it waited, so the
+    four held 15 MiB and the status waited until the load ended (here: for
+    ever, the gate is closed and frame_timeout_ms long)."""
+    req = 64 * 1024
+    d = start_daemon({"request_memory": 16 * MiB, "max_request_bytes": req, "frame_timeout_ms": 600000,
+                      "test_load_gate": gate.path})
+    with d.connect() as c:
+        c.start("load", id="L", path=tiny["a"])
+        set_id = wait_until(lambda: [s["set"] for s in c.status()["sets"] if s["state"] == "loading"],
+                            timeout=30 * SLOW, what="the load to start")[0]
+        waiters = []
+        k = d.connect()
+        k.send_raw(pad_request("load", "J", req - 4096, path=tiny["a"]))
+        sync(k)
+        waiters.append((k, "J"))
+        for rid in ("A1", "A2", "A3", "A4"):
+            k = d.connect()
+            k.send_raw(pad_request("attach", rid, req - 4096, set=set_id))
+            sync(k)
+            waiters.append((k, rid))
+        with Conn(d.socket, timeout=30 * SLOW) as late:
+            late.send_raw(pad_request("status", "S", 32 * 1024))
+            m, _ = late.wait("S")
+            assert m.get("ok") is True, m
+            assert [s["state"] for s in m["sets"]] == ["loading"], m["sets"]
+        gate.open()
+        assert c.wait("L")[0].get("ok") is True
+        for k, rid in waiters:
+            m, fds = k.wait(rid)
+            for fd in fds:
+                os.close(fd)
+            assert m.get("ok") is True, m
+            k.close()
+
+
+def test_request_waiting_for_memory_is_not_idle(start_daemon, tiny, gate):
     """A connection whose request waits for request memory is not idle: it is
     answered once memory frees, however long past idle_timeout_ms that is.
 
-    Four attaches of a set being loaded (about 60 KiB each, kept whole while they
-    wait) fill request_memory (16 MiB); a fifth connection's status is answered,
-    then its large request waits for their memory until the load ends (more
-    than a second here, idle_timeout_ms is 300).
+    Four connections each queue a status of 60 KiB behind 16 attaches of a set
+    held at the test gate: together they hold most of request_memory (16 MiB);
+    a fifth connection's small status is answered, then its large one waits
+    for their memory until the gate opens (after more than three idle
+    timeouts).
 
     Before (the first implementation): a request held back for memory did not
     count as in progress, and its connection was closed as idle."""
     req = 64 * 1024
     d = start_daemon({"request_memory": 16 * MiB, "max_request_bytes": req, "idle_timeout_ms": 300,
-                      "fill_threads": 1})
+                      "frame_timeout_ms": 600000, "test_load_gate": gate.path})
     with d.connect() as c:
-        c.start("load", id="L", path=ckpt_sharded)
-        first, _ = c.recv()
-        assert first.get("event") == "progress", first
-        set_id = c.status()["sets"][0]["set"]
-        holders = []
-        for _ in range(4):  # each connects just before it sends: an idle one would be closed
-            k = d.connect()
-            k.send_raw(pad_request("attach", "A", req - 4096, set=set_id))
-            sync(k)
-            holders.append(k)
+        c.start("load", id="L", path=tiny["a"])
+        set_id = wait_until(lambda: [s["set"] for s in c.status()["sets"] if s["state"] == "loading"],
+                            timeout=30 * SLOW, what="the load to start")[0]
+        holders = hold_request_memory(d, set_id, req - 4096)
         late = d.connect()
         late.send_raw(frame({"op": "status", "id": "small"}) + pad_request("status", "big", req - 4096))
         assert late.wait("small")[0].get("ok") is True
-        loading = [s["state"] for s in c.status()["sets"]]
+        time.sleep(1.0)  # more than three idle timeouts
+        assert [s["state"] for s in c.status()["sets"]] == ["loading"]
+        gate.open()
         late.settimeout(60 * SLOW)
         m, _ = late.wait("big")
         assert m.get("ok") is True, m
-        assert loading == ["loading"], f"the load ended too early for the test to mean anything: {loading}"
         assert c.wait("L")[0].get("ok") is True
-        for k in holders:
-            m, fds = k.wait("A")
-            for fd in fds:
-                os.close(fd)
-            assert m.get("ok") is True, m
-            k.close()
+        finish_holders(holders)
         late.close()
+
+
+def test_request_waiting_for_memory_gets_limit_after_frame_timeout(start_daemon, tiny, gate):
+    """Waiting for request memory is bounded: a frame that gets none within
+    frame_timeout_ms is answered LIMIT with its id, and its connection goes on.
+
+    Four connections each hold 3.75 MiB of request_memory (16 MiB) with a
+    queued 60 KiB status behind attaches of a set held at the test gate; a
+    fifth connection's statuses of 32 KiB (2 MiB), integer id, and then one
+    with a string id, are answered LIMIT, and the next is answered once
+    memory frees.
+
+    Before: the status waited, unanswered, until the gate opened (for ever)."""
+    req = 64 * 1024
+    d = start_daemon({"request_memory": 16 * MiB, "max_request_bytes": req, "frame_timeout_ms": 500,
+                      "test_load_gate": gate.path})
+    with d.connect() as c:
+        c.start("load", id="L", path=tiny["a"])
+        set_id = wait_until(lambda: [s["set"] for s in c.status()["sets"] if s["state"] == "loading"],
+                            timeout=30 * SLOW, what="the load to start")[0]
+        holders = hold_request_memory(d, set_id, req - 4096)
+        with Conn(d.socket, timeout=60 * SLOW) as late:
+            late.send_raw(pad_request("status", 7, 32 * 1024) + pad_request("status", "s", 32 * 1024))
+            for rid in (7, "s"):
+                m, fds = late.recv()
+                assert m.get("id") == rid and m["error"]["code"] == "LIMIT" and not fds, m
+            gate.open()
+            assert c.wait("L")[0].get("ok") is True
+            finish_holders(holders)
+            late.send_raw(pad_request("status", "after", 32 * 1024))
+            assert late.wait("after")[0].get("ok") is True
 
 
 # ---- 7. SIGHUP -------------------------------------------------------------------------
@@ -627,6 +737,45 @@ def test_sighup_never_kills(daemon, tiny):
         assert st["daemon"]["leases"] == 1
         fresh_client_answers(daemon)
     assert "SIGHUP" in daemon.log_text()
+
+
+def test_reload_applies_the_frame_limit_to_connections_open_before_it(start_daemon, workdir):
+    """A reload that lowers max_request_bytes applies to connections opened
+    before it too: their next longer frame is refused from its length prefix
+    (PROTOCOL, closed), as a new connection's is.
+
+    Before: a connection kept the limit of the configuration it was accepted
+    under; its 512 KiB request, charged 32 MiB against a quarter of the new
+    16 MiB request_memory, waited for memory that could never be enough."""
+    import json
+
+    config = os.path.join(workdir, "frame-reload.json")
+
+    def write_config(**keys):
+        with open(config + ".tmp", "w") as f:
+            json.dump(keys, f)
+        os.replace(config + ".tmp", config)
+
+    write_config(max_request_bytes=1 * MiB, request_memory=256 * MiB)
+    d = start_daemon(config=config)
+    with d.connect() as old:
+        old.send_raw(pad_request("status", "before", 512 * 1024))
+        assert old.wait("before")[0].get("ok") is True
+        write_config(max_request_bytes=64 * 1024, request_memory=16 * MiB)
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "SIGHUP: reloading" in d.log_text(), timeout=10 * SLOW, what="the reload")
+        assert old.status()["daemon"]["pid"] == d.pid  # read after the reload: the loop handled the signal
+        for k in (old, d.connect()):
+            k.settimeout(10 * SLOW)
+            try:
+                k.send_raw(pad_request("status", "big", 512 * 1024))
+            except BrokenPipeError:  # refused from the length prefix, closed before the rest was sent
+                pass
+            m, _ = k.recv()
+            assert m.get("error", {}).get("code") == "PROTOCOL", m
+            assert k.expect_closed(10 * SLOW) == []
+            k.close()
+    d.check_serving()
 
 
 # ---- 8. a reply describes the state at the time it is sent ------------------------------
