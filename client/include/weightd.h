@@ -96,7 +96,10 @@ const char *weightd_version_string(void);
  * parent's socket and leases); calls on them fail with WEIGHTD_E_INVALID and
  * it makes its own with weightd_connect. The child may read host sets it
  * inherited; weightd_release there only unmaps them and sends nothing (the
- * parent's lease stays); CUDA mappings are not inherited at all.
+ * parent's lease stays); CUDA mappings are not inherited at all. Any thread
+ * may fork while others attach or release: fork() waits until no thread is
+ * inside the process-wide table of mappings (an import in progress, such as
+ * a large cuIpcOpenMemHandle, delays it that long).
  *
  * All I/O is blocking; no event loop is needed. Checkpoint paths that are
  * relative are made absolute against the caller's working directory before
