@@ -516,7 +516,8 @@ int wire_send_frame(int sock, const char *json, size_t len, const int *fds, size
 
 struct recv_state {
   int sock;
-  int64_t deadline;
+  int64_t deadline; /* until the first byte: the caller's timeout; after it, the finishing bound */
+  int64_t finish_ms; /* how long a begun frame may take, from its first byte; -1: no bound */
   size_t done; /* bytes of this frame consumed so far */
   int fds[WIRE_MAX_FDS];
   size_t nfds;
@@ -536,7 +537,8 @@ static int recv_exact(struct recv_state *s, void *p, size_t n, size_t frame_tota
       if (rc == 0) {
         if (s->done == 0) return err_set(err, WEIGHTD_E_TIMEOUT, "no reply within the timeout");
         return err_set(err, WEIGHTD_E_PROTOCOL,
-                       "timed out inside a frame after %zu bytes; the connection is out of step", s->done);
+                       "stalled inside a frame after %zu bytes for %lld ms; the connection is out of step",
+                       s->done, (long long)s->finish_ms);
       }
       continue;
     }
@@ -566,6 +568,7 @@ static int recv_exact(struct recv_state *s, void *p, size_t n, size_t frame_tota
       return err_set(err, WEIGHTD_E_CLOSED,
                      "connection closed inside a frame's length prefix after %zu bytes", s->done);
     }
+    if (s->done == 0) s->deadline = s->finish_ms < 0 ? -1 : (int64_t)clock_ms() + s->finish_ms;
     got += (size_t)r;
     s->done += (size_t)r;
   }
@@ -573,8 +576,16 @@ static int recv_exact(struct recv_state *s, void *p, size_t n, size_t frame_tota
 }
 
 int wire_recv_frame(int sock, int timeout_ms, struct wire_frame *out, struct wd_error *err) {
+  return wire_recv_frame_bounded(sock, timeout_ms, WIRE_FINISH_MS, out, err);
+}
+
+int wire_recv_frame_bounded(int sock, int timeout_ms, int finish_ms, struct wire_frame *out, struct wd_error *err) {
   frame_init(out);
-  struct recv_state s = {.sock = sock, .deadline = timeout_ms < 0 ? -1 : (int64_t)clock_ms() + timeout_ms};
+  struct recv_state s = {
+      .sock = sock,
+      .deadline = timeout_ms < 0 ? -1 : (int64_t)clock_ms() + timeout_ms,
+      .finish_ms = timeout_ms < 0 ? -1 : (int64_t)(finish_ms > timeout_ms ? finish_ms : timeout_ms),
+  };
   unsigned char hdr[WIRE_HEADER];
   char *body = NULL;
   int rc = recv_exact(&s, hdr, WIRE_HEADER, 0, err);

@@ -187,15 +187,28 @@ int wire_send_frame(int sock, const char *json, size_t len, const int *fds, size
                     struct wd_error *err);
 
 /*
+ * How long a frame that has begun may take to finish, from its first byte,
+ * when the caller's timeout is shorter (wire_recv_frame).
+ */
+#define WIRE_FINISH_MS 30000
+
+/*
  * Receives exactly one frame, reading no byte beyond it. timeout_ms bounds
- * the whole frame (-1: wait forever). Returns 0 and fills out (clear it with
- * wire_frame_clear), WEIGHTD_E_TIMEOUT when no byte arrived in time (nothing
- * was consumed: the connection stays usable), WEIGHTD_E_CLOSED at end of
- * stream (before or inside a frame), WEIGHTD_E_PROTOCOL for a bad prefix,
- * bad descriptors or a frame that stalled past the timeout once begun, or
- * WEIGHTD_E_IO / WEIGHTD_E_NOMEM. After any error but WEIGHTD_E_TIMEOUT the
- * stream is out of step and the connection must be closed.
+ * the wait for the frame's first byte (-1: wait forever). A frame that has
+ * begun is finished, however short timeout_ms was: its remaining bytes may
+ * take max(timeout_ms, WIRE_FINISH_MS) from its first byte (no bound when
+ * timeout_ms is -1), so a timeout, even 1 ms, never leaves half a frame in
+ * the socket. Returns 0 and fills out (clear it with wire_frame_clear),
+ * WEIGHTD_E_TIMEOUT when no byte arrived in time (nothing was consumed: the
+ * connection stays usable), WEIGHTD_E_CLOSED at end of stream (before or
+ * inside a frame), WEIGHTD_E_PROTOCOL for a bad prefix, bad descriptors or a
+ * frame that stalled past the finishing bound, or WEIGHTD_E_IO /
+ * WEIGHTD_E_NOMEM. After any error but WEIGHTD_E_TIMEOUT the stream is out
+ * of step and the connection must be closed.
  */
 int wire_recv_frame(int sock, int timeout_ms, struct wire_frame *out, struct wd_error *err);
+
+/* wire_recv_frame with finish_ms in place of WIRE_FINISH_MS (the tests use a short one). */
+int wire_recv_frame_bounded(int sock, int timeout_ms, int finish_ms, struct wire_frame *out, struct wd_error *err);
 
 #endif

@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -860,6 +861,82 @@ static void test_fork_child(void) {
   fake_stop(f);
 }
 
+/*
+ * fork() while another thread maps and unmaps: the child's release of an
+ * inherited set must not find the process-wide mapping table locked by a
+ * thread that does not exist in the child. The attaching thread maps a set of
+ * its own (s2), so every attach runs mmap under the table's lock and every
+ * release unlinks under it; the parent forks repeatedly meanwhile, and each
+ * child releases its inherited s1 and exits. A child that has not exited
+ * after 20 s is taken to be deadlocked (it is killed and the test fails).
+ */
+struct churn {
+  const char *sock_path;
+  atomic_int stop;
+  atomic_int rounds;
+};
+
+static void *churn_main(void *p) {
+  struct churn *ch = p;
+  weightd_client *c = NULL;
+  if (weightd_connect(ch->sock_path, &c) != 0) return NULL;
+  while (!ch->stop) {
+    weightd_set *s = NULL;
+    if (weightd_attach(c, "s2", &s) != 0) break;
+    weightd_release(s);
+    ch->rounds++;
+  }
+  weightd_close(c);
+  return NULL;
+}
+
+/* Waits for pid at most limit_ms; returns its status, or -1 after killing it. */
+static int wait_bounded(pid_t pid, long limit_ms) {
+  long t0 = now_ms();
+  for (;;) {
+    int status = 0;
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return status;
+    if (r < 0 && errno != EINTR) return -1;
+    if (now_ms() - t0 > limit_ms) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      return -1;
+    }
+    sleep_ms(2);
+  }
+}
+
+static void test_fork_while_mapping(void) {
+  struct fake *f = fake_start(FAKE_NORMAL);
+  weightd_client *c = NULL;
+  CHECK_EQ_INT(weightd_connect(f->sock_path, &c), 0);
+  weightd_set *s = NULL;
+  CHECK_EQ_INT(weightd_attach(c, "s1", &s), 0);
+  struct churn ch = {.sock_path = f->sock_path};
+  pthread_t th;
+  CHECK_EQ_INT(pthread_create(&th, NULL, churn_main, &ch), 0);
+  int forks = 0, hung = 0, failed = 0;
+  for (; forks < 400 && !hung; forks++) {
+    pid_t pid = fork();
+    if (pid == 0) _exit(weightd_release(s) == 0 ? 0 : 1);
+    if (pid < 0) break;
+    int status = wait_bounded(pid, 20000);
+    if (status == -1) hung++;
+    else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) failed++;
+  }
+  ch.stop = 1;
+  pthread_join(th, NULL);
+  CHECK_EQ_INT(hung, 0);
+  CHECK_EQ_INT(failed, 0);
+  CHECK_EQ_INT(forks, 400);
+  CHECK(ch.rounds > 0);
+  CHECK_EQ_INT(weightd_release(s), 0);
+  CHECK_EQ_INT(slab_mappings(), 0);
+  weightd_close(c);
+  fake_stop(f);
+}
+
 static void test_misc_api(void) {
   CHECK(weightd_version() == WEIGHTD_VERSION_HEX);
   CHECK(strcmp(weightd_version_string(), WEIGHTD_VERSION_STRING) == 0);
@@ -887,6 +964,7 @@ int main(void) {
   RUN(test_shutdown_event);
   RUN(test_close_detaches_sets);
   RUN(test_fork_child);
+  RUN(test_fork_while_mapping);
   RUN(test_cuda_handle_unknown_device);
   RUN(test_vmm_handle_without_device);
   return tu_finish();

@@ -670,13 +670,59 @@ static void test_recv_timeout(void) {
   CHECK(f.len == 2 && strcmp(f.json, "{}") == 0);
   wire_frame_clear(&f);
 
-  /* A frame that stops halfway is a protocol error, not a retryable timeout. */
-  unsigned char raw[8];
-  le32(raw, 4);
-  memcpy(raw + 4, "{}", 2);
+  close(sv[0]);
+  close(sv[1]);
+  FD_END;
+}
+
+struct late_job {
+  int sock;
+  const unsigned char *raw;
+  size_t n;
+};
+
+/* Sends the rest of a frame once the reader's 1 ms timeout has long passed. */
+static void *late_main(void *p) {
+  struct late_job *j = p;
+  usleep(200 * 1000);
+  raw_send(j->sock, j->raw, j->n, NULL, 0);
+  return NULL;
+}
+
+/*
+ * The timeout bounds the wait for a frame's first byte only: a frame that has
+ * begun is finished even when its bytes come after the timeout (a 1 ms
+ * timeout, as a cancel sets, must not put the stream out of step). A frame
+ * that stalls past the finishing bound is a protocol error.
+ */
+static void test_recv_timeout_inside_frame(void) {
+  FD_BEGIN;
+  int sv[2];
+  make_pair(sv);
+  unsigned char raw[16];
+  le32(raw, 8);
+  memcpy(raw + 4, "{\"a\":12}", 8);
   raw_send(sv[0], raw, 6, NULL, 0);
-  CHECK_EQ_INT(wire_recv_frame(sv[1], 50, &f, &err), WEIGHTD_E_PROTOCOL);
-  CHECK_STR_CONTAINS(err.msg, "timed out inside a frame");
+  struct late_job job = {.sock = sv[0], .raw = raw + 6, .n = 6};
+  pthread_t t;
+  pthread_create(&t, NULL, late_main, &job);
+  struct wire_frame f;
+  struct wd_error err = {0};
+  CHECK_EQ_INT(wire_recv_frame(sv[1], 1, &f, &err), 0);
+  CHECK(f.len == 8 && f.json != NULL && strcmp(f.json, "{\"a\":12}") == 0);
+  wire_frame_clear(&f);
+  pthread_join(t, NULL);
+  /* In step: the next frame is read whole, and an absent one is a plain timeout. */
+  CHECK_EQ_INT(wire_send_frame(sv[0], "{}", 2, NULL, 0, &err), 0);
+  CHECK_EQ_INT(wire_recv_frame(sv[1], 1, &f, &err), 0);
+  CHECK(f.len == 2 && strcmp(f.json, "{}") == 0);
+  wire_frame_clear(&f);
+  CHECK_EQ_INT(wire_recv_frame(sv[1], 1, &f, &err), WEIGHTD_E_TIMEOUT);
+
+  /* A frame that stops halfway past the finishing bound is a protocol error, not a retryable timeout. */
+  raw_send(sv[0], raw, 6, NULL, 0);
+  CHECK_EQ_INT(wire_recv_frame_bounded(sv[1], 1, 50, &f, &err), WEIGHTD_E_PROTOCOL);
+  CHECK_STR_CONTAINS(err.msg, "stalled inside a frame after 6 bytes");
   close(sv[0]);
   close(sv[1]);
   FD_END;
@@ -936,6 +982,7 @@ int main(void) {
   RUN(test_fds_mid_frame_refused);
   RUN(test_bad_prefix);
   RUN(test_recv_timeout);
+  RUN(test_recv_timeout_inside_frame);
   RUN(test_eof);
   RUN(test_writer_peer_gone);
   RUN(test_writer_tiny_sndbuf);

@@ -33,7 +33,9 @@ static int set_origin(weightd_client *c, const char *set_id, char **path, cJSON 
   char *text = NULL;
   *path = NULL;
   *spec = NULL;
+  ctl_guard_call_begin();
   int rc = weightd_request(c, "{\"op\":\"status\"}", &text, NULL, NULL);
+  ctl_guard_call_end();
   if (rc != 0) {
     weightd_free(text);
     return ctl_fail(c, rc, "status");
@@ -156,10 +158,14 @@ static int run_attach(const struct ctl_args *a) {
     struct weightd_load_options o = {
         .struct_size = sizeof o, .device = device, .plan_json = plan_json, .progress = ctl_progress_cb};
     ctl_progress_begin("attach");
+    ctl_guard_call_begin();
     rc = weightd_attach_path(c, target, &o, &s);
+    ctl_guard_call_end();
     ctl_progress_end();
   } else {
+    ctl_guard_call_begin();
     rc = weightd_attach(c, target, &s);
+    ctl_guard_call_end();
   }
   if (rc != 0) {
     exit_code = ctl_fail(c, rc, "attach");
@@ -170,7 +176,7 @@ static int run_attach(const struct ctl_args *a) {
     char *path = NULL;
     if (set_origin(c, weightd_set_id(s), &path, &spec) != 0 ||
         ctl_verify_set(s, by_path ? target : path, spec, &vr) != 0)
-      exit_code = CTL_EXIT_FAIL;
+      exit_code = ctl_guard_reason() != CTL_GUARD_NONE ? ctl_exit_for(WEIGHTD_E_CANCELED) : CTL_EXIT_FAIL;
     free(path);
   }
   if (exit_code == CTL_EXIT_OK) {
@@ -180,7 +186,9 @@ static int run_attach(const struct ctl_args *a) {
       hold(s, &sigs);
     }
   }
+  ctl_guard_call_begin();
   rc = weightd_release(s);
+  ctl_guard_call_end();
   if (rc != 0 && exit_code == CTL_EXIT_OK) exit_code = ctl_fail(c, rc, "release");
 done:
   ctl_disconnect(c);

@@ -153,7 +153,9 @@ static int run_shutdown(const struct ctl_args *a) {
   int rc = ctl_connect(&c);
   if (rc != 0) return rc;
   char *text = NULL;
+  ctl_guard_call_begin();
   rc = weightd_request(c, "{\"op\":\"shutdown\"}", &text, NULL, NULL);
+  ctl_guard_call_end();
   /* A daemon that closed the connection after announcing its shutdown did what was asked. */
   if (rc == WEIGHTD_E_SHUTDOWN) rc = 0;
   if (rc != 0) {

@@ -142,6 +142,10 @@ int ctl_verify_set(const weightd_set *s, const char *ckpt_path, const cJSON *spe
   }
   ctl_progress_begin("verify");
   for (size_t i = 0; i < n; i++) {
+    if (ctl_guard_reason() != CTL_GUARD_NONE) { /* Ctrl-C or --timeout: the watcher leaves it to us */
+      ctl_fail(NULL, WEIGHTD_E_CANCELED, "verify");
+      goto done;
+    }
     weightd_tensor t = {.struct_size = sizeof t};
     weightd_set_tensor(s, i, &t);
     const struct plan_output *o = output_find(by_name, p->noutputs, t.name);

@@ -281,14 +281,22 @@ void ctl_print_checkpoint(const char *verb, const cJSON *ck);
  * SIGTERM (blocked in the other threads) and the --timeout deadline: it
  * opens a second connection, finds this process's requests in status and
  * cancels each by its daemon-wide id, so that the waiting call returns
- * CANCELED. If the command has not finished a few seconds later (nothing
- * was cancelable, or the daemon does not answer), the watcher reports and
- * exits itself. A second interrupt exits at once.
+ * CANCELED. If the call has not returned a few seconds later (nothing was
+ * cancelable, or the daemon does not answer), the watcher reports and exits
+ * itself. A second interrupt exits at once. Between calls the command
+ * reports on its own and stops before its next request.
  */
 void ctl_guard_start(void);
 void ctl_guard_stop(void);
 /* The socket the command connected to, for the watcher's own connection. */
 void ctl_guard_socket(const char *path);
+/*
+ * Around every call to the daemon in the command's thread: the watcher exits
+ * the process itself only while a call is in progress. call_end waits while
+ * the watcher is reporting (it exits meanwhile), so that output never mixes.
+ */
+void ctl_guard_call_begin(void);
+void ctl_guard_call_end(void);
 
 enum ctl_guard_reason { CTL_GUARD_NONE, CTL_GUARD_INTERRUPTED, CTL_GUARD_TIMEOUT };
 /* Why the watcher canceled what this process started (CTL_GUARD_NONE: it did not). */

@@ -16,7 +16,9 @@ int ctl_connect(weightd_client **out) {
   struct weightd_connect_options o = {.struct_size = sizeof o, .socket_path = ctl_opts.socket, .client_name = name};
   /* The watch starts first, so that --timeout covers connecting too. */
   ctl_guard_start();
+  ctl_guard_call_begin();
   int rc = weightd_connect_opts(&o, &c);
+  ctl_guard_call_end();
   if (rc != 0) {
     const char *msg = c ? weightd_last_error(c) : weightd_strerror(rc);
     int code = ctl_exit_for(rc);
@@ -114,7 +116,9 @@ int ctl_request(weightd_client *c, cJSON *req, weightd_progress_fn progress, voi
     return WEIGHTD_E_CANCELED;
   }
   char *out = NULL;
+  ctl_guard_call_begin();
   int rc = weightd_request(c, text, &out, progress, arg);
+  ctl_guard_call_end();
   free(text);
   if (rc == 0 && out != NULL) *reply = cJSON_Parse(out);
   weightd_free(out);

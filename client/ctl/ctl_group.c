@@ -109,7 +109,9 @@ int ctl_group_load(weightd_client *c, const char *path, cJSON *group, cJSON *pla
   }
   char *out = NULL;
   ctl_progress_begin("load_group");
+  ctl_guard_call_begin();
   int rc = weightd_request(c, text, &out, ctl_progress_cb, NULL);
+  ctl_guard_call_end();
   ctl_progress_end();
   free(text);
   cJSON *reply = out != NULL ? cJSON_Parse(out) : NULL;

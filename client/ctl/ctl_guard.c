@@ -9,10 +9,15 @@
  * by its daemon-wide id (any connection's request may be canceled by its
  * owner's uid), so that the blocked call returns CANCELED and the command
  * reports why; ctl_guard_reason says what happened. If nothing could be
- * canceled, or the command has not finished GRACE_S later, the watcher
- * reports and exits the process itself; so does a second interrupt.
- * SIGUSR1, sent by ctl_guard_stop, ends the watcher. The state below is
- * written by the watcher and read by the command thread under mu.
+ * canceled, or the call has not returned GRACE_S later, the watcher reports
+ * and exits the process itself; so does a second interrupt. It does so only
+ * while the command is in a call to the daemon (ctl_guard_call_begin/end),
+ * checked under mu and holding mu until it exits: a command that has left
+ * its call reports the outcome itself (ctl_guard_call_end waits for mu, so
+ * its output never mixes with the watcher's), and stops before its next
+ * request (ctl_request checks ctl_guard_reason). SIGUSR1, sent by
+ * ctl_guard_stop, ends the watcher. The state below is shared by the watcher
+ * and the command thread under mu.
  */
 #include <errno.h>
 #include <limits.h>
@@ -38,7 +43,20 @@ static struct {
   char socket[PATH_MAX];
   double deadline; /* clock_s() at which --timeout passes; 0: none */
   enum ctl_guard_reason reason;
+  bool in_call; /* the command thread waits in a call to the daemon */
 } g;
+
+void ctl_guard_call_begin(void) {
+  pthread_mutex_lock(&mu);
+  g.in_call = true;
+  pthread_mutex_unlock(&mu);
+}
+
+void ctl_guard_call_end(void) {
+  pthread_mutex_lock(&mu);
+  g.in_call = false;
+  pthread_mutex_unlock(&mu);
+}
 
 enum ctl_guard_reason ctl_guard_reason(void) {
   pthread_mutex_lock(&mu);
@@ -119,7 +137,11 @@ static int cancel_mine(void) {
   return n;
 }
 
-/* The command did not end in time (or could not be canceled): say why and exit. */
+/*
+ * The command's call did not end in time (or could not be canceled): say why
+ * and exit. Called with mu held, which it keeps (the command thread blocks in
+ * ctl_guard_call_end rather than report too).
+ */
 static void bail(enum ctl_guard_reason why) {
   int code = why == CTL_GUARD_TIMEOUT ? CTL_EXIT_TIMEOUT : CTL_EXIT_FAIL;
   if (why == CTL_GUARD_TIMEOUT)
@@ -145,12 +167,21 @@ static void *watch(void *arg) {
   bool stopping = g.stopping;
   pthread_mutex_unlock(&mu);
   if (stopping) return NULL;
-  if (cancel_mine() == 0) bail(why);
-  /* The blocked call now returns CANCELED: give the command a moment to report it. */
-  sig = wait_signal(clock_s() + GRACE_S);
-  if (sig == SIGUSR1) return NULL;
-  bail(why);
-  return NULL;
+  sig = 0;
+  /* A canceled call now returns CANCELED: give the command a moment to report it. */
+  if (cancel_mine() > 0) sig = wait_signal(clock_s() + GRACE_S);
+  for (;;) {
+    if (sig == SIGUSR1) return NULL;
+    pthread_mutex_lock(&mu);
+    if (g.stopping) {
+      pthread_mutex_unlock(&mu);
+      return NULL;
+    }
+    if (g.in_call || sig != 0) bail(why); /* still waiting on the daemon, or a second interrupt */
+    pthread_mutex_unlock(&mu);
+    /* Between calls: the command reports, or stops before its next request. A second interrupt exits. */
+    sig = wait_signal(0);
+  }
 }
 
 void ctl_guard_start(void) {

@@ -96,7 +96,10 @@ const char *weightd_version_string(void);
  * parent's socket and leases); calls on them fail with WEIGHTD_E_INVALID and
  * it makes its own with weightd_connect. The child may read host sets it
  * inherited; weightd_release there only unmaps them and sends nothing (the
- * parent's lease stays); CUDA mappings are not inherited at all.
+ * parent's lease stays); CUDA mappings are not inherited at all. Any thread
+ * may fork while others attach or release: fork() waits until no thread is
+ * inside the process-wide table of mappings (an import in progress, such as
+ * a large cuIpcOpenMemHandle, delays it that long).
  *
  * All I/O is blocking; no event loop is needed. Checkpoint paths that are
  * relative are made absolute against the caller's working directory before
@@ -165,9 +168,12 @@ const char *weightd_last_error(const weightd_client *c);
 const char *weightd_backend(const weightd_client *c);
 
 /*
- * Sets how long a call waits for the daemon's next frame, in milliseconds;
- * each progress event starts the wait again. 0 or less waits forever (the
- * default). A call that times out returns WEIGHTD_E_TIMEOUT and the handle
+ * Sets how long a call waits for the daemon's next frame to begin, in
+ * milliseconds; each progress event starts the wait again. 0 or less waits
+ * forever (the default). A frame that has begun to arrive is read to its end
+ * whatever the timeout (for at most 30 s more, or the timeout if longer;
+ * past that the connection is broken), so even 1 ms never leaves the stream
+ * out of step. A call that times out returns WEIGHTD_E_TIMEOUT and the handle
  * stays usable: the late reply is recognised by its id and dropped (a lease
  * it grants is released, a timed-out load is canceled). It may be called
  * from a progress callback, on the thread of the running call: the new value

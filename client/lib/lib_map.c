@@ -11,6 +11,13 @@
  * never map it twice; the last reference is unlinked under the lock and
  * unmapped after it. Binary tensor tables are shared the same way (by the
  * memfd's identity), under a lock of their own, and validated once.
+ *
+ * fork(): another thread may hold either lock across a long import when some
+ * thread forks, and a child may release the sets it inherited. So fork waits
+ * for both locks (pthread_atfork: map_lock, then table_lock, the only order in
+ * which they are ever held together) and parent and child each unlock them;
+ * the child's table is then in a consistent state. The handlers are installed
+ * before the first lock is taken.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -31,6 +38,29 @@ static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct lib_mapping *maps;
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct lib_table *tables;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void) {
+  pthread_mutex_lock(&map_lock);
+  pthread_mutex_lock(&table_lock);
+}
+
+static void fork_done(void) {
+  pthread_mutex_unlock(&table_lock);
+  pthread_mutex_unlock(&map_lock);
+}
+
+static void atfork_install(void) { pthread_atfork(fork_prepare, fork_done, fork_done); }
+
+static void lock_maps(void) {
+  pthread_once(&atfork_once, atfork_install);
+  pthread_mutex_lock(&map_lock);
+}
+
+static void lock_tables(void) {
+  pthread_once(&atfork_once, atfork_install);
+  pthread_mutex_lock(&table_lock);
+}
 
 /*
  * The mapping of set_id with that identity (ident: the IPC handle or the
@@ -65,7 +95,7 @@ static struct lib_mapping *entry_new(const char *set_id, enum wd_handle_kind han
 int lib_map_host(const char *set_id, int fd, uint64_t bytes, struct lib_mapping **out, struct wd_error *err) {
   struct stat st;
   int rc = 0;
-  pthread_mutex_lock(&map_lock);
+  lock_maps();
   if (fstat(fd, &st) != 0) {
     rc = err_set(err, WEIGHTD_E_IO, "fstat of the received descriptor: %s", strerror(errno));
     goto done;
@@ -121,7 +151,7 @@ done:
 int lib_map_cuda(const char *set_id, const char *device_uuid, const unsigned char handle[WD_IPC_HANDLE_BYTES],
                  uint64_t bytes, struct lib_mapping **out, struct wd_error *err) {
   int rc = 0;
-  pthread_mutex_lock(&map_lock);
+  lock_maps();
   struct lib_mapping *m = find(set_id, WD_HANDLE_CUDA_IPC, 0, 0, handle);
   if (m != NULL) {
     m->refs++;
@@ -154,7 +184,7 @@ done:
 int lib_map_vmm(const char *set_id, const char *device_uuid, int fd, uint64_t bytes,
                 const unsigned char alloc_id[WD_ALLOC_ID_BYTES], struct lib_mapping **out, struct wd_error *err) {
   int rc = 0;
-  pthread_mutex_lock(&map_lock);
+  lock_maps();
   struct lib_mapping *m = find(set_id, WD_HANDLE_CUDA_VMM, 0, 0, alloc_id);
   if (m != NULL) {
     m->refs++;
@@ -190,7 +220,7 @@ done:
 int lib_map_put(struct lib_mapping *m, int in_child, struct wd_error *err) {
   if (m == NULL) return 0;
   int rc = 0;
-  pthread_mutex_lock(&map_lock);
+  lock_maps();
   if (--m->refs > 0) {
     pthread_mutex_unlock(&map_lock);
     return 0;
@@ -223,7 +253,7 @@ int lib_map_put(struct lib_mapping *m, int in_child, struct wd_error *err) {
 int lib_map_table(int fd, uint64_t bytes, struct lib_table **out, struct wd_error *err) {
   struct stat st;
   int rc = 0;
-  pthread_mutex_lock(&table_lock);
+  lock_tables();
   if (fstat(fd, &st) != 0) {
     rc = err_set(err, WEIGHTD_E_IO, "fstat of the tensor table's descriptor: %s", strerror(errno));
     goto done;
@@ -272,7 +302,7 @@ done:
 
 void lib_table_put(struct lib_table *t) {
   if (t == NULL) return;
-  pthread_mutex_lock(&table_lock);
+  lock_tables();
   if (--t->refs > 0) {
     pthread_mutex_unlock(&table_lock);
     return;

@@ -142,12 +142,23 @@ def outside_dir(workdir):
     return d
 
 
+def native_env():
+    """os.environ for weightd and weightctl. Under WD_PYTHON_ASAN=1 (tests/CMakeLists.txt) this
+    python runs with the ASan runtime preloaded for an instrumented libweightd; the binaries
+    carry their own runtime (a second one is refused) and check their leaks."""
+    env = dict(os.environ)
+    if env.pop("WD_PYTHON_ASAN", None):
+        env.pop("LD_PRELOAD", None)
+        env.pop("ASAN_OPTIONS", None)
+    return env
+
+
 def mkcheckpoint(out, preset="qwen3-0.6b", layers=1, seed=None):
     """Runs weightctl mkcheckpoint; returns out."""
     cmd = [WEIGHTCTL, "mkcheckpoint", "--preset", preset, "--layers", str(layers), "--out", out]
     if seed is not None:
         cmd += ["--seed", str(seed)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=native_env())
     assert r.returncode == 0, f"{' '.join(cmd)} failed:\n{r.stdout}{r.stderr}"
     return out
 
@@ -283,7 +294,7 @@ class Daemon:
 
     def _start(self, timeout=None):
         timeout = timeout or 20 * SLOW
-        env = dict(os.environ)
+        env = native_env()
         asan = env.get("ASAN_OPTIONS", "")
         if "detect_leaks" not in asan:
             asan = (asan + ":" if asan else "") + "detect_leaks=1"

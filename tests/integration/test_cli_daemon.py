@@ -133,6 +133,51 @@ def test_ctrl_c_cancels_a_load_on_a_terminal(start_daemon, ckpt_sharded):
     pytest.fail("five loads finished before Ctrl-C reached them")
 
 
+def test_interrupt_while_the_command_reports(start_daemon, ckpt_sharded):
+    """Ctrl-C cancels a load; the command, not the watcher, reports it, however long that takes.
+
+    weightctl's stderr is a pipe that is full (the test drains it only later),
+    so after the canceled load returns, the command blocks writing its error
+    for longer than the watcher's grace period (5 s). The watcher must not
+    report and exit as well: the command is no longer in a call to the daemon.
+    """
+    import fcntl
+    import threading
+
+    d = start_daemon(SLOW_LOADS)
+    for attempt in range(5):
+        r, w = os.pipe()
+        fcntl.fcntl(w, 1031, 4096)  # F_SETPIPE_SZ: one page
+        os.write(w, b"x" * 4096)  # full: weightctl's first write to stderr blocks
+        loader = subprocess.Popen([WEIGHTCTL, "--socket", d.socket, "load", ckpt_sharded], stdout=subprocess.PIPE,
+                                  stderr=w)
+        os.close(w)
+        rid = wait_until(lambda: request_of(d, loader.pid, "load") or (loader.poll() is not None and "done"),
+                         timeout=30 * SLOW, interval=0.005, what="the load to be listed")
+        if rid != "done":
+            loader.send_signal(signal.SIGINT)
+            wait_until(lambda: request_of(d, loader.pid, "load") is None, timeout=30 * SLOW,
+                       what="the load to be canceled")
+            time.sleep(7)  # past the watcher's grace period, with the command blocked on stderr
+        chunks = []
+        reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(r, 65536), b"")))
+        reader.start()
+        out, _ = loader.communicate(timeout=60 * SLOW)
+        reader.join(timeout=60 * SLOW)
+        os.close(r)
+        err = b"".join(chunks)[4096:].decode()
+        if loader.returncode == 0:  # the load finished first
+            ok(dctl(d, "evict", "--device", "0"))
+            continue
+        assert rid != "done", err
+        assert loader.returncode == 1, err
+        assert err == "weightctl: load: interrupted; canceled (CANCELED)\n", err
+        assert out == b"", out
+        wait_until(lambda: no_sets(d), timeout=30 * SLOW, what="the canceled set to go")
+        return
+    pytest.fail("five loads finished before Ctrl-C reached them")
+
+
 def test_progress_only_on_a_terminal(start_daemon, ckpt_small):
     d = start_daemon(SLOW_LOADS)
     # Pipes: the summary alone, no progress line.
