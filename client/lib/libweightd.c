@@ -19,6 +19,7 @@
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,6 +54,17 @@ const char *weightd_last_error(const weightd_client *c) {
 
 static int reconnect(weightd_client *c);
 
+/*
+ * True when the daemon's end of the connection is closed and nothing of it is
+ * left to read (end of file, or reset), seen without blocking. Unread bytes
+ * (a late reply, an event) are left for the call to read as before.
+ */
+static bool peer_gone(int sock) {
+  char b;
+  ssize_t n = recv(sock, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && (errno == ECONNRESET || errno == EPIPE || errno == ENOTCONN));
+}
+
 int lib_usable(weightd_client *c) {
   if (c == NULL) return WEIGHTD_E_INVALID;
   if (c->pid != getpid())
@@ -61,6 +73,8 @@ int lib_usable(weightd_client *c) {
                     "weightd_connect",
                     (long)c->pid);
   if (c->sock < 0) return lib_fail(c, WEIGHTD_E_CLOSED, "not connected");
+  if (!c->broken && !c->reconnecting && peer_gone(c->sock))
+    c->broken = 1; /* the daemon went away while the handle was idle (a restart): this call reconnects */
   if (c->broken && c->socket_path != NULL && !c->reconnecting) {
     int rc = reconnect(c);
     if (rc != 0) return rc;

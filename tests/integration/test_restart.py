@@ -360,3 +360,23 @@ def test_binding_reconnects_and_reclaims(supervisor, tiny):
     assert s.status()["leases"] == []
     client.close()
     s.stop()
+
+
+@pytest.mark.parametrize("activate", [True, False])
+def test_idle_binding_reconnects_on_its_first_call(supervisor, tiny, activate):
+    """A client idle through SIGKILL and restart (as an engine running forward passes is): its first call
+    after the restart succeeds, on a new connection, with its lease reclaimed; no call fails."""
+    weightd = binding()
+    s = supervisor(activate=activate).start()
+    client = weightd.Client(s.socket)
+    ws = client.attach(tiny["a"])
+    lease = s.status()["leases"][0]["lease"]
+    s.kill()
+    s.start()
+    st = client.status()  # the old connection is closed: noticed before sending, reconnected, reclaimed
+    assert [(l["lease"], l["recovered"], l["pid"]) for l in st["leases"]] == [(lease, False, os.getpid())]
+    assert st["daemon"]["loads"] == 0
+    ws.release()
+    assert s.status()["leases"] == []
+    client.close()
+    s.stop()
