@@ -625,6 +625,16 @@ static void offer_copies(struct residency *r, struct res_set *s) {
   s->ncopy_from = k;
 }
 
+/* Puts a new set s (device and plan set) among the resident ones: its timer, its bytes on the device. */
+static void set_link(struct residency *r, struct res_set *s) {
+  s->last_used_ms = clock_ms();
+  uv_timer_init(r->loop, &s->progress_timer);
+  s->progress_timer.data = s;
+  s->next = r->sets;
+  r->sets = s;
+  r->devices[s->device].used += s->plan->slab_bytes;
+}
+
 void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, struct res_waiter *w) {
   w->set = NULL;
   char *key = NULL;
@@ -687,12 +697,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   struct wd_error perr = {0};
   if (ppage_create(plan->slab_bytes, &s->page, &s->page_fd, &perr) != 0)
     log_msg(LOG_DEBUG, "set %s: no progress page, so no early attach: %s", s->id, perr.msg);
-  s->last_used_ms = clock_ms();
-  uv_timer_init(r->loop, &s->progress_timer);
-  s->progress_timer.data = s;
-  s->next = r->sets;
-  r->sets = s;
-  r->devices[device].used += plan->slab_bytes;
+  set_link(r, s);
   reg_load_begin(ck);
   add_waiter(s, w, false);
   uv_timer_start(&s->progress_timer, on_progress_timer, 100, 100);
@@ -826,12 +831,7 @@ int res_set_adopt(struct residency *r, struct reg_ckpt *ck, int device, struct p
   atomic_init(&s->allocated, true);
   s->table_fd = -1;
   s->page_fd = -1;
-  s->last_used_ms = clock_ms();
-  uv_timer_init(r->loop, &s->progress_timer);
-  s->progress_timer.data = s;
-  s->next = r->sets;
-  r->sets = s;
-  r->devices[device].used += plan->slab_bytes;
+  set_link(r, s);
   r->stats.adopted++;
   *out = s;
   changed(r);

@@ -20,8 +20,10 @@ import threading
 import time
 import shutil
 
-# Puts the descriptors listed in argv[1] at 3, 4, ... in that order, sets LISTEN_PID to this
-# process's pid and execs argv[2:] (the same shim as tests/integration/test_service.py).
+# Puts the descriptors listed in argv[1] (comma-separated) at 3, 4, ... in that
+# order, sets LISTEN_PID to this process's pid (or to $WDTEST_LISTEN_PID), and
+# execs argv[2:]: the pid the harness started is then the daemon's, as under
+# systemd. test_service.py uses it too.
 EXEC_WITH_FDS = r"""
 import fcntl, os, sys
 src = [int(x) for x in sys.argv[1].split(",") if x]
@@ -32,7 +34,7 @@ for i, fd in enumerate(high):
     os.dup2(fd, 3 + i)
     os.close(fd)
 if src:
-    os.environ["LISTEN_PID"] = str(os.getpid())
+    os.environ["LISTEN_PID"] = os.environ.pop("WDTEST_LISTEN_PID", str(os.getpid()))
 os.execv(sys.argv[2], sys.argv[2:])
 """
 

@@ -28,22 +28,7 @@ import pytest
 from conftest import REPO, SANITIZER_MARKS, SLOW, STOP_SECONDS, WEIGHTD
 from wdclient import Conn, wait_until
 
-# Puts the descriptors listed in argv[1] (comma-separated) at 3, 4, ... in that
-# order, sets LISTEN_PID to this process's pid (or to $WDTEST_LISTEN_PID), and
-# execs argv[2:]: the pid the harness started is then the daemon's, as under systemd.
-EXEC_WITH_FDS = r"""
-import fcntl, os, sys
-src = [int(x) for x in sys.argv[1].split(",") if x]
-high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in src]
-for fd in src:
-    os.close(fd)
-for i, fd in enumerate(high):
-    os.dup2(fd, 3 + i)
-    os.close(fd)
-if src:
-    os.environ["LISTEN_PID"] = os.environ.pop("WDTEST_LISTEN_PID", str(os.getpid()))
-os.execv(sys.argv[2], sys.argv[2:])
-"""
+from fdstore_harness import EXEC_WITH_FDS  # noqa: E402  (the shim that places LISTEN_FDS descriptors)
 
 STATUS_RE = re.compile(r"^(\d+) set\(s\), (\d+\.\d\d) GiB resident, (\d+) load\(s\) running, (\d+) connection\(s\)$")
 TIMESTAMP_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z weightd\[(error|warn|info|debug)\]: ")
