@@ -56,6 +56,7 @@
 
 #include "clock.h"
 #include "fault.h"
+#include "load_source.h"
 #include "log.h"
 #include "multigpu.h"
 
@@ -129,17 +130,6 @@ static int gather_range(void *arg) {
   return 0;
 }
 
-/* Names the tensor at slab offset off, for a FAULT message. */
-static int fault_error(const struct ld_target *s, uint64_t off, struct wd_error *err) {
-  const struct plan_output *o = plan_output_at(s->plan, off);
-  const char *shard = "?", *name = o ? o->name : "?";
-  if (o != NULL && o->npieces > 0 && o->pieces[0].src != NULL)
-    shard = s->ck->ck->shards[o->pieces[0].src->shard].rel;
-  return err_set(err, WEIGHTD_E_FAULT,
-                 "%s: tensor '%s': the shard was truncated or became unreadable while it was read", shard,
-                 name);
-}
-
 /* ---- a run of fill tasks ---------------------------------------------------------- */
 
 struct window_fill {
@@ -168,7 +158,7 @@ static void fill_task(void *arg, size_t i) {
   struct gather_args g = {r->set, r->data, a, b, r->dst + (a - r->lo)};
   if (fault_call(gather_range, &g) != 0) {
     pthread_mutex_lock(&r->lock);
-    if (r->rc == 0) r->rc = fault_error(r->set, a, &r->err);
+    if (r->rc == 0) r->rc = ld_fault_error(r->set, a, &r->err);
     pthread_mutex_unlock(&r->lock);
     return;
   }
@@ -182,15 +172,6 @@ static void fill_task(void *arg, size_t i) {
   int moved = r->next != before;
   pthread_mutex_unlock(&r->lock);
   if (moved) publish_ready(r->set, upto < r->hi ? upto : r->hi);
-}
-
-/* Per shard, where its data section starts in the mapping (a new array, or NULL). */
-static const unsigned char **shard_data(const struct ld_target *s) {
-  const struct ckpt *c = s->ck->ck;
-  const unsigned char **data = malloc((c->nshards ? c->nshards : 1) * sizeof *data);
-  for (size_t i = 0; data != NULL && i < c->nshards; i++)
-    data[i] = s->ck->maps[i] ? (const unsigned char *)s->ck->maps[i] + c->shards[i].hdr->data_start : NULL;
-  return data;
 }
 
 /* Bytes per fill task for a window: two tasks per fill thread, 1 to 8 MiB each, in 64 KiB multiples. */
@@ -258,7 +239,7 @@ static int gate_pass(int *gate, struct ld_target *s, struct wd_error *err) {
 
 static int fill_memcpy(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const uint64_t window = 256ull << 20; /* cancellation is checked between windows */
-  const unsigned char **data = shard_data(s);
+  const unsigned char **data = ld_shard_data(s);
   if (data == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   int gate = gate_open(ld);
   int rc = 0;
@@ -445,7 +426,7 @@ static void staged_task(void *arg, size_t i) {
           off = r->sched->xfers[x].dst;
           break;
         }
-      fault_error(r->set, off, &err);
+      ld_fault_error(r->set, off, &err);
       staged_fail(r, err.code, &err);
       return;
     }
@@ -471,7 +452,7 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
   struct staged_run r = {.ld = ld, .set = s, .st = st, .sched = sched};
   size_t nw = sched->nwindows ? sched->nwindows : 1;
   r.task = task_bytes(ld, st->slot_bytes);
-  r.data = shard_data(s);
+  r.data = ld_shard_data(s);
   r.task_base = malloc((sched->nwindows + 1) * sizeof *r.task_base);
   r.left = malloc(nw * sizeof *r.left);
   r.issued = calloc(st->nslots, sizeof *r.issued);
@@ -554,47 +535,6 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
 
 /* ---- direct: the copy engines read the registered mappings ---------------------------- */
 
-/*
- * Bytes from file offset off of shard `shard` that lie in one registration
- * (a copy never crosses from one registration into the next), or 0 when off
- * is not registered.
- */
-static uint64_t pinned_run(const struct ld_target *t, uint32_t shard, uint64_t off) {
-  size_t a = 0, b = t->npins;
-  while (a < b) { /* the first registration after (shard, off) */
-    size_t m = a + (b - a) / 2;
-    const struct plan_range *p = &t->pins[m];
-    if (p->shard < shard || (p->shard == shard && p->off <= off)) a = m + 1;
-    else b = m;
-  }
-  if (a == 0) return 0;
-  const struct plan_range *p = &t->pins[a - 1];
-  return p->shard == shard && off < p->off + p->len ? p->off + p->len - off : 0;
-}
-
-/* Where piece pc's source starts in its shard file. */
-static uint64_t piece_file_off(const struct ld_target *s, const struct plan_piece *pc) {
-  return s->ck->ck->shards[pc->src->shard].hdr->data_start + pc->src->t->begin + pc->src_offset;
-}
-
-/* True when every source byte of the plan lies in registered ranges. */
-static bool plan_pinned(const struct ld_target *s) {
-  if (s->npins == 0) return false;
-  const struct plan *p = s->plan;
-  for (size_t o = 0; o < p->noutputs; o++)
-    for (size_t k = 0; k < p->outputs[o].npieces; k++) {
-      const struct plan_piece *pc = &p->outputs[o].pieces[k];
-      if (pc->src == NULL || pc->width == 0 || pc->height == 0) continue;
-      uint64_t a = piece_file_off(s, pc), b = a + (pc->height - 1) * pc->src_pitch + pc->width;
-      while (a < b) {
-        uint64_t n = pinned_run(s, pc->src->shard, a);
-        if (n == 0) return false;
-        a += n;
-      }
-    }
-  return true;
-}
-
 /* Copies `len` contiguous source bytes at file offset `off` to slab offset dst, one registration at a time. */
 static int direct_span(struct loader *ld, struct ld_target *s, uint32_t shard, uint64_t off, uint64_t len,
                        uint64_t dst, struct wd_stream *stream, struct wd_error *err) {
@@ -602,7 +542,7 @@ static int direct_span(struct loader *ld, struct ld_target *s, uint32_t shard, u
   const unsigned char *map = s->ck->maps[shard];
   int rc = 0;
   for (uint64_t done = 0; done < len && rc == 0;) {
-    uint64_t run = pinned_run(s, shard, off + done);
+    uint64_t run = ld_pinned_run(s, shard, off + done);
     uint64_t m = len - done;
     if (run < m) m = run;
     if (m > LD_DIRECT_CHUNK) m = LD_DIRECT_CHUNK;
@@ -619,11 +559,11 @@ static int direct_rows(struct loader *ld, struct ld_target *s, const struct plan
                        struct wd_stream *stream, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
   uint32_t shard = pc->src->shard;
-  uint64_t base = piece_file_off(s, pc);
+  uint64_t base = ld_piece_file_off(s, pc);
   const unsigned char *map = s->ck->maps[shard];
   int rc = 0;
   for (uint64_t r = 0; r < pc->height && rc == 0;) {
-    uint64_t a = base + r * pc->src_pitch, run = pinned_run(s, shard, a);
+    uint64_t a = base + r * pc->src_pitch, run = ld_pinned_run(s, shard, a);
     if (run < pc->width) { /* this row crosses into the next registration */
       rc = direct_span(ld, s, shard, a, pc->width, dst + r * pc->width, stream, err);
       r++;
@@ -694,7 +634,7 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
       } else if (len == 0) {
         /* nothing to copy */
       } else if (pc->height <= 1 || pc->src_pitch == pc->width) {
-        rc = direct_span(ld, s, pc->src->shard, piece_file_off(s, pc), len, dst, stream, err);
+        rc = direct_span(ld, s, pc->src->shard, ld_piece_file_off(s, pc), len, dst, stream, err);
       } else {
         rc = direct_rows(ld, s, pc, dst, stream, err);
       }
@@ -718,13 +658,6 @@ static int fill_direct(struct loader *ld, struct ld_target *s, struct wd_error *
 
 bool ld_can_direct(const struct loader *ld) { return ld->stagings != NULL && ld->method != CFG_LOAD_STAGED; }
 
-bool ld_plan_pinned(const struct ld_target *t) { return plan_pinned(t); }
-
-uint64_t ld_pinned_run(const struct ld_target *t, uint32_t shard, uint64_t off) { return pinned_run(t, shard, off); }
-
-const unsigned char **ld_shard_data(const struct ld_target *t) { return shard_data(t); }
-
-int ld_fault_error(const struct ld_target *t, uint64_t off, struct wd_error *err) { return fault_error(t, off, err); }
 int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   const struct wd_backend_ops *ops = ld->backend->ops;
   void *ctx = ld->backend->ctx;
@@ -749,7 +682,7 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   } else if (ld->method == CFG_LOAD_STAGED) {
     s->method = "staged";
     rc = fill_staged(ld, s, err);
-  } else if (ld->stagings != NULL && plan_pinned(s)) {
+  } else if (ld->stagings != NULL && ld_plan_pinned(s)) {
     s->method = "direct";
     rc = fill_direct(ld, s, err);
   } else if (s->slab->host_view != NULL) {

@@ -4,8 +4,9 @@
  * The loader is an explicit context (struct loader) holding what load jobs
  * read: the backend, the fill pool, the configured method and each GPU's
  * staging slots. It knows nothing of sets, requests or the protocol: a load
- * is described by a struct ld_target that the caller owns, and ld_fill runs
- * on the caller's job thread until the slab is filled or the load fails.
+ * is described by a struct ld_target (load_target.h) that the caller owns,
+ * and ld_fill runs on the caller's job thread until the slab is filled or
+ * the load fails.
  */
 #ifndef WD_LOADER_H
 #define WD_LOADER_H
@@ -18,6 +19,7 @@
 #include "config.h"
 #include "error.h"
 #include "fillpool.h"
+#include "load_target.h"
 #include "plan.h"
 #include "plan_stage.h"
 #include "registry.h"
@@ -60,85 +62,8 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
 int ld_staging_start(struct loader *ld, struct wd_error *err);
 void ld_destroy(struct loader *ld);
 
-/* The most devices one striped load uses: its own and up to LD_MAX_LINKS - 1 neighbours. */
-#define LD_MAX_LINKS 16
-
-/* A ready copy of the same set on another device, which a replica may be copied from. */
-struct ld_source {
-  const struct wd_slab *slab;
-  int device;
-};
-
-/* A share of a striped load: slab bytes [lo, hi) came over `device`'s host link. */
-struct ld_share {
-  int device;
-  uint64_t lo, hi;
-};
-
-/*
- * One load: what to fill from where, and what the load reports back.
- *
- * The slab fills in offset order, as far as anyone outside can tell:
- * ready_bytes is a watermark below which every slab byte holds its final
- * value (on a GPU, the copy that wrote it has completed). It only grows;
- * memcpy loads raise it as each contiguous run of fill tasks finishes,
- * staged loads as each window of the staging schedule (plan_stage.h: a
- * contiguous slab range, its image runs and 2D copies of whole rows alike) is
- * known complete (its slot's event waited for) together with every window
- * before it, direct loads at sync points every LD_DIRECT_SYNC bytes (every
- * stream drained), replicas and striped loads once, when they finish.
- */
-struct ld_target {
-  const struct plan *plan;
-  struct reg_ckpt *ck; /* open: its maps and ckpt never change */
-  int device;
-  /*
-   * The checkpoint's registered ranges when the load was queued (sorted by
-   * shard and offset, disjoint; owned by the caller, which keeps them from
-   * being unregistered until ld_fill returns): a load whose every source
-   * byte lies in them copies straight from the mappings ("direct", or a
-   * striped load's direct shares).
-   */
-  const struct plan_range *pins;
-  size_t npins;
-  atomic_uint_fast64_t bytes_done;  /* progress, in slab bytes (read by the loop) */
-  atomic_uint_fast64_t ready_bytes; /* the watermark, in slab bytes */
-  atomic_bool cancel;               /* set by the loop: the load stops between windows */
-  /*
-   * Hooks, each may be NULL; they run on the load's threads. allocated runs
-   * once the slab exists (t->slab is set and stays so); ready each time
-   * ready_bytes grows (calls from several fill threads may overlap and come
-   * out of order: each passes the value it raised ready_bytes to).
-   */
-  void (*allocated)(struct ld_target *t);
-  void (*ready)(struct ld_target *t, uint64_t ready_bytes);
-  /* Copies of the same set on other devices, kept resident by the caller until ld_fill returns. */
-  const struct ld_source *sources;
-  size_t nsources;
-  /* Results (valid once ld_fill returns). */
-  struct wd_slab *slab; /* the slab, owned by the caller, also when the fill failed */
-  const char *method;   /* "memcpy", "staged", "direct", "peer" (a replica) or "striped" */
-  double alloc_seconds;
-  int source_device;    /* method "peer": the device whose copy was copied; else -1 (host memory) */
-  size_t nshares;       /* method "striped": the links that moved the bytes, the target's first */
-  struct ld_share shares[LD_MAX_LINKS];
-};
-
 /* True when a load can go direct (a GPU-like backend, load_method not forced to staged): pins are of use. */
 bool ld_can_direct(const struct loader *ld);
-
-/*
- * The per-plan pin test: true when every source byte of t's plan lies in
- * t->pins, so that the copy engines may read the mappings themselves.
- */
-bool ld_plan_pinned(const struct ld_target *t);
-
-/*
- * Bytes from file offset off of shard `shard` that lie in one of t->pins
- * (a direct copy never crosses from one registration into the next), or 0
- * when off is not registered.
- */
-uint64_t ld_pinned_run(const struct ld_target *t, uint32_t shard, uint64_t off);
 
 /*
  * Fills t->slab per t->plan from t->ck's mappings, allocating it first when
@@ -162,11 +87,5 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err);
  */
 void ld_reserve(struct loader *ld, int device);
 void ld_unreserve(struct loader *ld, int device);
-
-/* Per shard of t's checkpoint, where its data section starts in the mapping (a new array, or NULL). */
-const unsigned char **ld_shard_data(const struct ld_target *t);
-
-/* A FAULT error naming the tensor at slab offset off (a shard truncated while it was read). */
-int ld_fault_error(const struct ld_target *t, uint64_t off, struct wd_error *err);
 
 #endif

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "load_source.h"
 #include "log.h"
 #include "stripe.h"
 

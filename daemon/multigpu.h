@@ -49,7 +49,7 @@
 #include "backend.h"
 #include "error.h"
 #include "fillpool.h"
-#include "loader.h"
+#include "load_target.h"
 #include "topology.h"
 
 struct mg;

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "fault.h"
+#include "load_source.h"
 
 /* ---- kits ---------------------------------------------------------------------------- */
 

@@ -29,7 +29,7 @@
 #include "backend.h"
 #include "error.h"
 #include "fillpool.h"
-#include "loader.h"
+#include "load_target.h"
 
 #define STRIPE_SLOTS 2
 
