@@ -262,6 +262,11 @@ void ctl_add_device(cJSON *req, const char *device);
 /* Formats a byte count in binary units: "7.49 GiB", "12.0 MiB", "512 B". */
 void ctl_human_bytes(uint64_t b, char *buf, size_t len);
 
+/* Prints a checkpoint object of a reply in one line: path, layout, shards, tensors, bytes. */
+void ctl_print_checkpoint(const char *verb, const cJSON *ck);
+
+/* ---- reading replies (ctl_json.c) ------------------------------------------------- */
+
 /* A member as uint64 (0 when absent or not a number). */
 uint64_t ctl_u64(const cJSON *o, const char *key);
 
@@ -270,9 +275,6 @@ double ctl_num(const cJSON *o, const char *key);
 
 /* A member as a string ("?" when absent). */
 const char *ctl_str(const cJSON *o, const char *key);
-
-/* Prints a checkpoint object of a reply in one line: path, layout, shards, tensors, bytes. */
-void ctl_print_checkpoint(const char *verb, const cJSON *ck);
 
 /* ---- interrupts and deadlines (ctl_guard.c) --------------------------------------- */
 

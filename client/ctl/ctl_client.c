@@ -137,21 +137,6 @@ void ctl_human_bytes(uint64_t b, char *buf, size_t len) {
   else snprintf(buf, len, "%" PRIu64 " B", b);
 }
 
-uint64_t ctl_u64(const cJSON *o, const char *key) {
-  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-  return cJSON_IsNumber(v) && v->valuedouble > 0 && v->valuedouble < 18446744073709551615.0 ? (uint64_t)v->valuedouble : 0;
-}
-
-double ctl_num(const cJSON *o, const char *key) {
-  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-  return cJSON_IsNumber(v) ? v->valuedouble : 0.0;
-}
-
-const char *ctl_str(const cJSON *o, const char *key) {
-  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-  return cJSON_IsString(v) ? v->valuestring : "?";
-}
-
 void ctl_print_checkpoint(const char *verb, const cJSON *ck) {
   char total[32], resident[32], pinned[48] = "";
   uint64_t bytes = ctl_u64(ck, "bytes"), res = ctl_u64(ck, "resident_bytes"), pb = ctl_u64(ck, "pinned_bytes");
