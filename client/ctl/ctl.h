@@ -141,11 +141,11 @@ extern const size_t ctl_ncommands;
 
 /*
  * The global options (weightctl.c); those every command takes, and those of
- * commands that talk to the daemon (ctl_cli.c).
+ * commands that talk to the daemon (ctl_tables.c).
  */
 extern const struct optab_list ctl_global_options, ctl_common_options, ctl_daemon_options;
 
-/* The option tables a command parses, in the order help lists them; returns how many (at most 4). */
+/* The option tables a command parses, in the order help lists them (ctl_tables.c); returns how many (at most 4). */
 size_t ctl_cmd_lists(const struct ctl_cmd *cmd, struct optab_list lists[4]);
 
 /*
