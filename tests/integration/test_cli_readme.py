@@ -66,8 +66,10 @@ def test_readme_next_steps(tmp_path):
             continue
         if i == 5:
             b = "\n".join(line for line in b.splitlines() if "pip install" not in line)
-            b = b.replace("/tmp/wd-venv/bin/python", sys.executable)
-        script.append(f"echo '== step {i}'\n" + b.replace("/tmp/", f"{priv}/"))
+        b = b.replace("/tmp/", f"{priv}/")
+        if i == 5:  # after the /tmp/ rewrite: this python may itself live under /tmp (a clone there)
+            b = b.replace(f"{priv}/wd-venv/bin/python", sys.executable)
+        script.append(f"echo '== step {i}'\n" + b)
     run_env = dict(os.environ)
     run_env.pop("WEIGHTD_SOCKET", None)
     run_env.update(PATH=f"{prefix}/bin:" + os.environ["PATH"], LD_LIBRARY_PATH=lib,
