@@ -199,6 +199,9 @@ class Supervisor:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
         self.log.close()
+        # What the dead daemon sent is in the store before kill() returns: a test that edits the store
+        # next (a corrupt description) must not race a notification still queued on the socket.
+        self.store.drain()
 
     def stop(self):
         self.proc.send_signal(signal.SIGTERM)
