@@ -1,0 +1,71 @@
+/*
+ * residency_internal.h - what residency.c and residency_load.c share.
+ *
+ * Not an interface: the struct residency behind residency.h's handle, and
+ * the calls residency_load.c makes into residency.c (finding a set by its
+ * identity, linking and destroying sets, making room, freeing slabs). The
+ * arrows run one way: residency_load.c calls residency.c, never the
+ * reverse. Loop thread only, except slab_list_free_now (a job thread).
+ */
+#ifndef WD_RESIDENCY_INTERNAL_H
+#define WD_RESIDENCY_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "residency.h"
+
+struct free_job;
+
+struct residency {
+  uv_loop_t *loop;
+  const struct wd_backend *backend;
+  struct jobs *bulk;
+  struct loader *ld;
+  int ndevices;
+  struct res_device *devices;
+  uint64_t device_budget;
+  uint64_t next_id;
+  struct res_set *sets;
+  struct res_set *orphans; /* failed or canceled while leased: freed with their last lease */
+  struct lease *leases;
+  struct res_stats stats;
+  uv_async_t notify; /* a load allocated its slab: answer early waiters */
+  bool replicas;
+  void (*changed)(void *arg); /* sets or leases changed (res_on_change) */
+  void *changed_arg;
+};
+
+/* Tells the res_on_change callback that sets or leases changed. */
+static inline void res_changed(struct residency *r) {
+  if (r->changed != NULL) r->changed(r->changed_arg);
+}
+
+/* Slabs taken from evicted sets, freed together off the loop. */
+struct slab_list {
+  struct wd_slab **v;
+  size_t n, cap;
+};
+
+/* The set of that identity (path#generation|device|plan key) that has not failed, or NULL. */
+struct res_set *find_by_key(const struct residency *r, const char *key);
+/* Puts a new set s (device and plan set) among the resident ones: its timer, its bytes on the device. */
+void set_link(struct residency *r, struct res_set *s);
+/* Takes s out of the list it is on (the sets, or the orphans). */
+void set_unlink(struct res_set *s);
+/* Unlinks and frees a set; its slab goes to `keep` when given, else to a free job. */
+void set_destroy(struct res_set *s, struct slab_list *keep);
+/* Frees every slab of the list (on a job thread) and empties it. */
+void slab_list_free_now(const struct wd_backend *b, struct slab_list *l);
+/* Frees the slabs of l on a job (f, when not NULL, may carry a continuation), or here when no job can be made. */
+void free_later(struct residency *r, struct free_job *f, struct slab_list *l);
+/* Destroys an unleased, ready set that no load copies (its slab to keep) and counts why; BUSY otherwise. */
+int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err);
+/* True when s is a ready set of device that nothing holds: no lease, no load copying it. */
+bool evictable(const struct res_set *s, int device);
+/* Evicts unleased sets of device, least recently used first, until `need` more bytes fit; false if they cannot. */
+bool make_room(struct residency *r, int device, uint64_t need, struct slab_list *keep);
+
+#endif
