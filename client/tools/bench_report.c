@@ -33,7 +33,8 @@ _Noreturn void die(const char *what, const char *detail) {
 
 /* ---- options and the JSON result ---------------------------------------------------- */
 
-struct bench_opt opt = {.runs = 5, .settle_ms = 500, .b2b = 1, .ceiling_max_gib = 16, .phases = "ceiling,fill,staged,pin,pinned,attach,rss"};
+struct bench_opt opt = {
+    .runs = 5, .settle_ms = 500, .b2b = 1, .ceiling_max_gib = 16, .phases = "ceiling,fill,staged,pin,pinned,attach,rss"};
 
 cJSON *result; /* everything measured, written with --json / --json-out */
 FILE *out;     /* the table: stdout, or nowhere with --json */
