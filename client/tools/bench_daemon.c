@@ -1,0 +1,134 @@
+/*
+ * bench_daemon.c - weightd-bench's side of the daemons: connections and
+ * requests through libweightd, evicting and closing in every daemon, and the
+ * timed load.
+ */
+#include <cjson/cJSON.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench_daemon.h"
+#include "bench_report.h"
+#include "clock.h"
+#include "weightd.h"
+
+/* ---- the daemons ------------------------------------------------------------------ */
+
+struct daemon_conn daemons[2];
+int ndaemons;
+
+weightd_client *connect_or_die(const char *sock) {
+  weightd_client *c = NULL;
+  if (weightd_connect(sock, &c) != 0) die("connect", weightd_last_error(c));
+  return c;
+}
+
+/* Sends one request; returns the parsed reply (cJSON_Delete it). */
+cJSON *request_json(weightd_client *c, const char *json, int *rc) {
+  char *r = NULL;
+  int e = weightd_request(c, json, &r, NULL, NULL);
+  if (rc != NULL) *rc = e;
+  else if (e != 0) die(json, r ? r : weightd_last_error(c));
+  cJSON *j = r ? cJSON_Parse(r) : NULL;
+  weightd_free(r);
+  return j;
+}
+
+void request_or_die(weightd_client *c, const char *json) { cJSON_Delete(request_json(c, json, NULL)); }
+
+const char *jstr(const cJSON *o, const char *k) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+  return cJSON_IsString(v) ? v->valuestring : "";
+}
+
+double jnum(const cJSON *o, const char *k) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
+  return cJSON_IsNumber(v) ? v->valuedouble : 0;
+}
+
+void daemon_attach(struct daemon_conn *d, const char *sock) {
+  d->sock = sock;
+  d->c = connect_or_die(sock);
+  if (strcmp(weightd_backend(d->c), "cuda") != 0) die(sock, "the daemon does not use the cuda backend");
+  cJSON *st = request_json(d->c, "{\"op\":\"status\"}", NULL);
+  const cJSON *dm = cJSON_GetObjectItemCaseSensitive(st, "daemon");
+  snprintf(d->strided, sizeof d->strided, "%s", jstr(dm, "staged_strided"));
+  snprintf(d->pin, sizeof d->pin, "%s", jstr(dm, "pin"));
+  snprintf(d->method, sizeof d->method, "%s", jstr(dm, "load_method"));
+  d->pid = (int)jnum(dm, "pid");
+  cJSON_Delete(st);
+}
+
+/* The checkpoint's entry in the daemon's status (a new object), or NULL when it is not open. */
+cJSON *ckpt_status(struct daemon_conn *d, const char *abs) {
+  cJSON *st = request_json(d->c, "{\"op\":\"status\"}", NULL), *found = NULL;
+  const cJSON *e;
+  cJSON_ArrayForEach(e, cJSON_GetObjectItemCaseSensitive(st, "checkpoints"))
+    if (strcmp(jstr(e, "path"), abs) == 0) found = cJSON_Duplicate(e, 1);
+  cJSON_Delete(st);
+  return found;
+}
+
+void evict_all(int device) {
+  char req[96];
+  snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":%d}", device);
+  for (int i = 0; i < ndaemons; i++) request_or_die(daemons[i].c, req);
+}
+
+/* Closes the checkpoint in every daemon (which unpins it); its sets are evicted first. */
+void close_all(const char *abs, int device) {
+  evict_all(device);
+  char req[PATH_MAX + 64];
+  snprintf(req, sizeof req, "{\"op\":\"close\",\"path\":\"%s\"}", abs);
+  for (int i = 0; i < ndaemons; i++) {
+    int rc;
+    cJSON *r = request_json(daemons[i].c, req, &rc);
+    if (rc != 0 && rc != WEIGHTD_E_NOT_FOUND) die("close (is another client using the checkpoint?)", jstr(r, "error"));
+    cJSON_Delete(r);
+  }
+}
+
+/* A request object with op, path and (when given) the plan. */
+char *plan_request(const char *op, const char *abs, const char *extra) {
+  char *s = NULL;
+  if (asprintf(&s, "{\"op\":\"%s\",\"path\":\"%s\"%s%s%s}", op, abs, opt.plan_json ? ",\"plan\":" : "",
+               opt.plan_json ? opt.plan_json : "", extra ? extra : "") < 0)
+    die("asprintf", "out of memory");
+  return s;
+}
+
+/*
+ * One timed load from request to result, slab allocation included, after
+ * evicting every set of the device (in every daemon) and waiting settle_ms:
+ * the driver reclaims (scrubs) freed device memory in the background with the
+ * copy engines, which slows copies that start right after an eviction
+ * (tests/gpu/dma_study.c). The method the daemon used goes to method.
+ */
+double timed_load(struct daemon_conn *d, const char *abs, char *method, size_t mlen, int settle_ms) {
+  evict_all(opt.device);
+  if (settle_ms > 0) usleep((useconds_t)settle_ms * 1000);
+  char *req = NULL, extra[32];
+  snprintf(extra, sizeof extra, ",\"device\":%d", opt.device);
+  req = plan_request("load", abs, extra);
+  double t0 = clock_s();
+  cJSON *r = request_json(d->c, req, NULL);
+  double dt = clock_s() - t0;
+  if (method != NULL) snprintf(method, mlen, "%s", jstr(r, "method"));
+  cJSON_Delete(r);
+  free(req);
+  return dt;
+}
+
+uint64_t daemon_rss_anon(int pid) {
+  char path[64], line[256];
+  snprintf(path, sizeof path, "/proc/%d/smaps_rollup", pid);
+  FILE *f = fopen(path, "r");
+  uint64_t kb = 0;
+  while (f != NULL && fgets(line, sizeof line, f) != NULL)
+    if (strncmp(line, "Anonymous:", 10) == 0) kb = strtoull(line + 10, NULL, 10);
+  if (f) fclose(f);
+  return kb * 1024;
+}

@@ -1,0 +1,382 @@
+/*
+ * bench_phases.c - weightd-bench's timed phases that are more than a
+ * request: the ceilings (pinned-source H2D copies; page cache -> pinned
+ * fill with the staging schedule), the timed loads, the pin policy's auto
+ * phase and the cold path (page cache dropped, O_DIRECT reads, a cold load).
+ * DESIGN: fill_rate and odirect_read start their own threads and join them
+ * before returning; the threads share only their argument struct (an atomic
+ * task counter, read-only inputs, per-thread slots or buffers).
+ */
+#include <cjson/cJSON.h>
+#include <cuda_runtime.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "bench_daemon.h"
+#include "bench_phases.h"
+#include "bench_report.h"
+#include "clock.h"
+#include "plan.h"
+#include "plan_stage.h"
+
+/* ---- ceilings ------------------------------------------------------------------ */
+
+/* Pinned-source H2D: `bytes` in 64 MiB copies from two pinned buffers on two streams. */
+double h2d_ceiling(int device, uint64_t bytes) {
+  CUDA_OK(cudaSetDevice(device));
+  void *src[2], *dst;
+  cudaStream_t st[2];
+  size_t dst_bytes = 2ull << 30;
+  for (int i = 0; i < 2; i++) {
+    CUDA_OK(cudaHostAlloc(&src[i], SLOT, cudaHostAllocPortable));
+    memset(src[i], 0x5a, SLOT);
+    CUDA_OK(cudaStreamCreateWithFlags(&st[i], cudaStreamNonBlocking));
+  }
+  CUDA_OK(cudaMalloc(&dst, dst_bytes));
+  for (int i = 0; i < 4; i++) /* warm up */
+    CUDA_OK(cudaMemcpyAsync((char *)dst + (size_t)i * SLOT, src[i & 1], SLOT, cudaMemcpyHostToDevice, st[i & 1]));
+  CUDA_OK(cudaDeviceSynchronize());
+  double t0 = clock_s();
+  uint64_t k = 0;
+  for (uint64_t off = 0; off < bytes; off += SLOT, k++) {
+    size_t n = bytes - off < SLOT ? (size_t)(bytes - off) : SLOT;
+    size_t d = (size_t)((k * SLOT) % (dst_bytes - SLOT));
+    CUDA_OK(cudaMemcpyAsync((char *)dst + d, src[k & 1], n, cudaMemcpyHostToDevice, st[k & 1]));
+  }
+  CUDA_OK(cudaDeviceSynchronize());
+  double t = clock_s() - t0;
+  for (int i = 0; i < 2; i++) {
+    cudaFreeHost(src[i]);
+    cudaStreamDestroy(st[i]);
+  }
+  cudaFree(dst);
+  return t;
+}
+
+void map_ckpt(const struct ckpt *c, const struct plan_range *r, size_t nr, struct mapped *m) {
+  m->c = c;
+  m->maps = calloc(c->nshards, sizeof *m->maps);
+  m->data = calloc(c->nshards, sizeof *m->data);
+  for (size_t i = 0; i < c->nshards; i++) {
+    if (c->shards[i].size == 0) continue;
+    m->maps[i] = mmap(NULL, c->shards[i].size, PROT_READ, MAP_SHARED, c->shards[i].fd, 0);
+    if (m->maps[i] == MAP_FAILED) die("mmap", strerror(errno));
+    m->data[i] = (const unsigned char *)m->maps[i] + c->shards[i].hdr->data_start;
+  }
+  for (size_t k = 0; k < nr; k++)
+    for (uint64_t o = r[k].off; o < r[k].off + r[k].len; o += 4096) (void)((volatile char *)m->maps[r[k].shard])[o];
+}
+
+void unmap_ckpt(struct mapped *m) {
+  for (size_t i = 0; i < m->c->nshards; i++)
+    if (m->maps[i] != NULL) munmap(m->maps[i], m->c->shards[i].size);
+  free(m->maps);
+  free(m->data);
+}
+
+struct fill_arg {
+  const struct plan *plan;
+  const struct plan_stage *sched;
+  const unsigned char **data;
+  unsigned char *pinned; /* nthreads slots of SLOT bytes */
+  unsigned nthreads;
+  size_t ntasks, *task_window;
+  uint64_t *task_lo;
+  atomic_size_t next;
+  atomic_uint ids;
+};
+
+static void *fill_thread(void *arg) {
+  struct fill_arg *f = arg;
+  unsigned me = atomic_fetch_add(&f->ids, 1) % f->nthreads;
+  unsigned char *slot = f->pinned + (size_t)me * SLOT;
+  for (;;) {
+    size_t t = atomic_fetch_add(&f->next, 1);
+    if (t >= f->ntasks) return NULL;
+    size_t w = f->task_window[t];
+    uint64_t lo = f->task_lo[t], used = f->sched->windows[w].used;
+    uint64_t hi = lo + (8u << 20) < used ? lo + (8u << 20) : used;
+    plan_stage_fill(f->sched, f->plan, f->data, w, lo, hi, slot + lo % SLOT);
+  }
+}
+
+/*
+ * Page cache -> pinned memory with nthreads threads, as the staging pipeline
+ * fills its slots for this plan under mode (8 MiB tasks): returns seconds,
+ * and the bytes the CPU copied in *copied.
+ */
+double fill_rate(const struct mapped *m, const struct plan *plan, enum plan_strided mode, unsigned nthreads,
+                 uint64_t *copied) {
+  struct plan_stage *sched = NULL;
+  struct wd_error err = {0};
+  if (plan_stage_build(plan, SLOT, mode, &sched, &err) != 0) die("staging schedule", err.msg);
+  struct fill_arg f = {.plan = plan, .sched = sched, .data = m->data, .nthreads = nthreads};
+  for (size_t w = 0; w < sched->nwindows; w++) f.ntasks += (size_t)((sched->windows[w].used + (8u << 20) - 1) >> 23);
+  f.task_window = malloc((f.ntasks ? f.ntasks : 1) * sizeof *f.task_window);
+  f.task_lo = malloc((f.ntasks ? f.ntasks : 1) * sizeof *f.task_lo);
+  size_t t = 0;
+  for (size_t w = 0; w < sched->nwindows; w++)
+    for (uint64_t lo = 0; lo < sched->windows[w].used; lo += 8u << 20, t++) {
+      f.task_window[t] = w;
+      f.task_lo[t] = lo;
+    }
+  CUDA_OK(cudaHostAlloc((void **)&f.pinned, (size_t)nthreads * SLOT, cudaHostAllocPortable));
+  memset(f.pinned, 0, (size_t)nthreads * SLOT);
+  atomic_init(&f.next, 0);
+  atomic_init(&f.ids, 0);
+  pthread_t *th = calloc(nthreads, sizeof *th);
+  double t0 = clock_s();
+  for (unsigned i = 0; i < nthreads; i++) pthread_create(&th[i], NULL, fill_thread, &f);
+  for (unsigned i = 0; i < nthreads; i++) pthread_join(th[i], NULL);
+  double dt = clock_s() - t0;
+  free(th);
+  cudaFreeHost(f.pinned);
+  *copied = sched->staged_bytes;
+  free(f.task_window);
+  free(f.task_lo);
+  plan_stage_free(sched);
+  return dt;
+}
+
+/* ---- the cold path ------------------------------------------------------------------------- */
+
+/* Fraction of the ranges' pages in the page cache. */
+static double cached_fraction(const struct ckpt *c, const struct plan_range *r, size_t nr) {
+  uint64_t in = 0, all = 0;
+  unsigned char *vec = malloc(1 << 16);
+  for (size_t k = 0; k < nr; k++) {
+    int fd = c->shards[r[k].shard].fd;
+    for (uint64_t off = r[k].off; off < r[k].off + r[k].len; off += (1ull << 16) * 4096) {
+      uint64_t len = r[k].off + r[k].len - off < (1ull << 16) * 4096 ? r[k].off + r[k].len - off : (1ull << 16) * 4096;
+      void *p = mmap(NULL, (size_t)len, PROT_READ, MAP_SHARED, fd, (off_t)off);
+      if (p == MAP_FAILED) continue;
+      size_t pages = (size_t)((len + 4095) / 4096);
+      if (mincore(p, (size_t)len, vec) == 0)
+        for (size_t i = 0; i < pages; i++) in += vec[i] & 1;
+      all += pages;
+      munmap(p, (size_t)len);
+    }
+  }
+  free(vec);
+  return all ? (double)in / (double)all : 0;
+}
+
+/* Drops the page cache: all of it as root, else the checkpoint's files (DONTNEED). Returns what remains cached. */
+static double drop_cache(const struct ckpt *c, const struct plan_range *r, size_t nr, const char **how) {
+  sync();
+  int fd = open("/proc/sys/vm/drop_caches", O_WRONLY);
+  if (fd >= 0 && write(fd, "3\n", 2) == 2) {
+    *how = "drop_caches";
+  } else {
+    *how = "fadvise";
+    for (size_t i = 0; i < c->nshards; i++) posix_fadvise(c->shards[i].fd, 0, 0, POSIX_FADV_DONTNEED);
+  }
+  if (fd >= 0) close(fd);
+  return cached_fraction(c, r, nr);
+}
+
+struct odirect_arg {
+  const struct ckpt *c;
+  const struct plan_range *r;
+  size_t nr;
+  atomic_size_t next; /* 16 MiB task counter over the ranges */
+  size_t *task_range;
+  uint64_t *task_off;
+  size_t ntasks;
+  atomic_uint_fast64_t bytes;
+  int failed;
+};
+
+static void *odirect_thread(void *arg) {
+  struct odirect_arg *a = arg;
+  void *buf = NULL;
+  if (posix_memalign(&buf, 4096, 16u << 20) != 0) return NULL;
+  int *fds = calloc(a->c->nshards, sizeof *fds);
+  for (size_t i = 0; i < a->c->nshards; i++) fds[i] = -1;
+  for (;;) {
+    size_t t = atomic_fetch_add(&a->next, 1);
+    if (t >= a->ntasks) break;
+    const struct plan_range *g = &a->r[a->task_range[t]];
+    if (fds[g->shard] < 0) fds[g->shard] = open(a->c->shards[g->shard].real, O_RDONLY | O_DIRECT);
+    if (fds[g->shard] < 0) {
+      a->failed = 1;
+      break;
+    }
+    uint64_t off = a->task_off[t], end = g->off + g->len;
+    size_t n = end - off < (16u << 20) ? (size_t)(end - off) : (16u << 20);
+    size_t want = (n + 4095) & ~(size_t)4095; /* O_DIRECT wants whole blocks; a short read at EOF is fine */
+    ssize_t got = pread(fds[g->shard], buf, want, (off_t)off);
+    if (got < 0) {
+      a->failed = 1;
+      break;
+    }
+    atomic_fetch_add(&a->bytes, (uint64_t)(got < (ssize_t)n ? got : (ssize_t)n));
+  }
+  for (size_t i = 0; i < a->c->nshards; i++)
+    if (fds[i] >= 0) close(fds[i]);
+  free(fds);
+  free(buf);
+  return NULL;
+}
+
+/* Reads the ranges with O_DIRECT in 16 MiB reads on nthreads threads: seconds, bytes in *bytes (0 on failure). */
+static double odirect_read(const struct ckpt *c, const struct plan_range *r, size_t nr, unsigned nthreads,
+                           uint64_t *bytes) {
+  struct odirect_arg a = {.c = c, .r = r, .nr = nr};
+  for (size_t k = 0; k < nr; k++) a.ntasks += (size_t)((r[k].len + (16u << 20) - 1) >> 24);
+  a.task_range = malloc((a.ntasks ? a.ntasks : 1) * sizeof *a.task_range);
+  a.task_off = malloc((a.ntasks ? a.ntasks : 1) * sizeof *a.task_off);
+  size_t t = 0;
+  for (size_t k = 0; k < nr; k++)
+    for (uint64_t off = r[k].off; off < r[k].off + r[k].len; off += 16u << 20, t++) {
+      a.task_range[t] = k;
+      a.task_off[t] = off;
+    }
+  atomic_init(&a.next, 0);
+  atomic_init(&a.bytes, 0);
+  pthread_t th[16];
+  if (nthreads > 16) nthreads = 16;
+  double t0 = clock_s();
+  for (unsigned i = 0; i < nthreads; i++) pthread_create(&th[i], NULL, odirect_thread, &a);
+  for (unsigned i = 0; i < nthreads; i++) pthread_join(th[i], NULL);
+  double dt = clock_s() - t0;
+  *bytes = a.failed ? 0 : atomic_load(&a.bytes);
+  free(a.task_range);
+  free(a.task_off);
+  return dt;
+}
+
+/* ---- phases ---------------------------------------------------------------------------------- */
+
+/* --runs loads through daemon d (and, alternating, its partner), recorded under key. */
+void run_loads(const char *abs, const char *key, const char *what, int with_alt) {
+  int nd = with_alt && ndaemons > 1 ? 2 : 1, runs = opt.runs;
+  double v[2][MAX_RUNS], b2b[2][MAX_RUNS];
+  char method[2][16] = {"?", "?"};
+  for (int i = 0; i < runs; i++)
+    for (int k = 0; k < nd; k++) v[k][i] = timed_load(&daemons[k], abs, method[k], sizeof method[k], opt.settle_ms);
+  if (opt.b2b)
+    for (int i = 0; i < runs; i++)
+      for (int k = 0; k < nd; k++) b2b[k][i] = timed_load(&daemons[k], abs, NULL, 0, 0);
+  for (int k = 0; k < nd; k++) {
+    char name[96], label[96];
+    if (nd > 1) snprintf(name, sizeof name, "%s_%s", key, daemons[k].strided);
+    else snprintf(name, sizeof name, "%s", key);
+    cJSON *o = cJSON_AddObjectToObject(result, name);
+    put_num(o, "median_s", median(v[k], runs));
+    put_runs(o, "runs_s", v[k], runs);
+    cJSON_AddStringToObject(o, "method", method[k]);
+    cJSON_AddStringToObject(o, "staged_strided", daemons[k].strided);
+    cJSON_AddStringToObject(o, "pin", daemons[k].pin);
+    if (opt.b2b) {
+      put_num(o, "back_to_back_median_s", median(b2b[k], runs));
+      put_runs(o, "back_to_back_runs_s", b2b[k], runs);
+    }
+    if (strcmp(key, "staged") == 0 && strcmp(method[k], "staged") != 0)
+      fprintf(out, "  (note: these loads went %s: the daemon pins by itself; run it with --set pin=off)\n",
+              method[k]);
+    snprintf(label, sizeof label, "load, %s (%s%s%s)", what, method[k], nd > 1 ? ", " : "",
+             nd > 1 ? daemons[k].strided : "");
+    row(label, median(v[k], runs));
+    if (opt.b2b) {
+      snprintf(label, sizeof label, "  same, right after an evict");
+      row(label, median(b2b[k], runs));
+    }
+  }
+}
+
+/* Waits until the daemon has pinned (part of) the checkpoint by itself; seconds, or -1 after a minute. */
+static double wait_auto_pin(struct daemon_conn *d, const char *abs, uint64_t *pinned) {
+  double t0 = clock_s();
+  for (;;) {
+    cJSON *e = ckpt_status(d, abs);
+    bool pinning = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(e, "pinning"));
+    *pinned = (uint64_t)jnum(e, "pinned_bytes");
+    cJSON_Delete(e);
+    if (!pinning && *pinned > 0) return clock_s() - t0;
+    if (clock_s() - t0 > 60) return -1;
+    usleep(10000);
+  }
+}
+
+void phase_auto(const char *abs) {
+  struct daemon_conn *d = &daemons[0];
+  if (strcmp(d->pin, "off") == 0) die("auto", "the daemon runs with pin off");
+  close_all(abs, opt.device);
+  char m1[16] = "?", m2[16] = "?";
+  double first = timed_load(d, abs, m1, sizeof m1, opt.settle_ms);
+  uint64_t pinned = 0;
+  double wait = wait_auto_pin(d, abs, &pinned);
+  double v[MAX_RUNS];
+  for (int i = 0; i < opt.runs; i++) v[i] = timed_load(d, abs, m2, sizeof m2, opt.settle_ms);
+  cJSON *o = cJSON_AddObjectToObject(result, "auto");
+  cJSON_AddStringToObject(o, "pin", d->pin);
+  put_num(o, "first_s", first);
+  cJSON_AddStringToObject(o, "first_method", m1);
+  put_num(o, "pinned_after_s", wait);
+  put_num(o, "pinned_bytes", (double)pinned);
+  put_num(o, "later_median_s", median(v, opt.runs));
+  put_runs(o, "later_runs_s", v, opt.runs);
+  cJSON_AddStringToObject(o, "later_method", m2);
+  char label[96];
+  snprintf(label, sizeof label, "pin %s: first load (%s)", d->pin, m1);
+  row(label, first);
+  char note[96];
+  snprintf(note, sizeof note, "(%.2f GiB pinned by the daemon itself)", (double)pinned / GiB);
+  row_plain("  then pinned in the background, after", wait, wait < 0 ? "(not within 60 s)" : note);
+  snprintf(label, sizeof label, "pin %s: later loads (%s)", d->pin, m2);
+  row(label, median(v, opt.runs));
+}
+
+void phase_cold(const char *abs, const struct ckpt *c, const struct plan *plan, const struct plan_range *r,
+                size_t nr, uint64_t read_bytes) {
+  cJSON *o = cJSON_AddObjectToObject(result, "cold");
+  close_all(abs, opt.device); /* the daemon's mappings hold no page then */
+  const char *how = "?";
+  double left = drop_cache(c, r, nr, &how);
+  cJSON_AddStringToObject(o, "dropped_by", how);
+  put_num(o, "cached_after_drop", left);
+  if (left > 0.05) {
+    fprintf(out, "%-46s skipped: %.0f%% of the checkpoint stayed in the page cache (%s)\n", "cold path", 100 * left, how);
+    cJSON_AddStringToObject(o, "skipped", "page cache not dropped");
+    return;
+  }
+  double best = 0;
+  for (unsigned th = 1; th <= 4; th *= 4) {
+    uint64_t bytes = 0;
+    if (th > 1) drop_cache(c, r, nr, &how);
+    double s = odirect_read(c, r, nr, th, &bytes);
+    char k[32], label[96];
+    snprintf(k, sizeof k, "odirect_%u_threads_gbps", th);
+    double gbps = bytes ? (double)bytes / 1e9 / s : 0;
+    put_num(o, k, gbps);
+    if (gbps > best) best = gbps;
+    snprintf(label, sizeof label, "disk: O_DIRECT 16 MiB reads, %u thread%s", th, th == 1 ? "" : "s");
+    fprintf(out, "%-46s %8.1f ms %7.2f GB/s\n", label, s * 1e3, gbps);
+  }
+  put_num(o, "odirect_best_gbps", best);
+  drop_cache(c, r, nr, &how);
+  char m[16] = "?";
+  double s = timed_load(&daemons[0], abs, m, sizeof m, 0);
+  double gbps = (double)read_bytes / 1e9 / s;
+  put_num(o, "load_s", s);
+  put_num(o, "load_gbps", gbps);
+  cJSON_AddStringToObject(o, "load_method", m);
+  put_num(o, "of_odirect", best > 0 ? gbps / best : 0);
+  char label[96];
+  snprintf(label, sizeof label, "cold load through the daemon (%s)", m);
+  fprintf(out, "%-46s %8.1f ms %7.2f GB/s  %5.0f%% of O_DIRECT\n", label, s * 1e3, gbps, best > 0 ? 100 * gbps / best : 0);
+  (void)plan;
+  /* Warm again for whatever runs next. */
+  char *req = plan_request("prefetch", abs, ",\"wait\":true");
+  request_or_die(daemons[0].c, req);
+  free(req);
+}
