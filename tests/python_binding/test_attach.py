@@ -162,5 +162,4 @@ def test_attach_many_tensors_is_lazy(client, model_root):
         assert len(arrays) == n and arrays[-1].shape == (2, 4)
     print(f"\n{n} tensors: attach {attach_s * 1e3:.1f} ms, names() {names_s * 1e3:.1f} ms, "
           f"{n} finds {find_s * 1e3:.1f} ms, {n} arrays {wrap_s * 1e3:.1f} ms")
-    # Generous bounds (shared CI machines); the measured figures are in docs/python.md.
-    assert attach_s < 2.0
+    # The figures are printed, not asserted (timing thresholds flake on shared machines); docs/python.md has them.
