@@ -8,7 +8,7 @@
  * what their job structs hold, never this struct. Layers call downward only:
  *
  *   main.c    start-up, signals, orderly stop
- *   server.c  transport: the socket, connections, frames, descriptors
+ *   server*.c transport: the socket, connections, frames, descriptors
  *   ops.c     protocol: the only code that builds replies and events
  *   registry.c residency.c loader.c   state and work (typed continuations)
  *   jobs.c fillpool.c fault.c log.c config.c, common/, proto/
@@ -44,7 +44,7 @@ struct daemon_stats {
   uint64_t fds_queued;  /* descriptors waiting in replies not yet sent */
   uint64_t output_queued;  /* reply bytes waiting unsent, all connections */
   uint64_t events_dropped; /* progress events not sent to backlogged connections */
-  uint64_t request_mem; /* request memory charged (see server.c) */
+  uint64_t request_mem; /* request memory charged (see server_read.c) */
   uint64_t fd_limit;    /* RLIMIT_NOFILE's soft limit, raised to the hard one at start */
   bool listening;       /* the server accepts connections */
 };

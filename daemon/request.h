@@ -47,7 +47,7 @@ struct ops_group;
  */
 struct conn_ops {
   int (*send)(struct conn *c, cJSON *msg, const int *fds, size_t nfds); /* a final reply */
-  int (*send_event)(struct conn *c, cJSON *ev);                          /* droppable: see server.c */
+  int (*send_event)(struct conn *c, cJSON *ev);                          /* droppable: see server_send.c */
   void (*finish)(struct request *r);
   struct request *(*unqueue)(struct conn *c, const cJSON *id);
   bool (*dequeue)(struct conn *c, struct request *r);
