@@ -145,29 +145,47 @@ static void print_result(const char *path, const char *key, const struct target 
   }
 }
 
+/* open: validates (and reopens a changed checkpoint); *path gets the resolved path its reply names. */
+static int open_checkpoint(weightd_client *c, const char *arg, char **path) {
+  cJSON *req = ctl_request_new("open"), *reply = NULL;
+  ctl_add_path(req, arg);
+  int rc = ctl_request(c, req, NULL, NULL, &reply);
+  if (rc == 0 && (*path = strdup(ctl_str(cJSON_GetObjectItemCaseSensitive(reply, "checkpoint"), "path"))) == NULL) {
+    ctl_errorf("out of memory");
+    rc = WEIGHTD_E_NOMEM;
+  }
+  cJSON_Delete(reply);
+  return rc;
+}
+
+/* prefetch with wait (and pin) of what spec reads, or of the whole checkpoint when spec is NULL. */
+static int prefetch_wait(weightd_client *c, const char *path, bool pin, const cJSON *spec) {
+  cJSON *req = ctl_request_new("prefetch"), *reply = NULL;
+  cJSON_AddStringToObject(req, "path", path);
+  cJSON_AddBoolToObject(req, "pin", pin);
+  cJSON_AddTrueToObject(req, "wait");
+  /* Only the rank's byte ranges: a rank of a checkpoint larger than host memory can be prewarmed (and pinned). */
+  if (spec != NULL) cJSON_AddItemToObject(req, "plan", cJSON_Duplicate(spec, 1));
+  ctl_progress_begin("prefetch");
+  int rc = ctl_request(c, req, ctl_progress_cb, NULL, &reply);
+  ctl_progress_end();
+  cJSON_Delete(reply);
+  return rc;
+}
+
 /* --all-ranks: open, prefetch the whole checkpoint (every rank reads most of it), one load_group. */
 static int run_prewarm_group(const struct ctl_args *a, const struct ctl_plan_args *pa) {
   if (ctl_has(a, CTL_OPT_DEVICE))
     return ctl_usage_error("--all-ranks places ranks with --devices D,D,... (one per rank), not --device");
-  cJSON *group = NULL, *plan = NULL, *reply = NULL;
+  cJSON *group = NULL, *plan = NULL;
+  char *path = NULL;
   int rc = ctl_group_spec(pa, ctl_val(a, CTL_OPT_DEVICES), &group, &plan);
   if (rc != 0) return rc;
   weightd_client *c = NULL;
   int exit_code = ctl_connect(&c);
   if (exit_code != 0) goto out;
-  cJSON *req = ctl_request_new("open");
-  ctl_add_path(req, a->pos[0]);
-  if ((rc = ctl_request(c, req, NULL, NULL, &reply)) != 0) goto fail;
-  cJSON_Delete(reply);
-  req = ctl_request_new("prefetch");
-  ctl_add_path(req, a->pos[0]);
-  cJSON_AddBoolToObject(req, "pin", ctl_has(a, CTL_OPT_PIN));
-  cJSON_AddTrueToObject(req, "wait");
-  ctl_progress_begin("prefetch");
-  rc = ctl_request(c, req, ctl_progress_cb, NULL, &reply);
-  ctl_progress_end();
-  if (rc != 0) goto fail;
-  cJSON_Delete(reply);
+  if ((rc = open_checkpoint(c, a->pos[0], &path)) != 0 || (rc = prefetch_wait(c, path, ctl_has(a, CTL_OPT_PIN), NULL)) != 0)
+    goto fail;
   exit_code = ctl_group_load(c, a->pos[0], group, plan); /* consumes group and plan */
   group = plan = NULL;
   goto out;
@@ -176,6 +194,7 @@ fail:
 out:
   cJSON_Delete(group);
   cJSON_Delete(plan);
+  free(path);
   ctl_disconnect(c);
   return exit_code;
 }
@@ -202,18 +221,12 @@ static int run_prewarm(const struct ctl_args *a) {
   double t0 = clock_s(), open_s = 0, prefetch_s = 0, load_s = 0;
   bool prefetched = false;
   char *path = NULL, *key = NULL;
-  cJSON *reply = NULL, *status = NULL;
+  cJSON *status = NULL;
   weightd_client *c = NULL;
   int exit_code = ctl_connect(&c);
   if (exit_code != 0) goto out;
 
-  /* open: validates (and reopens a changed checkpoint); its reply names the resolved path. */
-  cJSON *req = ctl_request_new("open");
-  ctl_add_path(req, a->pos[0]);
-  if ((rc = ctl_request(c, req, NULL, NULL, &reply)) != 0) goto fail;
-  path = strdup(ctl_str(cJSON_GetObjectItemCaseSensitive(reply, "checkpoint"), "path"));
-  cJSON_Delete(reply);
-  reply = NULL;
+  if ((rc = open_checkpoint(c, a->pos[0], &path)) != 0) goto fail;
   open_s = clock_s() - t0;
   key = local_key(a->pos[0], spec);
 
@@ -225,24 +238,13 @@ static int run_prewarm(const struct ctl_args *a) {
 
   if (!all) {
     double tp = clock_s();
-    req = ctl_request_new("prefetch");
-    cJSON_AddStringToObject(req, "path", path);
-    cJSON_AddBoolToObject(req, "pin", ctl_has(a, CTL_OPT_PIN));
-    cJSON_AddTrueToObject(req, "wait");
-    /* Only the rank's byte ranges: a rank of a checkpoint larger than host memory can be prewarmed (and pinned). */
-    if (spec != NULL) cJSON_AddItemToObject(req, "plan", cJSON_Duplicate(spec, 1));
-    ctl_progress_begin("prefetch");
-    rc = ctl_request(c, req, ctl_progress_cb, NULL, &reply);
-    ctl_progress_end();
-    if (rc != 0) goto fail;
-    cJSON_Delete(reply);
-    reply = NULL;
+    if ((rc = prefetch_wait(c, path, ctl_has(a, CTL_OPT_PIN), spec)) != 0) goto fail;
     prefetched = true;
     prefetch_s = clock_s() - tp;
     double tl = clock_s();
     for (size_t i = 0; i < n; i++) {
       if (t[i].resident) continue;
-      req = ctl_request_new("load");
+      cJSON *req = ctl_request_new("load");
       cJSON_AddStringToObject(req, "path", path);
       cJSON_AddStringToObject(req, "device", t[i].uuid);
       if (spec != NULL) cJSON_AddItemToObject(req, "plan", cJSON_Duplicate(spec, 1));
@@ -261,7 +263,6 @@ fail:
 out:
   for (size_t i = 0; i < n; i++) cJSON_Delete(t[i].load);
   cJSON_Delete(status);
-  cJSON_Delete(reply);
   cJSON_Delete(spec);
   free(path);
   free(key);
