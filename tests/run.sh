@@ -25,7 +25,9 @@ echo "== build (release, gcc) =="
 CC=gcc cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DWEIGHTD_WERROR=ON -DWEIGHTD_PYTHON="$PWD/.venv/bin/python"
 cmake --build build -j "$jobs"
 echo "== tests (release) =="
+df -h . | tail -n 1 | awk '{print "disk: " $4 " free"}'
 ctest --test-dir build --output-on-failure -j "$jobs"
+rm -rf build/tests/tmp   # the release run's scratch (checkpoints); a failed run keeps it to read
 
 echo "== build (ASan + UBSan, clang, CUDA off) =="
 CC=clang cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DWEIGHTD_SANITIZE=ON -DWEIGHTD_CUDA=OFF -DWEIGHTD_WERROR=ON \
@@ -35,6 +37,7 @@ echo "== tests (ASan + UBSan) =="
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:halt_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs"
+rm -rf build-asan/tests/tmp
 
 echo "== build (libFuzzer targets, clang, ASan + UBSan) =="
 CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=Debug -DWEIGHTD_FUZZ=ON -DWEIGHTD_CUDA=OFF -DWEIGHTD_WERROR=ON \

@@ -33,7 +33,7 @@ def main(argv):
     import pytest
 
     sys.dont_write_bytecode = True
-    code = int(pytest.main(["-p", "no:cacheprovider"] + argv))
+    code = int(pytest.main(["-p", "no:cacheprovider", "-o", "tmp_path_retention_policy=failed"] + argv))
     return 1 if code == int(pytest.ExitCode.NO_TESTS_COLLECTED) else code
 
 

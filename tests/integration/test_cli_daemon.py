@@ -5,6 +5,7 @@ health, one JSON object for every outcome, and errors that say what to do.
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -207,8 +208,10 @@ def test_writers_show_progress_on_a_terminal(tmp_path, ckpt_small):
     text = run.text()
     assert re.search(r"\rmkcheckpoint \[[#.]+\] +\d+%  [\d.]+ of 0\.61 GiB", text), repr(text[-2000:])
     assert re.search(r"[\d.]+ GiB/s", text) and re.search(r"wrote qwen3-0\.6b .* GiB/s, \d+ threads?", text), text
+    shutil.rmtree(tmp_path / "mk")  # 0.6 GiB each: one at a time on a CI disk
     res = ctl("mkcheckpoint", "--preset", "qwen3-0.6b", "--layers", "1", "--out", tmp_path / "mk2", timeout=300)
     assert res.code == 0 and res.err == "" and "\r" not in res.out, res.describe()
+    shutil.rmtree(tmp_path / "mk2")
     run = PtyRun("export", ckpt_small, "--out", tmp_path / "ex", "--threads", "1")
     assert run.wait(300) == 0, run.text()
     assert re.search(r"\rexport \[[#.]+\] +\d+%  [\d.]+ of 0\.61 GiB", run.text()), repr(run.text()[-2000:])

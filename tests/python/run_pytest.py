@@ -7,7 +7,8 @@ when WD_REQUIRE_REFERENCE=1 (CI sets it, so a missing reference fails there).
 pytest's 5 ("no tests collected") is turned into 1: a run that checks
 nothing must not pass.
 
-Arguments are passed to pytest unchanged. When WD_TEST_TMP is set, pytest's
+Arguments are passed to pytest unchanged; a passing test's tmp_path is
+removed when it ends (tmp_path_retention_policy=failed). When WD_TEST_TMP is set, pytest's
 temporary directories go under it (WD_TEST_TMP/pytest-reference).
 """
 import os
@@ -43,9 +44,11 @@ def main(argv):
     if version != REFERENCE_VERSION:
         return unavailable(f"safetensors {version} is installed, the reference is {REFERENCE_VERSION}")
 
-    # Keep the source tree clean: no .pyc files, no .pytest_cache.
+    # Keep the source tree clean: no .pyc files, no .pytest_cache. A passing
+    # test's tmp_path is removed when it ends (some write GiBs of checkpoints;
+    # kept, two builds' worth filled a CI disk); a failing one's stays to read.
     sys.dont_write_bytecode = True
-    args = ["-p", "no:cacheprovider"] + list(argv)
+    args = ["-p", "no:cacheprovider", "-o", "tmp_path_retention_policy=failed"] + list(argv)
     tmp = os.environ.get("WD_TEST_TMP")
     if tmp and not any(a == "--basetemp" or a.startswith("--basetemp=") for a in argv):
         os.makedirs(tmp, exist_ok=True)
