@@ -390,9 +390,12 @@ def test_large_request_leaves_no_memory_behind(daemon):
         c.call("status")  # the request is freed right after its reply is queued: this reply comes after that
         grown = [0]
 
+        # The bug kept 164 MiB. What stays after a trim depends on how fragmented the
+        # parse threads' malloc arenas are: a bound of 16 MiB failed once on a loaded
+        # machine; 48 MiB still fails on the bug by more than a factor of three.
         def given_back():
             grown[0] = daemon.rss_anon_kib() - before
-            return grown[0] < 16 * 1024
+            return grown[0] < 48 * 1024
 
         try:
             wait_until(given_back, timeout=5 * SLOW, what="the memory of large requests to be given back")
