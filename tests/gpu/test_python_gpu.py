@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -30,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import wdgpu  # noqa: E402
+from wdgpu import client, daemon, work  # noqa: E402,F401  the module's daemon fixtures
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -43,29 +43,6 @@ sys.path.insert(0, os.path.join(wdgpu.REPO, "tests", "integration"))
 import wdclient  # noqa: E402
 
 IDS = [[1, 17, 300, 5, 99, 1000, 42, 7]]
-
-
-@pytest.fixture(scope="module")
-def work():
-    base = os.environ.get("WD_TEST_TMP") or tempfile.gettempdir()
-    os.makedirs(base, exist_ok=True)
-    d = tempfile.mkdtemp(prefix="wdpy-gpu-", dir=base)
-    os.makedirs(os.path.join(d, "models"))
-    yield d
-    subprocess.run(["rm", "-rf", d])
-
-
-@pytest.fixture(scope="module")
-def daemon(work):
-    d = wdgpu.CudaDaemon(work, os.path.join(work, "models")).start()
-    yield d
-    d.stop()
-
-
-@pytest.fixture
-def client(daemon):
-    with weightd.Client(daemon.socket) as c:
-        yield c
 
 
 def leases(c):

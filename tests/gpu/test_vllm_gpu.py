@@ -21,9 +21,7 @@ Run through run_python_gpu.py (ctest -L gpu), which skips without CUDA or torch.
 """
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -32,6 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import wdgpu  # noqa: E402
+from wdgpu import client, daemon, work  # noqa: E402,F401  the module's daemon fixtures
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
@@ -103,29 +102,6 @@ def file_tensor(path, name):
         shard = json.load(f)["weight_map"][name]
     with safe_open(os.path.join(path, shard), framework="pt") as f:
         return f.get_tensor(name)
-
-
-@pytest.fixture(scope="module")
-def work():
-    base = os.environ.get("WD_TEST_TMP") or tempfile.gettempdir()
-    os.makedirs(base, exist_ok=True)
-    d = tempfile.mkdtemp(prefix="wdvllm-gpu-", dir=base)
-    os.makedirs(os.path.join(d, "models"))
-    yield d
-    subprocess.run(["rm", "-rf", d])
-
-
-@pytest.fixture(scope="module")
-def daemon(work):
-    d = wdgpu.CudaDaemon(work, os.path.join(work, "models")).start()
-    yield d
-    d.stop()
-
-
-@pytest.fixture
-def client(daemon):
-    with weightd.Client(daemon.socket) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

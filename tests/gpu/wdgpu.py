@@ -1,25 +1,24 @@
 """What the Python GPU test and benchmark share: a weightd with the cuda backend, the package, a tiny Qwen3.
 
-The daemon is the integration suite's Daemon (tests/integration/conftest.py)
+The daemon is the integration suite's Daemon (tests/integration/wdfixtures.py)
 started with ``--backend cuda``. Binaries come from $WEIGHTD / $WEIGHTCTL,
 libweightd from $WEIGHTD_LIB (default: build/).
 """
-import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(REPO, "client", "python"))
 os.environ.setdefault("WEIGHTD_LIB", os.path.join(REPO, "build", "libweightd.so"))
 
-_spec = importlib.util.spec_from_file_location("wd_integration_fixtures",
-                                               os.path.join(REPO, "tests", "integration", "conftest.py"))
-fixtures = sys.modules.get("wd_integration_fixtures") or importlib.util.module_from_spec(_spec)
-if "wd_integration_fixtures" not in sys.modules:
-    sys.modules["wd_integration_fixtures"] = fixtures
-    _spec.loader.exec_module(fixtures)
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+import wdfixtures as fixtures  # noqa: E402  the integration suite's Daemon
 
 WEIGHTCTL = fixtures.WEIGHTCTL
 
@@ -31,6 +30,38 @@ class CudaDaemon(fixtures.Daemon):
         a = super().argv()
         a[a.index("--backend") + 1] = "cuda"
         return a
+
+
+# ---- fixtures of the GPU test modules (each imports them: from wdgpu import work, daemon, client) ----
+
+
+@pytest.fixture(scope="module")
+def work(request):
+    """A private directory with models/ for one test module, removed after it."""
+    base = os.environ.get("WD_TEST_TMP") or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    name = request.module.__name__.rsplit(".", 1)[-1].replace("_", "-")
+    d = tempfile.mkdtemp(prefix=f"wd-{name}-", dir=base)
+    os.makedirs(os.path.join(d, "models"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def daemon(work):
+    """A weightd with the cuda backend serving work/models, stopped (and checked) after the module."""
+    d = CudaDaemon(work, os.path.join(work, "models")).start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client(daemon):
+    """A weightd.Client of the module's daemon."""
+    import weightd
+
+    with weightd.Client(daemon.socket) as c:
+        yield c
 
 
 def mkcheckpoint(out, preset, seed=1, layers=None):

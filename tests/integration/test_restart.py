@@ -15,7 +15,7 @@ import threading
 import pytest
 
 import fdstore_harness
-from conftest import REPO, SANITIZER_MARKS, SLOW, STOP_SECONDS, WEIGHTD, write_single, TINY_TENSORS
+from conftest import REPO, SANITIZER_MARKS, SLOW, STOP_SECONDS, WEIGHTD, write_single, TINY_TENSORS, _failed
 from wdclient import Checkpoint, Conn, WDError, map_readonly, ranges_equal, verify_attached, wait_until
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -50,7 +50,7 @@ def supervisor(model_root, binaries, request):
         return s
 
     yield make
-    failed = getattr(request.node, "rep_call", None) is None or request.node.rep_call.failed
+    failed = _failed(request)
     for s in made:
         if failed and os.path.exists(s.log_path):
             print(f"---- weightd log ----\n{s.log_text()[-12000:]}")

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from conftest import REPO, SANITIZER_MARKS, SLOW, STOP_SECONDS, WEIGHTD
+from conftest import REPO, SLOW, STOP_SECONDS, WEIGHTD, DaemonProcess, _failed
 from wdclient import Conn, wait_until
 
 from fdstore_harness import EXEC_WITH_FDS  # noqa: E402  (the shim that places LISTEN_FDS descriptors)
@@ -117,7 +117,7 @@ class NotifySocket:
         self.sock.close()
 
 
-class Service:
+class Service(DaemonProcess):
     """One weightd started as systemd would start it (see the module's docstring).
 
     The directory is short (a socket path holds 108 bytes) and private to the
@@ -205,17 +205,6 @@ class Service:
         except AssertionError as e:
             raise AssertionError(f"{e}\nweightd (status {self.proc.poll()}):\n{self.log_text()}") from None
 
-    @property
-    def pid(self):
-        return self.proc.pid
-
-    def log_text(self):
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read().decode(errors="replace")
-        except FileNotFoundError:
-            return ""
-
     def log_lines(self):
         return self.log_text().splitlines()
 
@@ -229,16 +218,6 @@ class Service:
     def status(self, path=None):
         with self.connect(path) as c:
             return c.status()
-
-    def fd_targets(self):
-        out = {}
-        d = f"/proc/{self.pid}/fd"
-        for n in os.listdir(d):
-            try:
-                out[int(n)] = os.readlink(os.path.join(d, n))
-            except OSError:
-                pass
-        return out
 
     def hup(self, timeout=None):
         """SIGHUP; waits for RELOADING=1 and the READY=1 after it; returns the RELOADING fields."""
@@ -260,8 +239,7 @@ class Service:
             self.proc.wait()
             raise AssertionError(f"weightd did not exit within {STOP_SECONDS} s of signal {sig}:\n{self.log_text()}")
         assert rc == expect, f"weightd exited with {rc}, expected {expect}:\n{self.log_text()}"
-        marks = [m for m in SANITIZER_MARKS if m in self.log_text()]
-        assert not marks, f"sanitizer report:\n{self.log_text()}"
+        assert not self.sanitizer_report(), f"sanitizer report:\n{self.log_text()}"
         return rc
 
     def notifications_from_main_pid(self):
@@ -297,7 +275,7 @@ def service(model_root, binaries, request):
         return s
 
     yield make
-    failed = getattr(request.node, "rep_call", None) is None or request.node.rep_call.failed
+    failed = _failed(request)
     for s in made:
         if failed and s.proc is not None:
             print(f"---- stderr of weightd (pid {s.pid}) ----\n{s.log_text()[-12000:]}")
@@ -369,7 +347,7 @@ def test_no_ready_when_start_fails(service):
     time.sleep(0.2)
     assert not any("READY" in m[2] for m in s.notify.snapshot()), s.notify.snapshot()
     assert "cannot start" in s.log_text()
-    assert not [m for m in SANITIZER_MARKS if m in s.log_text()], s.log_text()
+    assert not s.sanitizer_report(), s.log_text()
 
 
 def test_never_forks_under_notify_socket(service):

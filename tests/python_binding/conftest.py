@@ -2,11 +2,10 @@
 
 The daemon fixtures (a real weightd with the host backend on a private
 socket, stopped and checked after each test) are those of
-tests/integration/conftest.py, loaded here under another module name. The
+tests/integration/wdfixtures.py, imported here. The
 package comes from client/python; libweightd from $WEIGHTD_LIB (ctest sets
 it to the build's), else build/libweightd.so.
 """
-import importlib.util
 import json
 import os
 import sys
@@ -19,24 +18,8 @@ sys.path.insert(0, os.path.join(REPO, "client", "python"))
 sys.path.insert(0, HERE)
 os.environ.setdefault("WEIGHTD_LIB", os.path.join(REPO, "build", "libweightd.so"))
 
-_spec = importlib.util.spec_from_file_location("wd_integration_fixtures",
-                                               os.path.join(REPO, "tests", "integration", "conftest.py"))
-fixtures = importlib.util.module_from_spec(_spec)
-sys.modules["wd_integration_fixtures"] = fixtures
-_spec.loader.exec_module(fixtures)
-
-# Re-exported so that pytest finds them in this conftest.
-pytest_runtest_makereport = fixtures.pytest_runtest_makereport
-_time_limit = fixtures._time_limit
-binaries = fixtures.binaries
-workdir = fixtures.workdir
-model_root = fixtures.model_root
-tiny = fixtures.tiny
-start_daemon = fixtures.start_daemon
-daemon = fixtures.daemon
-ckpt_small = fixtures.ckpt_small
-outside_dir = fixtures.outside_dir
-SLOW = fixtures.SLOW
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+from wdfixtures import *  # noqa: E402,F401,F403  the integration suite's daemon fixtures and hook
 
 import weightd  # noqa: E402
 import wdclient  # noqa: E402

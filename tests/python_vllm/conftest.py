@@ -1,11 +1,10 @@
 """Fixtures for the vLLM plugin's CI tests (no vLLM, no torch): daemons, the tiny models, the vLLM fixture.
 
 The daemon fixtures are the integration suite's (a real weightd, host
-backend, private socket), loaded as tests/python_binding does. The plugin
+backend, private socket): tests/integration/wdfixtures.py. The plugin
 package (client/python/weightd_vllm) and the binding come from the source
 tree; libweightd from $WEIGHTD_LIB (ctest sets it), else build/libweightd.so.
 """
-import importlib.util
 import json
 import os
 import sys
@@ -19,19 +18,8 @@ sys.path.insert(0, os.path.join(REPO, "tests", "python"))
 sys.path.insert(0, HERE)
 os.environ.setdefault("WEIGHTD_LIB", os.path.join(REPO, "build", "libweightd.so"))
 
-_spec = importlib.util.spec_from_file_location("wd_integration_fixtures",
-                                               os.path.join(REPO, "tests", "integration", "conftest.py"))
-fixtures = importlib.util.module_from_spec(_spec)
-sys.modules["wd_integration_fixtures"] = fixtures
-_spec.loader.exec_module(fixtures)
-
-pytest_runtest_makereport = fixtures.pytest_runtest_makereport
-_time_limit = fixtures._time_limit
-binaries = fixtures.binaries
-workdir = fixtures.workdir
-model_root = fixtures.model_root
-start_daemon = fixtures.start_daemon
-daemon = fixtures.daemon
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+from wdfixtures import *  # noqa: E402,F401,F403  the integration suite's daemon fixtures and hook
 
 import vllm_models  # noqa: E402
 

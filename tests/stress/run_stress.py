@@ -54,15 +54,15 @@ INTEGRATION = os.path.join(HERE, "..", "integration")
 sys.path.insert(0, INTEGRATION)
 
 try:
-    import conftest  # noqa: E402  the Daemon launcher and the generator wrapper
+    import wdfixtures  # noqa: E402  the Daemon launcher and the generator wrapper
     import wdclient  # noqa: E402
-except ImportError as e:  # pytest missing: conftest needs it
+except ImportError as e:  # pytest missing: wdfixtures needs it
     print(f"run_stress: cannot import the integration helpers: {e}", file=sys.stderr)
     sys.exit(1 if os.environ.get("WD_REQUIRE_REFERENCE") == "1" else 77)
 
 from wdclient import Closed, Conn, frame  # noqa: E402
 
-SLOW = conftest.SLOW
+SLOW = wdfixtures.SLOW
 # The probe's status must be answered within this. Generous: CI runs the harness beside other suites on
 # two cores, where a status that takes 20 ms alone has been seen to take 9 s; a daemon that stalls or
 # drops the probe misses it by far.
@@ -563,12 +563,12 @@ class Harness:
         os.makedirs(self.models)
         self.tiny_paths = []
         for name, seed in (("a", 1), ("b", 2), ("c", 3)):
-            self.tiny_paths.append(conftest.write_single(os.path.join(self.models, f"tiny_{name}"),
-                                                         conftest.TINY_TENSORS, seed))
+            self.tiny_paths.append(wdfixtures.write_single(os.path.join(self.models, f"tiny_{name}"),
+                                                         wdfixtures.TINY_TENSORS, seed))
         many = [(f"layers.{i}.w", "F16", [16, 8 + i % 7]) for i in range(400)]
-        self.tiny_paths.append(conftest.write_single(os.path.join(self.models, "many"), many, 4))
+        self.tiny_paths.append(wdfixtures.write_single(os.path.join(self.models, "many"), many, 4))
         self.ckpts = {p: wdclient.Checkpoint(p) for p in self.tiny_paths}
-        self.big = conftest.mkcheckpoint(os.path.join(self.models, "qwen3-0.6b-l2"), "qwen3-0.6b", 2)
+        self.big = wdfixtures.mkcheckpoint(os.path.join(self.models, "qwen3-0.6b-l2"), "qwen3-0.6b", 2)
         self.big_file = os.path.join(self.big, "model.safetensors")
         self.victim = os.path.join(self.models, "victim")
         os.makedirs(self.victim)
@@ -576,7 +576,7 @@ class Harness:
         copy_victim(self)
 
     def start_daemon(self):
-        self.daemon = conftest.Daemon(self.workdir, self.models, settings=SETTINGS, nofile=NOFILE)
+        self.daemon = wdfixtures.Daemon(self.workdir, self.models, settings=SETTINGS, nofile=NOFILE)
         LIVE.append(self.daemon)
         return self.daemon.start()
 
@@ -636,7 +636,7 @@ def run(args):
     os.makedirs(base, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="wds-", dir=base)
     report = {"rounds": args.rounds, "workers": args.workers, "ops_per_worker": args.ops, "seed": args.seed,
-              "asan": conftest.ASAN}
+              "asan": wdfixtures.ASAN}
     h = None
     t_start = time.monotonic()
     try:
@@ -654,8 +654,8 @@ def run(args):
             first, _ = c.recv()
             t0 = time.monotonic()
             d1.proc.send_signal(signal.SIGTERM)
-            got = c.expect_closed(conftest.STOP_SECONDS * 2) + [first]
-            rc = d1.wait_exit(conftest.STOP_SECONDS)
+            got = c.expect_closed(wdfixtures.STOP_SECONDS * 2) + [first]
+            rc = d1.wait_exit(wdfixtures.STOP_SECONDS)
             if rc != 0:
                 raise Failure(f"SIGTERM mid-load: the daemon exited with {rc}:\n{d1.log_tail()}")
             d1.check_exit(0)
@@ -710,7 +710,7 @@ def run(args):
         while time.monotonic() < settled:
             now = h.snapshot()
             if now["fds"] == base_snap["fds"] and (
-                    conftest.ASAN or now["rss_anon_kib"] <= base_snap["rss_anon_kib"] + RSS_TOLERANCE_KIB):
+                    wdfixtures.ASAN or now["rss_anon_kib"] <= base_snap["rss_anon_kib"] + RSS_TOLERANCE_KIB):
                 break
             time.sleep(0.1)
         final = h.snapshot()
@@ -720,7 +720,7 @@ def run(args):
             h.stats.fail(f"descriptors: {base_snap['fds']} after warm-up, {final['fds']} after the chaos: "
                          f"{sorted(d.fd_targets().values())}")
         grew = final["rss_anon_kib"] - base_snap["rss_anon_kib"]
-        if not conftest.ASAN and grew > RSS_TOLERANCE_KIB:
+        if not wdfixtures.ASAN and grew > RSS_TOLERANCE_KIB:
             h.stats.fail(f"RssAnon grew by {grew} KiB over the chaos (tolerance {RSS_TOLERANCE_KIB} KiB)")
         # The engine sat idle through it all with its leases (never timed out): its bytes and leases are intact.
         for att, fd, path in engine_sets:
@@ -774,7 +774,7 @@ def run(args):
 
 
 def main():
-    asan = conftest.ASAN
+    asan = wdfixtures.ASAN
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=int(os.environ.get("WD_STRESS_ROUNDS", "2" if asan else "4")))
     p.add_argument("--workers", type=int, default=6)

@@ -4,7 +4,6 @@ Run with a python that has vLLM 0.33 and this repository's client/python
 installed (its entry point is how vLLM finds the plugin); see
 tests/vllm/run_vllm.py. libweightd comes from $WEIGHTD_LIB (ctest sets it).
 """
-import importlib.util
 import os
 import sys
 
@@ -15,15 +14,5 @@ sys.path.insert(0, os.path.join(REPO, "tests", "python_vllm"))
 sys.path.insert(0, HERE)
 os.environ.setdefault("WEIGHTD_LIB", os.path.join(REPO, "build", "libweightd.so"))
 
-_spec = importlib.util.spec_from_file_location("wd_integration_fixtures",
-                                               os.path.join(REPO, "tests", "integration", "conftest.py"))
-fixtures = importlib.util.module_from_spec(_spec)
-sys.modules["wd_integration_fixtures"] = fixtures
-_spec.loader.exec_module(fixtures)
-
-pytest_runtest_makereport = fixtures.pytest_runtest_makereport
-binaries = fixtures.binaries
-workdir = fixtures.workdir
-model_root = fixtures.model_root
-start_daemon = fixtures.start_daemon
-daemon = fixtures.daemon
+sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+from wdfixtures import *  # noqa: E402,F401,F403  the integration suite's daemon fixtures and hook

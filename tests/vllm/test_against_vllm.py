@@ -88,7 +88,7 @@ def _cases(table, root, socket):
 @pytest.fixture(scope="module")
 def runs(workdir, model_root, binaries):
     """Runs both groups against one daemon; returns ({rank label: worker output}, the daemon's final status)."""
-    import wd_integration_fixtures as fx
+    import wdfixtures as fx
 
     d = fx.Daemon(workdir, model_root).start()
     try:
