@@ -219,8 +219,8 @@ fail:
  * from its descriptor, mapped read-write as a fresh slab is (the daemon
  * never writes it again), and exported by dup of that same descriptor.
  */
-int cu_slab_adopt(void *ctx, int device, enum wd_handle_kind kind, int fd, uint64_t bytes, uint64_t alloc_bytes,
-                  const unsigned char *alloc_id, struct wd_slab **out, struct wd_error *err) {
+int vmm_slab_adopt(void *ctx, int device, enum wd_handle_kind kind, int fd, uint64_t bytes, uint64_t alloc_bytes,
+                   const unsigned char *alloc_id, struct wd_slab **out, struct wd_error *err) {
   const struct cuda_ctx *c = ctx;
   *out = NULL;
   if (device < 0 || device >= c->ndev)

@@ -25,7 +25,7 @@ void vmm_probe(struct cuda_ctx *c, int i);
 int vmm_alloc(const struct cuda_ctx *c, int device, uint64_t bytes, struct cuda_slab *cs, struct wd_error *err);
 
 /* The backend's slab_adopt: a VMM allocation an earlier daemon exported, imported and mapped. */
-int cu_slab_adopt(void *ctx, int device, enum wd_handle_kind kind, int fd, uint64_t bytes, uint64_t alloc_bytes,
-                  const unsigned char *alloc_id, struct wd_slab **out, struct wd_error *err);
+int vmm_slab_adopt(void *ctx, int device, enum wd_handle_kind kind, int fd, uint64_t bytes, uint64_t alloc_bytes,
+                   const unsigned char *alloc_id, struct wd_slab **out, struct wd_error *err);
 
 #endif

@@ -95,13 +95,13 @@ size_t res_device_budget_set(struct residency *r, uint64_t budget) {
     while (b > 0 && r->devices[d].used > b) {
       struct res_set *victim = NULL;
       for (struct res_set *s = r->sets; s != NULL; s = s->next)
-        if (evictable(s, d) && (victim == NULL || s->last_used_ms < victim->last_used_ms)) victim = s;
+        if (res_evictable(s, d) && (victim == NULL || s->last_used_ms < victim->last_used_ms)) victim = s;
       if (victim == NULL) break; /* leased and loading sets stay: the device is over budget until they go */
-      evict_one(victim, &keep, RES_EVICT_RELOAD, NULL);
+      res_evict_one(victim, &keep, RES_EVICT_RELOAD, NULL);
       n++;
     }
   }
-  free_later(r, NULL, &keep);
+  res_free_later(r, NULL, &keep);
   return n;
 }
 
@@ -124,7 +124,7 @@ struct res_set *res_find_set(const struct residency *r, const char *id) {
   return NULL;
 }
 
-struct res_set *find_by_key(const struct residency *r, const char *key) {
+struct res_set *res_find_by_key(const struct residency *r, const char *key) {
   for (struct res_set *s = r->sets; s != NULL; s = s->next)
     if (strcmp(s->key, key) == 0 && s->state != SET_FAILED) return s;
   return NULL;
@@ -157,7 +157,7 @@ static void slab_list_push(struct residency *r, struct slab_list *l, struct wd_s
 }
 
 /* Frees every slab of the list (on a job thread) and empties it. */
-void slab_list_free_now(const struct wd_backend *b, struct slab_list *l) {
+void res_slab_list_free_now(const struct wd_backend *b, struct slab_list *l) {
   for (size_t i = 0; i < l->n; i++) b->ops->slab_free(b->ctx, l->v[i]);
   free(l->v);
   memset(l, 0, sizeof *l);
@@ -176,7 +176,7 @@ struct free_job {
 
 static void free_work(struct job *j) {
   struct free_job *f = (struct free_job *)j;
-  slab_list_free_now(f->backend, &f->slabs);
+  res_slab_list_free_now(f->backend, &f->slabs);
 }
 
 static void free_done(struct job *j) {
@@ -188,14 +188,14 @@ static void free_done(struct job *j) {
 }
 
 /* Frees the slabs of l on a job (f may carry a continuation), or here when no job can be made. */
-void free_later(struct residency *r, struct free_job *f, struct slab_list *l) {
+void res_free_later(struct residency *r, struct free_job *f, struct slab_list *l) {
   if (f == NULL && l->n == 0) {
     free(l->v);
     memset(l, 0, sizeof *l);
     return;
   }
   if (f == NULL && (f = calloc(1, sizeof *f)) == NULL) {
-    slab_list_free_now(r->backend, l);
+    res_slab_list_free_now(r->backend, l);
     return;
   }
   f->job.work = free_work;
@@ -218,7 +218,7 @@ static void timer_closed(uv_handle_t *h) {
 }
 
 /* Takes s out of the list it is on (the sets, or the orphans). */
-void set_unlink(struct res_set *s) {
+void res_set_unlink(struct res_set *s) {
   struct res_set **pp = s->orphan ? &s->res->orphans : &s->res->sets;
   while (*pp != NULL && *pp != s) pp = &(*pp)->next;
   if (*pp == s) *pp = s->next;
@@ -226,14 +226,14 @@ void set_unlink(struct res_set *s) {
 }
 
 /* Unlinks and frees a set; its slab goes to `keep` when given, else to a free job. */
-void set_destroy(struct res_set *s, struct slab_list *keep) {
+void res_set_destroy(struct res_set *s, struct slab_list *keep) {
   struct residency *r = s->res;
-  set_unlink(s);
+  res_set_unlink(s);
   if (s->state == SET_READY) res_changed(r);
   if (s->load.slab != NULL) {
     struct slab_list one = {0};
     slab_list_push(r, keep != NULL ? keep : &one, s->load.slab);
-    if (keep == NULL) free_later(r, NULL, &one);
+    if (keep == NULL) res_free_later(r, NULL, &one);
     s->load.slab = NULL;
   }
   if (s->device >= 0 && s->device < r->ndevices) r->devices[s->device].used -= s->plan->slab_bytes;
@@ -247,7 +247,7 @@ void set_destroy(struct res_set *s, struct slab_list *keep) {
 
 /* ---- eviction -------------------------------------------------------------------- */
 
-int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err) {
+int res_evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err) {
   if (s->state == SET_LOADING) return err_set(err, WEIGHTD_E_BUSY, "set %s is still loading", s->id);
   if (s->leases > 0) return err_set(err, WEIGHTD_E_BUSY, "set %s has %d lease(s)", s->id, s->leases);
   if (s->copying > 0)
@@ -255,11 +255,11 @@ int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason w
   log_msg(LOG_INFO, "evicted set %s (%s, %" PRIu64 " bytes; %s)", s->id, s->ck->path, s->plan->slab_bytes,
           res_evict_reason_name(why));
   s->res->stats.evictions[why]++;
-  set_destroy(s, keep);
+  res_set_destroy(s, keep);
   return 0;
 }
 
-bool evictable(const struct res_set *s, int device) {
+bool res_evictable(const struct res_set *s, int device) {
   return s->device == device && s->state == SET_READY && s->leases == 0 && s->copying == 0;
 }
 
@@ -270,7 +270,7 @@ uint64_t res_device_budget(const struct residency *r, int device) {
 }
 
 /* Evicts unleased sets of device, least recently used first, until `need` more bytes fit. */
-bool make_room(struct residency *r, int device, uint64_t need, struct slab_list *keep) {
+bool res_make_room(struct residency *r, int device, uint64_t need, struct slab_list *keep) {
   uint64_t budget = res_device_budget(r, device);
   if (budget == 0) return true; /* the device itself decides, at allocation */
   /* What eviction cannot free (leased or loading sets) must leave room, or nothing is evicted. */
@@ -285,9 +285,9 @@ bool make_room(struct residency *r, int device, uint64_t need, struct slab_list 
     if (r->devices[device].used + need <= budget) return true;
     struct res_set *victim = NULL;
     for (struct res_set *s = r->sets; s != NULL; s = s->next)
-      if (evictable(s, device) && (victim == NULL || s->last_used_ms < victim->last_used_ms)) victim = s;
+      if (res_evictable(s, device) && (victim == NULL || s->last_used_ms < victim->last_used_ms)) victim = s;
     if (victim == NULL) return false;
-    evict_one(victim, keep, RES_EVICT_BUDGET, NULL);
+    res_evict_one(victim, keep, RES_EVICT_BUDGET, NULL);
   }
 }
 
@@ -310,7 +310,7 @@ int res_evict(struct residency *r, const char *set_id, int device, res_evicted_f
     char *id = s != NULL ? strdup(s->id) : NULL;
     int rc = s == NULL    ? err_set(err, WEIGHTD_E_NOT_FOUND, "no resident set '%.64s'", set_id)
              : id == NULL ? err_set(err, WEIGHTD_E_NOMEM, "out of memory")
-                          : evict_one(s, &keep, RES_EVICT_REQUEST, err);
+                          : res_evict_one(s, &keep, RES_EVICT_REQUEST, err);
     if (rc != 0) {
       free(id);
       free(f->ids);
@@ -322,15 +322,15 @@ int res_evict(struct residency *r, const char *set_id, int device, res_evicted_f
     struct res_set *s = r->sets;
     while (s != NULL) {
       struct res_set *next = s->next;
-      if (evictable(s, device)) {
+      if (res_evictable(s, device)) {
         char *id = strdup(s->id);
         if (id != NULL) f->ids[f->nids++] = id;
-        evict_one(s, &keep, RES_EVICT_REQUEST, NULL);
+        res_evict_one(s, &keep, RES_EVICT_REQUEST, NULL);
       }
       s = next;
     }
   }
-  free_later(r, f, &keep);
+  res_free_later(r, f, &keep);
   return 0;
 }
 
@@ -359,7 +359,7 @@ static void serve_early_waiters(struct res_set *s) {
 }
 
 /* Puts a new set s (device and plan set) among the resident ones: its timer, its bytes on the device. */
-void set_link(struct residency *r, struct res_set *s) {
+void res_set_link(struct residency *r, struct res_set *s) {
   s->last_used_ms = clock_ms();
   uv_timer_init(r->loop, &s->progress_timer);
   s->progress_timer.data = s;
@@ -401,7 +401,7 @@ void res_lease_drop(struct residency *r, struct lease *l) {
   res_changed(r);
   if (s->orphan && s->leases == 0) {
     log_msg(LOG_DEBUG, "set %s: its last early lease ended; freeing it", s->id);
-    set_destroy(s, NULL);
+    res_set_destroy(s, NULL);
   }
 }
 
@@ -444,7 +444,7 @@ int res_set_adopt(struct residency *r, struct reg_ckpt *ck, int device, struct p
     return err_set(err, WEIGHTD_E_INVALID, "set %s cannot be adopted on device %d", id, device);
   if (asprintf(&key, "%s#%" PRIu64 "|%d|%s", ck->path, ck->generation, device, plan->key) < 0)
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  if (find_by_key(r, key) != NULL) {
+  if (res_find_by_key(r, key) != NULL) {
     free(key);
     return err_set(err, WEIGHTD_E_INVALID, "set %s is described twice (%s)", id, ck->path);
   }
@@ -471,7 +471,7 @@ int res_set_adopt(struct residency *r, struct reg_ckpt *ck, int device, struct p
   atomic_init(&s->allocated, true);
   s->table_fd = -1;
   s->page_fd = -1;
-  set_link(r, s);
+  res_set_link(r, s);
   r->stats.adopted++;
   *out = s;
   res_changed(r);
@@ -513,6 +513,6 @@ static void residency_closed(uv_handle_t *h) {
 void res_destroy(struct residency *r) {
   if (r == NULL) return;
   while (r->leases != NULL) res_lease_drop(r, r->leases); /* orphans go with their last lease */
-  while (r->sets != NULL) set_destroy(r->sets, NULL);
+  while (r->sets != NULL) res_set_destroy(r->sets, NULL);
   uv_close((uv_handle_t *)&r->notify, residency_closed);
 }

@@ -5,7 +5,7 @@
  * the calls residency_load.c makes into residency.c (finding a set by its
  * identity, linking and destroying sets, making room, freeing slabs). The
  * arrows run one way: residency_load.c calls residency.c, never the
- * reverse. Loop thread only, except slab_list_free_now (a job thread).
+ * reverse. Loop thread only, except res_slab_list_free_now (a job thread).
  */
 #ifndef WD_RESIDENCY_INTERNAL_H
 #define WD_RESIDENCY_INTERNAL_H
@@ -50,22 +50,22 @@ struct slab_list {
 };
 
 /* The set of that identity (path#generation|device|plan key) that has not failed, or NULL. */
-struct res_set *find_by_key(const struct residency *r, const char *key);
+struct res_set *res_find_by_key(const struct residency *r, const char *key);
 /* Puts a new set s (device and plan set) among the resident ones: its timer, its bytes on the device. */
-void set_link(struct residency *r, struct res_set *s);
+void res_set_link(struct residency *r, struct res_set *s);
 /* Takes s out of the list it is on (the sets, or the orphans). */
-void set_unlink(struct res_set *s);
+void res_set_unlink(struct res_set *s);
 /* Unlinks and frees a set; its slab goes to `keep` when given, else to a free job. */
-void set_destroy(struct res_set *s, struct slab_list *keep);
+void res_set_destroy(struct res_set *s, struct slab_list *keep);
 /* Frees every slab of the list (on a job thread) and empties it. */
-void slab_list_free_now(const struct wd_backend *b, struct slab_list *l);
+void res_slab_list_free_now(const struct wd_backend *b, struct slab_list *l);
 /* Frees the slabs of l on a job (f, when not NULL, may carry a continuation), or here when no job can be made. */
-void free_later(struct residency *r, struct free_job *f, struct slab_list *l);
+void res_free_later(struct residency *r, struct free_job *f, struct slab_list *l);
 /* Destroys an unleased, ready set that no load copies (its slab to keep) and counts why; BUSY otherwise. */
-int evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err);
+int res_evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err);
 /* True when s is a ready set of device that nothing holds: no lease, no load copying it. */
-bool evictable(const struct res_set *s, int device);
+bool res_evictable(const struct res_set *s, int device);
 /* Evicts unleased sets of device, least recently used first, until `need` more bytes fit; false if they cannot. */
-bool make_room(struct residency *r, int device, uint64_t need, struct slab_list *keep);
+bool res_make_room(struct residency *r, int device, uint64_t need, struct slab_list *keep);
 
 #endif

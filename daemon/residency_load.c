@@ -126,7 +126,7 @@ static void load_ready(struct ld_target *t, uint64_t ready) {
 
 static void load_work(struct job *j) {
   struct load_job *lj = (struct load_job *)j;
-  slab_list_free_now(lj->backend, &lj->to_free);
+  res_slab_list_free_now(lj->backend, &lj->to_free);
   double t0 = clock_s();
   lj->rc = ld_fill(lj->ld, &lj->set->load, &lj->err);
   lj->set->seconds = clock_s() - t0;
@@ -156,8 +156,8 @@ static void load_done(struct job *j) {
     struct res_set *e = r->sets;
     while (e != NULL) {
       struct res_set *next = e->next;
-      if (evictable(e, s->device)) {
-        evict_one(e, &lj->to_free, RES_EVICT_DEVICE_FULL, NULL);
+      if (res_evictable(e, s->device)) {
+        res_evict_one(e, &lj->to_free, RES_EVICT_DEVICE_FULL, NULL);
         n++;
       }
       e = next;
@@ -214,13 +214,13 @@ static void load_done(struct job *j) {
   else free(lj->ranges);
   if (lj->rc != 0 && s->leases > 0) {
     /* Early attachers still map the slab: off the list now, freed with the last lease. */
-    set_unlink(s);
+    res_set_unlink(s);
     s->orphan = true;
     s->next = r->orphans;
     r->orphans = s;
     log_msg(LOG_INFO, "set %s: %d early lease(s) keep its slab until they end", s->id, s->leases);
   } else if (lj->rc != 0) {
-    set_destroy(s, NULL);
+    res_set_destroy(s, NULL);
   }
   free(lj->to_free.v);
   free(lj);
@@ -267,7 +267,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
     fail_waiter(w, WEIGHTD_E_NOMEM, "out of memory");
     return;
   }
-  struct res_set *s = find_by_key(r, key);
+  struct res_set *s = res_find_by_key(r, key);
   if (s != NULL) {
     free(key);
     plan_free(plan);
@@ -278,9 +278,9 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   struct slab_list evicted = {0};
   s = calloc(1, sizeof *s);
   struct load_job *lj = calloc(1, sizeof *lj);
-  if (s == NULL || lj == NULL || !make_room(r, device, plan->slab_bytes, &evicted)) {
+  if (s == NULL || lj == NULL || !res_make_room(r, device, plan->slab_bytes, &evicted)) {
     bool nomem = s == NULL || lj == NULL;
-    free_later(r, NULL, &evicted);
+    res_free_later(r, NULL, &evicted);
     free(s);
     free(lj);
     free(key);
@@ -320,7 +320,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   struct wd_error perr = {0};
   if (ppage_create(plan->slab_bytes, &s->page, &s->page_fd, &perr) != 0)
     log_msg(LOG_DEBUG, "set %s: no progress page, so no early attach: %s", s->id, perr.msg);
-  set_link(r, s);
+  res_set_link(r, s);
   reg_load_begin(ck);
   add_waiter(s, w, false);
   uv_timer_start(&s->progress_timer, on_progress_timer, 100, 100);

@@ -84,7 +84,7 @@ static void conn_handle_closed(uv_handle_t *h) {
   if (--c->handles_open == 0 && c->refs == 0) free(c);
 }
 
-void on_kill(uv_timer_t *t) { conn_close(t->data); }
+void conn_on_kill(uv_timer_t *t) { conn_close(t->data); }
 
 /* ---- reading and resuming ------------------------------------------------------------ */
 
@@ -102,29 +102,29 @@ static void do_read(struct conn *c) {
       return;
     }
     uv_timer_stop(&c->idle_timer);
-    process_frames(c);
+    conn_process_frames(c);
   }
-  watch_partial_frame(c);
-  update_poll(c);
+  conn_watch_partial_frame(c);
+  conn_update_poll(c);
 }
 
 /* Goes on with whatever may now proceed: queued requests, held and buffered frames, the socket. */
-void on_resume(uv_timer_t *t) {
+void conn_on_resume(uv_timer_t *t) {
   struct conn *c = t->data;
   if (!alive(c)) return;
   c->refs++;
-  start_queued(c);
-  take_held(c);
-  if (c->held.json == NULL) process_frames(c);
+  conn_start_queued(c);
+  conn_take_held(c);
+  if (c->held.json == NULL) conn_process_frames(c);
   if (can_take(c) && c->held.json == NULL) do_read(c);
   else {
-    watch_partial_frame(c);
-    update_poll(c);
+    conn_watch_partial_frame(c);
+    conn_update_poll(c);
   }
   conn_unref(c);
 }
 
-void on_poll(uv_poll_t *p, int status, int events) {
+void conn_on_poll(uv_poll_t *p, int status, int events) {
   struct conn *c = p->data;
   if (!alive(c)) return;
   if (status < 0) {
@@ -132,7 +132,7 @@ void on_poll(uv_poll_t *p, int status, int events) {
     return;
   }
   c->refs++; /* hold the connection while handlers run */
-  if (events & UV_WRITABLE) flush(c);
+  if (events & UV_WRITABLE) conn_flush(c);
   if (can_take(c) && c->held.json == NULL && (events & (UV_READABLE | UV_DISCONNECT))) do_read(c);
   else if (alive(c) && !c->closed && (events & UV_DISCONNECT)) conn_close(c);
   conn_unref(c);
@@ -155,7 +155,7 @@ static void conn_close(struct conn *c) {
   }
   ops_conn_gone(c);
   /* Queued requests never started; requests waiting for a set stop waiting; the others finish on their own. */
-  for (struct request *q = queue_pop(c); q != NULL; q = queue_pop(c)) req_finish(q);
+  for (struct request *q = conn_queue_pop(c); q != NULL; q = conn_queue_pop(c)) req_finish(q);
   struct request *r = c->requests;
   while (r != NULL) {
     struct request *next = r->next_in_conn;
@@ -321,8 +321,8 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       continue;
     }
     log_msg(LOG_DEBUG, "connection from pid %d uid %d", (int)c->pid, (int)c->uid);
-    watch_idle(c);
-    update_poll(c);
+    conn_watch_idle(c);
+    conn_update_poll(c);
   }
 }
 
@@ -490,7 +490,7 @@ void server_stop(struct server *srv) {
     conn_send(c, ev, NULL, 0);
     if (!c->closed) {
       c->closing = true;
-      flush(c);
+      conn_flush(c);
     }
     c = next;
   }

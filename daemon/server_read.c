@@ -36,7 +36,7 @@ static void wake_memory_waiters(struct server *srv) {
     if (c->waiting_memory) {
       c->waiting_memory = false;
       srv->nwaiting_memory--;
-      kick(c);
+      conn_kick(c);
     }
 }
 
@@ -88,7 +88,7 @@ static bool busy(const struct conn *c) {
 }
 
 /* Arms the idle timer when nothing is in progress (whether leases are held is asked when it fires). */
-void watch_idle(struct conn *c) {
+void conn_watch_idle(struct conn *c) {
   if (!alive(c) || c->closing || c->d->cfg.idle_timeout_ms == 0) return;
   if (!busy(c)) uv_timer_start(&c->idle_timer, on_idle, c->d->cfg.idle_timeout_ms, 0);
   else uv_timer_stop(&c->idle_timer);
@@ -105,8 +105,8 @@ void req_finish(struct request *r) {
   cJSON_Delete(r->id);
   free(r);
   if (alive(c)) {
-    kick(c); /* not from inside a handler: queued requests and buffered frames go on from the loop */
-    watch_idle(c);
+    conn_kick(c); /* not from inside a handler: queued requests and buffered frames go on from the loop */
+    conn_watch_idle(c);
   }
   conn_unref(c);
 }
@@ -124,7 +124,7 @@ static void req_start(struct request *r) {
   ops_dispatch(r);
 }
 
-struct request *queue_pop(struct conn *c) {
+struct request *conn_queue_pop(struct conn *c) {
   struct request *r = c->queued;
   if (r == NULL) return NULL;
   c->queued = r->next_in_conn;
@@ -164,8 +164,8 @@ bool conn_dequeue(struct conn *c, struct request *r) {
 struct conn *conn_first(const struct conn *c) { return c->srv->conns; }
 
 /* Starts queued requests while there is room. */
-void start_queued(struct conn *c) {
-  while (alive(c) && c->inflight < CONN_MAX_INFLIGHT && c->queued != NULL) req_start(queue_pop(c));
+void conn_start_queued(struct conn *c) {
+  while (alive(c) && c->inflight < CONN_MAX_INFLIGHT && c->queued != NULL) req_start(conn_queue_pop(c));
 }
 
 /* A request read and parsed: check the op's rules, then start it or queue it. mem is charged already. */
@@ -243,8 +243,8 @@ static void parse_done(struct job *j) {
   free(pj->json);
   if (alive(c)) {
     take_request(c, &pj->m, pj->rc, &pj->err, pj->nfds, pj->mem);
-    kick(c);
-    watch_idle(c);
+    conn_kick(c);
+    conn_watch_idle(c);
   } else {
     msg_request_free(&pj->m);
     release_memory(c, pj->mem);
@@ -312,7 +312,7 @@ static void on_held_timeout(uv_timer_t *t) {
   frame_refuse(c, &c->held,
                "got no request memory within frame_timeout_ms: other requests hold request_memory; send it "
                "again later");
-  kick(c);
+  conn_kick(c);
 }
 
 /*
@@ -351,7 +351,7 @@ static bool reserve_memory(struct conn *c, size_t mem) {
  * Handles buffered frames while frames may be taken. Every completed frame
  * restarts the frame timeout: it runs from a frame's first byte.
  */
-void process_frames(struct conn *c) {
+void conn_process_frames(struct conn *c) {
   while (can_take(c)) {
     uint32_t next = wire_reader_next_len(&c->reader);
     if (next == 0 && !wire_reader_pending(&c->reader)) return;
@@ -383,7 +383,7 @@ void process_frames(struct conn *c) {
 }
 
 /* Arms the frame timer while a partial frame waits for bytes the client should send. */
-void watch_partial_frame(struct conn *c) {
+void conn_watch_partial_frame(struct conn *c) {
   if (!alive(c) || c->closing || c->held.json != NULL) return; /* the timer is the held frame's */
   if (can_take(c) && wire_reader_pending(&c->reader)) {
     if (!uv_is_active((uv_handle_t *)&c->frame_timer))
@@ -394,7 +394,7 @@ void watch_partial_frame(struct conn *c) {
 }
 
 /* Takes a frame held back for memory, once memory allows. */
-void take_held(struct conn *c) {
+void conn_take_held(struct conn *c) {
   if (c->held.json == NULL || !can_take(c)) return;
   size_t mem = c->held.len * REQUEST_MEMORY_FACTOR;
   if (!within_share(c, mem)) {

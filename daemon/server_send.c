@@ -21,12 +21,12 @@
 
 /* ---- the connection's watchers ---------------------------------------------------- */
 
-void update_poll(struct conn *c) {
+void conn_update_poll(struct conn *c) {
   if (!alive(c)) return;
   /* A closing connection only drains its replies: reading it could spin forever. */
   int ev = UV_DISCONNECT | (can_take(c) ? UV_READABLE : 0);
   if (wire_writer_bytes(&c->writer) > 0) ev |= UV_WRITABLE;
-  uv_poll_start(&c->poll, ev, on_poll);
+  uv_poll_start(&c->poll, ev, conn_on_poll);
 }
 
 /*
@@ -39,17 +39,17 @@ void conn_kill(struct conn *c) {
   uv_poll_stop(&c->poll);
   uv_timer_stop(&c->frame_timer);
   uv_timer_stop(&c->idle_timer);
-  uv_timer_start(&c->resume_timer, on_kill, 0, 0);
+  uv_timer_start(&c->resume_timer, conn_on_kill, 0, 0);
 }
 
-/* Schedules on_resume (never runs it inside a caller that may be walking a list). */
-void kick(struct conn *c) {
-  if (alive(c)) uv_timer_start(&c->resume_timer, on_resume, 0, 0);
+/* Schedules conn_on_resume (never runs it inside a caller that may be walking a list). */
+void conn_kick(struct conn *c) {
+  if (alive(c)) uv_timer_start(&c->resume_timer, conn_on_resume, 0, 0);
 }
 
 /* ---- sending -------------------------------------------------------------------- */
 
-void flush(struct conn *c) {
+void conn_flush(struct conn *c) {
   if (!alive(c)) return;
   bool was_backlogged = backlogged(c);
   size_t fds_before = wire_writer_fds(&c->writer), bytes_before = wire_writer_bytes(&c->writer);
@@ -65,8 +65,8 @@ void flush(struct conn *c) {
     conn_kill(c);
     return;
   }
-  if (was_backlogged && !backlogged(c)) kick(c);
-  update_poll(c);
+  if (was_backlogged && !backlogged(c)) conn_kick(c);
+  conn_update_poll(c);
 }
 
 /* The text of an error reply to the request with this id (small: it always fits). */
@@ -96,7 +96,7 @@ static int queue_text(struct conn *c, char *text, const int *fds, size_t nfds) {
   }
   c->d->stats.fds_queued += nfds;
   c->d->stats.output_queued += wire_writer_bytes(&c->writer) - bytes_before;
-  flush(c);
+  conn_flush(c);
   return 0;
 }
 
@@ -197,6 +197,6 @@ void conn_fail(struct conn *c, const cJSON *id, int code, const char *msg) {
     uv_timer_stop(&c->frame_timer);
     uv_timer_stop(&c->idle_timer);
     uv_timer_start(&c->frame_timer, on_closing_deadline, c->d->cfg.frame_timeout_ms, 0);
-    flush(c);
+    conn_flush(c);
   }
 }

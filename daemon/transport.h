@@ -6,7 +6,7 @@
  * one way: server.c (accept, connection lifetime, the loop's callbacks) calls
  * server_read.c (frames, request memory, the request queue), which calls
  * server_send.c (replies and descriptors). The lower files reach the upper
- * ones only by handing libuv their callbacks (on_poll, on_resume, on_kill).
+ * ones only by handing libuv their callbacks (conn_on_poll, conn_on_resume, conn_on_kill).
  * Everything here runs on the loop thread.
  */
 #ifndef WD_TRANSPORT_H
@@ -58,22 +58,22 @@ struct server {
 /* ---- server.c: the loop's callbacks, handed to libuv by the lower files ------------ */
 
 /* Closes the connection (the resume timer's callback after conn_kill). */
-void on_kill(uv_timer_t *t);
+void conn_on_kill(uv_timer_t *t);
 /* Goes on with whatever may now proceed: queued requests, held and buffered frames, the socket. */
-void on_resume(uv_timer_t *t);
+void conn_on_resume(uv_timer_t *t);
 /* The connection's socket is readable, writable or closed. */
-void on_poll(uv_poll_t *p, int status, int events);
+void conn_on_poll(uv_poll_t *p, int status, int events);
 
 /* ---- server_read.c: frames, request memory, the request queue ---------------------- */
 
 /* Drops a request's parsed arguments and gives their request memory back. */
 void req_drop_args(struct request *r);
 /* Arms the idle timer when nothing is in progress (whether leases are held is asked when it fires). */
-void watch_idle(struct conn *c);
+void conn_watch_idle(struct conn *c);
 /* Ends a request: unlinks it, gives its memory back and drops its reference on the connection. */
 void req_finish(struct request *r);
 /* Takes the first queued request off the queue, or returns NULL. */
-struct request *queue_pop(struct conn *c);
+struct request *conn_queue_pop(struct conn *c);
 /* Takes the queued request with this id off the queue (it is then finished as a started one), or returns NULL. */
 struct request *conn_unqueue(struct conn *c, const cJSON *id);
 /* Takes r off the queue (it is then finished as a started one); false when it was not queued. */
@@ -81,24 +81,24 @@ bool conn_dequeue(struct conn *c, struct request *r);
 /* The first of the server's connections. */
 struct conn *conn_first(const struct conn *c);
 /* Starts queued requests while there is room. */
-void start_queued(struct conn *c);
+void conn_start_queued(struct conn *c);
 /* Handles buffered frames while frames may be taken. */
-void process_frames(struct conn *c);
+void conn_process_frames(struct conn *c);
 /* Arms the frame timer while a partial frame waits for bytes the client should send. */
-void watch_partial_frame(struct conn *c);
+void conn_watch_partial_frame(struct conn *c);
 /* Takes a frame held back for memory, once memory allows. */
-void take_held(struct conn *c);
+void conn_take_held(struct conn *c);
 
 /* ---- server_send.c: replies and descriptors ------------------------------------------ */
 
 /* Watches the socket for what the connection can do now. */
-void update_poll(struct conn *c);
+void conn_update_poll(struct conn *c);
 /* Closes the connection soon, from the loop, never from inside a send. */
 void conn_kill(struct conn *c);
-/* Schedules on_resume (never runs it inside a caller that may be walking a list). */
-void kick(struct conn *c);
+/* Schedules conn_on_resume (never runs it inside a caller that may be walking a list). */
+void conn_kick(struct conn *c);
 /* Sends what the socket takes of the queued replies. */
-void flush(struct conn *c);
+void conn_flush(struct conn *c);
 /* Queues a final reply, or a LIMIT error in its place (server_send.c says which). */
 int conn_send(struct conn *c, cJSON *reply, const int *fds, size_t nfds);
 /* Queues a progress event, or drops it. */

@@ -86,8 +86,8 @@
 
 static bool phase(const char *name) {
   size_t n = strlen(name);
-  for (const char *p = opt.phases; (p = strstr(p, name)) != NULL; p += n)
-    if ((p == opt.phases || p[-1] == ',') && (p[n] == ',' || p[n] == '\0')) return true;
+  for (const char *p = bench_cfg.phases; (p = strstr(p, name)) != NULL; p += n)
+    if ((p == bench_cfg.phases || p[-1] == ',') && (p[n] == ',' || p[n] == '\0')) return true;
   return false;
 }
 
@@ -98,25 +98,26 @@ int main(int argc, char **argv) {
     if (strcmp(argv[i], "--multi") == 0) return bench_multi_main(argc - 1, argv + 1);
   const char *probe = NULL, *eprobe = NULL;
   int attach_only = 0, early = 0;
-  opt.fill_threads = (unsigned)sysconf(_SC_NPROCESSORS_ONLN);
+  bench_cfg.fill_threads = (unsigned)sysconf(_SC_NPROCESSORS_ONLN);
   for (int i = 1; i < argc; i++) {
     const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (strcmp(argv[i], "--json") == 0) opt.json = 1;
-    else if (strcmp(argv[i], "--no-b2b") == 0) opt.b2b = 0;
+    if (strcmp(argv[i], "--json") == 0) bench_cfg.json = 1;
+    else if (strcmp(argv[i], "--no-b2b") == 0) bench_cfg.b2b = 0;
     else if (strcmp(argv[i], "--attach-only") == 0) attach_only = 1;
     else if (strcmp(argv[i], "--early") == 0) early = 1;
-    else if (v && strcmp(argv[i], "--checkpoint") == 0) opt.path = argv[++i];
-    else if (v && strcmp(argv[i], "--socket") == 0) opt.sock = argv[++i];
-    else if (v && strcmp(argv[i], "--alt-socket") == 0) opt.alt_sock = argv[++i];
-    else if (v && strcmp(argv[i], "--label") == 0) opt.label = argv[++i];
-    else if (v && strcmp(argv[i], "--json-out") == 0) opt.json_out = argv[++i];
-    else if (v && strcmp(argv[i], "--device") == 0) opt.device = atoi(argv[++i]);
-    else if (v && strcmp(argv[i], "--runs") == 0) opt.runs = atoi(argv[++i]);
-    else if (v && strcmp(argv[i], "--settle-ms") == 0) opt.settle_ms = atoi(argv[++i]);
-    else if (v && strcmp(argv[i], "--plan") == 0) opt.plan_json = argv[++i];
-    else if (v && strcmp(argv[i], "--phases") == 0) snprintf(opt.phases, sizeof opt.phases, "%s", argv[++i]);
-    else if (v && strcmp(argv[i], "--ceiling-max-gib") == 0) opt.ceiling_max_gib = atof(argv[++i]);
-    else if (v && strcmp(argv[i], "--fill-threads") == 0) opt.fill_threads = (unsigned)atoi(argv[++i]);
+    else if (v && strcmp(argv[i], "--checkpoint") == 0) bench_cfg.path = argv[++i];
+    else if (v && strcmp(argv[i], "--socket") == 0) bench_cfg.sock = argv[++i];
+    else if (v && strcmp(argv[i], "--alt-socket") == 0) bench_cfg.alt_sock = argv[++i];
+    else if (v && strcmp(argv[i], "--label") == 0) bench_cfg.label = argv[++i];
+    else if (v && strcmp(argv[i], "--json-out") == 0) bench_cfg.json_out = argv[++i];
+    else if (v && strcmp(argv[i], "--device") == 0) bench_cfg.device = atoi(argv[++i]);
+    else if (v && strcmp(argv[i], "--runs") == 0) bench_cfg.runs = atoi(argv[++i]);
+    else if (v && strcmp(argv[i], "--settle-ms") == 0) bench_cfg.settle_ms = atoi(argv[++i]);
+    else if (v && strcmp(argv[i], "--plan") == 0) bench_cfg.plan_json = argv[++i];
+    else if (v && strcmp(argv[i], "--phases") == 0)
+      snprintf(bench_cfg.phases, sizeof bench_cfg.phases, "%s", argv[++i]);
+    else if (v && strcmp(argv[i], "--ceiling-max-gib") == 0) bench_cfg.ceiling_max_gib = atof(argv[++i]);
+    else if (v && strcmp(argv[i], "--fill-threads") == 0) bench_cfg.fill_threads = (unsigned)atoi(argv[++i]);
     else if (v && strcmp(argv[i], "--attach-probe") == 0) probe = argv[++i];
     else if (v && strcmp(argv[i], "--early-probe") == 0) eprobe = argv[++i];
     else {
@@ -129,123 +130,125 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (probe) return attach_probe(probe, opt.sock, opt.device);
-  if (eprobe) return early_probe(eprobe, opt.sock, opt.device);
+  if (probe) return bench_attach_probe(probe, bench_cfg.sock, bench_cfg.device);
+  if (eprobe) return bench_early_probe(eprobe, bench_cfg.sock, bench_cfg.device);
   /* Only the attach figures: for a daemon with the other cuda_handles (tests/gpu/bench.sh). */
-  if (attach_only) snprintf(opt.phases, sizeof opt.phases, "attach");
+  if (attach_only) snprintf(bench_cfg.phases, sizeof bench_cfg.phases, "attach");
   if (early && !phase("early")) {
-    size_t n = strlen(opt.phases);
-    snprintf(opt.phases + n, sizeof opt.phases - n, "%searly", n ? "," : "");
+    size_t n = strlen(bench_cfg.phases);
+    snprintf(bench_cfg.phases + n, sizeof bench_cfg.phases - n, "%searly", n ? "," : "");
   }
-  if (opt.path == NULL || opt.sock == NULL || opt.runs < 1 || opt.fill_threads < 1) {
+  if (bench_cfg.path == NULL || bench_cfg.sock == NULL || bench_cfg.runs < 1 || bench_cfg.fill_threads < 1) {
     fprintf(stderr, "weightd-bench: --checkpoint DIR and --socket PATH are required\n");
     return 2;
   }
-  if (opt.runs > MAX_RUNS) opt.runs = MAX_RUNS;
-  out = opt.json ? fopen("/dev/null", "w") : stdout;
-  if (out == NULL) die("/dev/null", strerror(errno));
+  if (bench_cfg.runs > MAX_RUNS) bench_cfg.runs = MAX_RUNS;
+  bench_out = bench_cfg.json ? fopen("/dev/null", "w") : stdout;
+  if (bench_out == NULL) bench_die("/dev/null", strerror(errno));
 
-  char *abs = realpath(opt.path, NULL);
-  if (abs == NULL) die(opt.path, strerror(errno));
-  result = cJSON_CreateObject();
-  if (opt.label) cJSON_AddStringToObject(result, "label", opt.label);
-  cJSON_AddStringToObject(result, "checkpoint", abs);
-  daemon_attach(&daemons[ndaemons++], opt.sock);
-  if (opt.alt_sock) daemon_attach(&daemons[ndaemons++], opt.alt_sock);
+  char *abs = realpath(bench_cfg.path, NULL);
+  if (abs == NULL) bench_die(bench_cfg.path, strerror(errno));
+  bench_result = cJSON_CreateObject();
+  if (bench_cfg.label) cJSON_AddStringToObject(bench_result, "label", bench_cfg.label);
+  cJSON_AddStringToObject(bench_result, "checkpoint", abs);
+  bench_daemon_attach(&bench_daemons[bench_ndaemons++], bench_cfg.sock);
+  if (bench_cfg.alt_sock) bench_daemon_attach(&bench_daemons[bench_ndaemons++], bench_cfg.alt_sock);
 
   /* Here: open the checkpoint and build the plan (timed), and list its byte ranges. */
   struct ckpt *c = NULL;
   struct wd_error err = {0};
   double t0 = clock_s();
-  if (ckpt_open(abs, NULL, &c, &err) != 0) die("checkpoint", err.msg);
+  if (ckpt_open(abs, NULL, &c, &err) != 0) bench_die("checkpoint", err.msg);
   double t_ckpt_open = clock_s() - t0;
-  cJSON *spec = opt.plan_json ? cJSON_Parse(opt.plan_json) : NULL;
-  if (opt.plan_json != NULL && spec == NULL) die("--plan", "not valid JSON");
+  cJSON *spec = bench_cfg.plan_json ? cJSON_Parse(bench_cfg.plan_json) : NULL;
+  if (bench_cfg.plan_json != NULL && spec == NULL) bench_die("--plan", "not valid JSON");
   struct plan *plan = NULL;
   t0 = clock_s();
-  if (plan_build(c, spec, &plan, &err) != 0) die("plan", err.msg);
+  if (plan_build(c, spec, &plan, &err) != 0) bench_die("plan", err.msg);
   double t_plan = clock_s() - t0;
   cJSON_Delete(spec);
   struct plan_range *ranges = NULL;
   size_t nranges = 0;
-  if (plan_ranges(plan, c, 4096, 0, &ranges, &nranges, &err) != 0) die("plan ranges", err.msg);
+  if (plan_ranges(plan, c, 4096, 0, &ranges, &nranges, &err) != 0) bench_die("plan ranges", err.msg);
   uint64_t bytes = plan->payload_bytes, read_bytes = 0;
   for (size_t i = 0; i < plan->noutputs; i++)
     for (size_t k = 0; k < plan->outputs[i].npieces; k++)
       if (plan->outputs[i].pieces[k].src != NULL)
         read_bytes += plan->outputs[i].pieces[k].width * plan->outputs[i].pieces[k].height;
-  gib = (double)bytes / GiB;
+  bench_gib = (double)bytes / GiB;
 
   struct cudaDeviceProp prop;
-  CUDA_OK(cudaGetDeviceProperties(&prop, opt.device));
-  cJSON_AddStringToObject(result, "gpu", prop.name);
-  cJSON_AddItemToObject(result, "plan", cJSON_Parse(plan->key));
-  put_num(result, "bytes", (double)bytes);
-  put_num(result, "outputs", (double)plan->noutputs);
-  put_num(result, "shards", (double)c->nshards);
-  put_num(result, "tensors", (double)c->ntensors);
-  put_num(result, "runs", opt.runs);
-  put_num(result, "fill_threads", opt.fill_threads);
-  put_num(result, "settle_ms", opt.settle_ms);
-  cJSON *ds = cJSON_AddArrayToObject(result, "daemons");
-  for (int i = 0; i < ndaemons; i++) {
+  CUDA_OK(cudaGetDeviceProperties(&prop, bench_cfg.device));
+  cJSON_AddStringToObject(bench_result, "gpu", prop.name);
+  cJSON_AddItemToObject(bench_result, "plan", cJSON_Parse(plan->key));
+  bench_put_num(bench_result, "bytes", (double)bytes);
+  bench_put_num(bench_result, "outputs", (double)plan->noutputs);
+  bench_put_num(bench_result, "shards", (double)c->nshards);
+  bench_put_num(bench_result, "tensors", (double)c->ntensors);
+  bench_put_num(bench_result, "runs", bench_cfg.runs);
+  bench_put_num(bench_result, "fill_threads", bench_cfg.fill_threads);
+  bench_put_num(bench_result, "settle_ms", bench_cfg.settle_ms);
+  cJSON *ds = cJSON_AddArrayToObject(bench_result, "daemons");
+  for (int i = 0; i < bench_ndaemons; i++) {
     cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "staged_strided", daemons[i].strided);
-    cJSON_AddStringToObject(o, "pin", daemons[i].pin);
-    cJSON_AddStringToObject(o, "load_method", daemons[i].method);
+    cJSON_AddStringToObject(o, "staged_strided", bench_daemons[i].strided);
+    cJSON_AddStringToObject(o, "pin", bench_daemons[i].pin);
+    cJSON_AddStringToObject(o, "load_method", bench_daemons[i].method);
     cJSON_AddItemToArray(ds, o);
   }
-  fprintf(out, "weightd-bench: %s, %s, %.2f GiB (%" PRIu64 " bytes), %zu outputs, %d runs each, medians%s%s\n", prop.name,
-         abs, gib, bytes, plan->noutputs, opt.runs, opt.label ? "; " : "", opt.label ? opt.label : "");
-  fprintf(out, "plan: %s\n", plan->key);
-  fprintf(out, "%-46s %11s %9s %9s\n", "", "time", "GiB/s", "ceiling");
+  fprintf(bench_out, "weightd-bench: %s, %s, %.2f GiB (%" PRIu64 " bytes), %zu outputs, %d runs each, medians%s%s\n",
+          prop.name, abs, bench_gib, bytes, plan->noutputs, bench_cfg.runs, bench_cfg.label ? "; " : "",
+          bench_cfg.label ? bench_cfg.label : "");
+  fprintf(bench_out, "plan: %s\n", plan->key);
+  fprintf(bench_out, "%-46s %11s %9s %9s\n", "", "time", "GiB/s", "ceiling");
 
   if (phase("open")) {
-    close_all(abs, opt.device);
+    bench_close_all(abs, bench_cfg.device);
     char req[PATH_MAX + 64];
     snprintf(req, sizeof req, "{\"op\":\"open\",\"path\":\"%s\"}", abs);
     t0 = clock_s();
-    request_or_die(daemons[0].c, req);
+    bench_request_or_die(bench_daemons[0].c, req);
     double t_open = clock_s() - t0;
-    put_num(result, "daemon_open_s", t_open);
-    put_num(result, "ckpt_open_s", t_ckpt_open);
-    put_num(result, "plan_build_s", t_plan);
+    bench_put_num(bench_result, "daemon_open_s", t_open);
+    bench_put_num(bench_result, "ckpt_open_s", t_ckpt_open);
+    bench_put_num(bench_result, "plan_build_s", t_plan);
     char note[96];
     snprintf(note, sizeof note, "(%zu shards, %zu tensors; request to reply)", c->nshards, c->ntensors);
-    row_plain("open in the daemon (headers validated, mapped)", t_open, note);
-    row_plain("  same here (ckpt_open)", t_ckpt_open, "");
+    bench_row_plain("open in the daemon (headers validated, mapped)", t_open, note);
+    bench_row_plain("  same here (ckpt_open)", t_ckpt_open, "");
     snprintf(note, sizeof note, "(%zu outputs)", plan->noutputs);
-    row_plain("  plan_build here", t_plan, note);
+    bench_row_plain("  plan_build here", t_plan, note);
   }
 
   if (phase("ceiling")) {
-    uint64_t cb = bytes, cap = (uint64_t)(opt.ceiling_max_gib * GiB);
+    uint64_t cb = bytes, cap = (uint64_t)(bench_cfg.ceiling_max_gib * GiB);
     if (cap > 0 && cb > cap) cb = cap;
     double v[3];
-    for (int i = 0; i < 3; i++) v[i] = h2d_ceiling(opt.device, cb);
-    ceiling_s = median(v, 3) * ((double)bytes / (double)cb);
-    put_num(result, "ceiling_h2d_s", ceiling_s);
-    put_num(result, "ceiling_measured_bytes", (double)cb);
-    put_runs(result, "ceiling_runs_s", v, 3);
-    row(cb < bytes ? "H2D ceiling (pinned source, 64 MiB copies; scaled)" : "H2D ceiling (pinned source, 64 MiB copies)",
-        ceiling_s);
+    for (int i = 0; i < 3; i++) v[i] = bench_h2d_ceiling(bench_cfg.device, cb);
+    bench_ceiling_s = bench_median(v, 3) * ((double)bytes / (double)cb);
+    bench_put_num(bench_result, "ceiling_h2d_s", bench_ceiling_s);
+    bench_put_num(bench_result, "ceiling_measured_bytes", (double)cb);
+    bench_put_runs(bench_result, "ceiling_runs_s", v, 3);
+    bench_row(cb < bytes ? "H2D ceiling (pinned source, 64 MiB copies; scaled)"
+                         : "H2D ceiling (pinned source, 64 MiB copies)",
+              bench_ceiling_s);
   }
 
   if (phase("prefetch")) {
-    char *req = plan_request("prefetch", abs, ",\"wait\":true");
+    char *req = bench_plan_request("prefetch", abs, ",\"wait\":true");
     t0 = clock_s();
-    cJSON *r = request_json(daemons[0].c, req, NULL);
+    cJSON *r = bench_request_json(bench_daemons[0].c, req, NULL);
     double s = clock_s() - t0;
     free(req);
-    put_num(result, "prefetch_s", s);
-    put_num(result, "prefetch_read_s", jnum(r, "read_seconds"));
+    bench_put_num(bench_result, "prefetch_s", s);
+    bench_put_num(bench_result, "prefetch_read_s", bench_jnum(r, "read_seconds"));
     cJSON_Delete(r);
-    row_plain("prefetch of the plan's bytes (wait)", s, "(page cache warm for it)");
+    bench_row_plain("prefetch of the plan's bytes (wait)", s, "(page cache warm for it)");
   }
 
   if (phase("fill")) {
     struct mapped m;
-    map_ckpt(c, ranges, nranges, &m);
+    bench_map_ckpt(c, ranges, nranges, &m);
     static const struct {
       enum plan_strided mode;
       const char *name;
@@ -253,106 +256,110 @@ int main(int argc, char **argv) {
     for (size_t k = 0; k < 2; k++) {
       double v[3];
       uint64_t copied = 0;
-      for (int i = 0; i < 3; i++) v[i] = fill_rate(&m, plan, modes[k].mode, opt.fill_threads, &copied);
+      for (int i = 0; i < 3; i++) v[i] = bench_fill_rate(&m, plan, modes[k].mode, bench_cfg.fill_threads, &copied);
       char key[48], label[96];
       snprintf(key, sizeof key, "fill_%s_s", modes[k].name);
-      put_num(result, key, median(v, 3));
+      bench_put_num(bench_result, key, bench_median(v, 3));
       snprintf(key, sizeof key, "fill_%s_copied_bytes", modes[k].name);
-      put_num(result, key, (double)copied);
-      snprintf(label, sizeof label, "host fill, %s (%u thr, %.2f GiB copied)", modes[k].name, opt.fill_threads,
+      bench_put_num(bench_result, key, (double)copied);
+      snprintf(label, sizeof label, "host fill, %s (%u thr, %.2f GiB copied)", modes[k].name, bench_cfg.fill_threads,
                (double)copied / GiB);
-      row(label, median(v, 3));
+      bench_row(label, bench_median(v, 3));
     }
-    unmap_ckpt(&m);
+    bench_unmap_ckpt(&m);
   }
 
   if (phase("staged")) {
-    close_all(abs, opt.device);
-    char *req = plan_request("prefetch", abs, ",\"wait\":true");
-    for (int i = 0; i < ndaemons; i++) request_or_die(daemons[i].c, req); /* page cache warm, nothing pinned */
+    bench_close_all(abs, bench_cfg.device);
+    char *req = bench_plan_request("prefetch", abs, ",\"wait\":true");
+    for (int i = 0; i < bench_ndaemons; i++)
+      bench_request_or_die(bench_daemons[i].c, req); /* page cache warm, nothing pinned */
     free(req);
-    run_loads(abs, "staged", "staged", 1);
+    bench_run_loads(abs, "staged", "staged", 1);
   }
 
   if (phase("pin")) {
-    char *req = plan_request("prefetch", abs, ",\"pin\":true,\"wait\":true");
+    char *req = bench_plan_request("prefetch", abs, ",\"pin\":true,\"wait\":true");
     t0 = clock_s();
-    cJSON *r = request_json(daemons[0].c, req, NULL);
+    cJSON *r = bench_request_json(bench_daemons[0].c, req, NULL);
     double s = clock_s() - t0;
     free(req);
-    put_num(result, "pin_once_s", s);
-    put_num(result, "pin_registered_bytes", jnum(r, "registered_bytes"));
-    put_num(result, "pin_seconds_daemon", jnum(r, "pin_seconds"));
+    bench_put_num(bench_result, "pin_once_s", s);
+    bench_put_num(bench_result, "pin_registered_bytes", bench_jnum(r, "registered_bytes"));
+    bench_put_num(bench_result, "pin_seconds_daemon", bench_jnum(r, "pin_seconds"));
     char note[96];
-    snprintf(note, sizeof note, "(one-time; %.2f GiB registered%s)", jnum(r, "registered_bytes") / GiB,
-             opt.plan_json ? ", this plan's ranges" : "");
+    snprintf(note, sizeof note, "(one-time; %.2f GiB registered%s)", bench_jnum(r, "registered_bytes") / GiB,
+             bench_cfg.plan_json ? ", this plan's ranges" : "");
     cJSON_Delete(r);
-    row_plain("pinning (prefetch --pin --wait)", s, note);
+    bench_row_plain("pinning (prefetch --pin --wait)", s, note);
   }
 
-  if (phase("pinned")) run_loads(abs, "pinned", "pinned-resident", 0);
+  if (phase("pinned")) bench_run_loads(abs, "pinned", "pinned-resident", 0);
 
-  if (phase("auto")) phase_auto(abs);
+  if (phase("auto")) bench_phase_auto(abs);
 
   if (phase("attach") || phase("rss")) {
     char *req = NULL, extra[32];
-    snprintf(extra, sizeof extra, ",\"device\":%d", opt.device);
-    req = plan_request("load", abs, extra);
-    cJSON *r = request_json(daemons[0].c, req, NULL);
+    snprintf(extra, sizeof extra, ",\"device\":%d", bench_cfg.device);
+    req = bench_plan_request("load", abs, extra);
+    cJSON *r = bench_request_json(bench_daemons[0].c, req, NULL);
     free(req);
     char set[32];
-    snprintf(set, sizeof set, "%s", jstr(r, "set"));
+    snprintf(set, sizeof set, "%s", bench_jstr(r, "set"));
     cJSON_Delete(r);
     if (phase("attach")) {
       double ctx_all[16], att_all[16], rt_all[16], open_all[16];
       char handles[16] = "?"; /* the set's handle kind: cuda_vmm or cuda_ipc, per the daemon's cuda_handles */
       size_t tensors = 0;
-      int probes = opt.runs < 16 ? opt.runs : 16;
+      int probes = bench_cfg.runs < 16 ? bench_cfg.runs : 16;
       for (int i = 0; i < probes; i++)
-        probe_attach(argv[0], daemons[0].sock, set, opt.device, &ctx_all[i], &att_all[i], &rt_all[i], &open_all[i],
-                     handles, &tensors);
-      cJSON_AddStringToObject(result, "attach_handles", handles);
-      put_num(result, "attach_tensors", (double)tensors);
-      put_num(result, "attach_context_s", median(ctx_all, probes));
-      put_num(result, "attach_s", median(att_all, probes));
-      put_num(result, "attach_roundtrip_s", median(rt_all, probes));
-      put_num(result, "attach_open_s", median(open_all, probes));
-      put_num(result, "attach_probes", probes);
+        bench_probe_attach(argv[0], bench_daemons[0].sock, set, bench_cfg.device, &ctx_all[i], &att_all[i], &rt_all[i],
+                           &open_all[i], handles, &tensors);
+      cJSON_AddStringToObject(bench_result, "attach_handles", handles);
+      bench_put_num(bench_result, "attach_tensors", (double)tensors);
+      bench_put_num(bench_result, "attach_context_s", bench_median(ctx_all, probes));
+      bench_put_num(bench_result, "attach_s", bench_median(att_all, probes));
+      bench_put_num(bench_result, "attach_roundtrip_s", bench_median(rt_all, probes));
+      bench_put_num(bench_result, "attach_open_s", bench_median(open_all, probes));
+      bench_put_num(bench_result, "attach_probes", probes);
       char label[64];
       snprintf(label, sizeof label, "fresh process: attach (%s handles)", handles);
-      fprintf(out, "%-46s %8.2f ms   (one-time per process)\n", "fresh process: CUDA context", median(ctx_all, probes) * 1e3);
-      fprintf(out, "%-46s %8.3f ms   (to usable pointers, %zu tensors; median of %d)\n", label,
-              median(att_all, probes) * 1e3, tensors, probes);
-      fprintf(out, "%-46s %8.3f ms\n", "  of which: request/reply round trip", median(rt_all, probes) * 1e3);
-      fprintf(out, "%-46s %8.3f ms\n",
-              strcmp(handles, "cuda_vmm") == 0 ? "  of which: VMM import + map + access" : "  of which: cudaIpcOpenMemHandle",
-              median(open_all, probes) * 1e3);
+      fprintf(bench_out, "%-46s %8.2f ms   (one-time per process)\n", "fresh process: CUDA context",
+              bench_median(ctx_all, probes) * 1e3);
+      fprintf(bench_out, "%-46s %8.3f ms   (to usable pointers, %zu tensors; median of %d)\n", label,
+              bench_median(att_all, probes) * 1e3, tensors, probes);
+      fprintf(bench_out, "%-46s %8.3f ms\n", "  of which: request/reply round trip",
+              bench_median(rt_all, probes) * 1e3);
+      fprintf(bench_out, "%-46s %8.3f ms\n",
+              strcmp(handles, "cuda_vmm") == 0 ? "  of which: VMM import + map + access"
+                                               : "  of which: cudaIpcOpenMemHandle",
+              bench_median(open_all, probes) * 1e3);
     }
     if (phase("rss")) {
-      uint64_t rss = daemon_rss_anon(daemons[0].pid);
-      put_num(result, "daemon_rss_anon_bytes", (double)rss);
-      fprintf(out, "%-46s %8.1f MiB\n", "daemon RssAnon (smaps_rollup Anonymous)", (double)rss / (1 << 20));
+      uint64_t rss = bench_daemon_rss_anon(bench_daemons[0].pid);
+      bench_put_num(bench_result, "daemon_rss_anon_bytes", (double)rss);
+      fprintf(bench_out, "%-46s %8.1f MiB\n", "daemon RssAnon (smaps_rollup Anonymous)", (double)rss / (1 << 20));
     }
   }
 
-  if (phase("cold")) phase_cold(abs, c, plan, ranges, nranges, read_bytes);
+  if (phase("cold")) bench_phase_cold(abs, c, plan, ranges, nranges, read_bytes);
 
-  if (phase("early")) phase_early(argv[0], abs);
+  if (phase("early")) bench_phase_early(argv[0], abs);
 
-  char *text = cJSON_PrintUnformatted(result);
-  if (opt.json) printf("%s\n", text);
-  if (opt.json_out) {
-    FILE *f = fopen(opt.json_out, "w");
-    if (f == NULL) die(opt.json_out, strerror(errno));
+  char *text = cJSON_PrintUnformatted(bench_result);
+  if (bench_cfg.json) printf("%s\n", text);
+  if (bench_cfg.json_out) {
+    FILE *f = fopen(bench_cfg.json_out, "w");
+    if (f == NULL) bench_die(bench_cfg.json_out, strerror(errno));
     fprintf(f, "%s\n", text);
     fclose(f);
   }
   free(text);
-  cJSON_Delete(result);
+  cJSON_Delete(bench_result);
   free(ranges);
   free(abs);
   plan_free(plan);
-  for (int i = 0; i < ndaemons; i++) weightd_close(daemons[i].c);
+  for (int i = 0; i < bench_ndaemons; i++) weightd_close(bench_daemons[i].c);
   ckpt_free(c);
   return 0;
 }

@@ -33,17 +33,17 @@ static int raw_connect(const char *sock) {
   int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   struct sockaddr_un sa = {.sun_family = AF_UNIX};
   snprintf(sa.sun_path, sizeof sa.sun_path, "%s", sock);
-  if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) die("connect", strerror(errno));
+  if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) bench_die("connect", strerror(errno));
   return fd;
 }
 
 /* Sends json and returns the final reply (skipping events); f keeps the reply's descriptors. */
 static cJSON *raw_call(int fd, const char *json, struct wire_frame *f) {
   struct wd_error err = {0};
-  if (wire_send_frame(fd, json, strlen(json), NULL, 0, &err) != 0) die("send", err.msg);
+  if (wire_send_frame(fd, json, strlen(json), NULL, 0, &err) != 0) bench_die("send", err.msg);
   for (;;) {
     memset(f, 0, sizeof *f);
-    if (wire_recv_frame(fd, 60000, f, &err) != 0) die("receive", err.msg);
+    if (wire_recv_frame(fd, 60000, f, &err) != 0) bench_die("receive", err.msg);
     cJSON *m = cJSON_Parse(f->json);
     if (m != NULL && cJSON_GetObjectItemCaseSensitive(m, "event") == NULL) return m;
     cJSON_Delete(m);
@@ -56,7 +56,7 @@ static void *driver_fn(const char *sym) {
   void *fn = NULL;
   enum cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
   if (cudaGetDriverEntryPointByVersion(sym, &fn, 12000, cudaEnableDefault, &q) != cudaSuccess || fn == NULL)
-    die("driver entry point", sym);
+    bench_die("driver entry point", sym);
   return fn;
 }
 
@@ -66,7 +66,7 @@ static void *driver_fn(const char *sym) {
     if (r_ != CUDA_SUCCESS) {                          \
       char n_[32];                                     \
       snprintf(n_, sizeof n_, "CUresult %d", (int)r_); \
-      die(#call, n_);                                  \
+      bench_die(#call, n_);                            \
     }                                                  \
   } while (0)
 
@@ -112,7 +112,7 @@ static double vmm_open_time(int fd, uint64_t bytes, int device) {
  * the attach into a bare request/reply (with its descriptor, if any) and
  * opening the handle alone.
  */
-int attach_probe(const char *set, const char *sock, int device) {
+int bench_attach_probe(const char *set, const char *sock, int device) {
   double t0 = clock_s();
   CUDA_OK(cudaSetDevice(device));
   CUDA_OK(cudaFree(0));
@@ -136,14 +136,15 @@ int attach_probe(const char *set, const char *sock, int device) {
   const cJSON *lease = cJSON_GetObjectItemCaseSensitive(reply, "lease");
   const cJSON *hbytes = cJSON_GetObjectItemCaseSensitive(h, "bytes");
   const cJSON *fdi = cJSON_GetObjectItemCaseSensitive(h, "fd_index");
-  if (!cJSON_IsString(kind) || !cJSON_IsString(lease) || !cJSON_IsNumber(hbytes)) die("attach", f.json);
+  if (!cJSON_IsString(kind) || !cJSON_IsString(lease) || !cJSON_IsNumber(hbytes)) bench_die("attach", f.json);
   char kind_name[16];
   snprintf(kind_name, sizeof kind_name, "%s", kind->valuestring);
   double t_open = -1;
   if (strcmp(kind_name, "cuda_ipc") == 0) {
     const cJSON *hex = cJSON_GetObjectItemCaseSensitive(h, "handle");
     cudaIpcMemHandle_t ih;
-    if (!cJSON_IsString(hex) || msg_hex_decode(hex->valuestring, &ih, sizeof ih) != 0) die("attach", "bad handle");
+    if (!cJSON_IsString(hex) || msg_hex_decode(hex->valuestring, &ih, sizeof ih) != 0)
+      bench_die("attach", "bad handle");
     void *p = NULL;
     t0 = clock_s();
     CUDA_OK(cudaIpcOpenMemHandle(&p, ih, cudaIpcMemLazyEnablePeerAccess));
@@ -151,7 +152,7 @@ int attach_probe(const char *set, const char *sock, int device) {
     CUDA_OK(cudaIpcCloseMemHandle(p));
   } else if (strcmp(kind_name, "cuda_vmm") == 0) {
     int i = cJSON_IsNumber(fdi) ? fdi->valueint : 0;
-    if (i < 0 || (size_t)i >= f.nfds) die("attach", "a cuda_vmm reply without its descriptor");
+    if (i < 0 || (size_t)i >= f.nfds) bench_die("attach", "a cuda_vmm reply without its descriptor");
     t_open = vmm_open_time(f.fds[i], (uint64_t)hbytes->valuedouble, device);
   }
   wire_frame_clear(&f); /* closes the descriptor */
@@ -161,13 +162,13 @@ int attach_probe(const char *set, const char *sock, int device) {
   wire_frame_clear(&f);
   close(raw);
   /* The whole attach through libweightd, to pointers the process can use. */
-  weightd_client *c = connect_or_die(sock);
+  weightd_client *c = bench_connect_or_die(sock);
   weightd_set *s = NULL;
   t0 = clock_s();
-  if (weightd_attach(c, set, &s) != 0) die("attach", weightd_last_error(c));
+  if (weightd_attach(c, set, &s) != 0) bench_die("attach", weightd_last_error(c));
   size_t ntensors = weightd_set_tensor_count(s);
   weightd_tensor t = {.struct_size = sizeof t};
-  if (weightd_set_tensor(s, ntensors / 2, &t) != 0 || t.data == NULL) die("attach", "no usable pointer");
+  if (weightd_set_tensor(s, ntensors / 2, &t) != 0 || t.data == NULL) bench_die("attach", "no usable pointer");
   double t_attach = clock_s() - t0;
   /* Touch the memory through the pointer to show it is usable. */
   unsigned char byte;
@@ -186,14 +187,14 @@ int attach_probe(const char *set, const char *sock, int device) {
 static void run_probe(const char *self, const char *flag, const char *arg, const char *sock, int device, char *buf,
                       size_t len) {
   int p[2];
-  if (pipe(p) != 0) die("pipe", strerror(errno));
+  if (pipe(p) != 0) bench_die("pipe", strerror(errno));
   pid_t pid = fork();
   if (pid == 0) {
     dup2(p[1], 1);
     char dev[16];
     snprintf(dev, sizeof dev, "%d", device);
-    if (opt.plan_json != NULL)
-      execl(self, self, flag, arg, "--socket", sock, "--device", dev, "--plan", opt.plan_json, (char *)NULL);
+    if (bench_cfg.plan_json != NULL)
+      execl(self, self, flag, arg, "--socket", sock, "--device", dev, "--plan", bench_cfg.plan_json, (char *)NULL);
     else
       execl(self, self, flag, arg, "--socket", sock, "--device", dev, (char *)NULL);
     _exit(127);
@@ -212,11 +213,12 @@ static void run_probe(const char *self, const char *flag, const char *arg, const
   waitpid(pid, &st, 0);
 }
 
-void probe_attach(const char *self, const char *sock, const char *set, int device, double *ctx,
-                  double *att, double *rt, double *opn, char kind[16], size_t *ntensors) {
+void bench_probe_attach(const char *self, const char *sock, const char *set, int device, double *ctx, double *att,
+                        double *rt, double *opn, char kind[16], size_t *ntensors) {
   char buf[160];
   run_probe(self, "--attach-probe", set, sock, device, buf, sizeof buf);
-  if (sscanf(buf, "%lf %lf %lf %lf %15s %zu", ctx, att, rt, opn, kind, ntensors) != 6) die("attach probe", "no result");
+  if (sscanf(buf, "%lf %lf %lf %lf %15s %zu", ctx, att, rt, opn, kind, ntensors) != 6)
+    bench_die("attach probe", "no result");
 }
 
 /* ---- early attach ------------------------------------------------------------------- */
@@ -227,31 +229,31 @@ void probe_attach(const char *self, const char *sock, const char *set, int devic
  * the attach); prints "ctx_s attach_s first_layer_s all_s tensors
  * first_layer_tensors", every time from the attach call.
  */
-int early_probe(const char *path, const char *sock, int device) {
+int bench_early_probe(const char *path, const char *sock, int device) {
   double t0 = clock_s();
   CUDA_OK(cudaSetDevice(device));
   CUDA_OK(cudaFree(0));
   double t_ctx = clock_s() - t0;
-  weightd_client *c = connect_or_die(sock);
+  weightd_client *c = bench_connect_or_die(sock);
   char dev[16];
   snprintf(dev, sizeof dev, "%d", device);
   struct weightd_load_options o = {
-      .struct_size = sizeof o, .device = dev, .plan_json = opt.plan_json, .flags = WEIGHTD_ATTACH_EARLY};
+      .struct_size = sizeof o, .device = dev, .plan_json = bench_cfg.plan_json, .flags = WEIGHTD_ATTACH_EARLY};
   weightd_set *s = NULL;
   t0 = clock_s();
-  if (weightd_attach_path(c, path, &o, &s) != 0) die("early attach", weightd_last_error(c));
+  if (weightd_attach_path(c, path, &o, &s) != 0) bench_die("early attach", weightd_last_error(c));
   double t_attach = clock_s() - t0;
   size_t n = weightd_set_tensor_count(s), last = 0;
   weightd_tensor t = {.struct_size = sizeof t};
   for (size_t i = 0; i < n; i++)
     if (weightd_set_tensor(s, i, &t) == 0 && strstr(t.name, ".layers.0.") != NULL) last = i;
   int rc = weightd_set_wait_tensor(s, last, 600000);
-  if (rc != 0) die("waiting for the first layer", weightd_strerror(rc));
+  if (rc != 0) bench_die("waiting for the first layer", weightd_strerror(rc));
   weightd_set_tensor(s, last, &t);
   unsigned char byte;
   CUDA_OK(cudaMemcpy(&byte, t.data, 1, cudaMemcpyDeviceToHost)); /* usable: a read through its pointer */
   double t_first = clock_s() - t0;
-  if ((rc = weightd_set_wait(s, NULL, 600000)) != 0) die("waiting for the set", weightd_strerror(rc));
+  if ((rc = weightd_set_wait(s, NULL, 600000)) != 0) bench_die("waiting for the set", weightd_strerror(rc));
   double t_all = clock_s() - t0;
   printf("%.6f %.6f %.6f %.6f %zu %zu\n", t_ctx, t_attach, t_first, t_all, n, last + 1);
   weightd_release(s);
@@ -260,32 +262,32 @@ int early_probe(const char *path, const char *sock, int device) {
 }
 
 /* The early phase: evicts the device's sets, then times fresh processes attaching the checkpoint early (medians). */
-void phase_early(const char *self, const char *abs) {
+void bench_phase_early(const char *self, const char *abs) {
   double att[16], first[16], all[16], ctx;
   size_t tensors = 0, first_tensors = 0;
-  int probes = opt.runs < 16 ? opt.runs : 16;
+  int probes = bench_cfg.runs < 16 ? bench_cfg.runs : 16;
   for (int i = 0; i < probes; i++) {
-    evict_all(opt.device);
-    if (opt.settle_ms > 0) usleep((useconds_t)opt.settle_ms * 1000);
+    bench_evict_all(bench_cfg.device);
+    if (bench_cfg.settle_ms > 0) usleep((useconds_t)bench_cfg.settle_ms * 1000);
     char buf[256];
-    run_probe(self, "--early-probe", abs, daemons[0].sock, opt.device, buf, sizeof buf);
+    run_probe(self, "--early-probe", abs, bench_daemons[0].sock, bench_cfg.device, buf, sizeof buf);
     if (sscanf(buf, "%lf %lf %lf %lf %zu %zu", &ctx, &att[i], &first[i], &all[i], &tensors, &first_tensors) != 6)
-      die("early probe", "no result");
+      bench_die("early probe", "no result");
   }
-  double a = median(att, probes), f = median(first, probes), w = median(all, probes);
-  put_num(result, "early_attach_s", a);
-  put_num(result, "early_first_layer_s", f);
-  put_num(result, "early_all_s", w);
-  put_num(result, "early_tensors", (double)tensors);
-  put_num(result, "early_first_layer_tensors", (double)first_tensors);
-  put_num(result, "early_first_layer_ratio", w > 0 ? f / w : 0);
-  put_num(result, "early_probes", probes);
-  fprintf(out, "%-46s %8.3f ms   (the set still loading; median of %d)\n", "early attach: attach returns", a * 1e3,
-          probes);
+  double a = bench_median(att, probes), f = bench_median(first, probes), w = bench_median(all, probes);
+  bench_put_num(bench_result, "early_attach_s", a);
+  bench_put_num(bench_result, "early_first_layer_s", f);
+  bench_put_num(bench_result, "early_all_s", w);
+  bench_put_num(bench_result, "early_tensors", (double)tensors);
+  bench_put_num(bench_result, "early_first_layer_tensors", (double)first_tensors);
+  bench_put_num(bench_result, "early_first_layer_ratio", w > 0 ? f / w : 0);
+  bench_put_num(bench_result, "early_probes", probes);
+  fprintf(bench_out, "%-46s %8.3f ms   (the set still loading; median of %d)\n", "early attach: attach returns",
+          a * 1e3, probes);
   char label[64];
   snprintf(label, sizeof label, "early attach: first layer usable (%zu tensors)", first_tensors);
-  fprintf(out, "%-46s %8.1f ms   (%.1f%% of the whole load; target <= 10%%)\n", label, f * 1e3,
+  fprintf(bench_out, "%-46s %8.1f ms   (%.1f%% of the whole load; target <= 10%%)\n", label, f * 1e3,
           w > 0 ? 100 * f / w : 0);
   snprintf(label, sizeof label, "early attach: whole set ready (%zu tensors)", tensors);
-  fprintf(out, "%-46s %8.1f ms   (from the attach call: plan, allocation and load)\n", label, w * 1e3);
+  fprintf(bench_out, "%-46s %8.1f ms   (from the attach call: plan, allocation and load)\n", label, w * 1e3);
 }

@@ -17,86 +17,87 @@
 
 /* ---- the daemons ------------------------------------------------------------------ */
 
-struct daemon_conn daemons[2];
-int ndaemons;
+struct daemon_conn bench_daemons[2];
+int bench_ndaemons;
 
-weightd_client *connect_or_die(const char *sock) {
+weightd_client *bench_connect_or_die(const char *sock) {
   weightd_client *c = NULL;
-  if (weightd_connect(sock, &c) != 0) die("connect", weightd_last_error(c));
+  if (weightd_connect(sock, &c) != 0) bench_die("connect", weightd_last_error(c));
   return c;
 }
 
 /* Sends one request; returns the parsed reply (cJSON_Delete it). */
-cJSON *request_json(weightd_client *c, const char *json, int *rc) {
+cJSON *bench_request_json(weightd_client *c, const char *json, int *rc) {
   char *r = NULL;
   int e = weightd_request(c, json, &r, NULL, NULL);
   if (rc != NULL) *rc = e;
-  else if (e != 0) die(json, r ? r : weightd_last_error(c));
+  else if (e != 0) bench_die(json, r ? r : weightd_last_error(c));
   cJSON *j = r ? cJSON_Parse(r) : NULL;
   weightd_free(r);
   return j;
 }
 
-void request_or_die(weightd_client *c, const char *json) { cJSON_Delete(request_json(c, json, NULL)); }
+void bench_request_or_die(weightd_client *c, const char *json) { cJSON_Delete(bench_request_json(c, json, NULL)); }
 
-const char *jstr(const cJSON *o, const char *k) {
+const char *bench_jstr(const cJSON *o, const char *k) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
   return cJSON_IsString(v) ? v->valuestring : "";
 }
 
-double jnum(const cJSON *o, const char *k) {
+double bench_jnum(const cJSON *o, const char *k) {
   const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, k);
   return cJSON_IsNumber(v) ? v->valuedouble : 0;
 }
 
-void daemon_attach(struct daemon_conn *d, const char *sock) {
+void bench_daemon_attach(struct daemon_conn *d, const char *sock) {
   d->sock = sock;
-  d->c = connect_or_die(sock);
-  if (strcmp(weightd_backend(d->c), "cuda") != 0) die(sock, "the daemon does not use the cuda backend");
-  cJSON *st = request_json(d->c, "{\"op\":\"status\"}", NULL);
+  d->c = bench_connect_or_die(sock);
+  if (strcmp(weightd_backend(d->c), "cuda") != 0) bench_die(sock, "the daemon does not use the cuda backend");
+  cJSON *st = bench_request_json(d->c, "{\"op\":\"status\"}", NULL);
   const cJSON *dm = cJSON_GetObjectItemCaseSensitive(st, "daemon");
-  snprintf(d->strided, sizeof d->strided, "%s", jstr(dm, "staged_strided"));
-  snprintf(d->pin, sizeof d->pin, "%s", jstr(dm, "pin"));
-  snprintf(d->method, sizeof d->method, "%s", jstr(dm, "load_method"));
-  d->pid = (int)jnum(dm, "pid");
+  snprintf(d->strided, sizeof d->strided, "%s", bench_jstr(dm, "staged_strided"));
+  snprintf(d->pin, sizeof d->pin, "%s", bench_jstr(dm, "pin"));
+  snprintf(d->method, sizeof d->method, "%s", bench_jstr(dm, "load_method"));
+  d->pid = (int)bench_jnum(dm, "pid");
   cJSON_Delete(st);
 }
 
 /* The checkpoint's entry in the daemon's status (a new object), or NULL when it is not open. */
-cJSON *ckpt_status(struct daemon_conn *d, const char *abs) {
-  cJSON *st = request_json(d->c, "{\"op\":\"status\"}", NULL), *found = NULL;
+cJSON *bench_ckpt_status(struct daemon_conn *d, const char *abs) {
+  cJSON *st = bench_request_json(d->c, "{\"op\":\"status\"}", NULL), *found = NULL;
   const cJSON *e;
   cJSON_ArrayForEach(e, cJSON_GetObjectItemCaseSensitive(st, "checkpoints"))
-    if (strcmp(jstr(e, "path"), abs) == 0) found = cJSON_Duplicate(e, 1);
+    if (strcmp(bench_jstr(e, "path"), abs) == 0) found = cJSON_Duplicate(e, 1);
   cJSON_Delete(st);
   return found;
 }
 
-void evict_all(int device) {
+void bench_evict_all(int device) {
   char req[96];
   snprintf(req, sizeof req, "{\"op\":\"evict\",\"device\":%d}", device);
-  for (int i = 0; i < ndaemons; i++) request_or_die(daemons[i].c, req);
+  for (int i = 0; i < bench_ndaemons; i++) bench_request_or_die(bench_daemons[i].c, req);
 }
 
 /* Closes the checkpoint in every daemon (which unpins it); its sets are evicted first. */
-void close_all(const char *abs, int device) {
-  evict_all(device);
+void bench_close_all(const char *abs, int device) {
+  bench_evict_all(device);
   char req[PATH_MAX + 64];
   snprintf(req, sizeof req, "{\"op\":\"close\",\"path\":\"%s\"}", abs);
-  for (int i = 0; i < ndaemons; i++) {
+  for (int i = 0; i < bench_ndaemons; i++) {
     int rc;
-    cJSON *r = request_json(daemons[i].c, req, &rc);
-    if (rc != 0 && rc != WEIGHTD_E_NOT_FOUND) die("close (is another client using the checkpoint?)", jstr(r, "error"));
+    cJSON *r = bench_request_json(bench_daemons[i].c, req, &rc);
+    if (rc != 0 && rc != WEIGHTD_E_NOT_FOUND)
+      bench_die("close (is another client using the checkpoint?)", bench_jstr(r, "error"));
     cJSON_Delete(r);
   }
 }
 
 /* A request object with op, path and (when given) the plan. */
-char *plan_request(const char *op, const char *abs, const char *extra) {
+char *bench_plan_request(const char *op, const char *abs, const char *extra) {
   char *s = NULL;
-  if (asprintf(&s, "{\"op\":\"%s\",\"path\":\"%s\"%s%s%s}", op, abs, opt.plan_json ? ",\"plan\":" : "",
-               opt.plan_json ? opt.plan_json : "", extra ? extra : "") < 0)
-    die("asprintf", "out of memory");
+  if (asprintf(&s, "{\"op\":\"%s\",\"path\":\"%s\"%s%s%s}", op, abs, bench_cfg.plan_json ? ",\"plan\":" : "",
+               bench_cfg.plan_json ? bench_cfg.plan_json : "", extra ? extra : "") < 0)
+    bench_die("asprintf", "out of memory");
   return s;
 }
 
@@ -107,22 +108,22 @@ char *plan_request(const char *op, const char *abs, const char *extra) {
  * copy engines, which slows copies that start right after an eviction
  * (tests/gpu/dma_study.c). The method the daemon used goes to method.
  */
-double timed_load(struct daemon_conn *d, const char *abs, char *method, size_t mlen, int settle_ms) {
-  evict_all(opt.device);
+double bench_timed_load(struct daemon_conn *d, const char *abs, char *method, size_t mlen, int settle_ms) {
+  bench_evict_all(bench_cfg.device);
   if (settle_ms > 0) usleep((useconds_t)settle_ms * 1000);
   char *req = NULL, extra[32];
-  snprintf(extra, sizeof extra, ",\"device\":%d", opt.device);
-  req = plan_request("load", abs, extra);
+  snprintf(extra, sizeof extra, ",\"device\":%d", bench_cfg.device);
+  req = bench_plan_request("load", abs, extra);
   double t0 = clock_s();
-  cJSON *r = request_json(d->c, req, NULL);
+  cJSON *r = bench_request_json(d->c, req, NULL);
   double dt = clock_s() - t0;
-  if (method != NULL) snprintf(method, mlen, "%s", jstr(r, "method"));
+  if (method != NULL) snprintf(method, mlen, "%s", bench_jstr(r, "method"));
   cJSON_Delete(r);
   free(req);
   return dt;
 }
 
-uint64_t daemon_rss_anon(int pid) {
+uint64_t bench_daemon_rss_anon(int pid) {
   char path[64], line[256];
   snprintf(path, sizeof path, "/proc/%d/smaps_rollup", pid);
   FILE *f = fopen(path, "r");

@@ -15,25 +15,25 @@ struct daemon_conn {
   int pid;
 };
 
-extern struct daemon_conn daemons[2]; /* --socket, then --alt-socket */
-extern int ndaemons;
+extern struct daemon_conn bench_daemons[2]; /* --socket, then --alt-socket */
+extern int bench_ndaemons;
 
-weightd_client *connect_or_die(const char *sock);
+weightd_client *bench_connect_or_die(const char *sock);
 /* Sends one request; returns the parsed reply (cJSON_Delete it). */
-cJSON *request_json(weightd_client *c, const char *json, int *rc);
-void request_or_die(weightd_client *c, const char *json);
-const char *jstr(const cJSON *o, const char *k);
-double jnum(const cJSON *o, const char *k);
-void daemon_attach(struct daemon_conn *d, const char *sock);
+cJSON *bench_request_json(weightd_client *c, const char *json, int *rc);
+void bench_request_or_die(weightd_client *c, const char *json);
+const char *bench_jstr(const cJSON *o, const char *k);
+double bench_jnum(const cJSON *o, const char *k);
+void bench_daemon_attach(struct daemon_conn *d, const char *sock);
 /* The checkpoint's entry in the daemon's status (a new object), or NULL when it is not open. */
-cJSON *ckpt_status(struct daemon_conn *d, const char *abs);
-void evict_all(int device);
+cJSON *bench_ckpt_status(struct daemon_conn *d, const char *abs);
+void bench_evict_all(int device);
 /* Closes the checkpoint in every daemon (which unpins it); its sets are evicted first. */
-void close_all(const char *abs, int device);
+void bench_close_all(const char *abs, int device);
 /* A request object with op, path and (when given) the plan (free it). */
-char *plan_request(const char *op, const char *abs, const char *extra);
+char *bench_plan_request(const char *op, const char *abs, const char *extra);
 /* One timed load after evicting the device's sets and waiting settle_ms (bench_daemon.c says why). */
-double timed_load(struct daemon_conn *d, const char *abs, char *method, size_t mlen, int settle_ms);
-uint64_t daemon_rss_anon(int pid);
+double bench_timed_load(struct daemon_conn *d, const char *abs, char *method, size_t mlen, int settle_ms);
+uint64_t bench_daemon_rss_anon(int pid);
 
 #endif

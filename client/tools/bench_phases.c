@@ -3,7 +3,7 @@
  * request: the ceilings (pinned-source H2D copies; page cache -> pinned
  * fill with the staging schedule), the timed loads, the pin policy's auto
  * phase and the cold path (page cache dropped, O_DIRECT reads, a cold load).
- * DESIGN: fill_rate and odirect_read start their own threads and join them
+ * DESIGN: bench_fill_rate and odirect_read start their own threads and join them
  * before returning; the threads share only their argument struct (an atomic
  * task counter, read-only inputs, per-thread slots or buffers).
  */
@@ -30,7 +30,7 @@
 /* ---- ceilings ------------------------------------------------------------------ */
 
 /* Pinned-source H2D: `bytes` in 64 MiB copies from two pinned buffers on two streams. */
-double h2d_ceiling(int device, uint64_t bytes) {
+double bench_h2d_ceiling(int device, uint64_t bytes) {
   CUDA_OK(cudaSetDevice(device));
   void *src[2], *dst;
   cudaStream_t st[2];
@@ -61,21 +61,21 @@ double h2d_ceiling(int device, uint64_t bytes) {
   return t;
 }
 
-void map_ckpt(const struct ckpt *c, const struct plan_range *r, size_t nr, struct mapped *m) {
+void bench_map_ckpt(const struct ckpt *c, const struct plan_range *r, size_t nr, struct mapped *m) {
   m->c = c;
   m->maps = calloc(c->nshards, sizeof *m->maps);
   m->data = calloc(c->nshards, sizeof *m->data);
   for (size_t i = 0; i < c->nshards; i++) {
     if (c->shards[i].size == 0) continue;
     m->maps[i] = mmap(NULL, c->shards[i].size, PROT_READ, MAP_SHARED, c->shards[i].fd, 0);
-    if (m->maps[i] == MAP_FAILED) die("mmap", strerror(errno));
+    if (m->maps[i] == MAP_FAILED) bench_die("mmap", strerror(errno));
     m->data[i] = (const unsigned char *)m->maps[i] + c->shards[i].hdr->data_start;
   }
   for (size_t k = 0; k < nr; k++)
     for (uint64_t o = r[k].off; o < r[k].off + r[k].len; o += 4096) (void)((volatile char *)m->maps[r[k].shard])[o];
 }
 
-void unmap_ckpt(struct mapped *m) {
+void bench_unmap_ckpt(struct mapped *m) {
   for (size_t i = 0; i < m->c->nshards; i++)
     if (m->maps[i] != NULL) munmap(m->maps[i], m->c->shards[i].size);
   free(m->maps);
@@ -113,11 +113,11 @@ static void *fill_thread(void *arg) {
  * fills its slots for this plan under mode (8 MiB tasks): returns seconds,
  * and the bytes the CPU copied in *copied.
  */
-double fill_rate(const struct mapped *m, const struct plan *plan, enum plan_strided mode, unsigned nthreads,
-                 uint64_t *copied) {
+double bench_fill_rate(const struct mapped *m, const struct plan *plan, enum plan_strided mode, unsigned nthreads,
+                       uint64_t *copied) {
   struct plan_stage *sched = NULL;
   struct wd_error err = {0};
-  if (plan_stage_build(plan, SLOT, mode, &sched, &err) != 0) die("staging schedule", err.msg);
+  if (plan_stage_build(plan, SLOT, mode, &sched, &err) != 0) bench_die("staging schedule", err.msg);
   struct fill_arg f = {.plan = plan, .sched = sched, .data = m->data, .nthreads = nthreads};
   for (size_t w = 0; w < sched->nwindows; w++) f.ntasks += (size_t)((sched->windows[w].used + (8u << 20) - 1) >> 23);
   f.task_window = malloc((f.ntasks ? f.ntasks : 1) * sizeof *f.task_window);
@@ -257,38 +257,39 @@ static double odirect_read(const struct ckpt *c, const struct plan_range *r, siz
 /* ---- phases ---------------------------------------------------------------------------------- */
 
 /* --runs loads through daemon d (and, alternating, its partner), recorded under key. */
-void run_loads(const char *abs, const char *key, const char *what, int with_alt) {
-  int nd = with_alt && ndaemons > 1 ? 2 : 1, runs = opt.runs;
+void bench_run_loads(const char *abs, const char *key, const char *what, int with_alt) {
+  int nd = with_alt && bench_ndaemons > 1 ? 2 : 1, runs = bench_cfg.runs;
   double v[2][MAX_RUNS], b2b[2][MAX_RUNS];
   char method[2][16] = {"?", "?"};
   for (int i = 0; i < runs; i++)
-    for (int k = 0; k < nd; k++) v[k][i] = timed_load(&daemons[k], abs, method[k], sizeof method[k], opt.settle_ms);
-  if (opt.b2b)
+    for (int k = 0; k < nd; k++)
+      v[k][i] = bench_timed_load(&bench_daemons[k], abs, method[k], sizeof method[k], bench_cfg.settle_ms);
+  if (bench_cfg.b2b)
     for (int i = 0; i < runs; i++)
-      for (int k = 0; k < nd; k++) b2b[k][i] = timed_load(&daemons[k], abs, NULL, 0, 0);
+      for (int k = 0; k < nd; k++) b2b[k][i] = bench_timed_load(&bench_daemons[k], abs, NULL, 0, 0);
   for (int k = 0; k < nd; k++) {
     char name[96], label[96];
-    if (nd > 1) snprintf(name, sizeof name, "%s_%s", key, daemons[k].strided);
+    if (nd > 1) snprintf(name, sizeof name, "%s_%s", key, bench_daemons[k].strided);
     else snprintf(name, sizeof name, "%s", key);
-    cJSON *o = cJSON_AddObjectToObject(result, name);
-    put_num(o, "median_s", median(v[k], runs));
-    put_runs(o, "runs_s", v[k], runs);
+    cJSON *o = cJSON_AddObjectToObject(bench_result, name);
+    bench_put_num(o, "median_s", bench_median(v[k], runs));
+    bench_put_runs(o, "runs_s", v[k], runs);
     cJSON_AddStringToObject(o, "method", method[k]);
-    cJSON_AddStringToObject(o, "staged_strided", daemons[k].strided);
-    cJSON_AddStringToObject(o, "pin", daemons[k].pin);
-    if (opt.b2b) {
-      put_num(o, "back_to_back_median_s", median(b2b[k], runs));
-      put_runs(o, "back_to_back_runs_s", b2b[k], runs);
+    cJSON_AddStringToObject(o, "staged_strided", bench_daemons[k].strided);
+    cJSON_AddStringToObject(o, "pin", bench_daemons[k].pin);
+    if (bench_cfg.b2b) {
+      bench_put_num(o, "back_to_back_median_s", bench_median(b2b[k], runs));
+      bench_put_runs(o, "back_to_back_runs_s", b2b[k], runs);
     }
     if (strcmp(key, "staged") == 0 && strcmp(method[k], "staged") != 0)
-      fprintf(out, "  (note: these loads went %s: the daemon pins by itself; run it with --set pin=off)\n",
+      fprintf(bench_out, "  (note: these loads went %s: the daemon pins by itself; run it with --set pin=off)\n",
               method[k]);
     snprintf(label, sizeof label, "load, %s (%s%s%s)", what, method[k], nd > 1 ? ", " : "",
-             nd > 1 ? daemons[k].strided : "");
-    row(label, median(v[k], runs));
-    if (opt.b2b) {
+             nd > 1 ? bench_daemons[k].strided : "");
+    bench_row(label, bench_median(v[k], runs));
+    if (bench_cfg.b2b) {
       snprintf(label, sizeof label, "  same, right after an evict");
-      row(label, median(b2b[k], runs));
+      bench_row(label, bench_median(b2b[k], runs));
     }
   }
 }
@@ -297,9 +298,9 @@ void run_loads(const char *abs, const char *key, const char *what, int with_alt)
 static double wait_auto_pin(struct daemon_conn *d, const char *abs, uint64_t *pinned) {
   double t0 = clock_s();
   for (;;) {
-    cJSON *e = ckpt_status(d, abs);
+    cJSON *e = bench_ckpt_status(d, abs);
     bool pinning = cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(e, "pinning"));
-    *pinned = (uint64_t)jnum(e, "pinned_bytes");
+    *pinned = (uint64_t)bench_jnum(e, "pinned_bytes");
     cJSON_Delete(e);
     if (!pinning && *pinned > 0) return clock_s() - t0;
     if (clock_s() - t0 > 60) return -1;
@@ -307,45 +308,46 @@ static double wait_auto_pin(struct daemon_conn *d, const char *abs, uint64_t *pi
   }
 }
 
-void phase_auto(const char *abs) {
-  struct daemon_conn *d = &daemons[0];
-  if (strcmp(d->pin, "off") == 0) die("auto", "the daemon runs with pin off");
-  close_all(abs, opt.device);
+void bench_phase_auto(const char *abs) {
+  struct daemon_conn *d = &bench_daemons[0];
+  if (strcmp(d->pin, "off") == 0) bench_die("auto", "the daemon runs with pin off");
+  bench_close_all(abs, bench_cfg.device);
   char m1[16] = "?", m2[16] = "?";
-  double first = timed_load(d, abs, m1, sizeof m1, opt.settle_ms);
+  double first = bench_timed_load(d, abs, m1, sizeof m1, bench_cfg.settle_ms);
   uint64_t pinned = 0;
   double wait = wait_auto_pin(d, abs, &pinned);
   double v[MAX_RUNS];
-  for (int i = 0; i < opt.runs; i++) v[i] = timed_load(d, abs, m2, sizeof m2, opt.settle_ms);
-  cJSON *o = cJSON_AddObjectToObject(result, "auto");
+  for (int i = 0; i < bench_cfg.runs; i++) v[i] = bench_timed_load(d, abs, m2, sizeof m2, bench_cfg.settle_ms);
+  cJSON *o = cJSON_AddObjectToObject(bench_result, "auto");
   cJSON_AddStringToObject(o, "pin", d->pin);
-  put_num(o, "first_s", first);
+  bench_put_num(o, "first_s", first);
   cJSON_AddStringToObject(o, "first_method", m1);
-  put_num(o, "pinned_after_s", wait);
-  put_num(o, "pinned_bytes", (double)pinned);
-  put_num(o, "later_median_s", median(v, opt.runs));
-  put_runs(o, "later_runs_s", v, opt.runs);
+  bench_put_num(o, "pinned_after_s", wait);
+  bench_put_num(o, "pinned_bytes", (double)pinned);
+  bench_put_num(o, "later_median_s", bench_median(v, bench_cfg.runs));
+  bench_put_runs(o, "later_runs_s", v, bench_cfg.runs);
   cJSON_AddStringToObject(o, "later_method", m2);
   char label[96];
   snprintf(label, sizeof label, "pin %s: first load (%s)", d->pin, m1);
-  row(label, first);
+  bench_row(label, first);
   char note[96];
   snprintf(note, sizeof note, "(%.2f GiB pinned by the daemon itself)", (double)pinned / GiB);
-  row_plain("  then pinned in the background, after", wait, wait < 0 ? "(not within 60 s)" : note);
+  bench_row_plain("  then pinned in the background, after", wait, wait < 0 ? "(not within 60 s)" : note);
   snprintf(label, sizeof label, "pin %s: later loads (%s)", d->pin, m2);
-  row(label, median(v, opt.runs));
+  bench_row(label, bench_median(v, bench_cfg.runs));
 }
 
-void phase_cold(const char *abs, const struct ckpt *c, const struct plan *plan, const struct plan_range *r,
-                size_t nr, uint64_t read_bytes) {
-  cJSON *o = cJSON_AddObjectToObject(result, "cold");
-  close_all(abs, opt.device); /* the daemon's mappings hold no page then */
+void bench_phase_cold(const char *abs, const struct ckpt *c, const struct plan *plan, const struct plan_range *r,
+                      size_t nr, uint64_t read_bytes) {
+  cJSON *o = cJSON_AddObjectToObject(bench_result, "cold");
+  bench_close_all(abs, bench_cfg.device); /* the daemon's mappings hold no page then */
   const char *how = "?";
   double left = drop_cache(c, r, nr, &how);
   cJSON_AddStringToObject(o, "dropped_by", how);
-  put_num(o, "cached_after_drop", left);
+  bench_put_num(o, "cached_after_drop", left);
   if (left > 0.05) {
-    fprintf(out, "%-46s skipped: %.0f%% of the checkpoint stayed in the page cache (%s)\n", "cold path", 100 * left, how);
+    fprintf(bench_out, "%-46s skipped: %.0f%% of the checkpoint stayed in the page cache (%s)\n", "cold path",
+            100 * left, how);
     cJSON_AddStringToObject(o, "skipped", "page cache not dropped");
     return;
   }
@@ -357,26 +359,27 @@ void phase_cold(const char *abs, const struct ckpt *c, const struct plan *plan, 
     char k[32], label[96];
     snprintf(k, sizeof k, "odirect_%u_threads_gbps", th);
     double gbps = bytes ? (double)bytes / 1e9 / s : 0;
-    put_num(o, k, gbps);
+    bench_put_num(o, k, gbps);
     if (gbps > best) best = gbps;
     snprintf(label, sizeof label, "disk: O_DIRECT 16 MiB reads, %u thread%s", th, th == 1 ? "" : "s");
-    fprintf(out, "%-46s %8.1f ms %7.2f GB/s\n", label, s * 1e3, gbps);
+    fprintf(bench_out, "%-46s %8.1f ms %7.2f GB/s\n", label, s * 1e3, gbps);
   }
-  put_num(o, "odirect_best_gbps", best);
+  bench_put_num(o, "odirect_best_gbps", best);
   drop_cache(c, r, nr, &how);
   char m[16] = "?";
-  double s = timed_load(&daemons[0], abs, m, sizeof m, 0);
+  double s = bench_timed_load(&bench_daemons[0], abs, m, sizeof m, 0);
   double gbps = (double)read_bytes / 1e9 / s;
-  put_num(o, "load_s", s);
-  put_num(o, "load_gbps", gbps);
+  bench_put_num(o, "load_s", s);
+  bench_put_num(o, "load_gbps", gbps);
   cJSON_AddStringToObject(o, "load_method", m);
-  put_num(o, "of_odirect", best > 0 ? gbps / best : 0);
+  bench_put_num(o, "of_odirect", best > 0 ? gbps / best : 0);
   char label[96];
   snprintf(label, sizeof label, "cold load through the daemon (%s)", m);
-  fprintf(out, "%-46s %8.1f ms %7.2f GB/s  %5.0f%% of O_DIRECT\n", label, s * 1e3, gbps, best > 0 ? 100 * gbps / best : 0);
+  fprintf(bench_out, "%-46s %8.1f ms %7.2f GB/s  %5.0f%% of O_DIRECT\n", label, s * 1e3, gbps,
+          best > 0 ? 100 * gbps / best : 0);
   (void)plan;
   /* Warm again for whatever runs next. */
-  char *req = plan_request("prefetch", abs, ",\"wait\":true");
-  request_or_die(daemons[0].c, req);
+  char *req = bench_plan_request("prefetch", abs, ",\"wait\":true");
+  bench_request_or_die(bench_daemons[0].c, req);
   free(req);
 }

@@ -17,16 +17,16 @@ struct mapped {
 };
 
 /* Pinned-source H2D: seconds for `bytes` in 64 MiB copies from two pinned buffers on two streams. */
-double h2d_ceiling(int device, uint64_t bytes);
-void map_ckpt(const struct ckpt *c, const struct plan_range *r, size_t nr, struct mapped *m);
-void unmap_ckpt(struct mapped *m);
+double bench_h2d_ceiling(int device, uint64_t bytes);
+void bench_map_ckpt(const struct ckpt *c, const struct plan_range *r, size_t nr, struct mapped *m);
+void bench_unmap_ckpt(struct mapped *m);
 /* Page cache -> pinned memory as the staging pipeline fills its slots: seconds; bytes copied in *copied. */
-double fill_rate(const struct mapped *m, const struct plan *plan, enum plan_strided mode, unsigned nthreads,
-                 uint64_t *copied);
+double bench_fill_rate(const struct mapped *m, const struct plan *plan, enum plan_strided mode, unsigned nthreads,
+                       uint64_t *copied);
 /* --runs loads through daemon d (and, alternating, its partner), recorded under key. */
-void run_loads(const char *abs, const char *key, const char *what, int with_alt);
-void phase_auto(const char *abs);
-void phase_cold(const char *abs, const struct ckpt *c, const struct plan *plan, const struct plan_range *r, size_t nr,
-                uint64_t read_bytes);
+void bench_run_loads(const char *abs, const char *key, const char *what, int with_alt);
+void bench_phase_auto(const char *abs);
+void bench_phase_cold(const char *abs, const struct ckpt *c, const struct plan *plan, const struct plan_range *r,
+                      size_t nr, uint64_t read_bytes);
 
 #endif

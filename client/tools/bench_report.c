@@ -16,7 +16,7 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 /* The median of v[0..n) (v is left as it was). */
-double median(const double *v, int n) {
+double bench_median(const double *v, int n) {
   if (n <= 0) return 0;
   double *c = malloc((size_t)n * sizeof *c);
   memcpy(c, v, (size_t)n * sizeof *c);
@@ -26,35 +26,36 @@ double median(const double *v, int n) {
   return m;
 }
 
-_Noreturn void die(const char *what, const char *detail) {
+_Noreturn void bench_die(const char *what, const char *detail) {
   fprintf(stderr, "weightd-bench: %s: %s\n", what, detail);
   exit(1);
 }
 
 /* ---- options and the JSON result ---------------------------------------------------- */
 
-struct bench_opt opt = {
+struct bench_opt bench_cfg = {
     .runs = 5, .settle_ms = 500, .b2b = 1, .ceiling_max_gib = 16, .phases = "ceiling,fill,staged,pin,pinned,attach,rss"};
 
-cJSON *result; /* everything measured, written with --json / --json-out */
-FILE *out;     /* the table: stdout, or nowhere with --json */
+cJSON *bench_result; /* everything measured, written with --json / --json-out */
+FILE *bench_out;     /* the table: stdout, or nowhere with --json */
 
-void put_num(cJSON *o, const char *k, double v) { cJSON_AddNumberToObject(o, k, v); }
+void bench_put_num(cJSON *o, const char *k, double v) { cJSON_AddNumberToObject(o, k, v); }
 
-void put_runs(cJSON *o, const char *k, const double *v, int n) {
+void bench_put_runs(cJSON *o, const char *k, const double *v, int n) {
   cJSON *a = cJSON_AddArrayToObject(o, k);
   for (int i = 0; i < n; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(v[i]));
 }
 
 /* ---- printing -------------------------------------------------------------------------------- */
 
-double ceiling_s; /* for the plan's bytes */
-double gib;       /* the plan's payload in GiB */
+double bench_ceiling_s; /* for the plan's bytes */
+double bench_gib;       /* the plan's payload in GiB */
 
-void row(const char *label, double s) {
-  fprintf(out, "%-46s %8.1f ms %9.1f %8.0f%%\n", label, s * 1e3, gib / s, ceiling_s > 0 ? 100 * ceiling_s / s : 0);
+void bench_row(const char *label, double s) {
+  fprintf(bench_out, "%-46s %8.1f ms %9.1f %8.0f%%\n", label, s * 1e3, bench_gib / s,
+          bench_ceiling_s > 0 ? 100 * bench_ceiling_s / s : 0);
 }
 
-void row_plain(const char *label, double s, const char *note) {
-  fprintf(out, "%-46s %8.1f ms   %s\n", label, s * 1e3, note);
+void bench_row_plain(const char *label, double s, const char *note) {
+  fprintf(bench_out, "%-46s %8.1f ms   %s\n", label, s * 1e3, note);
 }

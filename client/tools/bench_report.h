@@ -10,10 +10,10 @@
 #define SLOT (64u << 20)
 #define MAX_RUNS 64
 
-#define CUDA_OK(call)                                           \
-  do {                                                          \
-    cudaError_t e_ = (call);                                    \
-    if (e_ != cudaSuccess) die(#call, cudaGetErrorString(e_));  \
+#define CUDA_OK(call)                                                \
+  do {                                                               \
+    cudaError_t e_ = (call);                                         \
+    if (e_ != cudaSuccess) bench_die(#call, cudaGetErrorString(e_)); \
   } while (0)
 
 struct bench_opt {
@@ -25,19 +25,19 @@ struct bench_opt {
   char phases[256];
 };
 
-extern struct bench_opt opt; /* set by main before any phase runs */
-extern cJSON *result;        /* everything measured, written with --json / --json-out */
-extern FILE *out;            /* the table: stdout, or nowhere with --json */
-extern double ceiling_s;     /* for the plan's bytes */
-extern double gib;           /* the plan's payload in GiB */
+extern struct bench_opt bench_cfg; /* set by main before any phase runs */
+extern cJSON *bench_result;        /* everything measured, written with --json / --json-out */
+extern FILE *bench_out;            /* the table: stdout, or nowhere with --json */
+extern double bench_ceiling_s;     /* for the plan's bytes */
+extern double bench_gib;           /* the plan's payload in GiB */
 
 /* The median of v[0..n) (v is left as it was). */
-double median(const double *v, int n);
-_Noreturn void die(const char *what, const char *detail);
-void put_num(cJSON *o, const char *k, double v);
-void put_runs(cJSON *o, const char *k, const double *v, int n);
-/* A table row with the rate and the ratio to the ceiling; row_plain: the time and a note. */
-void row(const char *label, double s);
-void row_plain(const char *label, double s, const char *note);
+double bench_median(const double *v, int n);
+_Noreturn void bench_die(const char *what, const char *detail);
+void bench_put_num(cJSON *o, const char *k, double v);
+void bench_put_runs(cJSON *o, const char *k, const double *v, int n);
+/* A table row with the rate and the ratio to the ceiling; bench_row_plain: the time and a note. */
+void bench_row(const char *label, double s);
+void bench_row_plain(const char *label, double s, const char *note);
 
 #endif
