@@ -302,13 +302,16 @@ def test_seed_decides_bytes(tmp_path, weightctl, preset, layers):
     """The same seed writes identical files; another seed changes every tensor."""
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     try:
+        # Two checkpoints on disk at a time (up to 0.9 GiB each): b goes before c is written.
         mkcheckpoint(a, preset, layers, seed=7)
         mkcheckpoint(b, preset, layers, seed=7)
-        mkcheckpoint(c, preset, layers, seed=8)
         files = sorted(p.name for p in a.iterdir())
-        assert files == sorted(p.name for p in b.iterdir()) == sorted(p.name for p in c.iterdir())
+        assert files == sorted(p.name for p in b.iterdir())
         for name in files:
             assert (a / name).read_bytes() == (b / name).read_bytes(), f"seed 7 twice: {name} differs"
+        shutil.rmtree(b)
+        mkcheckpoint(c, preset, layers, seed=8)
+        assert files == sorted(p.name for p in c.iterdir())
         spans_a, spans_c = tensor_spans(a), tensor_spans(c)
         assert spans_a.keys() == spans_c.keys()
         same = []
