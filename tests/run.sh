@@ -34,6 +34,7 @@ CC=clang cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DWEIGHTD_SANITIZE=ON
   -DWEIGHTD_PYTHON="$PWD/.venv/bin/python"
 cmake --build build-asan -j "$jobs"
 echo "== tests (ASan + UBSan) =="
+df -h . | tail -n 1 | awk '{print "disk: " $4 " free"}'
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=0:halt_on_error=1 \
 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure -j "$jobs"

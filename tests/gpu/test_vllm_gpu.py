@@ -41,7 +41,6 @@ sys.path.insert(0, os.path.join(wdgpu.REPO, "tests", "python_vllm"))
 
 import layout_ref  # noqa: E402
 import vllm_models  # noqa: E402
-import weightd  # noqa: E402
 from weightd_vllm import core, names  # noqa: E402
 from weightd_vllm.core import Spec  # noqa: E402
 

@@ -30,7 +30,7 @@ class Supervisor(fdstore_harness.Supervisor):
     def stop(self):
         super().stop()
         marks = [m for m in SANITIZER_MARKS if m in self.log_text()]
-        assert not marks, self.log_text()
+        assert not marks, f"sanitizer report ({marks}):\n{self.log_text()}"
 
     def connect(self):
         return Conn(self.socket, timeout=30 * SLOW)

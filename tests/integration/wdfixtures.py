@@ -1,9 +1,10 @@
 """The daemon fixtures every host-backend suite shares: a real weightd on a private socket.
 
-tests/integration uses them through its conftest.py; tests/python_binding,
-tests/python_vllm, tests/vllm and tests/gpu import this module the same way
+tests/integration uses them through its conftest.py; the conftests of
+tests/python_binding, tests/python_vllm and tests/vllm do the same
 (``from wdfixtures import *`` with tests/integration on sys.path), so that
 there is one launcher, one set of checks at stop and one time limit.
+tests/gpu/wdgpu.py subclasses its Daemon for the cuda backend.
 
 The binaries come from $WEIGHTD and $WEIGHTCTL (ctest sets them; by hand,
 the defaults are build/weightd and build/weightctl). Temporary files go under

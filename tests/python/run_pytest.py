@@ -7,8 +7,8 @@ when WD_REQUIRE_REFERENCE=1 (CI sets it, so a missing reference fails there).
 pytest's 5 ("no tests collected") is turned into 1: a run that checks
 nothing must not pass.
 
-Arguments are passed to pytest unchanged; a passing test's tmp_path is
-removed when it ends (tmp_path_retention_policy=failed). When WD_TEST_TMP is set, pytest's
+Arguments are passed to pytest unchanged; a test's tmp_path is removed
+when it ends unless its body failed (tmp_path_retention_policy=failed). When WD_TEST_TMP is set, pytest's
 temporary directories go under it (WD_TEST_TMP/pytest-reference).
 """
 import os
@@ -46,7 +46,8 @@ def main(argv):
 
     # Keep the source tree clean: no .pyc files, no .pytest_cache. A passing
     # test's tmp_path is removed when it ends (some write GiBs of checkpoints;
-    # kept, two builds' worth filled a CI disk); a failing one's stays to read.
+    # kept, two builds' worth filled a CI disk); a test whose body fails keeps its
+    # tmp_path to read (pytest removes it after a setup or teardown error).
     sys.dont_write_bytecode = True
     args = ["-p", "no:cacheprovider", "-o", "tmp_path_retention_policy=failed"] + list(argv)
     tmp = os.environ.get("WD_TEST_TMP")

@@ -19,6 +19,7 @@ sys.path.insert(0, HERE)
 os.environ.setdefault("WEIGHTD_LIB", os.path.join(REPO, "build", "libweightd.so"))
 
 sys.path.insert(0, os.path.join(REPO, "tests", "integration"))
+pytest.register_assert_rewrite("wdfixtures", "wdclient")  # its asserts say what they compared
 from wdfixtures import *  # noqa: E402,F401,F403  the integration suite's daemon fixtures and hook
 
 import vllm_models  # noqa: E402

@@ -564,7 +564,7 @@ class Harness:
         self.tiny_paths = []
         for name, seed in (("a", 1), ("b", 2), ("c", 3)):
             self.tiny_paths.append(wdfixtures.write_single(os.path.join(self.models, f"tiny_{name}"),
-                                                         wdfixtures.TINY_TENSORS, seed))
+                                                           wdfixtures.TINY_TENSORS, seed))
         many = [(f"layers.{i}.w", "F16", [16, 8 + i % 7]) for i in range(400)]
         self.tiny_paths.append(wdfixtures.write_single(os.path.join(self.models, "many"), many, 4))
         self.ckpts = {p: wdclient.Checkpoint(p) for p in self.tiny_paths}
