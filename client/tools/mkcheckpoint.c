@@ -3,7 +3,7 @@
  * with the exact tensor names, shapes, dtypes and shard files of a
  * published Hugging Face model, filled with seeded random bytes.
  *
- * The main thread parses the options, builds the layout (ckpt_presets.c),
+ * The main thread parses the options, builds the layout (presets.c),
  * checks the output directory and hands the tensors, their shard
  * assignment and config.json to the safetensors writer
  * (common/st_writer.h), which owns the files, the worker threads (one per
@@ -27,9 +27,9 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "ckpt_presets.h"
 #include "ctl.h"
 #include "error.h"
+#include "presets.h"
 #include "st_writer.h"
 #include "suggest.h"
 #include "weightd.h"
@@ -111,10 +111,10 @@ static void fill_f32_positive(unsigned char *dst, uint64_t key, uint64_t off, si
   }
 }
 
-/* The fill of each ckpt_fill kind. */
+/* The fill of each preset_fill kind. */
 static void (*const fillers[])(unsigned char *, uint64_t, uint64_t, size_t) = {
-    [CKPT_FILL_BYTES] = fill_bytes,
-    [CKPT_FILL_F32_POSITIVE] = fill_f32_positive,
+    [PRESET_FILL_BYTES] = fill_bytes,
+    [PRESET_FILL_F32_POSITIVE] = fill_f32_positive,
 };
 
 /* ---- writing -------------------------------------------------------------------- */
@@ -155,7 +155,7 @@ static int prepare_dir(const char *dir, struct wd_error *err) {
 
 /* What the writer's workers read: the layout and every tensor's stream key. */
 struct stream {
-  const struct ckpt_layout *l;
+  const struct preset_layout *l;
   uint64_t *keys;
 };
 
@@ -171,10 +171,10 @@ static int tensor_generate(void *arg, size_t i, uint64_t off, size_t len, unsign
 static void writer_progress(void *arg, uint64_t *done, uint64_t *total) { stw_progress_get(arg, done, total); }
 
 /* Prints the config.json of layout l into a new buffer *text of *len bytes. */
-static int config_build(const struct ckpt_layout *l, char **text, size_t *len, struct wd_error *err) {
+static int config_build(const struct preset_layout *l, char **text, size_t *len, struct wd_error *err) {
   FILE *f = open_memstream(text, len);
   if (f == NULL) return err_set(err, WEIGHTD_E_NOMEM, "cannot build config.json");
-  int rc = ckpt_config_write(l, f);
+  int rc = preset_config_write(l, f);
   if (fclose(f) != 0 && rc == 0) rc = WEIGHTD_E_NOMEM;
   if (rc < 0) {
     free(*text);
@@ -189,8 +189,8 @@ static int config_build(const struct ckpt_layout *l, char **text, size_t *len, s
  * and (for several shards) the index. Fills *seconds with the time the
  * writing took. Returns 0 or a negative code with err filled.
  */
-static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64_t seed, unsigned nthreads, bool sparse,
-                            double *seconds, uint64_t *disk_bytes, struct wd_error *err) {
+static int checkpoint_write(const struct preset_layout *l, const char *dir, uint64_t seed, unsigned nthreads,
+                            bool sparse, double *seconds, uint64_t *disk_bytes, struct wd_error *err) {
   struct stream st = {.l = l};
   struct stw_tensor *ts = NULL;
   struct stw_writer *w = NULL;
@@ -208,7 +208,7 @@ static int checkpoint_write(const struct ckpt_layout *l, const char *dir, uint64
     goto fail;
   }
   for (size_t i = 0; i < l->count; i++) {
-    const struct ckpt_tensor *t = &l->tensors[i];
+    const struct preset_tensor *t = &l->tensors[i];
     st.keys[i] = tensor_key(seed, t->name);
     ts[i] = (struct stw_tensor){.name = t->name, .dtype = t->dtype, .ndim = t->ndim, .shape = t->shape,
                                 .nbytes = t->nbytes, .file = t->shard};
@@ -293,8 +293,8 @@ static int options_get(const struct ctl_args *a, struct options *o) {
 }
 
 /* The variant of preset p that the options ask for (they were checked against p). */
-static struct ckpt_variant variant_of(const struct options *o, const struct ckpt_preset *p) {
-  return (struct ckpt_variant){
+static struct preset_variant variant_of(const struct options *o, const struct preset *p) {
+  return (struct preset_variant){
       .layers = o->given[OPT_LAYERS] ? (uint32_t)o->num[OPT_LAYERS] : p->num_layers,
       .experts = o->given[OPT_EXPERTS] ? (uint32_t)o->num[OPT_EXPERTS] : 0,
   };
@@ -313,12 +313,12 @@ static int list_presets(const struct options *o) {
   else
     printf("%-14s %-22s %6s %7s %8s %15s %11s %6s\n", "PRESET", "ARCHITECTURE", "LAYERS", "EXPERTS", "TENSORS",
            "PAYLOAD_BYTES", "PAYLOAD_GIB", "SHARDS");
-  for (size_t i = 0; i < ckpt_preset_count(); i++) {
-    const struct ckpt_preset *p = ckpt_preset_at(i);
+  for (size_t i = 0; i < preset_count(); i++) {
+    const struct preset *p = preset_at(i);
     if (o->given[OPT_PRESET] && strcmp(p->name, o->text[OPT_PRESET]) != 0) continue;
-    struct ckpt_variant v = variant_of(o, p);
-    struct ckpt_layout l;
-    if (ckpt_layout_build(p, &v, &l, &err) < 0) {
+    struct preset_variant v = variant_of(o, p);
+    struct preset_layout l;
+    if (preset_layout_build(p, &v, &l, &err) < 0) {
       ctl_errorf("%s", err.msg);
       cJSON_Delete(json);
       return CTL_EXIT_FAIL;
@@ -339,7 +339,7 @@ static int list_presets(const struct options *o) {
       printf("%-14s %-22s %6u %7s %8zu %15llu %11.2f %6u\n", p->name, p->architecture, l.layers, experts, l.count,
              (unsigned long long)l.total_bytes, (double)l.total_bytes / (double)(1ull << 30), l.shards);
     }
-    ckpt_layout_free(&l);
+    preset_layout_free(&l);
   }
   if (json != NULL) ctl_json_print(json);
   return CTL_EXIT_OK;
@@ -349,7 +349,7 @@ static int list_presets(const struct options *o) {
  * Checks --experts against preset p (NULL when none was named). Returns 0,
  * or -1 after printing one line that says why.
  */
-static int experts_check(const struct options *o, const struct ckpt_preset *p) {
+static int experts_check(const struct options *o, const struct preset *p) {
   unsigned long long n = o->num[OPT_EXPERTS];
   if (!o->given[OPT_EXPERTS]) return 0;
   if (p == NULL) {
@@ -370,18 +370,18 @@ static int experts_check(const struct options *o, const struct ckpt_preset *p) {
 static int run_mkcheckpoint(const struct ctl_args *a) {
   struct options o;
   struct wd_error err = {0};
-  struct ckpt_layout l = {0};
-  const struct ckpt_preset *p = NULL;
+  struct preset_layout l = {0};
+  const struct preset *p = NULL;
   double seconds = 0;
   uint64_t disk = 0;
 
   if (options_get(a, &o) < 0) return CTL_EXIT_USAGE;
   if (o.given[OPT_PRESET]) {
-    p = ckpt_preset_find(o.text[OPT_PRESET]);
+    p = preset_find(o.text[OPT_PRESET]);
     if (p == NULL) {
       const char *names[64];
-      size_t n = ckpt_preset_count() < 64 ? ckpt_preset_count() : 64;
-      for (size_t i = 0; i < n; i++) names[i] = ckpt_preset_at(i)->name;
+      size_t n = preset_count() < 64 ? preset_count() : 64;
+      for (size_t i = 0; i < n; i++) names[i] = preset_at(i)->name;
       const char *best = suggest_closest(o.text[OPT_PRESET], names, n);
       if (best != NULL) return ctl_usage_error("unknown preset '%s'; did you mean '%s'?", o.text[OPT_PRESET], best);
       return ctl_usage_error("unknown preset '%s' (--list shows them)", o.text[OPT_PRESET]);
@@ -395,10 +395,10 @@ static int run_mkcheckpoint(const struct ctl_args *a) {
   if (o.given[OPT_LIST]) return list_presets(&o);
   if (p == NULL || !o.given[OPT_OUT]) return ctl_usage_error("needs --preset and --out (or --list)");
 
-  struct ckpt_variant v = variant_of(&o, p);
+  struct preset_variant v = variant_of(&o, p);
   unsigned nthreads = stw_cpus_usable();
   if (nthreads > STW_THREADS_MAX) nthreads = STW_THREADS_MAX;
-  if (ckpt_layout_build(p, &v, &l, &err) < 0) goto fail;
+  if (preset_layout_build(p, &v, &l, &err) < 0) goto fail;
   bool sparse = o.given[OPT_SPARSE];
   if (checkpoint_write(&l, o.text[OPT_OUT], o.num[OPT_SEED], nthreads, sparse, &seconds, &disk, &err) < 0) goto fail;
   char experts[48] = "";
@@ -432,15 +432,15 @@ static int run_mkcheckpoint(const struct ctl_args *a) {
            l.shards == 1 ? "" : "s", o.text[OPT_OUT], seconds, rate, nthreads, nthreads == 1 ? "" : "s");
   }
   if (sparse) {
-    ckpt_layout_free(&l);
+    preset_layout_free(&l);
     return CTL_EXIT_OK;
   }
-  ckpt_layout_free(&l);
+  preset_layout_free(&l);
   return CTL_EXIT_OK;
 
 fail:
   ctl_errorc(weightd_err_name(err.code), "mkcheckpoint: %s", err.msg);
-  ckpt_layout_free(&l);
+  preset_layout_free(&l);
   return CTL_EXIT_FAIL;
 }
 

@@ -1,5 +1,5 @@
 /*
- * ckpt_presets.c - the preset table, the per-family tensor generators, the
+ * presets.c - the preset table, the per-family tensor generators, the
  * shard rules and the config.json table behind `weightctl mkcheckpoint`.
  *
  * Tensor order is the PyTorch state-dict order of the transformers model
@@ -26,7 +26,7 @@
  * e_score_correction_bias of N; its config.json says N and fits the
  * router settings to it (see router_fit()).
  */
-#include "ckpt_presets.h"
+#include "presets.h"
 
 #include <stdarg.h>
 #include <stddef.h>
@@ -41,27 +41,27 @@
   .max_position_embeddings = 40960, .bos_token_id = 151643, .eos_token_id = 151645,          \
   .max_shard_size = 4000000000ULL, .shard_count_digits = 5
 
-static const struct ckpt_preset presets[] = {
+static const struct preset presets[] = {
     {
-        .name = "qwen3-0.6b", .family = CKPT_QWEN3, QWEN3_COMMON,
+        .name = "qwen3-0.6b", .family = PRESET_QWEN3, QWEN3_COMMON,
         .hidden_size = 1024, .num_layers = 28, .num_heads = 16, .num_kv_heads = 8,
         .intermediate_size = 3072, .max_window_layers = 28,
         .tie_word_embeddings = true, .stores_lm_head = true, .shards = 1,
     },
     {
-        .name = "qwen3-4b", .family = CKPT_QWEN3, QWEN3_COMMON,
+        .name = "qwen3-4b", .family = PRESET_QWEN3, QWEN3_COMMON,
         .hidden_size = 2560, .num_layers = 36, .num_heads = 32, .num_kv_heads = 8,
         .intermediate_size = 9728, .max_window_layers = 36,
         .tie_word_embeddings = true, .stores_lm_head = false, .shards = 3,
     },
     {
-        .name = "qwen3-8b", .family = CKPT_QWEN3, QWEN3_COMMON,
+        .name = "qwen3-8b", .family = PRESET_QWEN3, QWEN3_COMMON,
         .hidden_size = 4096, .num_layers = 36, .num_heads = 32, .num_kv_heads = 8,
         .intermediate_size = 12288, .max_window_layers = 36,
         .tie_word_embeddings = false, .stores_lm_head = true, .shards = 5,
     },
     {
-        .name = "qwen3-30b-a3b", .family = CKPT_QWEN3_MOE,
+        .name = "qwen3-30b-a3b", .family = PRESET_QWEN3_MOE,
         .architecture = "Qwen3MoeForCausalLM", .model_type = "qwen3_moe",
         .transformers_version = "4.51.0", .rope_theta = "1000000.0", .rms_norm_eps = "1e-06",
         .hidden_size = 2048, .num_layers = 48, .num_heads = 32, .num_kv_heads = 4, .head_dim = 128,
@@ -73,7 +73,7 @@ static const struct ckpt_preset presets[] = {
         .max_shard_size = 4000000000ULL, .shards = 16, .shard_count_digits = 5,
     },
     {
-        .name = "deepseek-v3", .family = CKPT_DEEPSEEK_V3,
+        .name = "deepseek-v3", .family = PRESET_DEEPSEEK_V3,
         .architecture = "DeepseekV3ForCausalLM", .model_type = "deepseek_v3",
         .transformers_version = "4.33.1", .rope_theta = "10000", .rms_norm_eps = "1e-06",
         .hidden_size = 7168, .num_layers = 61, .num_heads = 128, .num_kv_heads = 128,
@@ -90,11 +90,11 @@ static const struct ckpt_preset presets[] = {
 
 #define NPRESETS (sizeof presets / sizeof presets[0])
 
-size_t ckpt_preset_count(void) { return NPRESETS; }
+size_t preset_count(void) { return NPRESETS; }
 
-const struct ckpt_preset *ckpt_preset_at(size_t i) { return i < NPRESETS ? &presets[i] : NULL; }
+const struct preset *preset_at(size_t i) { return i < NPRESETS ? &presets[i] : NULL; }
 
-const struct ckpt_preset *ckpt_preset_find(const char *name) {
+const struct preset *preset_find(const char *name) {
   for (size_t i = 0; i < NPRESETS; i++)
     if (name != NULL && strcmp(presets[i].name, name) == 0) return &presets[i];
   return NULL;
@@ -108,8 +108,8 @@ const struct ckpt_preset *ckpt_preset_find(const char *name) {
  * the status once at the end.
  */
 struct builder {
-  struct ckpt_layout *l;
-  const struct ckpt_preset *p;
+  struct preset_layout *l;
+  const struct preset *p;
   int rc;
 };
 
@@ -121,7 +121,7 @@ static void add(struct builder *b, enum wd_dtype dtype, unsigned ndim, uint64_t 
 
 static void add(struct builder *b, enum wd_dtype dtype, unsigned ndim, uint64_t d0, uint64_t d1,
                 const char *fmt, ...) {
-  struct ckpt_layout *l = b->l;
+  struct preset_layout *l = b->l;
   if (b->rc < 0) return;
   char name[NAME_MAX_LEN];
   va_list ap;
@@ -134,7 +134,7 @@ static void add(struct builder *b, enum wd_dtype dtype, unsigned ndim, uint64_t 
   }
   if (l->count == l->cap) {
     size_t cap = l->cap ? l->cap * 2 : 1024;
-    struct ckpt_tensor *t = realloc(l->tensors, cap * sizeof *t);
+    struct preset_tensor *t = realloc(l->tensors, cap * sizeof *t);
     if (t == NULL) {
       b->rc = WEIGHTD_E_NOMEM;
       return;
@@ -142,7 +142,7 @@ static void add(struct builder *b, enum wd_dtype dtype, unsigned ndim, uint64_t 
     l->tensors = t;
     l->cap = cap;
   }
-  struct ckpt_tensor *t = &l->tensors[l->count];
+  struct preset_tensor *t = &l->tensors[l->count];
   memset(t, 0, sizeof *t);
   t->name = strdup(name);
   if (t->name == NULL) {
@@ -150,7 +150,7 @@ static void add(struct builder *b, enum wd_dtype dtype, unsigned ndim, uint64_t 
     return;
   }
   t->dtype = dtype;
-  t->fill = dtype == WD_DTYPE_F32 ? CKPT_FILL_F32_POSITIVE : CKPT_FILL_BYTES;
+  t->fill = dtype == WD_DTYPE_F32 ? PRESET_FILL_F32_POSITIVE : PRESET_FILL_BYTES;
   t->ndim = ndim;
   t->shape[0] = d0;
   t->shape[1] = ndim > 1 ? d1 : 0;
@@ -202,7 +202,7 @@ static void add_mlp(struct builder *b, uint64_t inter, const char *prefix) {
 
 /* Appends Qwen3 attention: q/k/v/o projections, then the per-head q_norm and k_norm. */
 static void add_qwen3_attention(struct builder *b, uint32_t i) {
-  const struct ckpt_preset *p = b->p;
+  const struct preset *p = b->p;
   uint64_t h = p->hidden_size, q = (uint64_t)p->num_heads * p->head_dim;
   uint64_t kv = (uint64_t)p->num_kv_heads * p->head_dim;
   add_linear(b, q, h, "model.layers.%u.self_attn.q_proj", i);
@@ -234,7 +234,7 @@ static void layer_qwen3(struct builder *b, uint32_t i) {
  * dense MLP of intermediate_size.
  */
 static void layer_qwen3_moe(struct builder *b, uint32_t i) {
-  const struct ckpt_preset *p = b->p;
+  const struct preset *p = b->p;
   char prefix[64];
   add_qwen3_attention(b, i);
   bool sparse = p->num_experts > 0 && p->decoder_sparse_step > 0 && (i + 1) % p->decoder_sparse_step == 0;
@@ -258,7 +258,7 @@ static void layer_qwen3_moe(struct builder *b, uint32_t i) {
  * shared experts).
  */
 static void layer_deepseek_v3(struct builder *b, uint32_t i) {
-  const struct ckpt_preset *p = b->p;
+  const struct preset *p = b->p;
   uint64_t h = p->hidden_size;
   uint64_t qk_head = (uint64_t)p->qk_nope_head_dim + p->qk_rope_head_dim;
   char prefix[64];
@@ -288,10 +288,10 @@ static void layer_deepseek_v3(struct builder *b, uint32_t i) {
 }
 
 /* The per-family layer generators. */
-static void (*const family_layer[CKPT_FAMILY_COUNT])(struct builder *, uint32_t) = {
-    [CKPT_QWEN3] = layer_qwen3,
-    [CKPT_QWEN3_MOE] = layer_qwen3_moe,
-    [CKPT_DEEPSEEK_V3] = layer_deepseek_v3,
+static void (*const family_layer[PRESET_FAMILY_COUNT])(struct builder *, uint32_t) = {
+    [PRESET_QWEN3] = layer_qwen3,
+    [PRESET_QWEN3_MOE] = layer_qwen3_moe,
+    [PRESET_DEEPSEEK_V3] = layer_deepseek_v3,
 };
 
 /* ---- shard rules ---------------------------------------------------------- */
@@ -302,7 +302,7 @@ static void (*const family_layer[CKPT_FAMILY_COUNT])(struct builder *, uint32_t)
  * own; save_pretrained numbers such a shard before the open one, here it
  * stays in order (no preset has such a tensor). Returns the shard count.
  */
-static uint32_t shard_greedy(struct ckpt_layout *l, uint64_t max) {
+static uint32_t shard_greedy(struct preset_layout *l, uint64_t max) {
   uint32_t shard = 0;
   uint64_t open = 0;
   for (size_t i = 0; i < l->count; i++) {
@@ -326,7 +326,7 @@ static uint32_t shard_greedy(struct ckpt_layout *l, uint64_t max) {
  * about equal bytes, as described at the top of this file. Returns the
  * shard count.
  */
-static uint32_t shard_even(struct ckpt_layout *l, uint32_t want) {
+static uint32_t shard_even(struct preset_layout *l, uint32_t want) {
   size_t n = l->count;
   if (want > n) want = (uint32_t)n;
   if (want == 0) want = 1;
@@ -345,8 +345,8 @@ static uint32_t shard_even(struct ckpt_layout *l, uint32_t want) {
 }
 
 /* Cuts l into shards by the rule for its variant and sets every tensor's offset. */
-static int layout_shard(struct ckpt_layout *l, struct wd_error *err) {
-  const struct ckpt_preset *p = l->preset;
+static int layout_shard(struct preset_layout *l, struct wd_error *err) {
+  const struct preset *p = l->preset;
   bool full = l->layers == p->num_layers && l->model.num_experts == p->num_experts;
   l->shards = full ? shard_greedy(l, p->max_shard_size) : shard_even(l, p->shards);
   if (full && l->shards != p->shards)
@@ -372,7 +372,7 @@ static int layout_shard(struct ckpt_layout *l, struct wd_error *err) {
  * group of one, which that router cannot score: such a model is a layout
  * to load, not one to run.
  */
-static void router_fit(struct ckpt_preset *m) {
+static void router_fit(struct preset *m) {
   if (m->experts_per_tok > m->num_experts) m->experts_per_tok = m->num_experts;
   if (m->n_group == 0) return;
   uint32_t per_group = m->num_experts / m->n_group;
@@ -384,8 +384,8 @@ static void router_fit(struct ckpt_preset *m) {
   }
 }
 
-int ckpt_layout_build(const struct ckpt_preset *p, const struct ckpt_variant *v, struct ckpt_layout *out,
-                      struct wd_error *err) {
+int preset_layout_build(const struct preset *p, const struct preset_variant *v, struct preset_layout *out,
+                        struct wd_error *err) {
   memset(out, 0, sizeof *out);
   if (p == NULL || v == NULL) return err_set(err, WEIGHTD_E_INVALID, "no preset or variant");
   if (v->layers < 1 || v->layers > p->num_layers)
@@ -416,11 +416,11 @@ int ckpt_layout_build(const struct ckpt_preset *p, const struct ckpt_variant *v,
   return 0;
 
 fail:
-  ckpt_layout_free(out);
+  preset_layout_free(out);
   return rc;
 }
 
-void ckpt_layout_free(struct ckpt_layout *l) {
+void preset_layout_free(struct preset_layout *l) {
   if (l == NULL) return;
   for (size_t i = 0; i < l->count; i++) free(l->tensors[i].name);
   free(l->tensors);
@@ -430,9 +430,9 @@ void ckpt_layout_free(struct ckpt_layout *l) {
 /* ---- config.json ------------------------------------------------------------ */
 
 #define FAM(f) (1u << (f))
-#define F_QWEN (FAM(CKPT_QWEN3) | FAM(CKPT_QWEN3_MOE))
-#define F_MOE FAM(CKPT_QWEN3_MOE)
-#define F_DS FAM(CKPT_DEEPSEEK_V3)
+#define F_QWEN (FAM(PRESET_QWEN3) | FAM(PRESET_QWEN3_MOE))
+#define F_MOE FAM(PRESET_QWEN3_MOE)
+#define F_DS FAM(PRESET_DEEPSEEK_V3)
 #define F_ALL (F_QWEN | F_DS)
 
 /* How a config row finds its value. */
@@ -455,7 +455,7 @@ struct cfg_row {
   const char *raw;
 };
 
-#define M(field) offsetof(struct ckpt_preset, field)
+#define M(field) offsetof(struct preset, field)
 
 /* The config.json keys in the sorted order transformers writes them. */
 static const struct cfg_row cfg_rows[] = {
@@ -523,7 +523,7 @@ static const struct cfg_row cfg_rows[] = {
 #undef M
 
 /* Prints one row's value for model p with `layers` layers. */
-static void cfg_value(const struct cfg_row *r, const struct ckpt_preset *p, uint32_t layers, FILE *f) {
+static void cfg_value(const struct cfg_row *r, const struct preset *p, uint32_t layers, FILE *f) {
   const char *base = (const char *)p;
   const char *text;
   switch (r->kind) {
@@ -549,8 +549,8 @@ static void cfg_value(const struct cfg_row *r, const struct ckpt_preset *p, uint
   }
 }
 
-int ckpt_config_write(const struct ckpt_layout *l, FILE *f) {
-  const struct ckpt_preset *p = &l->model;
+int preset_config_write(const struct preset_layout *l, FILE *f) {
+  const struct preset *p = &l->model;
   bool first = true;
   fputs("{\n", f);
   for (size_t i = 0; i < sizeof cfg_rows / sizeof cfg_rows[0]; i++) {

@@ -1,20 +1,20 @@
 /*
- * ckpt_presets.h - the published checkpoint layouts that `weightctl
+ * presets.h - the published checkpoint layouts that `weightctl
  * mkcheckpoint` reproduces.
  *
  * A preset is one row of a table: the model's architecture parameters, the
  * config.json values that differ between models, and the rule that cuts its
  * tensors into shard files. From a preset and a variant (how many layers
  * and, for a mixture of experts, how many routed experts to keep),
- * ckpt_layout_build() produces the tensor list in the PyTorch state-dict
+ * preset_layout_build() produces the tensor list in the PyTorch state-dict
  * order that Hugging Face uses (names, dtypes, shapes, sizes), assigns each
  * tensor to a shard and gives it its offset inside that shard's data.
  *
- * Nothing here touches files except ckpt_config_write(), which prints the
+ * Nothing here touches files except preset_config_write(), which prints the
  * model's config.json to a stream the caller opened.
  */
-#ifndef WD_CKPT_PRESETS_H
-#define WD_CKPT_PRESETS_H
+#ifndef WD_PRESETS_H
+#define WD_PRESETS_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -25,11 +25,11 @@
 #include "error.h"
 
 /* The model families, each with its own per-layer tensor generator. */
-enum ckpt_family {
-  CKPT_QWEN3,       /* dense Qwen3 (Qwen3ForCausalLM) */
-  CKPT_QWEN3_MOE,   /* Qwen3 mixture of experts (Qwen3MoeForCausalLM) */
-  CKPT_DEEPSEEK_V3, /* DeepSeek-V3: MLA attention, MoE, FP8 block-quantized */
-  CKPT_FAMILY_COUNT
+enum preset_family {
+  PRESET_QWEN3,       /* dense Qwen3 (Qwen3ForCausalLM) */
+  PRESET_QWEN3_MOE,   /* Qwen3 mixture of experts (Qwen3MoeForCausalLM) */
+  PRESET_DEEPSEEK_V3, /* DeepSeek-V3: MLA attention, MoE, FP8 block-quantized */
+  PRESET_FAMILY_COUNT
 };
 
 /*
@@ -37,9 +37,9 @@ enum ckpt_family {
  * config.json spells in a particular way (rope_theta, rms_norm_eps) are kept
  * as the JSON text the published file holds.
  */
-struct ckpt_preset {
+struct preset {
   const char *name;
-  enum ckpt_family family;
+  enum preset_family family;
   const char *architecture;
   const char *model_type;
   const char *transformers_version;
@@ -84,13 +84,13 @@ struct ckpt_preset {
 };
 
 /* How a tensor's bytes are made: seeded random bytes, or finite positive F32 values. */
-enum ckpt_fill { CKPT_FILL_BYTES, CKPT_FILL_F32_POSITIVE };
+enum preset_fill { PRESET_FILL_BYTES, PRESET_FILL_F32_POSITIVE };
 
 /* One tensor of a layout. offset is relative to the start of its shard's data. */
-struct ckpt_tensor {
+struct preset_tensor {
   char *name;
   enum wd_dtype dtype;
-  enum ckpt_fill fill;
+  enum preset_fill fill;
   unsigned ndim;
   uint64_t shape[2];
   uint64_t nbytes;
@@ -104,7 +104,7 @@ struct ckpt_tensor {
  * (1 to num_experts; 0 keeps the published count, the only value a dense
  * preset takes). Shared experts are always kept.
  */
-struct ckpt_variant {
+struct preset_variant {
   uint32_t layers;
   uint32_t experts;
 };
@@ -113,13 +113,13 @@ struct ckpt_variant {
  * A generated layout: tensors in state-dict order, shard by shard. `model`
  * is the preset as generated: num_experts is the variant's expert count,
  * and experts_per_tok, n_group and topk_group are fitted to it (see
- * ckpt_layout_build()); every other field equals the preset's.
+ * preset_layout_build()); every other field equals the preset's.
  */
-struct ckpt_layout {
-  const struct ckpt_preset *preset;
-  struct ckpt_preset model;
+struct preset_layout {
+  const struct preset *preset;
+  struct preset model;
   uint32_t layers;
-  struct ckpt_tensor *tensors;
+  struct preset_tensor *tensors;
   size_t count;
   size_t cap;
   uint64_t total_bytes;
@@ -127,13 +127,13 @@ struct ckpt_layout {
 };
 
 /* The number of presets in the table. */
-size_t ckpt_preset_count(void);
+size_t preset_count(void);
 
 /* The i-th preset of the table, or NULL when i is out of range. */
-const struct ckpt_preset *ckpt_preset_at(size_t i);
+const struct preset *preset_at(size_t i);
 
 /* The preset named exactly `name`, or NULL. */
-const struct ckpt_preset *ckpt_preset_find(const char *name);
+const struct preset *preset_find(const char *name);
 
 /*
  * Builds the layout of variant v of preset p and assigns shards. With fewer
@@ -146,13 +146,13 @@ const struct ckpt_preset *ckpt_preset_find(const char *name);
  * WEIGHTD_E_INVALID for a layer or expert count out of range,
  * WEIGHTD_E_NOMEM, or WEIGHTD_E_INTERNAL when the full model does not come
  * out with the published shard count. On failure *out is empty and needs no
- * ckpt_layout_free().
+ * preset_layout_free().
  */
-int ckpt_layout_build(const struct ckpt_preset *p, const struct ckpt_variant *v, struct ckpt_layout *out,
-                      struct wd_error *err);
+int preset_layout_build(const struct preset *p, const struct preset_variant *v, struct preset_layout *out,
+                        struct wd_error *err);
 
 /* Frees what a layout holds and empties it; NULL-safe. */
-void ckpt_layout_free(struct ckpt_layout *l);
+void preset_layout_free(struct preset_layout *l);
 
 /*
  * Prints the config.json of layout l (its model's values, with
@@ -160,6 +160,6 @@ void ckpt_layout_free(struct ckpt_layout *l);
  * keys, two-space indent, final newline). Returns 0, or WEIGHTD_E_IO when
  * the stream reports an error.
  */
-int ckpt_config_write(const struct ckpt_layout *l, FILE *f);
+int preset_config_write(const struct preset_layout *l, FILE *f);
 
 #endif
