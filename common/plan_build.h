@@ -5,7 +5,8 @@
  * A build goes: plan_spec_parse reads the request's JSON into a typed,
  * normalised spec (plan_spec.c); the builder (plan.c) runs the spec's kind -
  * every tensor whole or a family's layer rules (plan_presets.c, emitting
- * through plan_parts.c), or the explicit outputs (plan.c) - checks the names,
+ * through plan_parts.c), or the explicit outputs (plan.c), all through the
+ * primitives of plan_out.c - checks the names,
  * places the outputs in the slab, and plan_key_make writes the key
  * (plan_key.c). Every piece goes through plan_piece_slice and every output
  * through plan_out_begin / plan_out_add / plan_out_end, which hold all the
@@ -88,7 +89,7 @@ void plan_spec_free(struct plan_spec *s);
  */
 int plan_key_make(const struct plan_spec *s, const struct plan *p, char **key, struct wd_error *err);
 
-/* ---- the builder (plan.c) -------------------------------------------------------------- */
+/* ---- the builder and its primitives (plan_out.c) --------------------------------------- */
 
 struct plan_builder {
   const struct ckpt *c;
