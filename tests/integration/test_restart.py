@@ -230,7 +230,11 @@ def test_corrupt_description_starts_empty(supervisor, tiny, how):
     with s.connect() as c:
         att, fd = c.attach(path=tiny["a"])
         os.close(fd)
-    wait_until(lambda: len(stored_slabs(s.store)) == 1, what="the slab in the store")
+    # Closing the connection drops its lease, and the daemon stores a new generation of the
+    # description, then removes the old one: a kill in between (a crash) leaves both. Wait until
+    # the lease is gone (the new generation is sent by then) and one description is stored.
+    wait_until(lambda: s.status()["leases"] == [] and len(stored_slabs(s.store)) == 1
+               and len(stored_descriptions(s.store)) == 1, what="the slab and one description in the store")
     s.kill()
     data = bytearray(read_description(s.store))
     if how == "flipped":
