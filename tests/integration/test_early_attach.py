@@ -161,6 +161,31 @@ def gated(start_daemon, workdir):
     gate.open()
 
 
+def test_cancel_of_a_queued_request_answers_it_and_it_never_runs(gated, ckpt_sharded):
+    """A connection's 17th request waits in its queue behind 16 in flight (loads held at the gate);
+    `cancel` by its id takes it out of the queue: CANCELED, "canceled before it started". The 16 loads
+    and the connection go on as before."""
+    d, gate = gated
+    with d.connect() as c:
+        loads = [c.start("load", path=ckpt_sharded, device=0) for _ in range(16)]  # the connection's limit in flight
+        queued = c.start("open", path=ckpt_sharded)
+        def queued_opens():
+            return [r for r in d.status()["requests"] if r["op"] == "open" and r["state"] == "queued"]
+
+        wait_until(lambda: len(queued_opens()) == 1, timeout=10 * SLOW, what="the 17th request in the connection's queue")
+        rc = c.call("cancel", target=queued)
+        assert rc["canceled"] is True, rc
+        m, _ = c.wait(queued)
+        assert m["error"]["code"] == "CANCELED" and "before it started" in m["error"]["message"], m
+        assert queued_opens() == []
+        assert c.call("cancel", target=queued)["canceled"] is False  # gone: nothing to cancel twice
+        gate.open()
+        for rid in loads:
+            m, _ = c.wait(rid)
+            assert m.get("ok") is True, m
+        assert c.call("status")["ok"] is True  # the queue is usable after the cancel
+
+
 def hold_after_first_window(m, fds, gate):
     """The early attach's page, once the load filled its first window and waits at the gate."""
     assert m["state"] == "loading", m
