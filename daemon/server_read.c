@@ -134,30 +134,26 @@ struct request *conn_queue_pop(struct conn *c) {
   return r;
 }
 
+/* Takes the queued request *pp out of c's queue into its requests (finished as a started request would be). */
+static struct request *take_queued(struct conn *c, struct request **pp) {
+  struct request *r = *pp;
+  *pp = r->next_in_conn;
+  if (*pp == NULL) c->queued_tail = pp;
+  c->nqueued--;
+  r->next_in_conn = c->requests;
+  c->requests = r;
+  return r;
+}
+
 struct request *conn_unqueue(struct conn *c, const cJSON *id) {
-  for (struct request **pp = &c->queued; *pp != NULL; pp = &(*pp)->next_in_conn) {
-    struct request *r = *pp;
-    if (r->id == NULL || !msg_id_equal(r->id, id)) continue;
-    *pp = r->next_in_conn;
-    if (*pp == NULL) c->queued_tail = pp;
-    c->nqueued--;
-    r->next_in_conn = c->requests; /* finished as a started request would be */
-    c->requests = r;
-    return r;
-  }
+  for (struct request **pp = &c->queued; *pp != NULL; pp = &(*pp)->next_in_conn)
+    if ((*pp)->id != NULL && msg_id_equal((*pp)->id, id)) return take_queued(c, pp);
   return NULL;
 }
 
 bool conn_dequeue(struct conn *c, struct request *r) {
-  for (struct request **pp = &c->queued; *pp != NULL; pp = &(*pp)->next_in_conn) {
-    if (*pp != r) continue;
-    *pp = r->next_in_conn;
-    if (*pp == NULL) c->queued_tail = pp;
-    c->nqueued--;
-    r->next_in_conn = c->requests; /* finished as a started request would be */
-    c->requests = r;
-    return true;
-  }
+  for (struct request **pp = &c->queued; *pp != NULL; pp = &(*pp)->next_in_conn)
+    if (*pp == r) return take_queued(c, pp) != NULL;
   return false;
 }
 
