@@ -110,6 +110,9 @@ struct wd_peer_info {
  */
 #define WD_CAP_HOST_SLABS (1u << 0)
 
+/* pinned_alloc flags. */
+#define WD_PINNED_WRITE_COMBINED (1u << 0) /* only the CPU writes it and only the device reads it */
+
 struct wd_backend_ops {
   const char *name;
   unsigned caps; /* WD_CAP_* */
@@ -137,8 +140,13 @@ struct wd_backend_ops {
   int (*slab_adopt)(void *ctx, int device, enum wd_handle_kind kind, int fd, uint64_t bytes, uint64_t alloc_bytes,
                     const unsigned char *alloc_id, struct wd_slab **out, struct wd_error *err);
 
-  /* Pinned (page-locked) host buffers for the staging pipeline. */
-  int (*pinned_alloc)(void *ctx, int device, size_t bytes, void **out, struct wd_error *err);
+  /*
+   * Pinned (page-locked) host buffers for the staging pipeline. flags:
+   * WD_PINNED_WRITE_COMBINED asks for memory the CPU only writes and the
+   * device reads (write-combined, not snooped by the device's reads, very
+   * slow for the CPU to read); a backend without such memory ignores it.
+   */
+  int (*pinned_alloc)(void *ctx, int device, size_t bytes, unsigned flags, void **out, struct wd_error *err);
   void (*pinned_free)(void *ctx, int device, void *p);
 
   /*

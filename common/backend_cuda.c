@@ -196,11 +196,12 @@ static void cu_slab_free(void *ctx, struct wd_slab *s) {
   free(s);
 }
 
-static int cu_pinned_alloc(void *ctx, int device, size_t bytes, void **out, struct wd_error *err) {
+static int cu_pinned_alloc(void *ctx, int device, size_t bytes, unsigned flags, void **out, struct wd_error *err) {
   (void)ctx;
   *out = NULL;
+  unsigned how = cudaHostAllocPortable | (flags & WD_PINNED_WRITE_COMBINED ? cudaHostAllocWriteCombined : 0);
   CK(cudaSetDevice(device), "cudaSetDevice");
-  CK(cudaHostAlloc(out, bytes, cudaHostAllocPortable), "cudaHostAlloc");
+  CK(cudaHostAlloc(out, bytes, how), "cudaHostAlloc");
   return 0;
 }
 

@@ -230,9 +230,10 @@ static int host_slab_adopt(void *ctx, int device, enum wd_handle_kind kind, int 
   return 0;
 }
 
-static int host_pinned_alloc(void *ctx, int device, size_t bytes, void **out, struct wd_error *err) {
+static int host_pinned_alloc(void *ctx, int device, size_t bytes, unsigned flags, void **out, struct wd_error *err) {
   (void)ctx;
   (void)device;
+  (void)flags; /* memfd slabs are filled by memcpy from the buffer: it stays cached */
   *out = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
   if (*out == NULL) return err_set(err, WEIGHTD_E_NOMEM, "staging buffer of %zu bytes", bytes);
   return 0;

@@ -105,6 +105,13 @@ const struct plan_output *plan_output_at(const struct plan *p, uint64_t off);
 void plan_gather(const struct plan *p, const unsigned char *const *data, uint64_t lo, uint64_t hi,
                  unsigned char *dst);
 
+/* A memcpy: what plan_gather_with copies bytes with (memcpy, or stream_copy for staging slots). */
+typedef void *(*plan_copy_fn)(void *dst, const void *src, size_t n);
+
+/* plan_gather copying with copy; the zeros of alignment gaps are written with memset. */
+void plan_gather_with(const struct plan *p, const unsigned char *const *data, uint64_t lo, uint64_t hi,
+                      unsigned char *dst, plan_copy_fn copy);
+
 /* ---- a plan and the binary tensor table (plan_table.c) ------------------------------ */
 
 struct ttab;

@@ -72,6 +72,7 @@ struct gather {
   const unsigned char *const *data;
   uint64_t lo;
   unsigned char *dst;
+  plan_copy_fn copy;
 };
 
 static int gather_segment(void *arg, const struct plan_segment *sg) {
@@ -84,15 +85,20 @@ static int gather_segment(void *arg, const struct plan_segment *sg) {
   const struct plan_piece *pc = sg->pc;
   const unsigned char *src = g->data[pc->src->shard] + pc->src->t->begin + pc->src_offset + sg->src;
   if (sg->height == 1) {
-    memcpy(out, src, (size_t)sg->width);
+    g->copy(out, src, (size_t)sg->width);
     return 0;
   }
-  for (uint64_t r = 0; r < sg->height; r++) memcpy(out + r * sg->width, src + r * sg->src_pitch, (size_t)sg->width);
+  for (uint64_t r = 0; r < sg->height; r++) g->copy(out + r * sg->width, src + r * sg->src_pitch, (size_t)sg->width);
   return 0;
+}
+
+void plan_gather_with(const struct plan *p, const unsigned char *const *data, uint64_t lo, uint64_t hi,
+                      unsigned char *dst, plan_copy_fn copy) {
+  struct gather g = {data, lo, dst, copy};
+  plan_segments(p, lo, hi, gather_segment, &g);
 }
 
 void plan_gather(const struct plan *p, const unsigned char *const *data, uint64_t lo, uint64_t hi,
                  unsigned char *dst) {
-  struct gather g = {data, lo, dst};
-  plan_segments(p, lo, hi, gather_segment, &g);
+  plan_gather_with(p, data, lo, hi, dst, memcpy);
 }

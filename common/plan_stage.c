@@ -156,18 +156,18 @@ void plan_stage_free(struct plan_stage *s) {
 }
 
 void plan_stage_fill(const struct plan_stage *s, const struct plan *p, const unsigned char *const *data, size_t w,
-                     uint64_t lo, uint64_t hi, unsigned char *dst) {
+                     uint64_t lo, uint64_t hi, unsigned char *dst, plan_copy_fn copy) {
   const struct plan_window *win = &s->windows[w];
   for (size_t i = win->first; i < win->first + win->count; i++) {
     const struct plan_xfer *x = &s->xfers[i];
     uint64_t a = x->at > lo ? x->at : lo, e = x->at + x->len < hi ? x->at + x->len : hi;
     if (a >= e) continue;
     if (x->pc == NULL) {
-      plan_gather(p, data, x->dst + (a - x->at), x->dst + (e - x->at), dst + (a - lo));
+      plan_gather_with(p, data, x->dst + (a - x->at), x->dst + (e - x->at), dst + (a - lo), copy);
     } else {
       const struct plan_piece *pc = x->pc;
       const unsigned char *src = data[pc->src->shard] + pc->src->t->begin + pc->src_offset + x->row0 * pc->src_pitch;
-      memcpy(dst + (a - lo), src + (a - x->at), (size_t)(e - a));
+      copy(dst + (a - lo), src + (a - x->at), (size_t)(e - a));
     }
   }
 }

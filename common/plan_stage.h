@@ -93,9 +93,10 @@ void plan_stage_free(struct plan_stage *s);
 /*
  * Writes slot bytes [lo, hi) of window w into dst (dst receives slot offset
  * lo), reading the mappings: data[i] points at shard i's data section.
- * Bytes between transfers (alignment) are left as they are.
+ * Bytes between transfers (alignment) are left as they are. Copies with copy
+ * (memcpy, or stream_copy: then the caller fences before the slot is read).
  */
 void plan_stage_fill(const struct plan_stage *s, const struct plan *p, const unsigned char *const *data, size_t w,
-                     uint64_t lo, uint64_t hi, unsigned char *dst);
+                     uint64_t lo, uint64_t hi, unsigned char *dst, plan_copy_fn copy);
 
 #endif

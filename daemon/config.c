@@ -34,7 +34,8 @@ struct cfg_key {
 _Static_assert(sizeof(enum cfg_backend) == sizeof(int) && sizeof(enum log_level) == sizeof(int) &&
                    sizeof(enum cfg_load_method) == sizeof(int) && sizeof(enum cfg_cuda_handles) == sizeof(int) &&
                    sizeof(enum cfg_strided) == sizeof(int) && sizeof(enum cfg_pin) == sizeof(int) &&
-                   sizeof(enum cfg_switch) == sizeof(int) && sizeof(enum cfg_fd_store) == sizeof(int),
+                   sizeof(enum cfg_switch) == sizeof(int) && sizeof(enum cfg_fd_store) == sizeof(int) &&
+                   sizeof(enum cfg_writes) == sizeof(int),
                "enumerated config keys are stored as int");
 
 static const char *const backend_names[] = {"auto", "cuda", "host", NULL};
@@ -43,6 +44,7 @@ static const char *const load_method_names[] = {"auto", "staged", NULL};
 static const char *const cuda_handles_names[] = {"vmm", "legacy", NULL};
 static const char *const strided_names[] = {"gather", "rows", "auto", NULL};
 static const char *const pin_names[] = {"after_load", "on_open", "off", NULL};
+static const char *const writes_names[] = {"auto", "cached", "streaming", "write_combined", NULL};
 static const char *const switch_names[] = {"auto", "off", NULL};
 static const char *const fd_store_names[] = {"auto", "on", "off", NULL};
 
@@ -144,6 +146,11 @@ static const struct cfg_key keys[] = {
      "or copy whole source rows and let the GPU's copy engine take each row's part (auto: rows only for short "
      "rows, by a provisional rule; docs/benchmarks.md)",
      strided_names},
+    {"staging_writes", CFG_ENUM, OFF(staging_writes), 0, 0, 0, "auto",
+     "auto | cached | streaming | write_combined: how fill threads write the pinned staging slots: plain "
+     "stores, non-temporal stores (x86-64; plain elsewhere), or plain stores into write-combined slots that "
+     "the GPU reads without snooping the CPU's caches (auto: cached; docs/benchmarks.md)",
+     writes_names},
     /* Several devices (docs/multi-gpu.md): read at start. */
     {"replicas", CFG_ENUM, OFF(replicas), 0, 0, 0, "auto",
      "auto | off: a set already resident on another device with peer access to the target (NVLink) is copied "

@@ -20,6 +20,7 @@ enum cfg_cuda_handles { CFG_CUDA_HANDLES_VMM, CFG_CUDA_HANDLES_LEGACY };
 /* In the order of enum plan_strided (plan_stage.h). */
 enum cfg_strided { CFG_STRIDED_GATHER, CFG_STRIDED_ROWS, CFG_STRIDED_AUTO };
 enum cfg_pin { CFG_PIN_AFTER_LOAD, CFG_PIN_ON_OPEN, CFG_PIN_OFF };
+enum cfg_writes { CFG_WRITES_AUTO, CFG_WRITES_CACHED, CFG_WRITES_STREAMING, CFG_WRITES_WRITE_COMBINED };
 enum cfg_switch { CFG_SWITCH_AUTO, CFG_SWITCH_OFF }; /* a feature the daemon uses where it helps, or never */
 enum cfg_fd_store { CFG_FD_STORE_AUTO, CFG_FD_STORE_ON, CFG_FD_STORE_OFF };
 
@@ -58,6 +59,7 @@ struct wd_config {
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
   enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */
+  enum cfg_writes staging_writes;   /* how fill threads write the staging slots */
   char *test_load_gate; /* "" = none; for tests: a FIFO loads read a byte from before each window */
   /* Several devices (docs/multi-gpu.md). */
   enum cfg_switch replicas;  /* a set resident on a peer is copied device to device */

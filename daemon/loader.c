@@ -59,6 +59,7 @@
 #include "load_source.h"
 #include "log.h"
 #include "multigpu.h"
+#include "stream_copy.h"
 
 /* Bytes one fill task gathers: enough tasks per window to keep every fill thread busy. */
 #define LD_TASK_MIN (1ull << 20)
@@ -83,6 +84,7 @@ struct loader {
   struct mg *mg;
   enum cfg_load_method method;
   enum plan_strided strided;
+  enum ld_writes writes;
   struct staging *stagings; /* one per device, for backends without host-visible slabs (ld_staging_start) */
   int ndevices;
   size_t staging_slots, staging_slot_bytes;
@@ -289,6 +291,9 @@ struct staged_run {
   unsigned char *landed;      /* per window: its transfers are known to have completed */
   size_t next_landed;         /* windows [0, next_landed) have all landed */
   size_t first_task;          /* added to fill_run's task numbers (a gated run goes window by window) */
+  plan_copy_fn copy;          /* memcpy, or stream_copy (staging_writes) */
+  bool fence;                 /* the slot's stores are weakly ordered: fence before a window is sent */
+  atomic_uint_fast64_t fill_ns, wait_ns; /* thread time filling, and waiting for slots (the debug log) */
   pthread_mutex_t lock;       /* guards issued, landed, next_landed, rc, err */
   pthread_cond_t moved;       /* a transfer started, or the run failed */
   int rc;
@@ -304,7 +309,7 @@ struct stage_fill_args {
 
 static int stage_fill_range(void *arg) {
   struct stage_fill_args *a = arg;
-  plan_stage_fill(a->r->sched, a->r->set->plan, a->r->data, a->w, a->lo, a->hi, a->dst);
+  plan_stage_fill(a->r->sched, a->r->set->plan, a->r->data, a->w, a->lo, a->hi, a->dst, a->r->copy);
   return 0;
 }
 
@@ -395,6 +400,7 @@ static void staged_task(void *arg, size_t i) {
   size_t w = task_window(r, i), k = w % st->nslots;
   struct wd_error err = {0};
   /* Wait for the slot: window w - S must have started its transfers, then finished them. */
+  uint64_t t0 = clock_ns();
   pthread_mutex_lock(&r->lock);
   while (r->rc == 0 && w >= st->nslots && r->issued[k] <= (w - st->nslots) / st->nslots)
     pthread_cond_wait(&r->moved, &r->lock);
@@ -413,6 +419,8 @@ static void staged_task(void *arg, size_t i) {
     /* The slot's last event is window w - S's (w itself records only after this task): it has landed. */
     staged_landed(r, w - st->nslots, false);
   }
+  uint64_t t1 = clock_ns();
+  atomic_fetch_add(&r->wait_ns, t1 - t0);
   const struct plan_window *win = &r->sched->windows[w];
   uint64_t lo = (uint64_t)(i - r->task_base[w]) * r->task;
   uint64_t hi = lo + r->task < win->used ? lo + r->task : win->used;
@@ -430,7 +438,9 @@ static void staged_task(void *arg, size_t i) {
       staged_fail(r, err.code, &err);
       return;
     }
+    if (r->fence) stream_copy_fence();
   }
+  atomic_fetch_add(&r->fill_ns, clock_ns() - t1);
   if (atomic_fetch_sub(&r->left[w], 1) != 1) return;
   /* The window's last task: start its transfers. */
   if (window_send(r, w, k, &err) != 0) {
@@ -450,6 +460,10 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
   int rc = plan_stage_build(s->plan, st->slot_bytes, ld->strided, &sched, err);
   if (rc != 0) return rc;
   struct staged_run r = {.ld = ld, .set = s, .st = st, .sched = sched};
+  r.copy = ld->writes == LD_WRITES_STREAMING ? stream_copy : memcpy;
+  r.fence = ld->writes != LD_WRITES_CACHED;
+  atomic_init(&r.fill_ns, 0);
+  atomic_init(&r.wait_ns, 0);
   size_t nw = sched->nwindows ? sched->nwindows : 1;
   r.task = task_bytes(ld, st->slot_bytes);
   r.data = ld_shard_data(s);
@@ -488,6 +502,7 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
   pthread_cond_init(&r.moved, NULL);
   int gate = gate_open(ld);
   pthread_mutex_lock(&st->lock);
+  uint64_t started = clock_ns();
   if (gate < 0) {
     fill_run(ld->fill, ntasks, staged_task, &r);
   } else {
@@ -516,6 +531,13 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
   /* Drain every slot, also after an error: the slots must be idle for the next load. */
   staged_drain(&r);
   pthread_mutex_unlock(&st->lock);
+  double ms = (double)(clock_ns() - started) / 1e6;
+  log_msg(LOG_DEBUG,
+          "staged %llu slab bytes in %.1f ms (%.1f GiB/s): %zu windows over %zu slots of %zu MiB; fill threads "
+          "filled %.1f ms and waited for slots %.1f ms (thread time)",
+          (unsigned long long)s->plan->slab_bytes, ms, (double)s->plan->slab_bytes / (ms / 1e3) / (double)(1ull << 30),
+          sched->nwindows, st->nslots, st->slot_bytes >> 20, (double)atomic_load(&r.fill_ns) / 1e6,
+          (double)atomic_load(&r.wait_ns) / 1e6);
   pthread_cond_destroy(&r.moved);
   pthread_mutex_destroy(&r.lock);
   free(r.data);
@@ -717,6 +739,7 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
   ld->mg = p->mg;
   ld->method = p->method;
   ld->strided = p->strided;
+  ld->writes = p->writes;
   *out = ld;
   if (p->test_load_gate != NULL && p->test_load_gate[0] != '\0') {
     if ((ld->gate = strdup(p->test_load_gate)) == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
@@ -755,8 +778,9 @@ int ld_staging_start(struct loader *ld, struct wd_error *err) {
     if (st->slots == NULL || st->streams == NULL || st->events == NULL)
       return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     if (ld->place != NULL) ld->place(ld->place_arg, d);
+    unsigned flags = ld->writes == LD_WRITES_WRITE_COMBINED ? WD_PINNED_WRITE_COMBINED : 0;
     for (size_t k = 0; k < st->nslots; k++) {
-      int rc = ops->pinned_alloc(ctx, d, st->slot_bytes, &st->slots[k], err);
+      int rc = ops->pinned_alloc(ctx, d, st->slot_bytes, flags, &st->slots[k], err);
       if (rc == 0) rc = ops->stream_create(ctx, d, &st->streams[k], err);
       if (rc == 0) rc = ops->event_create(ctx, d, &st->events[k], err);
       if (rc != 0) return err_prefix(err, "staging slot %zu of GPU %d", k, d);

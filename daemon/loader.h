@@ -27,6 +27,13 @@
 struct loader;
 struct mg;
 
+/* How fill threads write the staging slots (the staging_writes setting, docs/operations.md). */
+enum ld_writes {
+  LD_WRITES_CACHED,         /* plain stores into cached pinned memory */
+  LD_WRITES_STREAMING,      /* non-temporal stores (stream_copy.h) into cached pinned memory */
+  LD_WRITES_WRITE_COMBINED, /* plain stores into write-combined pinned memory */
+};
+
 struct ld_params {
   const struct wd_backend *backend;
   struct fillpool *fill;
@@ -35,6 +42,7 @@ struct ld_params {
   enum plan_strided strided; /* staged loads: how strided pieces are staged (plan_stage.h) */
   size_t staging_slots;      /* per GPU */
   size_t staging_slot_bytes;
+  enum ld_writes writes;
   /*
    * For tests only (NULL or "": none): a FIFO from which loads read one byte
    * before each window they fill (memcpy loads: each 256 MiB window; staged

@@ -132,7 +132,7 @@ int mg_create(const struct mg_params *p, struct mg **out, struct wd_error *err) 
   if (rc == 0 && p->striping) {
     m->kits = calloc((size_t)n, sizeof *m->kits);
     if (m->kits == NULL) rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-    if (rc == 0 && (rc = ops->pinned_alloc(p->backend->ctx, 0, MG_ZEROS, &m->zeros, err)) == 0)
+    if (rc == 0 && (rc = ops->pinned_alloc(p->backend->ctx, 0, MG_ZEROS, 0, &m->zeros, err)) == 0)
       memset(m->zeros, 0, MG_ZEROS);
     for (int d = 0; rc == 0 && d < n; d++) {
       if (p->place != NULL) p->place(p->place_arg, d);

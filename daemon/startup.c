@@ -139,6 +139,17 @@ enum reg_pin_mode startup_pin_mode(const struct wd_config *cfg) {
   return REG_PIN_OFF;
 }
 
+/* staging_writes as the loader takes it: auto is what docs/benchmarks.md measured fastest. */
+static enum ld_writes startup_writes(const struct wd_config *cfg) {
+  switch (cfg->staging_writes) {
+  case CFG_WRITES_AUTO: return LD_WRITES_CACHED;
+  case CFG_WRITES_CACHED: return LD_WRITES_CACHED;
+  case CFG_WRITES_STREAMING: return LD_WRITES_STREAMING;
+  case CFG_WRITES_WRITE_COMBINED: return LD_WRITES_WRITE_COMBINED;
+  }
+  return LD_WRITES_CACHED;
+}
+
 void startup_budgets_cap(struct wd_config *cfg, const struct wd_device_info *devices, int n) {
   const double gib = (double)(1ull << 30);
   int smallest = -1;
@@ -238,6 +249,7 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                          .strided = (enum plan_strided)d->cfg.staged_strided,
                          .staging_slots = (size_t)d->cfg.staging_slots,
                          .staging_slot_bytes = (size_t)d->cfg.staging_slot_bytes,
+                         .writes = startup_writes(&d->cfg),
                          .test_load_gate = d->cfg.test_load_gate,
                          .mg = d->mg,
                          .device_nodes = nodes,
@@ -255,9 +267,10 @@ int startup_state(struct daemon *d, struct wd_error *err) {
   if (restore) pthread_setaffinity_np(pthread_self(), sizeof affinity, &affinity);
   if (rc == 0) rc = reg_create(&gp, &d->reg, err);
   if (rc == 0 && d->backend.ops->host_register != NULL)
-    log_msg(LOG_INFO, "pin %s; host_pin_budget %llu MiB now (from %s); staged_strided %s",
+    log_msg(LOG_INFO, "pin %s; host_pin_budget %llu MiB now (from %s); staged_strided %s; staging_writes %s",
             config_enum_name(&d->cfg, "pin"), (unsigned long long)(reg_pin_budget(d->reg) >> 20),
-            reg_pin_budget_source(d->reg), config_enum_name(&d->cfg, "staged_strided"));
+            reg_pin_budget_source(d->reg), config_enum_name(&d->cfg, "staged_strided"),
+            config_enum_name(&d->cfg, "staging_writes"));
   if (rc == 0) rc = startup_roots_apply(d, &d->cfg, err);
   if (rc == 0) {
     struct res_params rp = {.loop = d->loop,

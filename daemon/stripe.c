@@ -30,7 +30,7 @@ int stripe_kit_init(struct stripe_kit *k, const struct wd_backend *b, int device
   k->device = device;
   k->bytes = bytes;
   for (int i = 0; i < STRIPE_SLOTS; i++) {
-    int rc = ops->pinned_alloc(b->ctx, device, bytes, &k->slots[i], err);
+    int rc = ops->pinned_alloc(b->ctx, device, bytes, 0, &k->slots[i], err);
     if (rc == 0) rc = ops->scratch_alloc(b->ctx, device, bytes, &k->bounce[i], err);
     if (rc == 0) rc = ops->stream_create(b->ctx, device, &k->streams[i], err);
     if (rc == 0) rc = ops->event_create(b->ctx, device, &k->events[i], err);

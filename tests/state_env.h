@@ -68,6 +68,7 @@ struct env_opts {
   enum plan_strided strided;
   size_t staging_slots;      /* 0: 2 */
   size_t staging_slot_bytes; /* 0: 64 MiB */
+  enum ld_writes writes;     /* how the fill writes the slots */
   enum reg_pin_mode pin_mode;
   uint64_t pin_budget;
   /* Several devices (0 or 1: one, and nothing below applies). */
@@ -127,6 +128,7 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
                            .strided = o->strided,
                            .staging_slots = o->staging_slots ? o->staging_slots : 2,
                            .staging_slot_bytes = o->staging_slot_bytes ? o->staging_slot_bytes : 64u << 20,
+                           .writes = o->writes,
                            .mg = e->mg};
     rc = ld_create(&lp, &e->ld, &err);
     if (rc == 0) rc = ld_staging_start(e->ld, &err);

@@ -327,7 +327,10 @@ static int pin_and_wait(struct fix *f, struct reg_ckpt *ck, const char *spec) {
 
 /* ---- the staged pipeline ------------------------------------------------------------------- */
 
-/* Staged loads of column slices in small slots, each way, on the host backend and the GPU-like one. */
+/*
+ * Staged loads of column slices in small slots, each way, on the host
+ * backend and the GPU-like one, the slots written each staging_writes way.
+ */
 static void test_staged_strided(void) {
   static const enum plan_strided modes[] = {PLAN_STRIDED_GATHER, PLAN_STRIDED_ROWS, PLAN_STRIDED_AUTO};
   static const size_t slots[] = {4096, 5000, 1u << 20};
@@ -341,6 +344,7 @@ static void test_staged_strided(void) {
                              .strided = modes[m],
                              .staging_slots = k == 1 ? 3 : 2,
                              .staging_slot_bytes = slots[k],
+                             .writes = (enum ld_writes)((m + k) % 3),
                              .pin_mode = REG_PIN_OFF};
         if (!fix_start(&f, "ld-staged", &o)) {
           fix_stop(&f);

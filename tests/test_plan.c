@@ -6,7 +6,8 @@
  * overflow refusals, the family table and SHA-256's standard vectors; the
  * byte ranges a plan reads (every gathered byte inside them, page-aligned,
  * merged) and the staging schedule (each staged_strided mode, slots of odd
- * sizes, the slab it delivers equal to the gathered one).
+ * sizes, the slab it delivers equal to the gathered one, filled with memcpy
+ * and with streaming stores) and stream_copy at every alignment.
  *
  * Expected bytes come from the fixture's own pattern (fx_byte at the
  * writer's offsets), expected digests from Python's hashlib and json.dumps
@@ -21,6 +22,7 @@
 #include "plan_build.h"
 #include "plan_stage.h"
 #include "sha256.h"
+#include "stream_copy.h"
 #include "testutil.h"
 
 /* ---- fixtures ----------------------------------------------------------------------------- */
@@ -639,10 +641,12 @@ static unsigned char *run_schedule(const struct model *m, const struct plan *p, 
     const struct plan_window *win = &s->windows[w];
     CHECK(win->used > 0 && win->used <= s->slot_bytes && win->count > 0);
     memset(slot, 0x5A, s->slot_bytes);
-    /* In two halves, as two fill tasks would. */
+    /* In two parts, as two fill tasks would; every other window with streaming stores. */
     uint64_t mid = win->used / 3;
-    plan_stage_fill(s, p, m->data, w, 0, mid, slot);
-    plan_stage_fill(s, p, m->data, w, mid, win->used, slot + mid);
+    plan_copy_fn copy = w % 2 ? stream_copy : memcpy;
+    plan_stage_fill(s, p, m->data, w, 0, mid, slot, copy);
+    plan_stage_fill(s, p, m->data, w, mid, win->used, slot + mid, copy);
+    stream_copy_fence();
     uint64_t delivered = 0;
     for (size_t i = win->first; i < win->first + win->count; i++) {
       const struct plan_xfer *x = &s->xfers[i];
@@ -664,6 +668,33 @@ static unsigned char *run_schedule(const struct model *m, const struct plan *p, 
   CHECK_EQ_INT(pos, p->slab_bytes);
   free(slot);
   return slab;
+}
+
+/* stream_copy copies exactly the bytes memcpy would, at every alignment of either end, and no byte more. */
+static void test_stream_copy(void) {
+  static const size_t sizes[] = {0, 1, 63, 64, 65, 255, 256, 257, 300, 1000, 4096, 4097, 9728, 70001};
+  enum { GUARD = 80, MAX = 70001 };
+  unsigned char *src = malloc(MAX + 64), *dst = malloc(MAX + 2 * GUARD + 64);
+  for (size_t i = 0; i < MAX + 64; i++) src[i] = (unsigned char)(i * 131 + (i >> 8) * 7 + 1);
+  int bad = 0;
+  for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++)
+    for (size_t da = 0; da < 64; da += 5)
+      for (size_t sa = 0; sa < 4; sa++) {
+        size_t n = sizes[k];
+        memset(dst, 0xEE, MAX + 2 * GUARD + 64);
+        unsigned char *d = dst + GUARD + da;
+        if (stream_copy(d, src + sa, n) != d) bad++;
+        stream_copy_fence();
+        if (memcmp(d, src + sa, n) != 0) bad++;
+        for (size_t g = 0; g < GUARD; g++)
+          if (d[-1 - (ptrdiff_t)g] != 0xEE || d[n + g] != 0xEE) {
+            bad++;
+            break;
+          }
+      }
+  CHECK_EQ_INT(bad, 0);
+  free(src);
+  free(dst);
 }
 
 static void test_stage(void) {
@@ -743,6 +774,7 @@ int main(void) {
   RUN(test_key_bounded);
   RUN(test_overflow_refused);
   RUN(test_ranges);
+  RUN(test_stream_copy);
   RUN(test_stage);
   return tu_finish();
 }

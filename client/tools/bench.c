@@ -35,7 +35,8 @@
  *            --ceiling-max-gib of them, the rate scaled), median of 3
  *   fill     page cache -> pinned memory with --fill-threads threads, the
  *            staging schedule of each staged_strided mode (gather, rows),
- *            median of 3 each
+ *            and gather as each staging_writes mode writes (streaming
+ *            stores, write-combined memory), median of 3 each
  *   prefetch `prefetch` of the plan's bytes with wait (a plan: only its ranges)
  *   staged   --runs staged loads (the checkpoint closed first, so unpinned);
  *            with --alt-socket, loads alternate between the two daemons
@@ -249,14 +250,20 @@ int main(int argc, char **argv) {
   if (phase("fill")) {
     struct mapped m;
     bench_map_ckpt(c, ranges, nranges, &m);
+    /* gather and rows with plain stores; gather also as the other staging_writes write. */
     static const struct {
       enum plan_strided mode;
+      enum bench_writes writes;
       const char *name;
-    } modes[] = {{PLAN_STRIDED_GATHER, "gather"}, {PLAN_STRIDED_ROWS, "rows"}};
-    for (size_t k = 0; k < 2; k++) {
+    } modes[] = {{PLAN_STRIDED_GATHER, BENCH_WRITES_CACHED, "gather"},
+                 {PLAN_STRIDED_ROWS, BENCH_WRITES_CACHED, "rows"},
+                 {PLAN_STRIDED_GATHER, BENCH_WRITES_STREAMING, "gather_streaming"},
+                 {PLAN_STRIDED_GATHER, BENCH_WRITES_WRITE_COMBINED, "gather_write_combined"}};
+    for (size_t k = 0; k < sizeof modes / sizeof modes[0]; k++) {
       double v[3];
       uint64_t copied = 0;
-      for (int i = 0; i < 3; i++) v[i] = bench_fill_rate(&m, plan, modes[k].mode, bench_cfg.fill_threads, &copied);
+      for (int i = 0; i < 3; i++)
+        v[i] = bench_fill_rate(&m, plan, modes[k].mode, modes[k].writes, bench_cfg.fill_threads, &copied);
       char key[48], label[96];
       snprintf(key, sizeof key, "fill_%s_s", modes[k].name);
       bench_put_num(bench_result, key, bench_median(v, 3));

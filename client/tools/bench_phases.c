@@ -26,6 +26,7 @@
 #include "clock.h"
 #include "plan.h"
 #include "plan_stage.h"
+#include "stream_copy.h"
 
 /* ---- ceilings ------------------------------------------------------------------ */
 
@@ -87,6 +88,8 @@ struct fill_arg {
   const struct plan_stage *sched;
   const unsigned char **data;
   unsigned char *pinned; /* nthreads slots of SLOT bytes */
+  plan_copy_fn copy;
+  bool fence;
   unsigned nthreads;
   size_t ntasks, *task_window;
   uint64_t *task_lo;
@@ -104,7 +107,8 @@ static void *fill_thread(void *arg) {
     size_t w = f->task_window[t];
     uint64_t lo = f->task_lo[t], used = f->sched->windows[w].used;
     uint64_t hi = lo + (8u << 20) < used ? lo + (8u << 20) : used;
-    plan_stage_fill(f->sched, f->plan, f->data, w, lo, hi, slot + lo % SLOT);
+    plan_stage_fill(f->sched, f->plan, f->data, w, lo, hi, slot + lo % SLOT, f->copy);
+    if (f->fence) stream_copy_fence();
   }
 }
 
@@ -113,12 +117,17 @@ static void *fill_thread(void *arg) {
  * fills its slots for this plan under mode (8 MiB tasks): returns seconds,
  * and the bytes the CPU copied in *copied.
  */
-double bench_fill_rate(const struct mapped *m, const struct plan *plan, enum plan_strided mode, unsigned nthreads,
-                       uint64_t *copied) {
+double bench_fill_rate(const struct mapped *m, const struct plan *plan, enum plan_strided mode,
+                       enum bench_writes writes, unsigned nthreads, uint64_t *copied) {
   struct plan_stage *sched = NULL;
   struct wd_error err = {0};
   if (plan_stage_build(plan, SLOT, mode, &sched, &err) != 0) bench_die("staging schedule", err.msg);
-  struct fill_arg f = {.plan = plan, .sched = sched, .data = m->data, .nthreads = nthreads};
+  struct fill_arg f = {.plan = plan,
+                       .sched = sched,
+                       .data = m->data,
+                       .nthreads = nthreads,
+                       .copy = writes == BENCH_WRITES_STREAMING ? stream_copy : memcpy,
+                       .fence = writes != BENCH_WRITES_CACHED};
   for (size_t w = 0; w < sched->nwindows; w++) f.ntasks += (size_t)((sched->windows[w].used + (8u << 20) - 1) >> 23);
   f.task_window = malloc((f.ntasks ? f.ntasks : 1) * sizeof *f.task_window);
   f.task_lo = malloc((f.ntasks ? f.ntasks : 1) * sizeof *f.task_lo);
@@ -128,7 +137,8 @@ double bench_fill_rate(const struct mapped *m, const struct plan *plan, enum pla
       f.task_window[t] = w;
       f.task_lo[t] = lo;
     }
-  CUDA_OK(cudaHostAlloc((void **)&f.pinned, (size_t)nthreads * SLOT, cudaHostAllocPortable));
+  unsigned how = cudaHostAllocPortable | (writes == BENCH_WRITES_WRITE_COMBINED ? cudaHostAllocWriteCombined : 0);
+  CUDA_OK(cudaHostAlloc((void **)&f.pinned, (size_t)nthreads * SLOT, how));
   memset(f.pinned, 0, (size_t)nthreads * SLOT);
   atomic_init(&f.next, 0);
   atomic_init(&f.ids, 0);

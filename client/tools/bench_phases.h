@@ -20,9 +20,11 @@ struct mapped {
 double bench_h2d_ceiling(int device, uint64_t bytes);
 void bench_map_ckpt(const struct ckpt *c, const struct plan_range *r, size_t nr, struct mapped *m);
 void bench_unmap_ckpt(struct mapped *m);
+/* How the fill writes pinned memory: the daemon's staging_writes choices. */
+enum bench_writes { BENCH_WRITES_CACHED, BENCH_WRITES_STREAMING, BENCH_WRITES_WRITE_COMBINED };
 /* Page cache -> pinned memory as the staging pipeline fills its slots: seconds; bytes copied in *copied. */
-double bench_fill_rate(const struct mapped *m, const struct plan *plan, enum plan_strided mode, unsigned nthreads,
-                       uint64_t *copied);
+double bench_fill_rate(const struct mapped *m, const struct plan *plan, enum plan_strided mode,
+                       enum bench_writes writes, unsigned nthreads, uint64_t *copied);
 /* --runs loads through daemon d (and, alternating, its partner), recorded under key. */
 void bench_run_loads(const char *abs, const char *key, const char *what, int with_alt);
 void bench_phase_auto(const char *abs);

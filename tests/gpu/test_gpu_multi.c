@@ -105,7 +105,7 @@ static void test_copy_peer_one_gpu(void) {
   struct wd_stream *s = NULL;
   struct wd_event *e = NULL;
   unsigned char *pattern = NULL;
-  CHECK_EQ_INT(ops->pinned_alloc(b.ctx, 0, COPY_BYTES, (void **)&pattern, &err), 0);
+  CHECK_EQ_INT(ops->pinned_alloc(b.ctx, 0, COPY_BYTES, 0, (void **)&pattern, &err), 0);
   CHECK_EQ_INT(ops->slab_alloc(b.ctx, 0, COPY_BYTES, &src, &err), 0);
   CHECK_EQ_INT(ops->scratch_alloc(b.ctx, 0, COPY_BYTES, &bounce, &err), 0);
   CHECK_EQ_INT(ops->slab_alloc(b.ctx, 0, COPY_BYTES, &dst, &err), 0);
