@@ -118,9 +118,19 @@ for plan in $plans; do
 done
 
 say "summary"
-python3 - "$json" "${OUT:-}" "${names[@]}" <<'EOF'
-import glob, json, os, statistics, sys
-d, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+python3 - "$json" "${OUT:-}" "$work" "${names[@]}" <<'EOF'
+import glob, json, os, re, statistics, sys
+d, out, work, names = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+# Per configuration and slab size: the fill threads' time filling and waiting for slots, from the debug log.
+LINE = re.compile(r"staged (\d+) slab bytes in ([\d.]+) ms .* filled ([\d.]+) ms and waited for slots ([\d.]+) ms")
+threads = {}
+for name in names:
+    try:
+        text = open(os.path.join(work, f"st-{name}.log")).read()
+    except OSError:
+        continue
+    for b, ms, fill, wait in LINE.findall(text):
+        threads.setdefault((name, int(b)), []).append((float(ms), float(fill), float(wait)))
 GiB = float(1 << 30)
 def load(p):
     try:
@@ -154,7 +164,12 @@ for plan in ("tp2", "whole"):
             m = statistics.median(v)
             rows[name] = {"median_s": m, "runs_s": v, "of_ceiling": c / m}
             each = " ".join("%.0f" % (x * 1e3) for x in v)
-            print(f"  staged {name:<22} {m * 1e3:7.1f} ms  {c / m * 100:5.0f}%   runs {each}")
+            sizes = sorted({b for (n, b) in threads if n == name})  # the TP=2 rank is the smaller slab
+            mine = threads.get((name, sizes[-1] if plan == "whole" else sizes[0]), []) if sizes else []
+            fill = statistics.median(x[1] for x in mine) if mine else 0
+            wait = statistics.median(x[2] for x in mine) if mine else 0
+            rows[name].update({"fill_thread_ms": fill, "wait_thread_ms": wait})
+            print(f"  staged {name:<22} {m * 1e3:7.1f} ms  {c / m * 100:5.0f}%   fill/wait thread-ms {fill:6.0f} {wait:6.0f}   runs {each}")
         else:
             print(f"  staged {name:<22} no loads")
     result[plan] = {"ceiling_s": c, "fill": fills, "staged": rows}
