@@ -153,6 +153,9 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
   json_u64_add(o, "fill_threads", fill_threads(d->fill));
   msg_add_string(o, "load_method", config_enum_name(&d->cfg, "load_method"));
   msg_add_string(o, "staged_strided", config_enum_name(&d->cfg, "staged_strided"));
+  json_u64_add(o, "staging_slots", d->cfg.staging_slots);
+  json_u64_add(o, "staging_slot_bytes", d->cfg.staging_slot_bytes);
+  msg_add_string(o, "staging_writes", config_enum_name(&d->cfg, "staging_writes"));
   msg_add_string(o, "pin", config_enum_name(&d->cfg, "pin"));
   json_u64_add(o, "host_pin_budget", reg_pin_budget(d->reg));
   msg_add_string(o, "host_pin_budget_from", reg_pin_budget_source(d->reg));

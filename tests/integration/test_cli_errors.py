@@ -25,6 +25,8 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a c
     ('{"allowed_uids": ["1000"]}', ":1:19: 'allowed_uids' entry 0 must be a numeric id (a number), not string"),
     ('{"socket_mode": 432}', ":1:17: 'socket_mode' must be a string of octal digits"),
     ('{"log_level": "loud"}', ":1:15: config 'log_level': 'loud' is not one of error, warn, info, debug"),
+    ('{"staging_writes": "fast"}',
+     ":1:20: config 'staging_writes': 'fast' is not one of auto, cached, streaming, write_combined"),
     ('{"backend": "host", "backend": "cuda"}', ":1:21: 'backend' is given twice (first at line 1)"),
     ('[1, 2]', ":1:1: the configuration must be a JSON object, not array"),
     ('{"fill_threads": 01}', ":1:18: invalid number (leading zero)"),

@@ -2,6 +2,8 @@
 import os
 import subprocess
 
+import pytest
+
 from conftest import WEIGHTCTL
 from wdclient import Checkpoint, check_sealed, verify_attached
 
@@ -108,3 +110,22 @@ def test_weightctl_attach_verify(daemon, ckpt_sharded):
         assert r.returncode == 0, f"weightctl {args}: {r.returncode}\n{r.stdout}{r.stderr}"
     st = daemon.status()
     assert len(st["sets"]) == 1 and st["sets"][0]["leases"] == 0
+
+
+@pytest.mark.parametrize("writes", ["auto", "cached", "streaming", "write_combined"])
+def test_staged_load_every_byte_each_staging_write(start_daemon, ckpt_sharded, writes):
+    """Staged loads through small slots with each staging_writes mode; status says the staging settings."""
+    d = start_daemon({"load_method": "staged", "staging_slots": 3, "staging_slot_bytes": "1MiB",
+                      "staging_writes": writes})
+    ckpt = Checkpoint(ckpt_sharded)
+    with d.connect() as c:
+        daemon_st = c.status()["daemon"]
+        assert (daemon_st["staging_slots"], daemon_st["staging_slot_bytes"], daemon_st["staging_writes"]) == \
+            (3, 1 << 20, writes)
+        att, fd = c.attach(path=ckpt_sharded, device="0", plan={"preset": "whole"})
+        try:
+            assert c.status()["sets"][0]["method"] == "staged"
+            assert verify_attached(att, fd, ckpt) == ckpt.payload_bytes()
+        finally:
+            os.close(fd)
+    ckpt.close()
