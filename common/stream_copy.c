@@ -23,10 +23,10 @@ void *stream_copy(void *dst, const void *src, size_t n) {
   s += head;
   n -= head;
   for (; n >= 64; n -= 64, d += 64, s += 64) {
-    __m128i a = _mm_loadu_si128((const __m128i *)s);
-    __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
-    __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
-    __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+    __m128i a = _mm_loadu_si128((const __m128i_u *)s);
+    __m128i b = _mm_loadu_si128((const __m128i_u *)(s + 16));
+    __m128i c = _mm_loadu_si128((const __m128i_u *)(s + 32));
+    __m128i e = _mm_loadu_si128((const __m128i_u *)(s + 48));
     _mm_stream_si128((__m128i *)d, a);
     _mm_stream_si128((__m128i *)(d + 16), b);
     _mm_stream_si128((__m128i *)(d + 32), c);
@@ -44,7 +44,18 @@ bool stream_copy_native(void) { return true; }
 
 void *stream_copy(void *dst, const void *src, size_t n) { return memcpy(dst, src, n); }
 
-void stream_copy_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+/*
+ * Plain stores here; in write-combined slots (Normal non-cacheable memory on
+ * aarch64) the fence must order them for the device too, which an
+ * inner-shareable barrier does not promise: a full-system store barrier.
+ */
+void stream_copy_fence(void) {
+#if defined(__aarch64__)
+  __asm__ volatile("dsb st" ::: "memory");
+#else
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
 
 bool stream_copy_native(void) { return false; }
 

@@ -7,9 +7,11 @@
  * its caches, where the copy engine then has to snoop them: three passes over
  * DRAM and a cache full of bytes nobody reads. stream_copy writes whole lines
  * with non-temporal stores instead (x86-64; elsewhere it is memcpy), so a
- * byte costs one read and one write. The stores are weakly ordered: a writer
- * calls stream_copy_fence before it tells anyone (a thread, a DMA engine) that
- * the bytes are there. Safe from any thread.
+ * byte costs one read and one write. The stores are weakly ordered (so are
+ * plain stores into write-combined memory): every thread that wrote calls
+ * stream_copy_fence before it tells anyone (a thread, a DMA engine) that its
+ * bytes are there; a fence orders only its own thread's stores. Safe from
+ * any thread.
  */
 #ifndef WD_STREAM_COPY_H
 #define WD_STREAM_COPY_H

@@ -62,7 +62,7 @@
 #include "stream_copy.h"
 
 /* Bytes one fill task gathers: enough tasks per window to keep every fill thread busy. */
-#define LD_TASK_MIN (1ull << 20)
+#define LD_TASK_MIN (256ull << 10)
 #define LD_TASK_MAX (8ull << 20)
 /* Bytes one direct copy moves at most (keeps progress and cancellation responsive). */
 #define LD_DIRECT_CHUNK (256ull << 20)
@@ -176,9 +176,15 @@ static void fill_task(void *arg, size_t i) {
   if (moved) publish_ready(r->set, upto < r->hi ? upto : r->hi);
 }
 
-/* Bytes per fill task for a window: two tasks per fill thread, 1 to 8 MiB each, in 64 KiB multiples. */
+/*
+ * Bytes per fill task for a window: one task per fill thread, 256 KiB to 8
+ * MiB each, in 64 KiB multiples. A staged load has its slots' windows in
+ * flight at once, so every fill thread has a task while the slots are
+ * free (16 threads and 16 MiB windows: 1 MiB tasks, as measured on the
+ * H200 host; docs/benchmarks.md).
+ */
 static uint64_t task_bytes(const struct loader *ld, uint64_t window) {
-  uint64_t task = window / (2 * (uint64_t)fill_threads(ld->fill));
+  uint64_t task = window / (uint64_t)fill_threads(ld->fill);
   task = task < LD_TASK_MIN ? LD_TASK_MIN : task > LD_TASK_MAX ? LD_TASK_MAX : task;
   return (task + 65535) / 65536 * 65536;
 }
@@ -292,7 +298,14 @@ struct staged_run {
   size_t next_landed;         /* windows [0, next_landed) have all landed */
   size_t first_task;          /* added to fill_run's task numbers (a gated run goes window by window) */
   plan_copy_fn copy;          /* memcpy, or stream_copy (staging_writes) */
-  bool fence;                 /* the slot's stores are weakly ordered: fence before a window is sent */
+  /*
+   * The slots' stores are weakly ordered (streaming stores, write-combined
+   * memory): every task fences its own stores (stream_copy_fence) before it
+   * counts itself finished in left[w], so the thread that sends the window
+   * sends only bytes every filling thread has made visible. A fence in the
+   * sender alone would order only the sender's stores.
+   */
+  bool fence;
   atomic_uint_fast64_t fill_ns, wait_ns; /* thread time filling, and waiting for slots (the debug log) */
   pthread_mutex_t lock;       /* guards issued, landed, next_landed, rc, err */
   pthread_cond_t moved;       /* a transfer started, or the run failed */
@@ -373,13 +386,18 @@ static size_t task_window(const struct staged_run *r, size_t i) {
   return a;
 }
 
-/* Starts window w's transfers from slot k and records the slot's event. */
+/*
+ * Starts window w's transfers from slot k and records the slot's event. On
+ * failure after some transfers were queued it waits for those first (best
+ * effort), so that no copy reads the slot once the load has returned.
+ */
 static int window_send(struct staged_run *r, size_t w, size_t k, struct wd_error *err) {
   const struct wd_backend *b = r->ld->backend;
   const struct plan_window *win = &r->sched->windows[w];
   const unsigned char *slot = r->st->slots[k];
   int rc = 0;
-  for (size_t i = win->first; i < win->first + win->count && rc == 0; i++) {
+  size_t i = win->first;
+  for (; i < win->first + win->count && rc == 0; i++) {
     const struct plan_xfer *x = &r->sched->xfers[i];
     if (x->pc == NULL)
       rc = b->ops->copy_h2d(b->ctx, r->set->slab, x->dst, (size_t)x->len, slot + x->at, (size_t)x->len,
@@ -388,7 +406,12 @@ static int window_send(struct staged_run *r, size_t w, size_t k, struct wd_error
       rc = b->ops->copy_h2d(b->ctx, r->set->slab, x->dst, (size_t)x->pc->width, slot + x->at,
                             (size_t)x->pc->src_pitch, (size_t)x->pc->width, (size_t)x->rows, r->st->streams[k], err);
   }
-  if (rc == 0) rc = b->ops->event_record(b->ctx, r->st->events[k], r->st->streams[k], err);
+  if (rc == 0) return b->ops->event_record(b->ctx, r->st->events[k], r->st->streams[k], err);
+  if (i - 1 > win->first) { /* copies before the failed one were queued */
+    struct wd_error e2 = {0};
+    if (b->ops->event_record(b->ctx, r->st->events[k], r->st->streams[k], &e2) == 0)
+      b->ops->event_wait(b->ctx, r->st->events[k], &e2);
+  }
   return rc;
 }
 
@@ -532,12 +555,14 @@ static int fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *
   staged_drain(&r);
   pthread_mutex_unlock(&st->lock);
   double ms = (double)(clock_ns() - started) / 1e6;
-  log_msg(LOG_DEBUG,
-          "staged %llu slab bytes in %.1f ms (%.1f GiB/s): %zu windows over %zu slots of %zu MiB; fill threads "
-          "filled %.1f ms and waited for slots %.1f ms (thread time)",
-          (unsigned long long)s->plan->slab_bytes, ms, (double)s->plan->slab_bytes / (ms / 1e3) / (double)(1ull << 30),
-          sched->nwindows, st->nslots, st->slot_bytes >> 20, (double)atomic_load(&r.fill_ns) / 1e6,
-          (double)atomic_load(&r.wait_ns) / 1e6);
+  if (r.rc == 0)
+    log_msg(LOG_DEBUG,
+            "staged %llu slab bytes in %.1f ms (%.1f GiB/s): %zu windows over %zu slots of %.2f MiB; fill threads "
+            "filled %.1f ms and waited for slots %.1f ms (thread time)",
+            (unsigned long long)s->plan->slab_bytes, ms,
+            (double)s->plan->slab_bytes / (ms / 1e3) / (double)(1ull << 30), sched->nwindows, st->nslots,
+            (double)st->slot_bytes / (double)(1ull << 20), (double)atomic_load(&r.fill_ns) / 1e6,
+            (double)atomic_load(&r.wait_ns) / 1e6);
   pthread_cond_destroy(&r.moved);
   pthread_mutex_destroy(&r.lock);
   free(r.data);

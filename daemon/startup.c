@@ -16,6 +16,7 @@
 #include "log.h"
 #include "multigpu.h"
 #include "server.h"
+#include "stream_copy.h"
 #include "topology.h"
 
 char *startup_default_socket(void) {
@@ -139,16 +140,13 @@ enum reg_pin_mode startup_pin_mode(const struct wd_config *cfg) {
   return REG_PIN_OFF;
 }
 
-/* staging_writes as the loader takes it: auto is what docs/benchmarks.md measured fastest. */
-static enum ld_writes startup_writes(const struct wd_config *cfg) {
-  switch (cfg->staging_writes) {
-  case CFG_WRITES_AUTO: return LD_WRITES_CACHED;
-  case CFG_WRITES_CACHED: return LD_WRITES_CACHED;
-  case CFG_WRITES_STREAMING: return LD_WRITES_STREAMING;
-  case CFG_WRITES_WRITE_COMBINED: return LD_WRITES_WRITE_COMBINED;
-  }
-  return LD_WRITES_CACHED;
-}
+/* staging_writes as the loader takes it: auto is what docs/benchmarks.md measured fastest (plain stores). */
+static const enum ld_writes writes_modes[] = {
+    [CFG_WRITES_AUTO] = LD_WRITES_CACHED,
+    [CFG_WRITES_CACHED] = LD_WRITES_CACHED,
+    [CFG_WRITES_STREAMING] = LD_WRITES_STREAMING,
+    [CFG_WRITES_WRITE_COMBINED] = LD_WRITES_WRITE_COMBINED,
+};
 
 void startup_budgets_cap(struct wd_config *cfg, const struct wd_device_info *devices, int n) {
   const double gib = (double)(1ull << 30);
@@ -249,7 +247,7 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                          .strided = (enum plan_strided)d->cfg.staged_strided,
                          .staging_slots = (size_t)d->cfg.staging_slots,
                          .staging_slot_bytes = (size_t)d->cfg.staging_slot_bytes,
-                         .writes = startup_writes(&d->cfg),
+                         .writes = writes_modes[d->cfg.staging_writes],
                          .test_load_gate = d->cfg.test_load_gate,
                          .mg = d->mg,
                          .device_nodes = nodes,
@@ -271,6 +269,8 @@ int startup_state(struct daemon *d, struct wd_error *err) {
             config_enum_name(&d->cfg, "pin"), (unsigned long long)(reg_pin_budget(d->reg) >> 20),
             reg_pin_budget_source(d->reg), config_enum_name(&d->cfg, "staged_strided"),
             config_enum_name(&d->cfg, "staging_writes"));
+  if (rc == 0 && d->cfg.staging_writes == CFG_WRITES_STREAMING && !stream_copy_native())
+    log_msg(LOG_WARN, "staging_writes streaming: this build has no non-temporal stores (x86-64 only): plain stores");
   if (rc == 0) rc = startup_roots_apply(d, &d->cfg, err);
   if (rc == 0) {
     struct res_params rp = {.loop = d->loop,

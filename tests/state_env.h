@@ -66,8 +66,8 @@ struct env_opts {
   const struct wd_backend_ops *ops; /* a test backend instead of the host backend (on its one-device context) */
   enum cfg_load_method method;
   enum plan_strided strided;
-  size_t staging_slots;      /* 0: 2 */
-  size_t staging_slot_bytes; /* 0: 64 MiB */
+  size_t staging_slots;      /* 0: 4, the daemon's default */
+  size_t staging_slot_bytes; /* 0: 16 MiB, the daemon's default */
   enum ld_writes writes;     /* how the fill writes the slots */
   enum reg_pin_mode pin_mode;
   uint64_t pin_budget;
@@ -126,8 +126,8 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
                            .ndevices = e->ndevices,
                            .method = o->method,
                            .strided = o->strided,
-                           .staging_slots = o->staging_slots ? o->staging_slots : 2,
-                           .staging_slot_bytes = o->staging_slot_bytes ? o->staging_slot_bytes : 64u << 20,
+                           .staging_slots = o->staging_slots ? o->staging_slots : 4,
+                           .staging_slot_bytes = o->staging_slot_bytes ? o->staging_slot_bytes : 16u << 20,
                            .writes = o->writes,
                            .mg = e->mg};
     rc = ld_create(&lp, &e->ld, &err);

@@ -72,6 +72,7 @@ static struct {
   unsigned unregisters_on_loop; /* cudaHostUnregister stalls the loop: never there */
   int violations;
   int fail_next; /* the next registration fails */
+  unsigned pinned, pinned_write_combined; /* staging buffers asked for, and of them write-combined */
 } fk = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static void violation(const char *fmt, const void *p, size_t len) {
@@ -134,6 +135,14 @@ static int fake_copy(void *ctx, struct wd_slab *dst, uint64_t dst_offset, size_t
   return host_ops->copy_h2d(ctx, dst, dst_offset, dst_pitch, src, src_pitch, width, height, s, err);
 }
 
+static int fake_pinned_alloc(void *ctx, int device, size_t bytes, unsigned flags, void **out, struct wd_error *err) {
+  pthread_mutex_lock(&fk.mu);
+  fk.pinned++;
+  if (flags & WD_PINNED_WRITE_COMBINED) fk.pinned_write_combined++;
+  pthread_mutex_unlock(&fk.mu);
+  return host_ops->pinned_alloc(ctx, device, bytes, flags, out, err);
+}
+
 static void fake_init(void) {
   struct wd_backend hb;
   struct wd_error err = {0};
@@ -145,6 +154,7 @@ static void fake_init(void) {
   fake_ops.host_register = fake_register;
   fake_ops.host_unregister = fake_unregister;
   fake_ops.copy_h2d = fake_copy;
+  fake_ops.pinned_alloc = fake_pinned_alloc;
 }
 
 static void fake_reset(void) {
@@ -153,6 +163,7 @@ static void fake_reset(void) {
   fk.loop_known = false;
   fk.violations = 0;
   fk.fail_next = 0;
+  fk.pinned = fk.pinned_write_combined = 0;
 }
 
 /* ---- fixtures ----------------------------------------------------------------------------- */
@@ -349,6 +360,10 @@ static void test_staged_strided(void) {
         if (!fix_start(&f, "ld-staged", &o)) {
           fix_stop(&f);
           continue;
+        }
+        if (backend) { /* every slot, write-combined exactly when asked */
+          CHECK_EQ_INT(fk.pinned, o.staging_slots);
+          CHECK_EQ_INT(fk.pinned_write_combined, o.writes == LD_WRITES_WRITE_COMBINED ? o.staging_slots : 0);
         }
         struct reg_ckpt *ck = open_ckpt(&f, "m");
         if (ck != NULL) {
@@ -646,9 +661,9 @@ static const char *wm_load(struct fix *f, struct reg_ckpt *ck, const char *spec,
 /*
  * The watermark promises that every byte below it is in place: staged loads
  * on the schedule's windows (image runs, and strided pieces as whole rows cut
- * by 2D copies), in slots of a few KiB, two or three of them; direct loads
- * (plain and 2D copies from registered mappings); each on a backend whose
- * copies complete only when waited for.
+ * by 2D copies), in slots of a few KiB, two or three of them, written each
+ * staging_writes way; direct loads (plain and 2D copies from registered
+ * mappings); each on a backend whose copies complete only when waited for.
  */
 static void test_watermark(void) {
   static const enum plan_strided modes[] = {PLAN_STRIDED_GATHER, PLAN_STRIDED_ROWS, PLAN_STRIDED_AUTO};
@@ -664,6 +679,7 @@ static void test_watermark(void) {
                            .strided = modes[m],
                            .staging_slots = k == 1 ? 3 : 2,
                            .staging_slot_bytes = slots[k],
+                           .writes = (enum ld_writes)((m + k + 1) % 3),
                            .pin_mode = REG_PIN_OFF};
       if (!fix_start(&f, "ld-wm", &o)) {
         fix_stop(&f);

@@ -673,15 +673,21 @@ static unsigned char *run_schedule(const struct model *m, const struct plan *p, 
 /* stream_copy copies exactly the bytes memcpy would, at every alignment of either end, and no byte more. */
 static void test_stream_copy(void) {
   static const size_t sizes[] = {0, 1, 63, 64, 65, 255, 256, 257, 300, 1000, 4096, 4097, 9728, 70001};
-  enum { GUARD = 80, MAX = 70001 };
-  unsigned char *src = malloc(MAX + 64), *dst = malloc(MAX + 2 * GUARD + 64);
-  for (size_t i = 0; i < MAX + 64; i++) src[i] = (unsigned char)(i * 131 + (i >> 8) * 7 + 1);
+  enum { GUARD = 128, MAX = 70001, ROOM = 70144 + 2 * GUARD + 64 }; /* ROOM: a multiple of 64 */
+  unsigned char *src = aligned_alloc(64, ROOM), *dst = aligned_alloc(64, ROOM);
+  CHECK(src != NULL && dst != NULL);
+  if (src == NULL || dst == NULL) {
+    free(src);
+    free(dst);
+    return;
+  }
+  for (size_t i = 0; i < ROOM; i++) src[i] = (unsigned char)(i * 131 + (i >> 8) * 7 + 1);
   int bad = 0;
   for (size_t k = 0; k < sizeof sizes / sizeof sizes[0]; k++)
-    for (size_t da = 0; da < 64; da += 5)
+    for (size_t da = 0; da < 64; da++) /* dst + GUARD is 64-byte aligned: every offset within a line */
       for (size_t sa = 0; sa < 4; sa++) {
         size_t n = sizes[k];
-        memset(dst, 0xEE, MAX + 2 * GUARD + 64);
+        memset(dst, 0xEE, ROOM);
         unsigned char *d = dst + GUARD + da;
         if (stream_copy(d, src + sa, n) != d) bad++;
         stream_copy_fence();
