@@ -14,15 +14,21 @@
 # pin=off (every load staged) and log_level=debug: its log has one line per
 # staged load with the fill threads' time filling and waiting for slots.
 #
+# Each round takes the configurations in another order (rotated by one), so
+# that none always runs first after the ceiling or last before the next plan.
+# The script prints glibc's version and GLIBC_TUNABLES: memcpy switches to
+# non-temporal stores above a size glibc derives from the cache (a quarter of
+# the last-level cache on glibc 2.38 and later), far above the fill tasks'.
+#
 # Environment: OUT (a folder: staging.json and the logs' load lines are copied
 # there), STAGING_ROUNDS (3), STAGING_RUNS (3 loads per round and
 # configuration), STAGING_CONFIGS (a file of configurations, one per line:
-# NAME KEY=VALUE..., replacing the list below), STAGING_PLANS ("tp2 whole"),
-# STAGING_PRESET (qwen3-4b; a dry run takes a smaller one).
+# NAME [KEY=VALUE...], '#' lines skipped, replacing the list below; a name
+# alone runs the defaults), STAGING_PLANS ("tp2 whole"), STAGING_PRESET
+# (qwen3-4b; a dry run takes a smaller one).
 set -uo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 BUILD_DIR WORK_DIR" >&2; exit 2; }
 build=$(cd "$1" && pwd) work=$2
-here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 mkdir -p "$work" && work=$(cd "$work" && pwd)
 rounds=${STAGING_ROUNDS:-3}
 runs=${STAGING_RUNS:-3}
@@ -33,23 +39,24 @@ rm -f "$json"/*.json
 t_start=$(date +%s)
 say() { echo "== $(date +%T) (+$(($(date +%s) - t_start)) s) $*"; }
 
+# The defaults (4 x 16 MiB, plain stores) against the settings around them
+# and the old default (2 x 64 MiB); docs/benchmarks.md has the full tables.
 configs=$(
   cat <<'EOF'
-2x64-cached staging_slots=2 staging_slot_bytes=64MiB staging_writes=cached
-2x64-streaming staging_slots=2 staging_slot_bytes=64MiB staging_writes=streaming
-2x64-wc staging_slots=2 staging_slot_bytes=64MiB staging_writes=write_combined
-4x32-cached staging_slots=4 staging_slot_bytes=32MiB staging_writes=cached
-4x32-streaming staging_slots=4 staging_slot_bytes=32MiB staging_writes=streaming
-4x32-wc staging_slots=4 staging_slot_bytes=32MiB staging_writes=write_combined
-8x16-cached staging_slots=8 staging_slot_bytes=16MiB staging_writes=cached
-8x16-streaming staging_slots=8 staging_slot_bytes=16MiB staging_writes=streaming
-8x16-wc staging_slots=8 staging_slot_bytes=16MiB staging_writes=write_combined
-4x64-cached staging_slots=4 staging_slot_bytes=64MiB staging_writes=cached
-2x64-cached-12thr staging_slots=2 staging_slot_bytes=64MiB staging_writes=cached fill_threads=12
-8x16-streaming-12thr staging_slots=8 staging_slot_bytes=16MiB staging_writes=streaming fill_threads=12
+default
+2x64 staging_slots=2 staging_slot_bytes=64MiB
+2x32 staging_slots=2 staging_slot_bytes=32MiB
+4x12 staging_slots=4 staging_slot_bytes=12MiB
+4x24 staging_slots=4 staging_slot_bytes=24MiB
+8x16 staging_slots=8 staging_slot_bytes=16MiB
+8x8 staging_slots=8 staging_slot_bytes=8MiB
+4x16-streaming staging_writes=streaming
+4x16-wc staging_writes=write_combined
 EOF
 )
 [ -n "${STAGING_CONFIGS:-}" ] && configs=$(cat "$STAGING_CONFIGS")
+set -f # KEY=VALUE words are not globs
+echo "$(ldd --version 2>&1 | head -1); GLIBC_TUNABLES=${GLIBC_TUNABLES:-(unset)}"
 
 declare -A pids
 stop_all() { for n in "${!pids[@]}"; do kill "${pids[$n]}" 2>/dev/null; done; wait 2>/dev/null; }
@@ -66,7 +73,7 @@ sync
 
 names=()
 while read -r name sets; do
-  [ -n "$name" ] || continue
+  [ -n "$name" ] && [[ "$name" != \#* ]] || continue
   args=()
   for kv in $sets; do args+=(--set "$kv"); done
   sock=$work/st-$name.sock
@@ -76,6 +83,7 @@ while read -r name sets; do
   pids[$name]=$!
   names+=("$name")
 done <<<"$configs"
+set +f
 for name in "${names[@]}"; do
   for _ in $(seq 300); do
     [ -S "$work/st-$name.sock" ] && break
@@ -99,15 +107,19 @@ bench_on() { # NAME PLAN PHASES OUTFILE
     echo "!! $1 $2 $3: exit $?"
 }
 
-first=${names[0]}
+first=
+for name in "${names[@]}"; do [ -S "$work/st-$name.sock" ] && first=$name && break; done
+[ -n "$first" ] || { echo "no daemon started" >&2; exit 1; }
 for plan in $plans; do
   say "ceiling and fill, $plan (before)"
   bench_on "$first" "$plan" ceiling,fill "$json/ceiling-$plan-0.json"
 done
+n=${#names[@]}
 for r in $(seq "$rounds"); do
   for plan in $plans; do
     say "round $r, $plan"
-    for name in "${names[@]}"; do
+    for i in $(seq 0 $((n - 1))); do
+      name=${names[$(((i + r - 1) % n))]}
       [ -S "$work/st-$name.sock" ] && bench_on "$name" "$plan" staged "$json/staged-$name-$plan-$r.json"
     done
   done
