@@ -36,7 +36,9 @@
  *   fill     page cache -> pinned memory with --fill-threads threads, the
  *            staging schedule of each staged_strided mode (gather, rows),
  *            and gather as each staging_writes mode writes (streaming
- *            stores, write-combined memory), median of 3 each
+ *            stores, write-combined memory), median of 3 each: the fill
+ *            alone, into a 64 MiB buffer per thread (never in cache, no
+ *            copy alongside), not the pipeline's fill
  *   prefetch `prefetch` of the plan's bytes with wait (a plan: only its ranges)
  *   staged   --runs staged loads (the checkpoint closed first, so unpinned);
  *            with --alt-socket, loads alternate between the two daemons
