@@ -47,9 +47,6 @@
  */
 #include "loader_internal.h"
 
-#include <errno.h>
-#include <fcntl.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,23 +57,6 @@
 #include "load_source.h"
 #include "log.h"
 #include "multigpu.h"
-
-/* Raises the target's ready watermark to v (never lowers it) and tells the hook. */
-static void raise_ready(struct ld_target *t, uint64_t v) {
-  uint_fast64_t cur = atomic_load(&t->ready_bytes);
-  while (cur < v)
-    if (atomic_compare_exchange_weak(&t->ready_bytes, &cur, v)) {
-      if (t->ready != NULL) t->ready(t, v);
-      return;
-    }
-}
-
-void ld_publish_ready(struct ld_target *t, uint64_t v) {
-  if (v < t->plan->slab_bytes) raise_ready(t, v);
-}
-
-/* The whole slab is ready: after the fill and the check that no shard changed under it. */
-static void publish_final(struct ld_target *t) { raise_ready(t, t->plan->slab_bytes); }
 
 /* ---- gathering ---------------------------------------------------------------- */
 
@@ -137,12 +117,6 @@ static void fill_task(void *arg, size_t i) {
   if (moved) ld_publish_ready(r->set, upto < r->hi ? upto : r->hi);
 }
 
-uint64_t ld_task_bytes(const struct loader *ld, uint64_t window) {
-  uint64_t task = window / (uint64_t)fill_threads(ld->fill);
-  task = task < LD_TASK_MIN ? LD_TASK_MIN : task > LD_TASK_MAX ? LD_TASK_MAX : task;
-  return (task + 65535) / 65536 * 65536;
-}
-
 /* Gathers slab bytes [lo, hi) into dst on the fill threads, counting progress. */
 static int fill_window(struct loader *ld, struct ld_target *s, const unsigned char **data, uint64_t lo,
                        uint64_t hi, unsigned char *dst, struct wd_error *err) {
@@ -157,38 +131,6 @@ static int fill_window(struct loader *ld, struct ld_target *s, const unsigned ch
   free(r.finished);
   if (r.rc != 0) *err = r.err;
   return r.rc;
-}
-
-int ld_check_cancel(struct ld_target *s, struct wd_error *err) {
-  if (!atomic_load(&s->cancel)) return 0;
-  return err_set(err, WEIGHTD_E_CANCELED, "load of %s canceled", s->ck->path);
-}
-
-/* ---- the test gate ------------------------------------------------------------------ */
-
-int ld_gate_open(const struct loader *ld) {
-  if (ld->gate == NULL) return -1;
-  int gate = open(ld->gate, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (gate < 0) log_msg(LOG_WARN, "test_load_gate %s: %s (the gate stays open)", ld->gate, strerror(errno));
-  return gate;
-}
-
-int ld_gate_pass(int *gate, struct ld_target *s, struct wd_error *err) {
-  while (*gate >= 0) {
-    char byte;
-    ssize_t n = read(*gate, &byte, 1);
-    if (n == 1) return 0;
-    if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
-      int rc = ld_check_cancel(s, err);
-      if (rc != 0) return rc;
-      struct pollfd p = {.fd = *gate, .events = POLLIN};
-      poll(&p, 1, 20);
-      continue;
-    }
-    close(*gate);
-    *gate = -1;
-  }
-  return 0;
 }
 
 /* ---- memcpy: the slab is host memory ------------------------------------------------ */
@@ -371,7 +313,7 @@ int ld_fill(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   if (rc == 0) atomic_store(&s->bytes_done, s->plan->slab_bytes);
   /* A shard rewritten while we copied would have given a mix of old and new bytes. */
   if (rc == 0) rc = ckpt_check_unchanged(s->ck->ck, err);
-  if (rc == 0) publish_final(s);
+  if (rc == 0) ld_publish_final(s);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, s->slab, err);
   fill_set_home(-1);
   return rc;

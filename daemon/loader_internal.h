@@ -1,8 +1,8 @@
 /*
  * loader_internal.h - what the loader's files share (loader.c, and
  * loader_staged.c for the staging pipeline): the loader and its per-GPU
- * staging, and the helpers both ways of filling use. Not for other modules:
- * they see loader.h.
+ * staging, and the helpers every way of filling uses (load_control.c).
+ * Not for other modules: they see loader.h.
  */
 #ifndef WD_LOADER_INTERNAL_H
 #define WD_LOADER_INTERNAL_H
@@ -45,11 +45,16 @@ struct loader {
   int *nodes; /* per device, its NUMA node (-1: none) */
 };
 
+/* ---- load_control.c ---------------------------------------------------------------- */
+
 /*
  * Raises the watermark while the fill runs, short of the end of the slab: a
  * wait for the whole slab succeeds only once the shards are known unchanged.
  */
 void ld_publish_ready(struct ld_target *t, uint64_t v);
+
+/* The whole slab is ready: after the fill and the check that no shard changed under it. */
+void ld_publish_final(struct ld_target *t);
 
 /* CANCELED (naming the checkpoint) once the target's load was canceled, else 0. */
 int ld_check_cancel(struct ld_target *s, struct wd_error *err);
@@ -73,7 +78,7 @@ int ld_gate_pass(int *gate, struct ld_target *s, struct wd_error *err);
  */
 uint64_t ld_task_bytes(const struct loader *ld, uint64_t window);
 
-/* The staged pipeline (loader_staged.c): fills the target's slab through its GPU's staging slots. */
+/* The staged pipeline (loader_staged.c, called by loader.c): fills the target's slab through its GPU's staging slots. */
 int ld_fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *err);
 
 #endif
