@@ -45,6 +45,7 @@ static const char *const cuda_handles_names[] = {"vmm", "legacy", NULL};
 static const char *const strided_names[] = {"gather", "rows", "auto", NULL};
 static const char *const pin_names[] = {"after_load", "on_open", "off", NULL};
 static const char *const writes_names[] = {"auto", "cached", "streaming", "write_combined", NULL};
+_Static_assert(sizeof writes_names / sizeof writes_names[0] == CFG_WRITES_COUNT + 1, "a name per staging_writes choice");
 static const char *const switch_names[] = {"auto", "off", NULL};
 static const char *const fd_store_names[] = {"auto", "on", "off", NULL};
 
@@ -89,8 +90,8 @@ static const struct cfg_key keys[] = {
     {"control_threads", CFG_UINT, OFF(control_threads), 0, 1, 64, "2",
      "threads for quick work (opening and checking checkpoints, plans, status), apart from loads"},
     {"staging_slots", CFG_UINT, OFF(staging_slots), 0, 2, 64, "4",
-     "pinned staging slots per GPU (the defaults, 4 x 16 MiB, measured fastest on an H200 host: slots that stay "
-     "in the CPU's last-level cache between the fill and the copy; docs/benchmarks.md)"},
+     "pinned staging slots per GPU (the defaults, 4 x 16 MiB, were among the fastest measured on an H200 host: "
+     "slots that stay in the CPU's last-level cache between the fill and the copy; docs/benchmarks.md)"},
     {"staging_slot_bytes", CFG_BYTES, OFF(staging_slot_bytes), 0, 1 * MiB, 4 * GiB, "16MiB",
      "bytes per staging slot: the staging pipeline's window"},
     {"frame_timeout_ms", CFG_UINT, OFF(frame_timeout_ms), 0, 100, 3600000, "10000",

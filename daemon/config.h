@@ -20,7 +20,7 @@ enum cfg_cuda_handles { CFG_CUDA_HANDLES_VMM, CFG_CUDA_HANDLES_LEGACY };
 /* In the order of enum plan_strided (plan_stage.h). */
 enum cfg_strided { CFG_STRIDED_GATHER, CFG_STRIDED_ROWS, CFG_STRIDED_AUTO };
 enum cfg_pin { CFG_PIN_AFTER_LOAD, CFG_PIN_ON_OPEN, CFG_PIN_OFF };
-enum cfg_writes { CFG_WRITES_AUTO, CFG_WRITES_CACHED, CFG_WRITES_STREAMING, CFG_WRITES_WRITE_COMBINED };
+enum cfg_writes { CFG_WRITES_AUTO, CFG_WRITES_CACHED, CFG_WRITES_STREAMING, CFG_WRITES_WRITE_COMBINED, CFG_WRITES_COUNT };
 enum cfg_switch { CFG_SWITCH_AUTO, CFG_SWITCH_OFF }; /* a feature the daemon uses where it helps, or never */
 enum cfg_fd_store { CFG_FD_STORE_AUTO, CFG_FD_STORE_ON, CFG_FD_STORE_OFF };
 

@@ -16,6 +16,10 @@
 #include "fillpool.h"
 #include "log.h"
 
+/* Bytes one fill task gathers, at least and at most (ld_task_bytes). */
+#define LD_TASK_MIN (256ull << 10)
+#define LD_TASK_MAX (8ull << 20)
+
 /* ---- the ready watermark ------------------------------------------------------------ */
 
 /* Raises the target's ready watermark to v (never lowers it) and tells the hook. */

@@ -58,6 +58,11 @@
 #include "log.h"
 #include "multigpu.h"
 
+/* Bytes one direct copy moves at most (keeps progress and cancellation responsive). */
+#define LD_DIRECT_CHUNK (256ull << 20)
+/* Bytes a direct load issues between sync points, where the ready watermark moves (one drain each, ~10 ms of copies). */
+#define LD_DIRECT_SYNC (512ull << 20)
+
 /* ---- gathering ---------------------------------------------------------------- */
 
 struct gather_args {

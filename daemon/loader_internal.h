@@ -11,14 +11,6 @@
 
 #include "loader.h"
 
-/* Bytes one fill task gathers: enough tasks per window to keep every fill thread busy (ld_task_bytes). */
-#define LD_TASK_MIN (256ull << 10)
-#define LD_TASK_MAX (8ull << 20)
-/* Bytes one direct copy moves at most (keeps progress and cancellation responsive). */
-#define LD_DIRECT_CHUNK (256ull << 20)
-/* Bytes a direct load issues between sync points, where the ready watermark moves (one drain each, ~10 ms of copies). */
-#define LD_DIRECT_SYNC (512ull << 20)
-
 struct staging {
   pthread_mutex_t lock;
   size_t nslots;
@@ -72,9 +64,9 @@ int ld_gate_pass(int *gate, struct ld_target *s, struct wd_error *err);
 /*
  * Bytes per fill task for a window: one task per fill thread, 256 KiB to 8
  * MiB each, in 64 KiB multiples. A staged load has its slots' windows in
- * flight at once, so every fill thread has a task while the slots are
- * free (16 threads and 16 MiB windows: 1 MiB tasks, as measured on the
- * H200 host; docs/benchmarks.md).
+ * flight at once, so every fill thread has a task while the slots are free
+ * (16 threads and 16 MiB windows: 1 MiB tasks, as measured on the H200 host;
+ * docs/benchmarks.md); a memcpy load's 256 MiB windows get 8 MiB tasks.
  */
 uint64_t ld_task_bytes(const struct loader *ld, uint64_t window);
 

@@ -28,7 +28,7 @@
  * The staged pipeline without a barrier per window: the plan is cut into
  * windows of one slot each (plan_stage.h: the slab image, and strided pieces
  * as whole source rows where staged_strided says so), every window into fill
- * tasks of slot bytes; the fill threads take tasks in order. A task of window
+ * tasks (ld_task_bytes); the fill threads take tasks in order. A task of window
  * w first waits until the slot it fills (w mod S) has finished the transfers
  * of window w - S; the thread that finishes a window's last task starts that
  * window's transfers (a plain copy per image run, a 2D copy per run of whole
@@ -50,7 +50,7 @@ struct staged_run {
   struct staging *st;
   const struct plan_stage *sched;
   const unsigned char **data; /* per shard: its data section in the mapping */
-  uint64_t task;              /* slot bytes per task */
+  uint64_t task;              /* bytes per task (ld_task_bytes of a slot) */
   size_t *task_base;          /* per window + 1: its first task's number */
   atomic_size_t *left;        /* per window: tasks not finished */
   size_t *issued;             /* per slot: windows whose transfers have started */
@@ -148,9 +148,11 @@ static size_t task_window(const struct staged_run *r, size_t i) {
 }
 
 /*
- * Starts window w's transfers from slot k and records the slot's event. On
- * failure after some transfers were queued it waits for those first (best
- * effort), so that no copy reads the slot once the load has returned.
+ * Starts window w's transfers from slot k and records the slot's event.
+ * When a transfer fails after others were queued, it records the event and
+ * waits for those first, so that no copy reads the slot once the load has
+ * returned. Best effort: when the event cannot be recorded either (the
+ * device is failing), nothing here can wait for them.
  */
 static int window_send(struct staged_run *r, size_t w, size_t k, struct wd_error *err) {
   const struct wd_backend *b = r->ld->backend;

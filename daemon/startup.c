@@ -147,6 +147,8 @@ static const enum ld_writes writes_modes[] = {
     [CFG_WRITES_STREAMING] = LD_WRITES_STREAMING,
     [CFG_WRITES_WRITE_COMBINED] = LD_WRITES_WRITE_COMBINED,
 };
+_Static_assert(sizeof writes_modes / sizeof writes_modes[0] == CFG_WRITES_COUNT,
+               "every staging_writes choice has its loader mode");
 
 void startup_budgets_cap(struct wd_config *cfg, const struct wd_device_info *devices, int n) {
   const double gib = (double)(1ull << 30);

@@ -344,7 +344,8 @@ static int pin_and_wait(struct fix *f, struct reg_ckpt *ck, const char *spec) {
  */
 static void test_staged_strided(void) {
   static const enum plan_strided modes[] = {PLAN_STRIDED_GATHER, PLAN_STRIDED_ROWS, PLAN_STRIDED_AUTO};
-  static const size_t slots[] = {4096, 5000, 1u << 20};
+  /* 512 KiB: two fill tasks of 256 KiB (the fixture's two fill threads) in the whole plan's window. */
+  static const size_t slots[] = {4096, 5000, 512u << 10, 1u << 20};
   for (int backend = 0; backend < 2; backend++)
     for (size_t m = 0; m < 3; m++)
       for (size_t k = 0; k < sizeof slots / sizeof slots[0]; k++) {
@@ -425,7 +426,8 @@ struct aevent {
 
 static struct wd_backend_ops async_ops;
 static pthread_mutex_t amu = PTHREAD_MUTEX_INITIALIZER;
-static unsigned async_late; /* copies that ran at an event wait */
+static unsigned async_late;    /* copies that ran at an event wait */
+static unsigned async_fail_at; /* when set, the copy that counts it down to 0 fails */
 
 static int async_stream_create(void *ctx, int device, struct wd_stream **out, struct wd_error *err) {
   (void)ctx;
@@ -491,6 +493,10 @@ static int async_copy(void *ctx, struct wd_slab *dst, uint64_t dst_offset, size_
   if (ws == NULL) return fake_copy(ctx, dst, dst_offset, dst_pitch, src, src_pitch, width, height, NULL, err);
   struct astream *s = (struct astream *)(void *)ws;
   pthread_mutex_lock(&amu);
+  if (async_fail_at > 0 && --async_fail_at == 0) {
+    pthread_mutex_unlock(&amu);
+    return err_set(err, WEIGHTD_E_INTERNAL, "test backend: copy failed");
+  }
   if (s->n == s->cap) {
     size_t cap = s->cap ? 2 * s->cap : 64;
     struct acopy *q = realloc(s->q, cap * sizeof *q);
@@ -659,6 +665,41 @@ static const char *wm_load(struct fix *f, struct reg_ckpt *ck, const char *spec,
 }
 
 /*
+ * A window's second transfer fails after its first was queued: the load fails
+ * with the copy's error, and the queued copy has run before the load returned
+ * (async_stream_destroy checks that no stream keeps a pending copy; a copy
+ * left queued would read the slot for the next load, into a freed slab).
+ */
+static void test_staged_copy_fails_after_others_queued(void) {
+  fake_reset();
+  struct fix f;
+  struct env_opts o = {.ops = &async_ops,
+                       .method = CFG_LOAD_STAGED,
+                       .strided = PLAN_STRIDED_ROWS, /* several transfers per window: 2D runs and image runs */
+                       .staging_slots = 2,
+                       .staging_slot_bytes = 1u << 20,
+                       .pin_mode = REG_PIN_OFF};
+  if (!fix_start(&f, "ld-copyfail", &o)) {
+    fix_stop(&f);
+    return;
+  }
+  struct reg_ckpt *ck = open_ckpt(&f, "m");
+  if (ck != NULL) {
+    async_fail_at = 2;
+    struct wt t;
+    load_start(&f, ck, col_plan, &t);
+    CHECK(env_run_until(&f.e, wt_fired, &t));
+    CHECK(t.s == NULL);
+    CHECK_EQ_INT(t.err.code, WEIGHTD_E_INTERNAL);
+    CHECK_STR_CONTAINS(t.err.msg, "copy failed");
+    CHECK_EQ_INT(async_fail_at, 0);
+    async_fail_at = 0;
+  }
+  reg_unref(ck);
+  fix_stop(&f);
+}
+
+/*
  * The watermark promises that every byte below it is in place: staged loads
  * on the schedule's windows (image runs, and strided pieces as whole rows cut
  * by 2D copies), in slots of a few KiB, two or three of them, written each
@@ -667,10 +708,10 @@ static const char *wm_load(struct fix *f, struct reg_ckpt *ck, const char *spec,
  */
 static void test_watermark(void) {
   static const enum plan_strided modes[] = {PLAN_STRIDED_GATHER, PLAN_STRIDED_ROWS, PLAN_STRIDED_AUTO};
-  static const size_t slots[] = {4096, 5000};
+  static const size_t slots[] = {4096, 5000, 512u << 10}; /* 512 KiB: windows of two fill tasks */
   static const char *const *specs[] = {&col_plan, &rows_plan, NULL};
   for (size_t m = 0; m < 3; m++)
-    for (size_t k = 0; k < 2; k++) {
+    for (size_t k = 0; k < 3; k++) {
       fake_reset();
       async_late = 0;
       struct fix f;
@@ -1068,6 +1109,7 @@ int main(void) {
   async_init();
   RUN(test_staged_strided);
   RUN(test_staged_rows_truncated);
+  RUN(test_staged_copy_fails_after_others_queued);
   RUN(test_watermark);
   RUN(test_after_load);
   RUN(test_direct_splits_at_registrations);

@@ -55,7 +55,7 @@ class Table:
             row["target"] = target
             row["met"] = ratio >= target
             # One decimal, rounded up: a miss never prints as "by 0.0 points".
-            verdict = "met" if ratio >= target else f"MISSED by {math.ceil(1000 * (target - ratio)) / 10:.1f} points"
+            verdict = "met" if ratio >= target else f"MISSED by {math.ceil(round(1000 * (target - ratio), 6)) / 10:.1f} points"
             verdict = f"target >= {100 * target:.0f}%: {verdict}"
         if note:
             row["note"] = note
@@ -216,7 +216,7 @@ def section_cold(t, s):
           f"{100 * c['of_odirect']:5.0f}% of the best O_DIRECT")
     t.rows.append({"what": "cold load", "gb_per_s": c["load_gbps"], "of_odirect": c["of_odirect"],
                    "met": c["of_odirect"] >= 0.9})
-    print(f"  {'':54s} target >= 90%: {'met' if c['of_odirect'] >= 0.9 else 'MISSED by %.1f points' % (math.ceil(1000 * (0.9 - c['of_odirect'])) / 10)}")
+    print(f"  {'':54s} target >= 90%: {'met' if c['of_odirect'] >= 0.9 else 'MISSED by %.1f points' % (math.ceil(round(1000 * (0.9 - c['of_odirect']), 6)) / 10)}")
     p = s.get("K2_peers_cold")
     if p:
         for r in p["loaders"]:
