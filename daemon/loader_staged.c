@@ -240,6 +240,17 @@ static void staged_task(void *arg, size_t i) {
   pthread_mutex_unlock(&r->lock);
 }
 
+/* Frees a run's arrays (any of them may be NULL) and its schedule. */
+static void staged_run_free(struct staged_run *r, struct plan_stage *sched) {
+  free(r->data);
+  free(r->task_base);
+  free(r->left);
+  free(r->issued);
+  free(r->ends);
+  free(r->landed);
+  plan_stage_free(sched);
+}
+
 int ld_fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *err) {
   struct staging *st = &ld->stagings[s->device];
   struct plan_stage *sched = NULL;
@@ -260,13 +271,7 @@ int ld_fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *err)
   r.landed = calloc(nw, 1);
   if (r.data == NULL || r.task_base == NULL || r.left == NULL || r.issued == NULL || r.ends == NULL ||
       r.landed == NULL) {
-    free(r.data);
-    free(r.task_base);
-    free(r.left);
-    free(r.issued);
-    free(r.ends);
-    free(r.landed);
-    plan_stage_free(sched);
+    staged_run_free(&r, sched);
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
   size_t ntasks = 0;
@@ -328,17 +333,7 @@ int ld_fill_staged(struct loader *ld, struct ld_target *s, struct wd_error *err)
             (double)atomic_load(&r.wait_ns) / 1e6);
   pthread_cond_destroy(&r.moved);
   pthread_mutex_destroy(&r.lock);
-  free(r.data);
-  free(r.task_base);
-  free(r.left);
-  free(r.issued);
-  free(r.ends);
-  free(r.landed);
-  plan_stage_free(sched);
-  if (r.rc != 0) {
-    *err = r.err;
-    return r.rc;
-  }
-  atomic_store(&s->bytes_done, s->plan->slab_bytes);
-  return 0;
+  staged_run_free(&r, sched);
+  if (r.rc != 0) *err = r.err;
+  return r.rc;
 }
