@@ -29,6 +29,7 @@
 #include "presets.h"
 
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,6 +116,14 @@ struct builder {
 
 #define NAME_MAX_LEN 256
 
+/* Formats a tensor name into out: true, or false after failing the builder (a name longer than NAME_MAX_LEN). */
+static bool format_name(struct builder *b, char out[NAME_MAX_LEN], const char *fmt, va_list ap) {
+  int n = vsnprintf(out, NAME_MAX_LEN, fmt, ap);
+  if (n >= 0 && n < NAME_MAX_LEN) return true;
+  if (b->rc == 0) b->rc = WEIGHTD_E_INTERNAL;
+  return false;
+}
+
 /* Appends a tensor named by fmt; ndim is 1 (d0) or 2 (d0, d1). */
 static void add(struct builder *b, enum wd_dtype dtype, unsigned ndim, uint64_t d0, uint64_t d1,
                 const char *fmt, ...) __attribute__((format(printf, 6, 7)));
@@ -126,12 +135,9 @@ static void add(struct builder *b, enum wd_dtype dtype, unsigned ndim, uint64_t 
   char name[NAME_MAX_LEN];
   va_list ap;
   va_start(ap, fmt);
-  int n = vsnprintf(name, sizeof name, fmt, ap);
+  bool named = format_name(b, name, fmt, ap);
   va_end(ap);
-  if (n < 0 || (size_t)n >= sizeof name) {
-    b->rc = WEIGHTD_E_INTERNAL;
-    return;
-  }
+  if (!named) return;
   if (l->count == l->cap) {
     size_t cap = l->cap ? l->cap * 2 : 1024;
     struct preset_tensor *t = realloc(l->tensors, cap * sizeof *t);
@@ -177,12 +183,9 @@ static void add_linear(struct builder *b, uint64_t out, uint64_t in, const char 
   char prefix[NAME_MAX_LEN];
   va_list ap;
   va_start(ap, fmt);
-  int n = vsnprintf(prefix, sizeof prefix, fmt, ap);
+  bool named = format_name(b, prefix, fmt, ap);
   va_end(ap);
-  if (n < 0 || (size_t)n >= sizeof prefix) {
-    if (b->rc == 0) b->rc = WEIGHTD_E_INTERNAL;
-    return;
-  }
+  if (!named) return;
   uint64_t blk = b->p->fp8_block;
   if (blk == 0) {
     add(b, WD_DTYPE_BF16, 2, out, in, "%s.weight", prefix);
