@@ -22,13 +22,13 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "backend.h"
-#include "config.h"
-#include "fillpool.h"
-#include "jobs.h"
-#include "loader.h"
-#include "registry.h"
-#include "residency.h"
+#include "backend/backend.h"
+#include "base/config.h"
+#include "load/fillpool.h"
+#include "base/jobs.h"
+#include "load/loader.h"
+#include "state/registry.h"
+#include "state/residency.h"
 
 struct server;
 

@@ -24,16 +24,16 @@
 
 #include "clock.h"
 #include "daemon.h"
-#include "fault.h"
-#include "http.h"
-#include "log.h"
+#include "base/fault.h"
+#include "service/http.h"
+#include "base/log.h"
 #include "optab.h"
-#include "reload.h"
-#include "server.h"
-#include "service.h"
-#include "startup.h"
-#include "survive.h"
-#include "telemetry.h"
+#include "service/reload.h"
+#include "transport/server.h"
+#include "service/service.h"
+#include "service/startup.h"
+#include "service/survive.h"
+#include "ops/telemetry.h"
 
 /* How often the STATUS= line is refreshed (only sent when it changed). */
 #define STATUS_INTERVAL_MS 2000

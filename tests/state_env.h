@@ -24,17 +24,17 @@
 #include <stdbool.h>
 #include <uv.h>
 
-#include "backend.h"
+#include "backend/backend.h"
 #include "clock.h"
-#include "fault.h"
-#include "fillpool.h"
-#include "jobs.h"
-#include "loader.h"
-#include "log.h"
-#include "multigpu.h"
-#include "registry.h"
-#include "residency.h"
-#include "topology.h"
+#include "base/fault.h"
+#include "load/fillpool.h"
+#include "base/jobs.h"
+#include "load/loader.h"
+#include "base/log.h"
+#include "load/multigpu.h"
+#include "state/registry.h"
+#include "state/residency.h"
+#include "base/topology.h"
 
 /* A hang guard, not a measurement: far beyond anything these tests wait for. */
 #define ENV_DEADLINE_MS 60000u

@@ -1,5 +1,5 @@
 /*
- * test_hostmem.c - the memory the daemon may use (daemon/hostmem.c), the
+ * test_hostmem.c - the memory the daemon may use (daemon/base/hostmem.c), the
  * base of the default pin budget, read from fake /proc and /sys/fs/cgroup
  * trees: MemTotal alone, a cgroup v2 limit on a parent with "max" below it,
  * a v1 memory hierarchy beside the unified one, v1's "unlimited" number, a
@@ -12,7 +12,7 @@
 #include "testutil.h"
 
 #include "fixture.h"
-#include "hostmem.h"
+#include "base/hostmem.h"
 
 /* Writes text to root/rel, creating the directories on the way. */
 static void put(const char *root, const char *rel, const char *text) {

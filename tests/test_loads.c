@@ -29,7 +29,7 @@
 #include "testutil.h"
 
 #include "fixture.h"
-#include "hostmem.h"
+#include "base/hostmem.h"
 #include "state_env.h"
 
 /* ---- the checkpoint --------------------------------------------------------------------- */

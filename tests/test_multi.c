@@ -24,7 +24,7 @@
 #include "testutil.h"
 
 #include "fixture.h"
-#include "numa.h"
+#include "base/numa.h"
 #include "state_env.h"
 
 /* ---- the fill pool: round robin between loads ------------------------------------------------- */

@@ -1,5 +1,5 @@
 /*
- * test_setdesc.c - the set description (common/setdesc.h): a round trip of
+ * test_setdesc.c - the set description (daemon/service/setdesc.h): a round trip of
  * sets and leases with every field compared, the writer's refusals, and the
  * reader's rejection of every truncation, a bad magic, an unknown version, a
  * flipped byte (checksum), a bad table and a lease naming no set.
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "setdesc.h"
+#include "service/setdesc.h"
 #include "tensor_table.h"
 #include "testutil.h"
 

@@ -11,7 +11,7 @@
  *
  * The main thread builds the plan from read-only mappings of the shards
  * (ctl_local_open), checks the output directory and hands the outputs to
- * the safetensors writer (common/st_writer.h), which owns the files, the
+ * the safetensors writer (client/tools/st_writer.h), which owns the files, the
  * worker threads, the index and the renames; its workers gather ranges of
  * the outputs with plan_gather from the shared read-only plan and mappings.
  * A SIGBUS (a shard truncated under its mapping) removes the writer's .tmp

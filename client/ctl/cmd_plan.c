@@ -16,7 +16,7 @@
 
 /* Pieces shown per output line; the rest are counted (--json lists them all). */
 #define SHOWN_PIECES 8
-/* The daemon pins a plan's ranges closer than this as one (REG_PIN_MERGE_GAP in daemon/registry.h). */
+/* The daemon pins a plan's ranges closer than this as one (REG_PIN_MERGE_GAP in daemon/state/registry.h). */
 #define CTL_PIN_MERGE_GAP (2ull << 20)
 /* Rows of a per-rank table at most. */
 #define MAX_RANK_ROWS 4096

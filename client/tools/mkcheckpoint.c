@@ -6,7 +6,7 @@
  * The main thread parses the options, builds the layout (presets.c),
  * checks the output directory and hands the tensors, their shard
  * assignment and config.json to the safetensors writer
- * (common/st_writer.h), which owns the files, the worker threads (one per
+ * (client/tools/st_writer.h), which owns the files, the worker threads (one per
  * usable CPU), the index and the renames; its workers generate ranges of
  * the stream below from the shared read-only layout and keys.
  *

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "setdesc.h"
+#include "service/setdesc.h"
 #include "tensor_table.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

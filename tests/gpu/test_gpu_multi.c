@@ -31,10 +31,10 @@
 
 #include "cuda_import.h"
 #include "fixture.h"
-#include "multigpu.h"
-#include "stripe.h"
+#include "load/multigpu.h"
+#include "load/stripe.h"
 #include "testutil.h"
-#include "topology.h"
+#include "base/topology.h"
 #include "weightd.h"
 
 static char *dir, sock[PATH_MAX], ckpt[PATH_MAX];

@@ -1,0 +1,551 @@
+/*
+ * telemetry.c - collecting the daemon's figures and rendering them (see
+ * telemetry.h).
+ *
+ * DESIGN: collect() walks loop-owned state into a list of families of
+ * samples; prometheus() and json() render the same list. Residency and
+ * health measurements run on control jobs that read only their own struct
+ * and report back on the loop, where the cache is updated.
+ */
+#include "telemetry.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "jsonutil.h"
+#include "base/log.h"
+
+/* ---- the cache ---------------------------------------------------------------------- */
+
+struct resident_entry {
+  char *path;
+  uint64_t generation;
+  uint64_t bytes;
+};
+
+struct telemetry {
+  struct resident_entry *resident; /* measured page-cache bytes, by checkpoint */
+  size_t nresident;
+  uint64_t resident_at_ms; /* when they were measured; 0: never */
+  bool resident_running;
+  bool healthy;            /* the backend answered the last probe */
+  char health_why[256];
+  uint64_t health_at_ms;
+  bool health_running;
+};
+
+int telemetry_create(struct daemon *d, struct telemetry **out, struct wd_error *err) {
+  (void)d;
+  struct telemetry *t = calloc(1, sizeof *t);
+  if (t == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  t->healthy = true; /* the backend was just created: healthy until a probe says otherwise */
+  *out = t;
+  return 0;
+}
+
+static void clear_resident(struct telemetry *t) {
+  for (size_t i = 0; i < t->nresident; i++) free(t->resident[i].path);
+  free(t->resident);
+  t->resident = NULL;
+  t->nresident = 0;
+}
+
+void telemetry_destroy(struct telemetry *t) {
+  if (t == NULL) return;
+  clear_resident(t);
+  free(t);
+}
+
+/* ---- refresh jobs ---------------------------------------------------------------------- */
+
+struct resident_job {
+  struct job job;
+  struct daemon *d; /* read on the loop only (done) */
+  struct reg_ckpt **cks;
+  uint64_t *bytes;
+  size_t n;
+};
+
+static void resident_work(struct job *j) {
+  struct resident_job *rj = (struct resident_job *)j;
+  for (size_t i = 0; i < rj->n; i++) rj->bytes[i] = reg_resident_bytes(rj->cks[i]);
+}
+
+static void resident_done(struct job *j) {
+  struct resident_job *rj = (struct resident_job *)j;
+  struct telemetry *t = rj->d->tel;
+  if (t != NULL) {
+    clear_resident(t);
+    t->resident = calloc(rj->n ? rj->n : 1, sizeof *t->resident);
+    for (size_t i = 0; t->resident != NULL && i < rj->n; i++) {
+      struct resident_entry *e = &t->resident[t->nresident]; /* a failed strdup leaves no hole */
+      e->path = strdup(rj->cks[i]->path);
+      e->generation = rj->cks[i]->generation;
+      e->bytes = rj->bytes[i];
+      if (e->path != NULL) t->nresident++;
+    }
+    t->resident_at_ms = clock_ms();
+    t->resident_running = false;
+  }
+  for (size_t i = 0; i < rj->n; i++) reg_unref(rj->cks[i]);
+  free(rj->cks);
+  free(rj->bytes);
+  free(rj);
+}
+
+struct health_job {
+  struct job job;
+  struct daemon *d;
+  const struct wd_backend *backend;
+  int ndevices;
+  int answered; /* devices that answered, in order: their free memory is below */
+  int rc;
+  struct wd_error err;
+  uint64_t free_bytes[];
+};
+
+static void health_work(struct job *j) {
+  struct health_job *hj = (struct health_job *)j;
+  for (int i = 0; i < hj->ndevices && hj->rc == 0; i++) {
+    struct wd_device_info info;
+    hj->rc = hj->backend->ops->device_info(hj->backend->ctx, i, &info, &hj->err);
+    if (hj->rc == 0) hj->free_bytes[hj->answered++] = info.memory_free;
+  }
+}
+
+static void health_done(struct job *j) {
+  struct health_job *hj = (struct health_job *)j;
+  struct telemetry *t = hj->d->tel;
+  if (t != NULL) {
+    /* The probe's answers are the freshest free-memory figures (status measures its own too). */
+    for (int i = 0; hj->d->res != NULL && i < hj->answered; i++)
+      res_device(hj->d->res, i)->info.memory_free = hj->free_bytes[i];
+    bool was = t->healthy;
+    t->healthy = hj->rc == 0;
+    snprintf(t->health_why, sizeof t->health_why, "%s", hj->rc == 0 ? "" : hj->err.msg);
+    t->health_at_ms = clock_ms();
+    t->health_running = false;
+    if (was && !t->healthy) log_msg(LOG_WARN, "the %s backend stopped answering: %s", hj->d->backend_name, hj->err.msg);
+    if (!was && t->healthy) log_msg(LOG_INFO, "the %s backend answers again", hj->d->backend_name);
+  }
+  free(hj);
+}
+
+/* Whether an open checkpoint has no measurement in the cache (opened since the last one). */
+static bool resident_missing(struct daemon *d) {
+  const struct telemetry *t = d->tel;
+  for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next) {
+    if (c->state != REG_OPEN) continue;
+    bool found = false;
+    for (size_t i = 0; i < t->nresident && !found; i++)
+      found = t->resident[i].generation == c->generation && strcmp(t->resident[i].path, c->path) == 0;
+    if (!found) return true;
+  }
+  return false;
+}
+
+void telemetry_refresh(struct daemon *d) {
+  struct telemetry *t = d->tel;
+  if (t == NULL || d->stopping || d->control_pool == NULL) return;
+  uint64_t now = clock_ms();
+  if (!t->health_running && (t->health_at_ms == 0 || now - t->health_at_ms >= TELEMETRY_HEALTH_MS)) {
+    struct health_job *hj = calloc(1, sizeof *hj + (size_t)d->ndevices * sizeof hj->free_bytes[0]);
+    if (hj != NULL) {
+      hj->job.work = health_work;
+      hj->job.done = health_done;
+      hj->d = d;
+      hj->backend = &d->backend;
+      hj->ndevices = d->ndevices;
+      t->health_running = true;
+      jobs_submit(d->control_pool, &hj->job);
+    }
+  }
+  if (!t->resident_running &&
+      (t->resident_at_ms == 0 || now - t->resident_at_ms >= TELEMETRY_RESIDENCY_MS || resident_missing(d))) {
+    size_t n = 0;
+    for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next) n += c->state == REG_OPEN;
+    struct resident_job *rj = calloc(1, sizeof *rj);
+    if (rj == NULL || (rj->cks = calloc(n ? n : 1, sizeof *rj->cks)) == NULL ||
+        (rj->bytes = calloc(n ? n : 1, sizeof *rj->bytes)) == NULL) {
+      if (rj) free(rj->cks);
+      free(rj);
+      return;
+    }
+    for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next)
+      if (c->state == REG_OPEN) {
+        reg_ref(c);
+        rj->cks[rj->n++] = c;
+      }
+    rj->job.work = resident_work;
+    rj->job.done = resident_done;
+    rj->d = d;
+    t->resident_running = true;
+    jobs_submit(d->control_pool, &rj->job);
+  }
+}
+
+bool telemetry_ready(struct daemon *d, char *why, size_t whylen) {
+  const char *reason = NULL;
+  if (d->stopping) reason = "the daemon is stopping";
+  else if (!d->stats.listening) reason = "the daemon is not listening";
+  else if (d->tel != NULL && !d->tel->healthy) reason = d->tel->health_why[0] ? d->tel->health_why : "the backend does not answer";
+  if (why != NULL && whylen > 0) snprintf(why, whylen, "%s", reason ? reason : "");
+  return reason == NULL;
+}
+
+/* ---- collection ------------------------------------------------------------------------ */
+
+struct sample {
+  char *labels; /* 'k="v",k2="v2"' (escaped), or "" */
+  double value;
+};
+
+struct family {
+  const char *name, *type, *help;
+  struct sample *v;
+  size_t n, cap;
+};
+
+struct collection {
+  struct family *f;
+  size_t n, cap;
+  bool failed; /* out of memory: render what there is */
+};
+
+static struct family *family(struct collection *c, const char *name, const char *type, const char *help) {
+  if (c->n == c->cap) {
+    size_t cap = c->cap ? 2 * c->cap : 32;
+    struct family *nf = realloc(c->f, cap * sizeof *nf);
+    if (nf == NULL) {
+      c->failed = true;
+      return NULL;
+    }
+    c->f = nf;
+    c->cap = cap;
+  }
+  struct family *f = &c->f[c->n++];
+  memset(f, 0, sizeof *f);
+  f->name = name;
+  f->type = type;
+  f->help = help;
+  return f;
+}
+
+/* Appends a label value escaped for the text format (\\, \", \n). */
+static void escape_into(char *out, size_t cap, size_t *o, const char *v) {
+  for (; *v && *o + 2 < cap; v++) {
+    if (*v == '\\' || *v == '"') out[(*o)++] = '\\', out[(*o)++] = *v;
+    else if (*v == '\n') out[(*o)++] = '\\', out[(*o)++] = 'n';
+    else out[(*o)++] = *v;
+  }
+  out[*o] = '\0';
+}
+
+/* Adds a sample; labels as NULL-terminated pairs of name, value. */
+static void sample(struct collection *c, struct family *f, double value, ...) {
+  if (f == NULL) return;
+  char buf[1024];
+  size_t o = 0;
+  buf[0] = '\0';
+  va_list ap;
+  va_start(ap, value);
+  for (const char *k = va_arg(ap, const char *); k != NULL; k = va_arg(ap, const char *)) {
+    const char *v = va_arg(ap, const char *);
+    if (o > 0 && o + 1 < sizeof buf) buf[o++] = ',';
+    o += (size_t)snprintf(buf + o, sizeof buf - o, "%s=\"", k);
+    if (o >= sizeof buf) o = sizeof buf - 1;
+    escape_into(buf, sizeof buf, &o, v);
+    if (o + 1 < sizeof buf) buf[o++] = '"';
+    buf[o] = '\0';
+  }
+  va_end(ap);
+  if (f->n == f->cap) {
+    size_t cap = f->cap ? 2 * f->cap : 8;
+    struct sample *nv = realloc(f->v, cap * sizeof *nv);
+    if (nv == NULL) {
+      c->failed = true;
+      return;
+    }
+    f->v = nv;
+    f->cap = cap;
+  }
+  char *labels = strdup(buf);
+  if (labels == NULL) {
+    c->failed = true;
+    return;
+  }
+  f->v[f->n].labels = labels;
+  f->v[f->n].value = value;
+  f->n++;
+}
+
+static void collection_free(struct collection *c) {
+  for (size_t i = 0; i < c->n; i++) {
+    for (size_t k = 0; k < c->f[i].n; k++) free(c->f[i].v[k].labels);
+    free(c->f[i].v);
+  }
+  free(c->f);
+}
+
+/* Open descriptors of this process (reads /proc/self/fd): limit when none is left to read it with; -1: unknown. */
+static double open_fds(uint64_t limit) {
+  DIR *dir = opendir("/proc/self/fd");
+  if (dir == NULL) return errno == EMFILE ? (double)limit : -1;
+  double n = 0;
+  for (struct dirent *e = readdir(dir); e != NULL; e = readdir(dir))
+    if (e->d_name[0] != '.') n++;
+  closedir(dir);
+  return n - 1; /* the directory's own descriptor */
+}
+
+static void collect_loads(struct daemon *d, struct collection *c) {
+  const struct res_stats *st = res_stats(d->res);
+  struct family *f = family(c, "weightd_loads_total", "counter", "Load jobs finished, by result and method.");
+  for (int r = 0; r < RES_RESULT_COUNT; r++)
+    for (int m = 0; m < RES_METHOD_COUNT; m++)
+      sample(c, f, (double)st->loads[r][m], "result", res_result_name((enum res_result)r), "method",
+             res_method_name((enum res_method)m), NULL);
+  f = family(c, "weightd_load_duration_seconds", "histogram", "Time of successful load jobs, slab allocation included.");
+  static const double bounds[RES_DURATION_BUCKETS] = RES_DURATION_BOUNDS;
+  uint64_t cum = 0;
+  char le[32];
+  for (int b = 0; b < RES_DURATION_BUCKETS; b++) {
+    cum += st->duration_le[b];
+    snprintf(le, sizeof le, "%g", bounds[b]);
+    sample(c, f, (double)cum, "le", le, NULL);
+  }
+  cum += st->duration_over;
+  sample(c, f, (double)cum, "le", "+Inf", NULL);
+  f = family(c, "weightd_load_duration_seconds_sum", NULL, NULL);
+  sample(c, f, st->duration_sum, NULL);
+  f = family(c, "weightd_load_duration_seconds_count", NULL, NULL);
+  sample(c, f, (double)cum, NULL);
+  f = family(c, "weightd_loaded_bytes_total", "counter", "Payload bytes of successful loads.");
+  sample(c, f, (double)st->bytes_loaded, NULL);
+  f = family(c, "weightd_last_load_gib_per_second", "gauge", "Rate of the last successful load (payload GiB/s).");
+  sample(c, f, st->last_gib_per_s, NULL);
+  f = family(c, "weightd_sets_readopted_total", "counter",
+             "Sets re-adopted after a restart from the service manager's fd store, without loading.");
+  sample(c, f, (double)st->adopted, NULL);
+  f = family(c, "weightd_evictions_total", "counter", "Sets evicted, by reason.");
+  for (int r = 0; r < RES_EVICT_COUNT; r++)
+    sample(c, f, (double)st->evictions[r], "reason", res_evict_reason_name((enum res_evict_reason)r), NULL);
+}
+
+static void collect_devices(struct daemon *d, struct collection *c) {
+  struct family *sets = family(c, "weightd_resident_sets", "gauge", "Resident sets, by device and state.");
+  struct family *bytes = family(c, "weightd_resident_bytes", "gauge", "Slab bytes of resident sets, by device.");
+  struct family *budget = family(c, "weightd_device_budget_bytes", "gauge",
+                                 "Budget of resident sets per device (0: the device's own memory).");
+  struct family *total = family(c, "weightd_device_memory_bytes", "gauge", "Device memory, total.");
+  struct family *freeb = family(c, "weightd_device_free_bytes", "gauge", "Device memory free at the last query.");
+  static const char *const states[] = {"loading", "ready"};
+  for (int i = 0; i < d->ndevices; i++) {
+    const struct res_device *dev = res_device(d->res, i);
+    const char *uuid = dev->info.uuid;
+    size_t n[2] = {0, 0};
+    uint64_t b = 0;
+    for (const struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) {
+      if (s->device != i || s->state == SET_FAILED) continue;
+      n[s->state == SET_READY]++;
+      if (s->state == SET_READY) b += s->plan->slab_bytes;
+    }
+    for (int k = 0; k < 2; k++) sample(c, sets, (double)n[k], "device", uuid, "state", states[k], NULL);
+    sample(c, bytes, (double)b, "device", uuid, NULL);
+    sample(c, budget, (double)res_device_budget(d->res, i), "device", uuid, NULL);
+    sample(c, total, (double)dev->info.memory_total, "device", uuid, NULL);
+    sample(c, freeb, (double)dev->info.memory_free, "device", uuid, NULL);
+  }
+  size_t nleases = 0;
+  for (const struct lease *l = res_first_lease(d->res); l != NULL; l = l->next) nleases++;
+  struct family *f = family(c, "weightd_leases", "gauge", "Leases held by clients.");
+  sample(c, f, (double)nleases, NULL);
+}
+
+static void collect_checkpoints(struct daemon *d, struct collection *c) {
+  size_t n = 0;
+  for (struct reg_ckpt *k = reg_first(d->reg); k != NULL; k = k->next) n += k->state == REG_OPEN;
+  struct family *f = family(c, "weightd_checkpoints_open", "gauge", "Checkpoints open (validated and mapped).");
+  sample(c, f, (double)n, NULL);
+  f = family(c, "weightd_checkpoint_bytes", "gauge", "Shard bytes of each open checkpoint.");
+  struct family *res = family(c, "weightd_checkpoint_page_cache_bytes", "gauge",
+                              "Shard bytes in the page cache, measured at most every 30 s.");
+  for (struct reg_ckpt *k = reg_first(d->reg); k != NULL; k = k->next) {
+    if (k->state != REG_OPEN) continue;
+    uint64_t size = 0;
+    for (size_t i = 0; i < k->ck->nshards; i++) size += k->ck->shards[i].size;
+    sample(c, f, (double)size, "path", k->path, NULL);
+    for (size_t i = 0; i < d->tel->nresident; i++)
+      if (d->tel->resident[i].generation == k->generation && strcmp(d->tel->resident[i].path, k->path) == 0)
+        sample(c, res, (double)d->tel->resident[i].bytes, "path", k->path, NULL);
+  }
+  f = family(c, "weightd_pinned_bytes", "gauge", "Checkpoint bytes registered for direct DMA (the pinned tier).");
+  sample(c, f, (double)reg_pinned_bytes(d->reg), NULL);
+  f = family(c, "weightd_pin_budget_bytes", "gauge", "The pinned tier's budget (host_pin_budget).");
+  sample(c, f, (double)reg_pin_budget(d->reg), NULL);
+}
+
+static void collect_daemon(struct daemon *d, struct collection *c) {
+  struct family *f = family(c, "weightd_errors_total", "counter", "Error replies sent, by code.");
+  for (int i = 1; i < DAEMON_ERROR_SLOTS; i++) {
+    const char *name = weightd_err_name(-i);
+    if (strcmp(name, "UNKNOWN") != 0) sample(c, f, (double)d->stats.errors[i], "code", name, NULL);
+  }
+  f = family(c, "weightd_connections", "gauge", "Client connections open.");
+  sample(c, f, (double)d->stats.connections, NULL);
+  f = family(c, "weightd_requests_total", "counter", "Requests started.");
+  sample(c, f, (double)d->stats.requests, NULL);
+  f = family(c, "weightd_requests_in_flight", "gauge", "Requests started and not finished.");
+  sample(c, f, (double)d->stats.requests_inflight, NULL);
+  f = family(c, "weightd_reply_bytes_queued", "gauge", "Reply bytes queued for clients and not yet sent.");
+  sample(c, f, (double)d->stats.output_queued, NULL);
+  f = family(c, "weightd_progress_events_dropped_total", "counter",
+             "Progress events not sent because their client did not read its replies.");
+  sample(c, f, (double)d->stats.events_dropped, NULL);
+  f = family(c, "weightd_open_fds", "gauge", "Open file descriptors of the daemon.");
+  sample(c, f, open_fds(d->stats.fd_limit), NULL);
+  f = family(c, "weightd_max_fds", "gauge", "The daemon's descriptor limit (RLIMIT_NOFILE).");
+  sample(c, f, (double)d->stats.fd_limit, NULL);
+  f = family(c, "weightd_ready", "gauge", "1 when /readyz answers 200.");
+  sample(c, f, telemetry_ready(d, NULL, 0) ? 1 : 0, NULL);
+  f = family(c, "weightd_build_info", "gauge", "The build: version and backend.");
+  sample(c, f, 1, "version", weightd_version_string(), "backend", d->backend_name, NULL);
+  f = family(c, "weightd_uptime_seconds", "gauge", "Seconds since the daemon started serving.");
+  sample(c, f, (double)(clock_ms() - d->started_ms) / 1000.0, NULL);
+}
+
+static void collect(struct daemon *d, struct collection *c) {
+  telemetry_refresh(d);
+  collect_loads(d, c);
+  collect_devices(d, c);
+  collect_checkpoints(d, c);
+  collect_daemon(d, c);
+}
+
+/* ---- rendering ---------------------------------------------------------------------------- */
+
+struct text {
+  char *s;
+  size_t n, cap;
+  bool failed;
+};
+
+static void put(struct text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void put(struct text *t, const char *fmt, ...) {
+  for (int tries = 0; tries < 2 && !t->failed; tries++) {
+    va_list ap;
+    va_start(ap, fmt);
+    int w = vsnprintf(t->s ? t->s + t->n : NULL, t->s ? t->cap - t->n : 0, fmt, ap);
+    va_end(ap);
+    if (w < 0) {
+      t->failed = true;
+      return;
+    }
+    if (t->s != NULL && (size_t)w < t->cap - t->n) {
+      t->n += (size_t)w;
+      return;
+    }
+    size_t cap = (t->cap ? t->cap * 2 : 16384) + (size_t)w;
+    char *ns = realloc(t->s, cap);
+    if (ns == NULL) {
+      t->failed = true;
+      return;
+    }
+    t->s = ns;
+    t->cap = cap;
+  }
+}
+
+/* A value as the text format writes it: integers exactly, others with 17 digits. */
+static void put_value(struct text *t, double v) {
+  if (v >= 0 && v < 9007199254740992.0 && v == (double)(uint64_t)v) put(t, "%" PRIu64, (uint64_t)v);
+  else put(t, "%.17g", v);
+}
+
+char *telemetry_prometheus(struct daemon *d) {
+  struct collection c = {0};
+  collect(d, &c);
+  struct text t = {0};
+  put(&t, "%s", "");
+  for (size_t i = 0; i < c.n; i++) {
+    const struct family *f = &c.f[i];
+    if (f->help != NULL) put(&t, "# HELP %s %s\n# TYPE %s %s\n", f->name, f->help, f->name, f->type);
+    const char *metric = f->name;
+    bool bucket = f->type != NULL && strcmp(f->type, "histogram") == 0;
+    for (size_t k = 0; k < f->n; k++) {
+      put(&t, "%s%s", metric, bucket ? "_bucket" : "");
+      if (f->v[k].labels[0]) put(&t, "{%s}", f->v[k].labels);
+      put(&t, " ");
+      put_value(&t, f->v[k].value);
+      put(&t, "\n");
+    }
+  }
+  collection_free(&c);
+  if (t.failed) {
+    free(t.s);
+    return NULL;
+  }
+  return t.s;
+}
+
+/* Parses 'k="v",...' (as written by sample) back into an object. */
+static cJSON *labels_json(const char *s) {
+  cJSON *o = cJSON_CreateObject();
+  while (o != NULL && *s) {
+    const char *eq = strchr(s, '=');
+    if (eq == NULL || eq[1] != '"') break;
+    char key[64];
+    snprintf(key, sizeof key, "%.*s", (int)(eq - s), s);
+    char val[1024];
+    size_t o2 = 0;
+    const char *p = eq + 2;
+    for (; *p && *p != '"' && o2 + 1 < sizeof val; p++) {
+      if (*p == '\\' && p[1]) p++, val[o2++] = *p == 'n' ? '\n' : *p;
+      else val[o2++] = *p;
+    }
+    val[o2] = '\0';
+    cJSON_AddStringToObject(o, key, val);
+    s = *p == '"' ? p + 1 : p;
+    if (*s == ',') s++;
+  }
+  return o;
+}
+
+cJSON *telemetry_json(struct daemon *d) {
+  struct collection c = {0};
+  collect(d, &c);
+  cJSON *out = cJSON_CreateObject();
+  cJSON *fam = NULL;
+  for (size_t i = 0; out != NULL && i < c.n; i++) {
+    const struct family *f = &c.f[i];
+    if (f->help != NULL) { /* a family of its own; _sum and _count belong to the histogram before them */
+      fam = cJSON_AddObjectToObject(out, f->name);
+      cJSON_AddStringToObject(fam, "type", f->type);
+      cJSON_AddStringToObject(fam, "help", f->help);
+      cJSON_AddArrayToObject(fam, "samples");
+    }
+    if (fam == NULL) continue;
+    if (f->help == NULL) { /* _sum / _count of the histogram */
+      cJSON_AddNumberToObject(fam, strstr(f->name, "_sum") ? "sum" : "count", f->n ? f->v[0].value : 0);
+      continue;
+    }
+    cJSON *samples = cJSON_GetObjectItemCaseSensitive(fam, "samples");
+    for (size_t k = 0; k < f->n; k++) {
+      cJSON *s = cJSON_CreateObject();
+      cJSON_AddItemToObject(s, "labels", labels_json(f->v[k].labels));
+      double v = f->v[k].value;
+      if (v >= 0 && v < 9007199254740992.0 && v == (double)(uint64_t)v) json_u64_add(s, "value", (uint64_t)v);
+      else cJSON_AddNumberToObject(s, "value", v);
+      cJSON_AddItemToArray(samples, s);
+    }
+  }
+  collection_free(&c);
+  return out;
+}

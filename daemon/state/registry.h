@@ -1,0 +1,227 @@
+/*
+ * registry.h - open checkpoints: resolution, validation, mappings, the page
+ * cache and the pinned-resident tier.
+ *
+ * The registry is loop-owned state with an explicit context (struct
+ * registry): whoever creates it hands it the pools, the backend and the model
+ * roots, and every job it runs reads only what its job struct holds. It
+ * knows nothing of requests or the protocol: callers pass a continuation
+ * (a function and an argument) that runs on the loop thread once the work is
+ * done.
+ *
+ * Entries (struct reg_ckpt) are reference counted: the registry holds one
+ * while the entry is listed, each resident set and each running job another.
+ * An open entry's ckpt and maps never change, so jobs may read them without
+ * locks; a replaced shard detaches the old entry (sets built from it keep it
+ * alive) and a fresh one is opened.
+ *
+ * The pinned-resident tier: parts of a checkpoint's mappings registered with
+ * the GPU (cudaHostRegister) so that loads copy from them with no CPU copy.
+ * A checkpoint's registrations are a sorted list of page-aligned ranges of
+ * its shard files (a whole shard, or the ranges one plan reads: plan.h's
+ * plan_ranges), loop-owned; a load takes a copy when it is queued
+ * (reg_pins_copy) and, since a checkpoint with a load queued or running is
+ * never unpinned (reg_load_begin/end), the copy stays true until it ends.
+ * Registrations count against the pin budget; making room unpins whole
+ * checkpoints, least recently used first. The pin policy (enum reg_pin_mode)
+ * decides what enters the tier by itself; prefetch with pin asks for it.
+ */
+#ifndef WD_REGISTRY_H
+#define WD_REGISTRY_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "backend/backend.h"
+#include "checkpoint.h"
+#include "error.h"
+#include "load/fillpool.h"
+#include "base/jobs.h"
+#include "plan.h"
+
+struct registry;
+struct reg_roots;
+
+enum reg_state { REG_OPENING, REG_OPEN, REG_FAILED };
+
+/* What enters the pinned-resident tier without being asked (the `pin` setting). */
+enum reg_pin_mode {
+  REG_PIN_OFF,        /* only what prefetch with pin asks for */
+  REG_PIN_AFTER_LOAD, /* a finished load's byte ranges, in the background, when they fit the budget */
+  REG_PIN_ON_OPEN,    /* that, and a whole checkpoint that fits as soon as it is opened */
+};
+
+struct prefetch;
+
+struct reg_ckpt {
+  struct registry *reg;
+  char *path; /* resolved; the registry key */
+  uint64_t generation;
+  enum reg_state state;
+  struct ckpt *ck;    /* immutable once open */
+  void **maps;        /* per shard: the read-only MAP_SHARED mapping (NULL for an empty file) */
+  int refs;           /* the registry's own, sets, jobs and waiters */
+  bool detached;      /* no longer in the registry (closed or replaced) */
+  bool prefetching;
+  struct plan_range *pins; /* registered ranges, sorted by shard and offset, disjoint */
+  size_t npins;
+  bool pinning;          /* a job is registering more: other pins wait for it (parked) */
+  bool unpinning;        /* a job is unregistering it: no new pin until it is done */
+  uint64_t pinned_bytes; /* bytes registered or being registered, counted against the pin budget */
+  struct prefetch *parked; /* pin requests waiting for the running pin job */
+  unsigned loads;     /* loads from it now running (reg_load_begin/end): never unpinned under them */
+  uint64_t last_used_ms;
+  struct reg_waiter *waiters; /* acquirers waiting for REG_OPENING */
+  struct reg_ckpt *next;
+};
+
+/* What the registry is given at creation; pointers must outlive it. */
+struct reg_params {
+  const struct wd_backend *backend;
+  struct jobs *control; /* quick work: resolving, checking, opening */
+  struct jobs *bulk;    /* long work: prefetching, pinning */
+  struct fillpool *fill;
+  uint64_t pin_budget;  /* bytes of the pinned-resident tier; 0: derived (hostmem.h) */
+  enum reg_pin_mode pin_mode;
+};
+
+int reg_create(const struct reg_params *p, struct registry **out, struct wd_error *err);
+/* Detaches every entry (sets may still hold them) and frees the registry once none is left. */
+void reg_destroy(struct registry *r);
+
+/*
+ * Replaces the model roots (resolved directories; none means no confinement).
+ * Running jobs keep the roots they started with; new requests use these.
+ */
+int reg_roots_set(struct registry *r, const char *const *dirs, size_t n, struct wd_error *err);
+/* The current roots, for status and checks on the loop thread. */
+size_t reg_roots_count(const struct registry *r);
+const char *reg_root(const struct registry *r, size_t i);
+
+/*
+ * Changes the configured pin budget (0: derived, half of what hostmem.h
+ * reads, evaluated whenever a pin is considered); unpins checkpoints (least
+ * recently used, none that is loading) until the budget holds. Returns how many.
+ */
+size_t reg_pin_budget_set(struct registry *r, uint64_t budget);
+/* The budget in force now, and where it comes from ("host_pin_budget", "MemTotal", "cgroup"). */
+uint64_t reg_pin_budget(const struct registry *r);
+const char *reg_pin_budget_source(const struct registry *r);
+uint64_t reg_pinned_bytes(const struct registry *r);
+void reg_pin_mode_set(struct registry *r, enum reg_pin_mode mode);
+enum reg_pin_mode reg_pin_mode(const struct registry *r);
+
+/* The first entry of the registry's list (loop thread; follow ->next). */
+struct reg_ckpt *reg_first(const struct registry *r);
+
+/* Tells prefetches to stop early (shutdown): safe from any thread. */
+void reg_stop(struct registry *r);
+
+/* ---- acquiring -------------------------------------------------------------- */
+
+/*
+ * Called on the loop thread once an acquire is done: with the open entry and
+ * a reference the callee must drop with reg_unref, or with ck NULL and err
+ * saying why.
+ */
+typedef void (*reg_ready_fn)(void *arg, struct reg_ckpt *ck, const struct wd_error *err);
+
+/*
+ * Resolves path, checks it against the model roots, and calls cb with the
+ * open checkpoint: opening it, or checking an open one and reopening it if a
+ * shard was replaced, on a job thread. cb may run before reg_acquire returns
+ * (only when memory runs out).
+ */
+void reg_acquire(struct registry *r, const char *path, reg_ready_fn cb, void *arg);
+
+/* Called on the loop thread with the resolved path (NULL, and err, on failure). */
+typedef void (*reg_resolved_fn)(void *arg, const char *resolved, const struct wd_error *err);
+/* Resolves path on a job thread and checks it against the model roots. */
+void reg_resolve(struct registry *r, const char *path, reg_resolved_fn cb, void *arg);
+
+void reg_ref(struct reg_ckpt *ck);
+void reg_unref(struct reg_ckpt *ck);
+/* An open checkpoint by resolved path (no I/O), or NULL. */
+struct reg_ckpt *reg_find(struct registry *r, const char *resolved);
+/* Removes a checkpoint nothing uses: 0, or WEIGHTD_E_BUSY / WEIGHTD_E_NOT_FOUND. */
+int reg_close(struct registry *r, const char *resolved, struct wd_error *err);
+
+/* Counts a load reading ck (a pinned checkpoint is not unpinned under it). */
+void reg_load_begin(struct reg_ckpt *ck);
+void reg_load_end(struct reg_ckpt *ck);
+
+/* A copy of ck's registered ranges for a load (*out NULL when none); 0, or WEIGHTD_E_NOMEM. */
+int reg_pins_copy(const struct reg_ckpt *ck, struct plan_range **out, size_t *n);
+/* True when every shard of ck is registered whole. */
+bool reg_pinned_whole(const struct reg_ckpt *ck);
+/* Bytes registered now (without registrations under way). */
+uint64_t reg_pins_bytes(const struct reg_ckpt *ck);
+
+/* Ranges of a plan closer than this are read and pinned as one. */
+#define REG_PIN_MERGE_GAP (2ull << 20)
+
+/* The page-aligned byte ranges of ck's files plan p reads (plan_ranges with the page size and REG_PIN_MERGE_GAP). */
+int reg_plan_ranges(const struct reg_ckpt *ck, const struct plan *p, struct plan_range **out, size_t *n,
+                    struct wd_error *err);
+
+/* True when finished loads should report their ranges (pin after_load or on_open, on a backend that registers). */
+bool reg_pin_wants_ranges(const struct registry *r);
+
+/*
+ * The pin policy after a load of ck finished: registers, in the background,
+ * the ranges it read (page-aligned, plan_ranges) that are not registered yet,
+ * when they fit the pin budget (unpinning others, least recently used first,
+ * when that makes room), so that later loads of them go direct. Does nothing
+ * under pin off, while ck is being pinned or unpinned, or when they cannot
+ * fit. Takes the ranges (a malloc'd array) in every case.
+ */
+void reg_pin_after_load(struct reg_ckpt *ck, struct plan_range *ranges, size_t n);
+
+/* ---- the page cache and the pinned tier ------------------------------------- */
+
+/* Shard bytes in the page cache (mincore). Reads only ck: runs on job threads. */
+uint64_t reg_resident_bytes(const struct reg_ckpt *ck);
+
+/* What a prefetch did. */
+struct reg_prefetched {
+  uint64_t resident;    /* the checkpoint's page-cache bytes, measured at the end */
+  uint64_t registered;  /* bytes this prefetch registered (0: nothing new to pin, or no pin asked) */
+  double read_seconds;  /* reading the ranges into the page cache */
+  double pin_seconds;   /* registering them (unpinning others first included) */
+};
+
+/* Called on the loop thread when a prefetch is done: err NULL on success. */
+typedef void (*reg_prefetched_fn)(void *arg, struct reg_ckpt *ck, const struct reg_prefetched *res,
+                                  const struct wd_error *err);
+
+/*
+ * Starts a background read of the given ranges of ck's shard files (NULL:
+ * every shard whole; the array is copied) and, with pin, their registration
+ * for direct DMA within the pin budget (unpinning others, least recently used
+ * first, when that makes room); ranges already registered are left as they
+ * are. While another pin of ck runs, this one waits for it. cb (may be NULL)
+ * runs when done. Returns 0, or an error without starting anything (the pin
+ * cannot fit: LIMIT; the checkpoint is being unpinned: BUSY).
+ */
+int reg_prefetch(struct registry *r, struct reg_ckpt *ck, const struct plan_range *ranges, size_t nranges, bool pin,
+                 reg_prefetched_fn cb, void *arg, struct wd_error *err);
+
+/* A running prefetch, as reg_prefetch_start names it to its caller. */
+struct reg_prefetch;
+
+/*
+ * reg_prefetch, and *handle names the running prefetch until cb (which must
+ * not be NULL) runs: the caller may ask it for progress and tell it to stop.
+ */
+int reg_prefetch_start(struct registry *r, struct reg_ckpt *ck, const struct plan_range *ranges, size_t nranges,
+                       bool pin, reg_prefetched_fn cb, void *arg, struct reg_prefetch **handle, struct wd_error *err);
+
+/* Bytes of the shards read so far and in all (loop thread; the count is updated by the readers). */
+void reg_prefetch_progress(const struct reg_prefetch *h, uint64_t *done, uint64_t *total);
+
+/* Tells the prefetch to stop between chunks and not to pin; its cb then gets WEIGHTD_E_CANCELED. */
+void reg_prefetch_cancel(struct reg_prefetch *h);
+
+#endif

@@ -1,0 +1,280 @@
+/*
+ * registry_open.c - acquiring a checkpoint: resolving a path against the
+ * model roots, checking an open entry is unchanged, or opening and mapping
+ * it; and closing (see registry.h).
+ *
+ * DESIGN: each stage runs on a control job that reads only its struct acquire
+ * (the path, a reference to the roots it started with, the registry's
+ * thread-safe verdicts, and an entry nobody else reads while OPENING); the
+ * done() callbacks update the registry on the loop thread (registry.c says
+ * what the jobs share).
+ */
+#include "registry_internal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "base/log.h"
+#include "pathutil.h"
+
+struct reg_waiter {
+  reg_ready_fn cb;
+  void *arg;
+  struct reg_waiter *next;
+};
+
+/* ---- acquiring: resolve, then verify or open ---------------------------------------- */
+
+enum acq_stage { ACQ_RESOLVE, ACQ_VERIFY, ACQ_OPEN };
+
+struct acquire {
+  struct job job;
+  struct registry *reg;
+  struct reg_roots *roots; /* referenced: what the job checks against */
+  struct ckpt_verdicts *verdicts; /* the registry's (thread-safe; it outlives every open job) */
+  enum acq_stage stage;
+  reg_ready_fn ready;      /* acquire */
+  reg_resolved_fn resolved_cb; /* resolve only */
+  void *arg;
+  char *path;
+  char *resolved;
+  struct reg_ckpt *entry; /* ACQ_VERIFY / ACQ_OPEN: referenced */
+  int rc;
+  struct wd_error err;
+};
+
+static void acquire_free(struct acquire *a) {
+  reg_roots_unref(a->roots);
+  free(a->path);
+  free(a->resolved);
+  free(a);
+}
+
+static int map_shards(struct reg_ckpt *e, struct wd_error *err) {
+  const struct ckpt *c = e->ck;
+  e->maps = calloc(c->nshards ? c->nshards : 1, sizeof *e->maps);
+  if (e->maps == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  for (size_t i = 0; i < c->nshards; i++) {
+    if (c->shards[i].size == 0) continue;
+    void *p = mmap(NULL, c->shards[i].size, PROT_READ, MAP_SHARED, c->shards[i].fd, 0);
+    if (p == MAP_FAILED) return err_set(err, WEIGHTD_E_IO, "%s: mmap: %s", c->shards[i].rel, strerror(errno));
+    e->maps[i] = p;
+  }
+  /* The mappings keep the files; the descriptors are no longer needed. */
+  for (size_t i = 0; i < c->nshards; i++) {
+    close(c->shards[i].fd);
+    c->shards[i].fd = -1;
+  }
+  return 0;
+}
+
+static void acquire_work(struct job *j) {
+  struct acquire *a = (struct acquire *)j;
+  const struct reg_roots *rt = a->roots;
+  switch (a->stage) {
+  case ACQ_RESOLVE: {
+    /* Resolved with lstat and readlink only, and judged against the roots without
+     * saying whether anything outside them exists (path_resolve). */
+    const struct path_roots roots = {(const char *const *)rt->dirs, rt->n};
+    char label[320];
+    struct path_resolved res;
+    a->rc = path_resolve(a->path, &roots, err_quote(a->path, strlen(a->path), label, sizeof label), &res, &a->err);
+    if (a->rc == 0) a->resolved = res.real;
+    return;
+  }
+  case ACQ_VERIFY:
+    a->rc = ckpt_check_unchanged(a->entry->ck, &a->err);
+    return;
+  case ACQ_OPEN: {
+    bool remembered = false;
+    struct ckpt_opts opts = {(const char *const *)rt->dirs, rt->n, a->verdicts, &remembered};
+    struct ckpt *c = NULL;
+    a->rc = ckpt_open(a->resolved, &opts, &c, &a->err);
+    if (a->rc != 0) {
+      if (remembered) log_msg(LOG_DEBUG, "%s: refused from the remembered verdict (the files are unchanged)", a->resolved);
+      return;
+    }
+    a->entry->ck = c; /* the entry is OPENING: nobody else reads it yet */
+    a->rc = map_shards(a->entry, &a->err);
+    return;
+  }
+  }
+}
+
+static void notify_waiters(struct reg_ckpt *e, const struct wd_error *err) {
+  struct reg_waiter *w = e->waiters;
+  e->waiters = NULL;
+  while (w != NULL) {
+    struct reg_waiter *next = w->next;
+    if (err == NULL) reg_ref(e);
+    w->cb(w->arg, err == NULL ? e : NULL, err);
+    free(w);
+    w = next;
+  }
+}
+
+static int add_waiter(struct reg_ckpt *e, reg_ready_fn cb, void *arg) {
+  struct reg_waiter *w = calloc(1, sizeof *w);
+  if (w == NULL) return -1;
+  w->cb = cb;
+  w->arg = arg;
+  w->next = e->waiters;
+  e->waiters = w;
+  return 0;
+}
+
+static void fail_nomem(reg_ready_fn cb, void *arg) {
+  struct wd_error err;
+  err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
+  cb(arg, NULL, &err);
+}
+
+/* Starts opening a->resolved (or joins an open already under way). */
+static void start_open(struct acquire *a) {
+  struct registry *r = a->reg;
+  for (struct reg_ckpt *e = r->ckpts; e != NULL; e = e->next) {
+    if (e->state == REG_OPENING && strcmp(e->path, a->resolved) == 0) {
+      if (add_waiter(e, a->ready, a->arg) != 0) fail_nomem(a->ready, a->arg);
+      acquire_free(a);
+      return;
+    }
+  }
+  struct reg_ckpt *e = calloc(1, sizeof *e);
+  if (e == NULL || (e->path = strdup(a->resolved)) == NULL || add_waiter(e, a->ready, a->arg) != 0) {
+    if (e) free(e->path);
+    free(e);
+    fail_nomem(a->ready, a->arg);
+    acquire_free(a);
+    return;
+  }
+  e->reg = r;
+  r->nentries++;
+  e->state = REG_OPENING;
+  e->generation = ++r->next_generation;
+  e->refs = 2; /* the registry's, and the open job's */
+  e->next = r->ckpts;
+  r->ckpts = e;
+  a->stage = ACQ_OPEN;
+  a->entry = e;
+  a->rc = 0;
+  jobs_submit(r->control, &a->job);
+}
+
+static void acquire_done(struct job *j) {
+  struct acquire *a = (struct acquire *)j;
+  switch (a->stage) {
+  case ACQ_RESOLVE: {
+    if (a->resolved_cb != NULL) { /* reg_resolve: that was all */
+      a->resolved_cb(a->arg, a->rc == 0 ? a->resolved : NULL, a->rc == 0 ? NULL : &a->err);
+      acquire_free(a);
+      return;
+    }
+    if (a->rc != 0) {
+      a->ready(a->arg, NULL, &a->err);
+      acquire_free(a);
+      return;
+    }
+    struct reg_ckpt *e = reg_find(a->reg, a->resolved);
+    if (e == NULL) {
+      start_open(a);
+      return;
+    }
+    reg_ref(e);
+    a->entry = e;
+    a->stage = ACQ_VERIFY;
+    jobs_submit(a->reg->control, &a->job);
+    return;
+  }
+  case ACQ_VERIFY: {
+    struct reg_ckpt *e = a->entry;
+    a->entry = NULL;
+    if (a->rc == 0 && !e->detached) {
+      e->last_used_ms = clock_ms();
+      a->ready(a->arg, e, NULL); /* passes our reference on */
+      acquire_free(a);
+      return;
+    }
+    if (a->rc == WEIGHTD_E_STALE && !e->detached) {
+      log_msg(LOG_INFO, "%s: %s; reopening", e->path, a->err.msg);
+      reg_detach(e);
+    }
+    reg_unref(e);
+    a->rc = 0;
+    start_open(a);
+    return;
+  }
+  case ACQ_OPEN: {
+    struct reg_ckpt *e = a->entry;
+    if (a->rc == 0) {
+      e->state = REG_OPEN;
+      e->last_used_ms = clock_ms();
+      log_msg(LOG_INFO, "opened %s: %zu shards, %zu tensors, %llu bytes", e->path, e->ck->nshards,
+              e->ck->ntensors, (unsigned long long)e->ck->total_bytes);
+      notify_waiters(e, NULL);
+      reg_pin_on_open(a->reg, e);
+    } else {
+      e->state = REG_FAILED;
+      log_msg(LOG_WARN, "cannot open %s: %s", e->path, a->err.msg);
+      reg_detach(e);
+      notify_waiters(e, &a->err);
+    }
+    reg_unref(e); /* the job's reference */
+    acquire_free(a);
+    return;
+  }
+  }
+}
+
+static struct acquire *acquire_new(struct registry *r, const char *path) {
+  struct acquire *a = calloc(1, sizeof *a);
+  if (a == NULL || (a->path = strdup(path)) == NULL) {
+    free(a);
+    return NULL;
+  }
+  a->job.work = acquire_work;
+  a->job.done = acquire_done;
+  a->reg = r;
+  a->roots = reg_roots_ref(r->roots);
+  a->verdicts = r->verdicts;
+  a->stage = ACQ_RESOLVE;
+  return a;
+}
+
+void reg_acquire(struct registry *r, const char *path, reg_ready_fn cb, void *arg) {
+  struct acquire *a = acquire_new(r, path);
+  if (a == NULL) {
+    fail_nomem(cb, arg);
+    return;
+  }
+  a->ready = cb;
+  a->arg = arg;
+  jobs_submit(r->control, &a->job);
+}
+
+void reg_resolve(struct registry *r, const char *path, reg_resolved_fn cb, void *arg) {
+  struct acquire *a = acquire_new(r, path);
+  if (a == NULL) {
+    struct wd_error err;
+    err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
+    cb(arg, NULL, &err);
+    return;
+  }
+  a->resolved_cb = cb;
+  a->arg = arg;
+  jobs_submit(r->control, &a->job);
+}
+
+int reg_close(struct registry *r, const char *resolved, struct wd_error *err) {
+  struct reg_ckpt *e = reg_find(r, resolved);
+  if (e == NULL) return err_set(err, WEIGHTD_E_NOT_FOUND, "%s is not open", resolved);
+  if (e->refs > 1)
+    return err_set(err, WEIGHTD_E_BUSY, "%s is in use by %d resident set(s) or running operation(s)", resolved,
+                   e->refs - 1);
+  log_msg(LOG_INFO, "closed %s", e->path);
+  reg_detach(e);
+  return 0;
+}
