@@ -4,14 +4,15 @@
  *
  * DESIGN: one libuv loop thread owns everything reachable from here. The
  * state modules (registry.h, residency.h, loader.h) are explicit contexts of
- * their own; their jobs run on the pools (jobs.h, fillpool.h) and read only
+ * their own; their jobs run on the pools (jobs.h, load/pool.h) and read only
  * what their job structs hold, never this struct. Layers call downward only:
  *
- *   main.c    start-up, signals, orderly stop
- *   server*.c transport: the socket, connections, frames, descriptors
- *   ops.c     protocol: the only code that builds replies and events
- *   registry.c residency.c loader.c   state and work (typed continuations)
- *   jobs.c fillpool.c fault.c log.c config.c, common/, proto/
+ *   main.c, service/   start-up, signals, orderly stop, restarts, metrics
+ *   transport/         the socket, connections, frames, descriptors
+ *   ops/               protocol: the only code that builds replies and events
+ *   state/             checkpoints and resident sets (typed continuations)
+ *   load/              moving bytes from sources into slabs
+ *   base/ backend/     threads, faults, log, config, devices; common/, proto/
  *
  * Nothing here is read by a worker thread.
  */
@@ -24,7 +25,7 @@
 
 #include "backend/backend.h"
 #include "base/config.h"
-#include "load/fillpool.h"
+#include "load/pool.h"
 #include "base/jobs.h"
 #include "load/loader.h"
 #include "state/registry.h"
@@ -52,7 +53,6 @@ struct daemon_stats {
 struct telemetry;
 struct http;
 struct topology;
-struct mg;
 
 struct daemon {
   uv_loop_t *loop;
@@ -62,12 +62,11 @@ struct daemon {
   int ndevices;
   struct jobs *control_pool; /* control_threads: resolving, checking and opening checkpoints, plans, status */
   struct jobs *job_pool;     /* job_threads: loads, prefetches, freeing slabs */
-  struct fillpool *fill;
+  struct ld_pool *fill;
   struct registry *reg;
   struct residency *res;
   struct loader *ld;
   struct topology *topo; /* the devices as a group: NUMA nodes, peers, link rates (immutable) */
-  struct mg *mg;         /* replicas and striped loads; NULL with one device */
   struct server *srv;
   struct telemetry *tel; /* metrics' cached measurements and readiness */
   struct http *http;     /* the metrics and probe endpoints, when configured */

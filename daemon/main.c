@@ -16,6 +16,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -445,7 +447,7 @@ int main(int argc, char **argv) {
   telemetry_refresh(d);
   d->started_ms = clock_ms();
   log_msg(LOG_INFO, "weightd %s: %s backend, %d device(s), %u fill threads, %s %s, logging to %s",
-          weightd_version_string(), d->backend_name, d->ndevices, fill_threads(d->fill),
+          weightd_version_string(), d->backend_name, d->ndevices, ld_pool_threads(d->fill),
           listen_fd >= 0 ? "serving the socket passed at start," : "listening on", d->socket_path,
           log_target_name());
   /* For a person at a terminal; the journal has the start-up line above, and every line there needs its prefix. */
@@ -458,8 +460,17 @@ int main(int argc, char **argv) {
   uint64_t ready_ns = clock_ns();
   log_msg(LOG_INFO, "READY %.1f ms after start, %.1f ms after the backend was ready; %u set(s) re-adopted",
           (double)(ready_ns - start_ns) / 1e6, (double)(ready_ns - backend_ns) / 1e6, survive_adopted(d->surv));
-  /* Staging slots after READY: a restart serves its re-adopted sets without waiting for them. */
-  if (ld_staging_start(d->ld, &err) != 0) {
+  /*
+   * Staging slots after READY: a restart serves its re-adopted sets without
+   * waiting for them. They are allocated near each device (the loader's
+   * place hook binds this thread), and the loop thread runs anywhere again
+   * afterwards.
+   */
+  cpu_set_t affinity;
+  bool restore = pthread_getaffinity_np(pthread_self(), sizeof affinity, &affinity) == 0;
+  int staged = ld_staging_start(d->ld, &err);
+  if (restore) pthread_setaffinity_np(pthread_self(), sizeof affinity, &affinity);
+  if (staged != 0) {
     log_msg(LOG_ERROR, "cannot allocate the staging slots: %s; stopping", err.msg);
     d->exit_code = 1;
     request_stop(d);

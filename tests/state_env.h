@@ -13,7 +13,7 @@
  *
  * Several devices (env_opts.host_devices > 1): the host backend presents
  * them with the peers host_peers names, and the env builds the topology and
- * the multi-device context (replicas, striping) as startup.c does.
+ * hands it to the loader (replicas, striping) as startup.c does.
  *
  * Include testutil.h first.
  */
@@ -27,11 +27,11 @@
 #include "backend/backend.h"
 #include "clock.h"
 #include "base/fault.h"
-#include "load/fillpool.h"
+#include "load/pool.h"
 #include "base/jobs.h"
 #include "load/loader.h"
+#include "base/config.h"
 #include "base/log.h"
-#include "load/multigpu.h"
 #include "state/registry.h"
 #include "state/residency.h"
 #include "base/topology.h"
@@ -45,7 +45,7 @@ struct env {
   uv_loop_t loop;
   uv_timer_t tick; /* wakes UV_RUN_ONCE while env_run_until waits */
   struct jobs *control, *bulk;
-  struct fillpool *fill;
+  struct ld_pool *fill;
   struct wd_backend backend;
   struct registry *reg;
   struct loader *ld;
@@ -55,7 +55,6 @@ struct env {
   int ndevices;
   struct wd_device_info devices[ENV_MAX_DEVICES];
   struct topology *topo;
-  struct mg *mg;
 };
 
 struct env_opts {
@@ -77,7 +76,10 @@ struct env_opts {
   bool replicas, striping;
   const char *link_rates;   /* NULL: unmeasured */
   uint64_t stripe_min_bytes;
-  size_t window_bytes;      /* a striped window (kit); 0: 64 KiB */
+  size_t window_bytes;      /* striping: a window, the staging slot size unless that is given; 0: 64 KiB */
+  bool refuse_odirect;      /* test_refuse_odirect */
+  uint64_t auto_direct_bytes; /* source auto's threshold (0: half of host memory) */
+  const char *load_gate;    /* test_load_gate: a FIFO */
 };
 
 static inline void env_tick(uv_timer_t *t) { (void)t; }
@@ -90,7 +92,7 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
   uv_timer_init(&e->loop, &e->tick);
   int rc = jobs_start(&e->loop, 2, &e->control, &err);
   if (rc == 0) rc = jobs_start(&e->loop, o->bulk_threads ? o->bulk_threads : 2, &e->bulk, &err);
-  if (rc == 0 && fill_start(2, &e->fill) != 0) rc = err_set(&err, WEIGHTD_E_NOMEM, "fill_start");
+  if (rc == 0 && ld_pool_start(2, &e->fill) != 0) rc = err_set(&err, WEIGHTD_E_NOMEM, "fill_start");
   /* A test backend wraps the host backend's operations: it runs on the host backend's one-device context. */
   struct wd_host_options ho = {.devices = o->host_devices > 1 && o->ops == NULL ? o->host_devices : 1,
                                .peers = o->host_peers};
@@ -100,16 +102,6 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
   for (int i = 0; rc == 0 && i < e->ndevices; i++)
     rc = e->backend.ops->device_info(e->backend.ctx, i, &e->devices[i], &err);
   if (rc == 0 && e->ndevices > 1) rc = topo_create(&e->backend, e->ndevices, NULL, o->link_rates, &e->topo, &err);
-  if (rc == 0 && e->topo != NULL) {
-    struct mg_params mp = {.backend = &e->backend,
-                           .fill = e->fill,
-                           .topo = e->topo,
-                           .replicas = o->replicas,
-                           .striping = o->striping,
-                           .stripe_min_bytes = o->stripe_min_bytes,
-                           .window_bytes = o->window_bytes ? o->window_bytes : (64u << 10)};
-    rc = mg_create(&mp, &e->mg, &err);
-  }
   if (rc == 0) {
     struct reg_params gp = {.backend = &e->backend,
                             .control = e->control,
@@ -121,15 +113,24 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
   }
   if (rc == 0) rc = e->backend.ops->device_info(e->backend.ctx, 0, &e->device, &err);
   if (rc == 0 && o->residency) {
+    size_t slot = o->staging_slot_bytes   ? o->staging_slot_bytes
+                  : o->striping            ? (o->window_bytes ? o->window_bytes : (64u << 10))
+                                           : 16u << 20;
     struct ld_params lp = {.backend = &e->backend,
-                           .fill = e->fill,
+                           .pool = e->fill,
                            .ndevices = e->ndevices,
-                           .method = o->method,
+                           .staged_only = o->method == CFG_LOAD_STAGED,
                            .strided = o->strided,
                            .staging_slots = o->staging_slots ? o->staging_slots : 4,
-                           .staging_slot_bytes = o->staging_slot_bytes ? o->staging_slot_bytes : 16u << 20,
+                           .staging_slot_bytes = slot,
                            .writes = o->writes,
-                           .mg = e->mg};
+                           .test_refuse_odirect = o->refuse_odirect,
+                           .auto_direct_bytes = o->auto_direct_bytes,
+                           .test_load_gate = o->load_gate,
+                           .topo = e->topo,
+                           .replicas = o->replicas,
+                           .striping = o->striping,
+                           .stripe_min_bytes = o->stripe_min_bytes};
     rc = ld_create(&lp, &e->ld, &err);
     if (rc == 0) rc = ld_staging_start(e->ld, &err);
     struct res_params rp = {.loop = &e->loop,
@@ -139,7 +140,7 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
                             .ndevices = e->ndevices,
                             .devices = e->devices,
                             .device_budget = o->device_budget,
-                            .replicas = e->mg != NULL && o->replicas};
+                            .replicas = ld_has_peers(e->ld) && o->replicas};
     if (rc == 0) rc = res_create(&rp, &e->res, &err);
   }
   if (rc != 0) fprintf(stderr, "env_start: %s\n", err.msg);
@@ -181,9 +182,8 @@ static inline void env_stop(struct env *e) {
   uv_run(&e->loop, UV_RUN_DEFAULT);
   CHECK_EQ_INT(uv_loop_close(&e->loop), 0);
   ld_destroy(e->ld);
-  mg_destroy(e->mg);
   topo_destroy(e->topo);
-  fill_stop(e->fill);
+  ld_pool_stop(e->fill);
   backend_destroy(&e->backend);
 }
 

@@ -25,6 +25,7 @@
 
 #include "fixture.h"
 #include "base/numa.h"
+#include "load/multi.h"
 #include "state_env.h"
 
 /* ---- the fill pool: round robin between loads ------------------------------------------------- */
@@ -34,7 +35,7 @@
 struct rr {
   pthread_mutex_t mu;
   pthread_cond_t cv;
-  struct fillpool *pool;
+  struct ld_pool *pool;
   bool a_started;       /* A's caller is inside its task: A is in the pool's list */
   bool b_started;       /* B's caller is inside its task: B is in the pool's list */
   bool pool_first_done; /* the pool thread's first task has waited for B */
@@ -43,7 +44,7 @@ struct rr {
   int nlog;
 };
 
-static _Thread_local int rr_caller = -1; /* the batch this thread called fill_run for; -1 for the pool thread */
+static _Thread_local int rr_caller = -1; /* the batch this thread called ld_pool_run for; -1 for the pool thread */
 
 static void rr_task(struct rr *r, int batch) {
   pthread_mutex_lock(&r->mu);
@@ -78,14 +79,14 @@ static struct rr *rr_state;
 static void *rr_caller_a(void *arg) {
   (void)arg;
   rr_caller = 0;
-  fill_run(rr_state->pool, RR_TASKS, rr_task_a, rr_state);
+  ld_pool_run(rr_state->pool, RR_TASKS, rr_task_a, rr_state);
   return NULL;
 }
 
 static void *rr_caller_b(void *arg) {
   (void)arg;
   rr_caller = 1;
-  fill_run(rr_state->pool, RR_TASKS, rr_task_b, rr_state);
+  ld_pool_run(rr_state->pool, RR_TASKS, rr_task_b, rr_state);
   return NULL;
 }
 
@@ -98,7 +99,7 @@ static void test_fill_round_robin(void) {
   struct rr r = {.nlog = 0};
   pthread_mutex_init(&r.mu, NULL);
   pthread_cond_init(&r.cv, NULL);
-  CHECK_EQ_INT(fill_start(1, &r.pool), 0);
+  CHECK_EQ_INT(ld_pool_start(1, &r.pool), 0);
   rr_state = &r;
   pthread_t ta, tb;
   pthread_create(&ta, NULL, rr_caller_a, NULL);
@@ -115,7 +116,7 @@ static void test_fill_round_robin(void) {
   pthread_mutex_unlock(&r.mu);
   pthread_join(ta, NULL);
   pthread_join(tb, NULL);
-  fill_stop(r.pool);
+  ld_pool_stop(r.pool);
   CHECK_EQ_INT(r.nlog, 2 * RR_TASKS - 2);
   /* Its first task was A's (B did not exist yet); then B, A, B, A ... while both have tasks left. */
   CHECK_EQ_INT(r.log[0], 0);
@@ -144,17 +145,17 @@ static void test_fill_bind(void) {
   int cpu0[] = {cpu}, cpu3[] = {cpu, cpu, cpu};
   struct numa_node nodes[2] = {{.id = 0, .cpus = cpu0, .ncpus = 1}, {.id = 3, .cpus = cpu3, .ncpus = 3}};
   struct numa_map one = {.nodes = nodes, .n = 1}, two = {.nodes = nodes, .n = 2};
-  struct fillpool *p = NULL;
-  CHECK_EQ_INT(fill_start(4, &p), 0);
-  CHECK_EQ_INT(fill_bind(p, &one), 0);
-  for (unsigned i = 0; i < 4; i++) CHECK_EQ_INT(fill_thread_node(p, i), -1);
+  struct ld_pool *p = NULL;
+  CHECK_EQ_INT(ld_pool_start(4, &p), 0);
+  CHECK_EQ_INT(ld_pool_bind(p, &one), 0);
+  for (unsigned i = 0; i < 4; i++) CHECK_EQ_INT(ld_pool_thread_node(p, i), -1);
   /* Node 3 counts 3 CPUs to node 0's one, so it gets three of the four threads. */
-  CHECK_EQ_INT(fill_bind(p, &two), 4);
-  CHECK_EQ_INT(fill_thread_node(p, 0), 0);
-  for (unsigned i = 1; i < 4; i++) CHECK_EQ_INT(fill_thread_node(p, i), 3);
-  CHECK_EQ_INT(fill_thread_node(p, 4), -1);
-  CHECK_EQ_INT(fill_threads(p), 5);
-  fill_stop(p);
+  CHECK_EQ_INT(ld_pool_bind(p, &two), 4);
+  CHECK_EQ_INT(ld_pool_thread_node(p, 0), 0);
+  for (unsigned i = 1; i < 4; i++) CHECK_EQ_INT(ld_pool_thread_node(p, i), 3);
+  CHECK_EQ_INT(ld_pool_thread_node(p, 4), -1);
+  CHECK_EQ_INT(ld_pool_threads(p), 5);
+  ld_pool_stop(p);
 }
 
 /* ---- NUMA from sysfs -------------------------------------------------------------------------- */
@@ -256,26 +257,26 @@ static void test_link_rates(void) {
 static void test_stripe_split(void) {
   struct ld_share s[4];
   /* Equal links, 900 MiB in 64 MiB windows: cuts at 300 and 600 MiB rounded to whole windows. */
-  struct mg_link eq[3] = {{0, 1}, {1, 1}, {2, 1}};
-  CHECK_EQ_INT(mg_stripe_split(eq, 3, 900 * MiB, 64 * MiB, s), 3);
+  struct ld_link_rate eq[3] = {{0, 1}, {1, 1}, {2, 1}};
+  CHECK_EQ_INT(ld_stripe_split(eq, 3, 900 * MiB, 64 * MiB, s), 3);
   CHECK(s[0].device == 0 && s[0].lo == 0 && s[0].hi == 320 * MiB);
   CHECK(s[1].device == 1 && s[1].lo == 320 * MiB && s[1].hi == 576 * MiB);
   CHECK(s[2].device == 2 && s[2].lo == 576 * MiB && s[2].hi == 900 * MiB);
   /* Rates 2:1:1 (the target's link twice as fast): half, a quarter, a quarter. */
-  struct mg_link r[3] = {{5, 2}, {3, 1}, {7, 1}};
-  CHECK_EQ_INT(mg_stripe_split(r, 3, 1024 * MiB, 64 * MiB, s), 3);
+  struct ld_link_rate r[3] = {{5, 2}, {3, 1}, {7, 1}};
+  CHECK_EQ_INT(ld_stripe_split(r, 3, 1024 * MiB, 64 * MiB, s), 3);
   CHECK(s[0].device == 5 && s[0].hi == 512 * MiB);
   CHECK(s[1].device == 3 && s[1].lo == 512 * MiB && s[1].hi == 768 * MiB);
   CHECK(s[2].device == 7 && s[2].lo == 768 * MiB && s[2].hi == 1024 * MiB);
   /* Less than a window each: the cuts round to nothing, one link gets all (nothing to stripe). */
-  CHECK_EQ_INT(mg_stripe_split(eq, 3, 40 * MiB, 64 * MiB, s), 1);
+  CHECK_EQ_INT(ld_stripe_split(eq, 3, 40 * MiB, 64 * MiB, s), 1);
   CHECK(s[0].hi == s[0].lo && s[1].hi == s[1].lo && s[2].lo == 0 && s[2].hi == 40 * MiB);
   /* A link of rate 0 gets nothing; the others split the rest. */
-  struct mg_link z[3] = {{0, 1}, {1, 0}, {2, 1}};
-  CHECK_EQ_INT(mg_stripe_split(z, 3, 256 * MiB, 64 * MiB, s), 2);
+  struct ld_link_rate z[3] = {{0, 1}, {1, 0}, {2, 1}};
+  CHECK_EQ_INT(ld_stripe_split(z, 3, 256 * MiB, 64 * MiB, s), 2);
   CHECK(s[0].hi == 128 * MiB && s[1].lo == s[1].hi && s[2].lo == 128 * MiB);
   /* One link: everything. */
-  CHECK_EQ_INT(mg_stripe_split(eq, 1, 5 * MiB, 64 * MiB, s), 1);
+  CHECK_EQ_INT(ld_stripe_split(eq, 1, 5 * MiB, 64 * MiB, s), 1);
   CHECK(s[0].lo == 0 && s[0].hi == 5 * MiB);
 }
 
@@ -289,20 +290,20 @@ static void test_replica_pick(void) {
   peer[1 * 4 + 0] = (struct wd_peer_info){1, WD_LINK_PCIE, 1};
   peer[2 * 4 + 0] = (struct wd_peer_info){1, WD_LINK_NVLINK, 0};
   peer[3 * 4 + 0] = (struct wd_peer_info){0, WD_LINK_NONE, -1};
-  struct ld_source s[3] = {{NULL, 1}, {NULL, 2}, {NULL, 3}};
-  CHECK_EQ_INT(mg_replica_pick(&t, 0, s, 3, NULL), 1); /* NVLink first */
+  struct ld_copy s[3] = {{NULL, 1}, {NULL, 2}, {NULL, 3}};
+  CHECK_EQ_INT(ld_replica_pick(&t, 0, s, 3, NULL), 1); /* NVLink first */
   bool busy[3] = {false, true, false};
-  CHECK_EQ_INT(mg_replica_pick(&t, 0, s, 3, busy), 0); /* NVLink busy: PCIe */
+  CHECK_EQ_INT(ld_replica_pick(&t, 0, s, 3, busy), 0); /* NVLink busy: PCIe */
   busy[0] = true;
-  CHECK_EQ_INT(mg_replica_pick(&t, 0, s, 3, busy), -1); /* the one left has no access: host memory */
-  struct ld_source only3[1] = {{NULL, 3}};
-  CHECK_EQ_INT(mg_replica_pick(&t, 0, only3, 1, NULL), -1);
+  CHECK_EQ_INT(ld_replica_pick(&t, 0, s, 3, busy), -1); /* the one left has no access: host memory */
+  struct ld_copy only3[1] = {{NULL, 3}};
+  CHECK_EQ_INT(ld_replica_pick(&t, 0, only3, 1, NULL), -1);
   /* Two PCIe peers: the lower performance rank. */
   peer[3 * 4 + 0] = (struct wd_peer_info){1, WD_LINK_PCIE, 0};
-  struct ld_source pc[2] = {{NULL, 1}, {NULL, 3}};
-  CHECK_EQ_INT(mg_replica_pick(&t, 0, pc, 2, NULL), 1);
-  struct ld_source self[1] = {{NULL, 0}};
-  CHECK_EQ_INT(mg_replica_pick(&t, 0, self, 1, NULL), -1);
+  struct ld_copy pc[2] = {{NULL, 1}, {NULL, 3}};
+  CHECK_EQ_INT(ld_replica_pick(&t, 0, pc, 2, NULL), 1);
+  struct ld_copy self[1] = {{NULL, 0}};
+  CHECK_EQ_INT(ld_replica_pick(&t, 0, self, 1, NULL), -1);
 }
 
 /* ---- the host backend's devices ------------------------------------------------------------------ */
@@ -438,7 +439,7 @@ static void start_load(struct mfix *f, const char *spec, int device, struct wait
   CHECK_EQ_INT(plan_build(f->ck->ck, j, &p, &err), 0);
   cJSON_Delete(j);
   reg_ref(f->ck);
-  res_load(f->e.res, f->ck, device, p, &x->w);
+  res_load(f->e.res, f->ck, device, p, LD_CHOOSE_MMAP, &x->w);
 }
 
 /* Loads and waits; the ready set or NULL. */
@@ -476,7 +477,7 @@ static void check_slab(struct mfix *f, const struct res_set *s, const unsigned c
   if (m == MAP_FAILED) return;
   for (uint64_t i = 0; i < n; i++)
     if (m[i] != img[i]) {
-      fprintf(stderr, "set %s (%s): slab byte %llu is %u, expected %u\n", s->id, s->load.method,
+      fprintf(stderr, "set %s (%s): slab byte %llu is %u, expected %u\n", s->id, ld_method_name(s->load.method),
               (unsigned long long)i, m[i], img[i]);
       CHECK(m[i] == img[i]);
       break;
@@ -502,7 +503,7 @@ static void test_replica_from_peer(void) {
   }
   struct res_set *a = load_on(&f, NULL, 0);
   if (a != NULL) {
-    CHECK(strcmp(a->load.method, "memcpy") == 0);
+    CHECK(a->load.method == LD_METHOD_MEMCPY);
     CHECK_EQ_INT(a->load.source_device, -1);
   }
   /* While the copy onto device 1 is queued, its source is kept: evicting it is BUSY. */
@@ -523,7 +524,7 @@ static void test_replica_from_peer(void) {
   struct res_set *b = x.set;
   CHECK(b != NULL && b != a);
   if (a != NULL && b != NULL) {
-    CHECK(strcmp(b->load.method, "peer") == 0);
+    CHECK(b->load.method == LD_METHOD_PEER);
     CHECK_EQ_INT(b->load.source_device, 0);
     CHECK_EQ_INT(a->copying, 0);
     CHECK_EQ_INT(b->load.nshares, 0);
@@ -531,7 +532,7 @@ static void test_replica_from_peer(void) {
     /* A third copy may come from either ready one; both are on peers of device 2. */
     struct res_set *c = load_on(&f, NULL, 2);
     if (c != NULL) {
-      CHECK(strcmp(c->load.method, "peer") == 0);
+      CHECK(c->load.method == LD_METHOD_PEER);
       CHECK(c->load.source_device == 0 || c->load.source_device == 1);
       check_whole(&f, c);
     }
@@ -550,13 +551,13 @@ static void test_replica_without_peer_access(void) {
   struct res_set *a = load_on(&f, NULL, 0);
   struct res_set *b = load_on(&f, NULL, 1); /* 0 and 1 are not peers: from host memory */
   if (a != NULL && b != NULL) {
-    CHECK(strcmp(b->load.method, "memcpy") == 0);
+    CHECK(b->load.method == LD_METHOD_MEMCPY);
     CHECK_EQ_INT(b->load.source_device, -1);
     check_whole(&f, b);
   }
   struct res_set *c = load_on(&f, NULL, 2); /* 1 and 2 are: from device 1's copy */
   if (c != NULL) {
-    CHECK(strcmp(c->load.method, "peer") == 0);
+    CHECK(c->load.method == LD_METHOD_PEER);
     CHECK_EQ_INT(c->load.source_device, 1);
     check_whole(&f, c);
   }
@@ -572,16 +573,16 @@ static void test_replica_source_busy(void) {
   }
   struct res_set *a = load_on(&f, NULL, 0);
   ld_reserve(f.e.ld, 0); /* a load onto device 0 is queued: it is busy */
-  CHECK_EQ_INT(mg_busy(f.e.mg, 0), 1);
+  CHECK_EQ_INT(ld_busy(f.e.ld, 0), 1);
   struct res_set *b = load_on(&f, NULL, 1);
   ld_unreserve(f.e.ld, 0);
   if (a != NULL && b != NULL) {
-    CHECK(strcmp(b->load.method, "memcpy") == 0);
+    CHECK(b->load.method == LD_METHOD_MEMCPY);
     CHECK_EQ_INT(b->load.source_device, -1);
     check_whole(&f, b);
   }
-  CHECK_EQ_INT(mg_busy(f.e.mg, 0), 0);
-  CHECK_EQ_INT(mg_busy(f.e.mg, 1), 0);
+  CHECK_EQ_INT(ld_busy(f.e.ld, 0), 0);
+  CHECK_EQ_INT(ld_busy(f.e.ld, 1), 0);
   mfix_stop(&f);
 }
 
@@ -590,7 +591,7 @@ static void test_replica_source_busy(void) {
 /* Checks that t's shares are the links `devices` (the target's first) and partition the slab in windows. */
 static void check_shares(const struct res_set *s, const int *devices, size_t n, size_t window) {
   const struct ld_target *t = &s->load;
-  CHECK(strcmp(t->method, "striped") == 0);
+  CHECK(t->method == LD_METHOD_STRIPED);
   CHECK_EQ_INT(t->nshares, n);
   uint64_t at = 0, total = s->plan->slab_bytes;
   for (size_t i = 0; i < t->nshares && i < n; i++) {
@@ -624,7 +625,7 @@ static void test_striped_load(void) {
     }
     check_whole(&f, s);
   }
-  for (int d = 0; d < 3; d++) CHECK_EQ_INT(mg_busy(f.e.mg, d), 0); /* every link given back */
+  for (int d = 0; d < 3; d++) CHECK_EQ_INT(ld_busy(f.e.ld, d), 0); /* every link given back */
   mfix_stop(&f);
 }
 
@@ -667,7 +668,7 @@ static void test_striped_rates_and_peers(void) {
   }
   struct res_set *t = load_on(&f, NULL, 3); /* no peers: its own link alone */
   if (t != NULL) {
-    CHECK(strcmp(t->load.method, "memcpy") == 0);
+    CHECK(t->load.method == LD_METHOD_MEMCPY);
     CHECK_EQ_INT(t->load.nshares, 0);
     check_whole(&f, t);
   }
@@ -684,7 +685,7 @@ static void test_not_striped_below_min(void) {
   }
   struct res_set *s = load_on(&f, NULL, 0);
   if (s != NULL) {
-    CHECK(strcmp(s->load.method, "memcpy") == 0);
+    CHECK(s->load.method == LD_METHOD_MEMCPY);
     CHECK_EQ_INT(s->load.nshares, 0);
   }
   mfix_stop(&f);
@@ -744,7 +745,7 @@ static void stripe_mixed(bool direct) {
     f.ck->pins = NULL;
     f.ck->npins = 0;
   }
-  if (s != NULL) CHECK(strcmp(s->load.method, "striped") == 0);
+  if (s != NULL) CHECK(s->load.method == LD_METHOD_STRIPED);
   if (s != NULL) {
     int want[] = {0, 1};
     check_shares(s, want, 2, 20 * KiB);
@@ -775,12 +776,12 @@ static void test_concurrent_loads(void) {
   struct waitfor x0, x1;
   start_load(&f, NULL, 0, &x0);
   start_load(&f, mixed_plan, 1, &x1);
-  CHECK_EQ_INT(mg_busy(f.e.mg, 0), 1);
-  CHECK_EQ_INT(mg_busy(f.e.mg, 1), 1);
+  CHECK_EQ_INT(ld_busy(f.e.ld, 0), 1);
+  CHECK_EQ_INT(ld_busy(f.e.ld, 1), 1);
   /* Each device stays busy until both loads are done, as it would with another load queued on it: the
    * decision is taken when a load runs, and one load may finish before the other's thread gets there. */
-  mg_reserve(f.e.mg, 0);
-  mg_reserve(f.e.mg, 1);
+  ld_reserve(f.e.ld, 0);
+  ld_reserve(f.e.ld, 1);
   gate_open(&g0);
   gate_open(&g1);
   CHECK(env_run_until(&f.e, env_flag_set, &g0.finished));
@@ -789,20 +790,20 @@ static void test_concurrent_loads(void) {
   gate_destroy(&g1);
   CHECK(env_run_until(&f.e, env_flag_set, &x0.fired));
   CHECK(env_run_until(&f.e, env_flag_set, &x1.fired));
-  mg_release(f.e.mg, 0);
-  mg_release(f.e.mg, 1);
+  ld_unreserve(f.e.ld, 0);
+  ld_unreserve(f.e.ld, 1);
   CHECK(x0.set != NULL && x1.set != NULL);
   if (x0.set != NULL && x1.set != NULL) {
     /* Each device was busy whenever the other's load ran, so neither borrowed the other's link. */
-    CHECK(strcmp(x0.set->load.method, "memcpy") == 0);
-    CHECK(strcmp(x1.set->load.method, "memcpy") == 0);
+    CHECK(x0.set->load.method == LD_METHOD_MEMCPY);
+    CHECK(x1.set->load.method == LD_METHOD_MEMCPY);
     check_whole(&f, x0.set);
     unsigned char *img = malloc(x1.set->plan->slab_bytes);
     expect_mixed(x1.set->plan, img);
     check_slab(&f, x1.set, img);
     free(img);
   }
-  CHECK_EQ_INT(mg_busy(f.e.mg, 0) + mg_busy(f.e.mg, 1), 0);
+  CHECK_EQ_INT(ld_busy(f.e.ld, 0) + ld_busy(f.e.ld, 1), 0);
   mfix_stop(&f);
 }
 

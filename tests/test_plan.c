@@ -720,7 +720,7 @@ static void test_stage(void) {
   for (size_t k = 0; k < sizeof slots / sizeof slots[0]; k++)
     for (size_t j = 0; j < 3; j++) {
       struct plan_stage *s = NULL;
-      CHECK_EQ_INT(plan_stage_build(p, slots[k], modes[j], &s, &err), 0);
+      CHECK_EQ_INT(plan_stage_build(p, NULL, slots[k], modes[j], 1, &s, &err), 0);
       if (s == NULL) continue;
       uint64_t total = 0;
       for (size_t w = 0; w < s->nwindows; w++) total += s->windows[w].slab_bytes;

@@ -534,7 +534,7 @@ static void test_destroy_while_entry_held(void) {
     CHECK(a.ck->detached);
     CHECK_EQ_INT(a.ck->refs, 1);
     CHECK_EQ_INT(a.ck->ck->nshards, 2); /* still readable: its mappings live on */
-    CHECK_EQ_INT(((const unsigned char *)a.ck->maps[0])[0] != 0, 1);
+    CHECK_EQ_INT(ld_source_map(a.ck->src, 0)[0] != 0, 1);
   }
   reg_unref(a.ck); /* the last reference: the entry goes, then the registry */
   env_stop(&e);

@@ -117,7 +117,7 @@ static void load(struct fix *f, struct reg_ckpt *ck, struct wt *t) {
   struct wd_error err = {0};
   CHECK_EQ_INT(plan_build(ck->ck, NULL, &p, &err), 0);
   reg_ref(ck);
-  res_load(f->e.res, ck, 0, p, &t->w);
+  res_load(f->e.res, ck, 0, p, LD_CHOOSE_MMAP, &t->w);
 }
 
 /* Loads and waits: the ready set, or NULL. */
@@ -282,7 +282,7 @@ static void test_load_fills_slab_with_file_bytes(void) {
     CHECK(strcmp(s->id, "s1") == 0);
     CHECK(s->ck == ck);
     CHECK(s->next == NULL);
-    CHECK(strcmp(s->load.method, "memcpy") == 0);
+    CHECK(s->load.method == LD_METHOD_MEMCPY);
     CHECK_EQ_INT(atomic_load(&s->load.bytes_done), s->plan->slab_bytes);
     CHECK_EQ_INT(used(&f), s->plan->slab_bytes);
     CHECK_EQ_INT(ck->loads, 0);

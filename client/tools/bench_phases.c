@@ -121,7 +121,7 @@ double bench_fill_rate(const struct mapped *m, const struct plan *plan, enum pla
                        enum bench_writes writes, unsigned nthreads, uint64_t *copied) {
   struct plan_stage *sched = NULL;
   struct wd_error err = {0};
-  if (plan_stage_build(plan, SLOT, mode, &sched, &err) != 0) bench_die("staging schedule", err.msg);
+  if (plan_stage_build(plan, NULL, SLOT, mode, 1, &sched, &err) != 0) bench_die("staging schedule", err.msg);
   struct fill_arg f = {.plan = plan,
                        .sched = sched,
                        .data = m->data,

@@ -32,6 +32,7 @@
 #define WD_PLAN_H
 
 #include <cjson/cJSON.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "checkpoint.h"
@@ -175,5 +176,37 @@ typedef int (*plan_segment_fn)(void *arg, const struct plan_segment *sg);
  * say; a loader that has the copy engines read the mappings copies them.
  */
 int plan_segments(const struct plan *p, uint64_t lo, uint64_t hi, plan_segment_fn fn, void *arg);
+
+/*
+ * One read of a plan's source bytes: `height` rows of `width` bytes, `pitch`
+ * apart, starting at offset `off` of shard `shard`'s data section (the file
+ * offset less the shard's header, data_start), packed into dst (row r at
+ * dst + r * width). slack: dst's whole blocks of the staging schedule's
+ * alignment around a contiguous read are the reader's scratch (plan_stage.h).
+ */
+struct plan_read {
+  uint32_t shard;
+  uint64_t off, width, pitch, height;
+  unsigned char *dst;
+  bool slack;
+};
+
+/* Performs one read: 0, or an error code that stops the walk and is returned. */
+typedef int (*plan_read_fn)(void *arg, const struct plan_read *rd);
+
+/*
+ * Writes the slab image of bytes [lo, hi) to dst: zeros for alignment gaps
+ * and zero pieces, and a call of read for every other segment (one per
+ * contiguous run, one per run of strided rows). Returns read's first
+ * non-zero result, or 0.
+ */
+int plan_image_read(const struct plan *p, uint64_t lo, uint64_t hi, unsigned char *dst, plan_read_fn read, void *arg);
+
+/* The reader of mappings plan_gather uses: data[i] is shard i's data section; copy NULL means memcpy. */
+struct plan_maps {
+  const unsigned char *const *data;
+  plan_copy_fn copy;
+};
+int plan_map_read(void *arg, const struct plan_read *rd);
 
 #endif

@@ -66,36 +66,55 @@ int plan_segments(const struct plan *p, uint64_t lo, uint64_t hi, plan_segment_f
   return rc;
 }
 
-/* ---- gathering ---------------------------------------------------------------- */
+/* ---- reading the image ---------------------------------------------------------- */
 
-struct gather {
-  const unsigned char *const *data;
+struct image {
   uint64_t lo;
   unsigned char *dst;
-  plan_copy_fn copy;
+  plan_read_fn read;
+  void *arg;
 };
 
-static int gather_segment(void *arg, const struct plan_segment *sg) {
-  const struct gather *g = arg;
+static int image_segment(void *arg, const struct plan_segment *sg) {
+  const struct image *g = arg;
   unsigned char *out = g->dst + (sg->dst - g->lo);
   if (sg->pc == NULL) {
     memset(out, 0, (size_t)(sg->width * sg->height));
     return 0;
   }
   const struct plan_piece *pc = sg->pc;
-  const unsigned char *src = g->data[pc->src->shard] + pc->src->t->begin + pc->src_offset + sg->src;
-  if (sg->height == 1) {
-    g->copy(out, src, (size_t)sg->width);
+  struct plan_read rd = {.shard = pc->src->shard,
+                         .off = pc->src->t->begin + pc->src_offset + sg->src,
+                         .width = sg->width,
+                         .pitch = sg->height > 1 ? sg->src_pitch : sg->width,
+                         .height = sg->height,
+                         .dst = out};
+  return g->read(g->arg, &rd);
+}
+
+int plan_image_read(const struct plan *p, uint64_t lo, uint64_t hi, unsigned char *dst, plan_read_fn read, void *arg) {
+  struct image g = {lo, dst, read, arg};
+  return plan_segments(p, lo, hi, image_segment, &g);
+}
+
+/* ---- gathering from mappings ------------------------------------------------------ */
+
+int plan_map_read(void *arg, const struct plan_read *rd) {
+  const struct plan_maps *m = arg;
+  const unsigned char *src = m->data[rd->shard] + rd->off;
+  plan_copy_fn copy = m->copy != NULL ? m->copy : memcpy;
+  if (rd->height <= 1 || rd->pitch == rd->width) {
+    copy(rd->dst, src, (size_t)(rd->width * rd->height));
     return 0;
   }
-  for (uint64_t r = 0; r < sg->height; r++) g->copy(out + r * sg->width, src + r * sg->src_pitch, (size_t)sg->width);
+  for (uint64_t r = 0; r < rd->height; r++) copy(rd->dst + r * rd->width, src + r * rd->pitch, (size_t)rd->width);
   return 0;
 }
 
 void plan_gather_with(const struct plan *p, const unsigned char *const *data, uint64_t lo, uint64_t hi,
                       unsigned char *dst, plan_copy_fn copy) {
-  struct gather g = {data, lo, dst, copy};
-  plan_segments(p, lo, hi, gather_segment, &g);
+  struct plan_maps m = {data, copy};
+  plan_image_read(p, lo, hi, dst, plan_map_read, &m);
 }
 
 void plan_gather(const struct plan *p, const unsigned char *const *data, uint64_t lo, uint64_t hi,

@@ -22,6 +22,7 @@ bool plan_piece_rows(const struct plan_piece *pc, enum plan_strided mode, uint64
 
 struct builder {
   struct plan_stage *s;
+  const struct ckpt *c; /* aligned schedules: the shards' data_start */
   size_t wcap, xcap;
   bool open;   /* a window is open */
   uint64_t at; /* the open window's fill position */
@@ -35,9 +36,20 @@ static void window_close(struct builder *b) {
   b->open = false;
 }
 
-/* Where the next transfer may start in the open window (0 in a new one). */
+/* Where the next image transfer may start in the open window (0 in a new one). */
 static uint64_t next_at(const struct builder *b) {
   return b->open ? (b->at + XFER_ALIGN - 1) / XFER_ALIGN * XFER_ALIGN : 0;
+}
+
+/*
+ * Where a transfer of source bytes starting at file offset `file` goes in
+ * the open window: at a whole aligned block after everything before it, plus
+ * the offset's remainder (0-based in a new window).
+ */
+static uint64_t source_at(const struct builder *b, uint64_t file) {
+  uint64_t a = b->s->align;
+  uint64_t region = b->open ? (b->at + a - 1) / a * a : 0;
+  return region + file % a;
 }
 
 static void window_open(struct builder *b) {
@@ -86,25 +98,32 @@ static void add_image(struct builder *b, uint64_t lo, uint64_t hi) {
       continue;
     }
     uint64_t n = hi - lo < b->s->slot_bytes - at ? hi - lo : b->s->slot_bytes - at;
-    struct plan_xfer x = {.at = at, .len = n, .dst = lo};
+    struct plan_xfer x = {.kind = PLAN_XFER_IMAGE, .at = at, .len = n, .dst = lo};
     xfer_add(b, &x, n);
     lo += n;
   }
 }
 
+/* The file offset of piece pc's source byte `src` (aligned schedules). */
+static uint64_t file_off(const struct builder *b, const struct plan_piece *pc, uint64_t src) {
+  return b->c->shards[pc->src->shard].hdr->data_start + pc->src->t->begin + pc->src_offset + src;
+}
+
 /* Piece pc, at slab offset dst, as whole source rows, as many rows per window as fit. */
 static void add_rows(struct builder *b, const struct plan_piece *pc, uint64_t dst) {
   uint64_t r = 0;
+  bool aligned = b->s->align > 1;
   while (r < pc->height && b->rc == 0) {
-    uint64_t at = next_at(b);
+    uint64_t at = aligned ? source_at(b, file_off(b, pc, r * pc->src_pitch)) : next_at(b);
     uint64_t space = b->open && at < b->s->slot_bytes ? b->s->slot_bytes - at : 0;
     uint64_t fit = space >= pc->width ? (space - pc->width) / pc->src_pitch + 1 : 0;
-    if (fit == 0) { /* src_pitch <= slot_bytes: a new window holds at least one row */
+    if (fit == 0) { /* a new window holds at least one row (plan_piece_rows, source_piece) */
       window_open(b);
       continue;
     }
     uint64_t n = pc->height - r < fit ? pc->height - r : fit;
-    struct plan_xfer x = {.at = at,
+    struct plan_xfer x = {.kind = PLAN_XFER_ROWS,
+                          .at = at,
                           .len = (n - 1) * pc->src_pitch + pc->width,
                           .dst = dst + r * pc->width,
                           .pc = pc,
@@ -115,13 +134,41 @@ static void add_rows(struct builder *b, const struct plan_piece *pc, uint64_t ds
   }
 }
 
-int plan_stage_build(const struct plan *p, uint64_t slot_bytes, enum plan_strided mode, struct plan_stage **out,
-                     struct wd_error *err) {
+/* Contiguous piece pc, at slab offset dst, as spans of its source bytes (aligned schedules). */
+static void add_span(struct builder *b, const struct plan_piece *pc, uint64_t dst) {
+  uint64_t len = pc->width * pc->height;
+  for (uint64_t done = 0; done < len && b->rc == 0;) {
+    uint64_t at = source_at(b, file_off(b, pc, done));
+    if (!b->open || at >= b->s->slot_bytes) {
+      window_open(b);
+      continue;
+    }
+    uint64_t n = len - done < b->s->slot_bytes - at ? len - done : b->s->slot_bytes - at;
+    struct plan_xfer x = {.kind = PLAN_XFER_SPAN, .at = at, .len = n, .dst = dst + done, .pc = pc, .src = done};
+    xfer_add(b, &x, n);
+    done += n;
+  }
+}
+
+/* Aligned schedules: whether pc goes as its source holds it, and how (else as image bytes). */
+static enum plan_xfer_kind source_piece(const struct plan_piece *pc, uint64_t slot_bytes, uint64_t align) {
+  if (pc->src == NULL || pc->width == 0 || pc->height == 0) return PLAN_XFER_IMAGE;
+  if (pc->height <= 1 || pc->src_pitch == pc->width) return PLAN_XFER_SPAN;
+  return pc->src_pitch + align <= slot_bytes ? PLAN_XFER_ROWS : PLAN_XFER_IMAGE;
+}
+
+int plan_stage_build(const struct plan *p, const struct ckpt *c, uint64_t slot_bytes, enum plan_strided mode,
+                     uint64_t align, struct plan_stage **out, struct wd_error *err) {
   *out = NULL;
   struct plan_stage *s = calloc(1, sizeof *s);
   if (s == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory planning the staging windows");
-  s->slot_bytes = slot_bytes;
-  struct builder b = {.s = s};
+  s->align = align > 1 ? align : 1;
+  s->slot_bytes = slot_bytes / s->align * s->align; /* aligned: whole blocks, so every slack block lies in the slot */
+  if (s->slot_bytes < 2 * s->align) { /* no room to align in: the image schedule */
+    s->align = 1;
+    s->slot_bytes = slot_bytes;
+  }
+  struct builder b = {.s = s, .c = c};
   uint64_t img = 0; /* slab bytes before this are scheduled */
   for (size_t i = 0; i < p->noutputs && b.rc == 0; i++) {
     const struct plan_output *o = &p->outputs[i];
@@ -129,10 +176,17 @@ int plan_stage_build(const struct plan *p, uint64_t slot_bytes, enum plan_stride
     for (size_t k = 0; k < o->npieces && b.rc == 0; k++) {
       const struct plan_piece *pc = &o->pieces[k];
       uint64_t len = pc->width * pc->height;
-      if (plan_piece_rows(pc, mode, slot_bytes)) {
+      enum plan_xfer_kind kind = s->align > 1                             ? source_piece(pc, s->slot_bytes, s->align)
+                                 : plan_piece_rows(pc, mode, slot_bytes) ? PLAN_XFER_ROWS
+                                                                         : PLAN_XFER_IMAGE;
+      if (kind != PLAN_XFER_IMAGE) {
         add_image(&b, img, pos);
-        add_rows(&b, pc, pos);
-        s->rows_pieces++;
+        if (kind == PLAN_XFER_ROWS) {
+          add_rows(&b, pc, pos);
+          s->rows_pieces++;
+        } else {
+          add_span(&b, pc, pos);
+        }
         img = pos + len;
       }
       pos += len;
@@ -155,19 +209,34 @@ void plan_stage_free(struct plan_stage *s) {
   free(s);
 }
 
-void plan_stage_fill(const struct plan_stage *s, const struct plan *p, const unsigned char *const *data, size_t w,
-                     uint64_t lo, uint64_t hi, unsigned char *dst, plan_copy_fn copy) {
+int plan_stage_read(const struct plan_stage *s, const struct plan *p, size_t w, uint64_t lo, uint64_t hi,
+                    unsigned char *dst, plan_read_fn read, void *arg) {
   const struct plan_window *win = &s->windows[w];
-  for (size_t i = win->first; i < win->first + win->count; i++) {
+  int rc = 0;
+  for (size_t i = win->first; i < win->first + win->count && rc == 0; i++) {
     const struct plan_xfer *x = &s->xfers[i];
     uint64_t a = x->at > lo ? x->at : lo, e = x->at + x->len < hi ? x->at + x->len : hi;
     if (a >= e) continue;
-    if (x->pc == NULL) {
-      plan_gather_with(p, data, x->dst + (a - x->at), x->dst + (e - x->at), dst + (a - lo), copy);
-    } else {
-      const struct plan_piece *pc = x->pc;
-      const unsigned char *src = data[pc->src->shard] + pc->src->t->begin + pc->src_offset + x->row0 * pc->src_pitch;
-      copy(dst + (a - lo), src + (a - x->at), (size_t)(e - a));
+    if (x->kind == PLAN_XFER_IMAGE) {
+      rc = plan_image_read(p, x->dst + (a - x->at), x->dst + (e - x->at), dst + (a - lo), read, arg);
+      continue;
     }
+    const struct plan_piece *pc = x->pc;
+    uint64_t first = x->kind == PLAN_XFER_ROWS ? x->row0 * pc->src_pitch : x->src;
+    struct plan_read rd = {.shard = pc->src->shard,
+                           .off = pc->src->t->begin + pc->src_offset + first + (a - x->at),
+                           .width = e - a,
+                           .pitch = e - a,
+                           .height = 1,
+                           .dst = dst + (a - lo),
+                           .slack = s->align > 1};
+    rc = read(arg, &rd);
   }
+  return rc;
+}
+
+void plan_stage_fill(const struct plan_stage *s, const struct plan *p, const unsigned char *const *data, size_t w,
+                     uint64_t lo, uint64_t hi, unsigned char *dst, plan_copy_fn copy) {
+  struct plan_maps m = {data, copy};
+  plan_stage_read(s, p, w, lo, hi, dst, plan_map_read, &m);
 }

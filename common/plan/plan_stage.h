@@ -26,9 +26,19 @@
  *           fill threads decide it (tests/gpu/speed.sh measures both, see
  *           docs/benchmarks.md, "Strided pieces").
  *
- * The schedule is pure: it reads only the plan, and plan_stage_fill reads
- * the mappings it is handed (a caller that fears truncated files runs it
- * under a SIGBUS guard).
+ * Aligned schedules (align > 1), for sources whose reads want their
+ * destination congruent to the file offset (O_DIRECT): every piece is staged
+ * as its source holds it - a contiguous piece as a span of file bytes, a
+ * strided one as whole rows whenever its rows fit a slot - each placed in the
+ * slot at an offset congruent to its first byte's file offset modulo align,
+ * with the whole aligned blocks around it its own (no other transfer's bytes
+ * lie in them), so a read may fill those blocks straight from the file. Only
+ * alignment gaps, zero pieces and rows too long for a slot are image bytes.
+ *
+ * The schedule is pure: it reads only the plan (and, aligned, the shards'
+ * header lengths); plan_stage_read hands its reads to the caller's reader,
+ * and plan_stage_fill reads the mappings it is handed (a caller that fears
+ * truncated files runs it under a SIGBUS guard).
  */
 #ifndef WD_PLAN_STAGE_H
 #define WD_PLAN_STAGE_H
@@ -46,16 +56,22 @@ enum plan_strided { PLAN_STRIDED_GATHER, PLAN_STRIDED_ROWS, PLAN_STRIDED_AUTO };
 #define PLAN_ROWS_AUTO_MIN (1ull << 20)
 
 /*
- * One transfer of a window: `len` slot bytes at slot offset `at`. With pc
- * NULL they are the slab image [dst, dst + len), copied as is; otherwise
- * they are rows [row0, row0 + rows) of piece pc as the source holds them
- * (src_pitch apart; the last row only `width` long), and their `width`-byte
- * heads go to slab offset dst, `width` apart.
+ * One transfer of a window: `len` slot bytes at slot offset `at`.
+ *   image  the slab image [dst, dst + len), copied as is (pc NULL);
+ *   rows   rows [row0, row0 + rows) of piece pc as the source holds them
+ *          (src_pitch apart; the last row only `width` long), whose
+ *          `width`-byte heads go to slab offset dst, `width` apart (a 2D copy);
+ *   span   bytes [src, src + len) of contiguous piece pc's source, copied to
+ *          slab offset dst as is (aligned schedules only).
  */
+enum plan_xfer_kind { PLAN_XFER_IMAGE, PLAN_XFER_ROWS, PLAN_XFER_SPAN };
+
 struct plan_xfer {
+  enum plan_xfer_kind kind;
   uint64_t at, len, dst;
   const struct plan_piece *pc;
-  uint64_t row0, rows;
+  uint64_t row0, rows; /* rows */
+  uint64_t src;        /* span */
 };
 
 struct plan_window {
@@ -66,6 +82,7 @@ struct plan_window {
 
 struct plan_stage {
   uint64_t slot_bytes;
+  uint64_t align; /* 1: the image schedule; else the aligned one */
   size_t nwindows, nxfers;
   struct plan_window *windows;
   struct plan_xfer *xfers;
@@ -81,20 +98,31 @@ bool plan_piece_rows(const struct plan_piece *pc, enum plan_strided mode, uint64
  * byte is delivered by exactly one transfer (alignment gaps as image bytes),
  * transfers deliver consecutive slab ranges, so window w delivers one
  * contiguous range that starts where window w - 1's ends (the loader's ready
- * watermark relies on it). With no piece staged as rows, window w is exactly
- * slab bytes [w * slot_bytes, (w + 1) * slot_bytes). Returns 0, or
- * WEIGHTD_E_NOMEM.
+ * watermark relies on it). With align 1 (or 0) and no piece staged as rows,
+ * window w is exactly slab bytes [w * slot_bytes, (w + 1) * slot_bytes).
+ * align > 1 (a power of two, with slot_bytes a multiple of it) builds the
+ * aligned schedule for c (the checkpoint p was built for; unused otherwise),
+ * where mode does not apply. Returns 0, or WEIGHTD_E_NOMEM.
  */
-int plan_stage_build(const struct plan *p, uint64_t slot_bytes, enum plan_strided mode, struct plan_stage **out,
-                     struct wd_error *err);
+int plan_stage_build(const struct plan *p, const struct ckpt *c, uint64_t slot_bytes, enum plan_strided mode,
+                     uint64_t align, struct plan_stage **out, struct wd_error *err);
 
 void plan_stage_free(struct plan_stage *s);
 
 /*
  * Writes slot bytes [lo, hi) of window w into dst (dst receives slot offset
- * lo), reading the mappings: data[i] points at shard i's data section.
- * Bytes between transfers (alignment) are left as they are. Copies with copy
- * (memcpy, or stream_copy: then the caller fences before the slot is read).
+ * lo) through read: one read per part of a rows or span transfer in [lo, hi)
+ * (slack set in aligned schedules), image parts as plan_image_read does.
+ * Bytes between transfers (alignment) are left as they are. Returns read's
+ * first non-zero result, or 0.
+ */
+int plan_stage_read(const struct plan_stage *s, const struct plan *p, size_t w, uint64_t lo, uint64_t hi,
+                    unsigned char *dst, plan_read_fn read, void *arg);
+
+/*
+ * plan_stage_read from the mappings: data[i] points at shard i's data
+ * section. Copies with copy (memcpy, or stream_copy: then the caller fences
+ * before the slot is read).
  */
 void plan_stage_fill(const struct plan_stage *s, const struct plan *p, const unsigned char *const *data, size_t w,
                      uint64_t lo, uint64_t hi, unsigned char *dst, plan_copy_fn copy);

@@ -35,7 +35,8 @@ _Static_assert(sizeof(enum cfg_backend) == sizeof(int) && sizeof(enum log_level)
                    sizeof(enum cfg_load_method) == sizeof(int) && sizeof(enum cfg_cuda_handles) == sizeof(int) &&
                    sizeof(enum cfg_strided) == sizeof(int) && sizeof(enum cfg_pin) == sizeof(int) &&
                    sizeof(enum cfg_switch) == sizeof(int) && sizeof(enum cfg_fd_store) == sizeof(int) &&
-                   sizeof(enum cfg_writes) == sizeof(int),
+                   sizeof(enum cfg_writes) == sizeof(int) && sizeof(enum cfg_source) == sizeof(int) &&
+                   sizeof(enum cfg_onoff) == sizeof(int),
                "enumerated config keys are stored as int");
 
 static const char *const backend_names[] = {"auto", "cuda", "host", NULL};
@@ -48,6 +49,8 @@ static const char *const writes_names[] = {"auto", "cached", "streaming", "write
 _Static_assert(sizeof writes_names / sizeof writes_names[0] == CFG_WRITES_COUNT + 1, "a name per staging_writes choice");
 static const char *const switch_names[] = {"auto", "off", NULL};
 static const char *const fd_store_names[] = {"auto", "on", "off", NULL};
+static const char *const source_names[] = {"auto", "mmap", "direct", NULL};
+static const char *const onoff_names[] = {"off", "on", NULL};
 
 #define OFF(f) offsetof(struct wd_config, f)
 #define GiB (1ull << 30)
@@ -65,6 +68,10 @@ static const struct cfg_key keys[] = {
     {"socket_mode", CFG_MODE, OFF(socket_mode), 0, 0, 0777, "0660", "permission bits of the socket"},
     {"model_roots", CFG_PATH_LIST, OFF(model_roots), OFF(n_model_roots), 0, 0, NULL,
      "directories checkpoints must resolve into; empty = any path the daemon can read", .reload = true},
+    {"root_sources", CFG_PATH_LIST, OFF(root_sources), OFF(n_root_sources), 0, 0, NULL,
+     "per model root, where its loads read bytes from, as SOURCE:DIR (SOURCE as for 'source'; DIR one of "
+     "model_roots or a directory inside one, the longest match wins); roots not listed use 'source'",
+     .reload = true},
     {"allowed_uids", CFG_ID_LIST, OFF(allowed_uids), OFF(n_allowed_uids), 0, UINT32_MAX, NULL,
      "peer uids allowed besides root and the daemon's uid; with allowed_gids both empty, "
      "anyone who can open the socket", .reload = true},
@@ -128,6 +135,16 @@ static const struct cfg_key keys[] = {
     {"log_file", CFG_STRING, OFF(log_file), 0, 0, 0, "",
      "append the log to this file (reopened at SIGHUP, for rotation) instead of syslog when detached; "
      "under journald the journal wins", .reload = true},
+    {"source", CFG_ENUM, OFF(source), 0, 0, 0, "auto",
+     "where loads read checkpoint bytes from (a load's 'source' option wins): mmap (the page cache), direct "
+     "(O_DIRECT reads, no page-cache use; mmap where the filesystem refuses O_DIRECT), or auto: mmap, unless "
+     "the plan's bytes exceed auto_direct_bytes, then warm ranges from the page cache and the rest with "
+     "O_DIRECT",
+     source_names, .reload = true},
+    {"auto_direct_bytes", CFG_BYTES, OFF(auto_direct_bytes), 0, 0, UINT64_MAX, "0",
+     "source auto: a plan of more payload bytes than this is read with O_DIRECT (warm ranges from the page "
+     "cache); 0 (the default): more than half of the host memory the daemon may use (MemTotal or its cgroup's "
+     "limit, read at each load)"},
     {"load_method", CFG_ENUM, OFF(load_method), 0, 0, 0, "auto",
      "auto | staged: staged sends every load through the pinned staging slots, also on the host "
      "backend and for pinned checkpoints (for tests and comparisons)",
@@ -192,6 +209,9 @@ static const struct cfg_key keys[] = {
      "for tests only: a FIFO from which loads read one byte before each window they fill (memcpy loads: each "
      "256 MiB window; staged loads: each staging window, once every window before it has landed; end of file lets "
      "every window through), so that a test holds a load midway; \"\" (the default): none"},
+    {"test_refuse_odirect", CFG_ENUM, OFF(test_refuse_odirect), 0, 0, 0, "off",
+     "for tests only: on makes every O_DIRECT open fail as on a filesystem that refuses O_DIRECT (loads then "
+     "fall back to mmap, and say so); off (the default): no effect", onoff_names},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])

@@ -23,6 +23,9 @@ enum cfg_pin { CFG_PIN_AFTER_LOAD, CFG_PIN_ON_OPEN, CFG_PIN_OFF };
 enum cfg_writes { CFG_WRITES_AUTO, CFG_WRITES_CACHED, CFG_WRITES_STREAMING, CFG_WRITES_WRITE_COMBINED, CFG_WRITES_COUNT };
 enum cfg_switch { CFG_SWITCH_AUTO, CFG_SWITCH_OFF }; /* a feature the daemon uses where it helps, or never */
 enum cfg_fd_store { CFG_FD_STORE_AUTO, CFG_FD_STORE_ON, CFG_FD_STORE_OFF };
+/* In the order of enum ld_source_choice (load/source.h). */
+enum cfg_source { CFG_SOURCE_AUTO, CFG_SOURCE_MMAP, CFG_SOURCE_DIRECT };
+enum cfg_onoff { CFG_OFF, CFG_ON };
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
@@ -31,6 +34,8 @@ struct wd_config {
   uint64_t socket_mode; /* permission bits of the socket file */
   char **model_roots;   /* as configured; resolved at start */
   size_t n_model_roots;
+  char **root_sources;  /* "SOURCE:DIR": a model root's own source */
+  size_t n_root_sources;
   uint64_t *allowed_uids;
   size_t n_allowed_uids;
   uint64_t *allowed_gids;
@@ -56,11 +61,14 @@ struct wd_config {
   char *log_file; /* "" = none */
   char *metrics_address;        /* HOST:PORT of /metrics, /healthz, /readyz; "" = off */
   uint64_t metrics_connections; /* HTTP connections served at once */
+  enum cfg_source source;           /* where loads read bytes from (load/source.h) */
+  uint64_t auto_direct_bytes;       /* source auto: larger plans read O_DIRECT; 0 = half of host memory */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
   enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */
   enum cfg_writes staging_writes;   /* how fill threads write the staging slots */
   char *test_load_gate; /* "" = none; for tests: a FIFO loads read a byte from before each window */
+  enum cfg_onoff test_refuse_odirect; /* for tests: every O_DIRECT open fails with EINVAL */
   /* Several devices (docs/multi-gpu.md). */
   enum cfg_switch replicas;  /* a set resident on a peer is copied device to device */
   enum cfg_switch striping;  /* a load borrows idle neighbours' host links */

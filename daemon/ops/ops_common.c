@@ -99,3 +99,24 @@ int ops_device_resolve(const struct daemon *d, const cJSON *v, int *device, stru
   return err_set(err, WEIGHTD_E_NOT_FOUND, "no device '%.80s' (give an index below %d or a UUID)", s, d->ndevices);
 }
 
+/* The request's "source" (auto | mmap | direct), when it names one (*given); 0, or BAD_REQUEST for a bad value. */
+int ops_source_arg(struct request *r, bool *given, enum ld_source_choice *out, struct wd_error *err) {
+  struct msg_obj o;
+  const char *name = NULL;
+  *given = false;
+  if (msg_get_string(ops_args(r, &o), "source", false, &name, err) < 0) return err->code;
+  if (name == NULL) return 0;
+  if (ld_source_choice_parse(name, out) != 0)
+    return err_set(err, WEIGHTD_E_BAD_REQUEST, "field 'source': '%.32s' is not one of auto, mmap, direct", name);
+  *given = true;
+  return 0;
+}
+
+enum ld_source_choice ops_load_source(const struct daemon *d, const struct reg_ckpt *ck, bool given,
+                                      enum ld_source_choice asked) {
+  enum ld_source_choice c;
+  if (given) return asked;
+  if (reg_source_for(d->reg, ck->path, &c)) return c;
+  return (enum ld_source_choice)d->cfg.source;
+}
+

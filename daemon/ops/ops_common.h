@@ -35,6 +35,12 @@ bool ops_str_arg(struct request *r, const char *name, bool required, const char 
 /* The required "path" field, or NULL after replying with the error. */
 const char *ops_path_arg(struct request *r);
 
+/* The request's "source" (auto | mmap | direct), when it names one (*given); 0, or BAD_REQUEST for a bad value. */
+int ops_source_arg(struct request *r, bool *given, enum ld_source_choice *out, struct wd_error *err);
+/* What a load of ck reads through: the request's source (given), else its directory's (root_sources), else 'source'. */
+enum ld_source_choice ops_load_source(const struct daemon *d, const struct reg_ckpt *ck, bool given,
+                                      enum ld_source_choice asked);
+
 /* The device named by a request field (an index, as number or text, or a UUID); absent: 0. */
 int ops_device_resolve(const struct daemon *d, const cJSON *v, int *device, struct wd_error *err);
 

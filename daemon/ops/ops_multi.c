@@ -19,7 +19,7 @@
 #include "clock.h"
 #include "jsonutil.h"
 #include "base/log.h"
-#include "load/multigpu.h"
+#include "load/loader.h"
 #include "ops_common.h"
 #include "base/topology.h"
 
@@ -57,11 +57,23 @@ static void source_text(const struct daemon *d, const struct ld_target *t, char 
   else snprintf(buf, len, "host");
 }
 
-/* Adds "source" and, for a striped load, "links": [{"device", "offset", "bytes"}], to o. */
+/*
+ * Adds "source" (host memory or a peer's copy), what host bytes were read
+ * through ("read_from", with "read_bytes" per leaf source) and, for a
+ * striped load, "links": [{"device", "offset", "bytes"}], to o.
+ */
 static void add_origin(const struct daemon *d, const struct ld_target *t, cJSON *o) {
   char src[WD_UUID_MAX + 8];
   source_text(d, t, src, sizeof src);
   msg_add_string(o, "source", src);
+  if (t->source[0] != '\0') {
+    msg_add_string(o, "read_from", t->source);
+    cJSON *rb = cJSON_AddObjectToObject(o, "read_bytes");
+    for (int k = 0; k < LD_SOURCE_KINDS; k++) {
+      uint64_t n = atomic_load(&t->source_bytes[k]);
+      if (n > 0) json_u64_add(rb, ld_source_kind_name((enum ld_source_kind)k), n);
+    }
+  }
   if (t->nshares == 0) return;
   cJSON *links = cJSON_AddArrayToObject(o, "links");
   for (size_t i = 0; i < t->nshares; i++) {
@@ -81,7 +93,7 @@ cJSON *ops_multi_topology_json(const struct daemon *d) {
   cJSON *o = cJSON_CreateObject();
   const struct topology *t = d->topo;
   /* active: several devices and a backend with peer copies; else replicas and striping have nothing to do. */
-  cJSON_AddBoolToObject(o, "active", d->mg != NULL);
+  cJSON_AddBoolToObject(o, "active", ld_has_peers(d->ld));
   msg_add_string(o, "replicas", config_enum_name(&d->cfg, "replicas"));
   msg_add_string(o, "striping", config_enum_name(&d->cfg, "striping"));
   json_u64_add(o, "stripe_min_bytes", d->cfg.stripe_min_bytes);
@@ -91,7 +103,7 @@ cJSON *ops_multi_topology_json(const struct daemon *d) {
   for (size_t k = 0; t != NULL && k < t->numa.n; k++) {
     const struct numa_node *n = &t->numa.nodes[k];
     unsigned threads = 0;
-    for (unsigned i = 0; i + 1 < fill_threads(d->fill); i++) threads += fill_thread_node(d->fill, i) == n->id;
+    for (unsigned i = 0; i + 1 < ld_pool_threads(d->fill); i++) threads += ld_pool_thread_node(d->fill, i) == n->id;
     cJSON *e = cJSON_CreateObject();
     json_u64_add(e, "node", (uint64_t)n->id);
     json_u64_add(e, "cpus", n->ncpus);
@@ -99,7 +111,7 @@ cJSON *ops_multi_topology_json(const struct daemon *d) {
     cJSON_AddItemToArray(nodes, e);
   }
   cJSON *busy = cJSON_AddArrayToObject(o, "busy");
-  for (int i = 0; i < d->ndevices; i++) cJSON_AddItemToArray(busy, cJSON_CreateNumber(mg_busy(d->mg, i)));
+  for (int i = 0; i < d->ndevices; i++) cJSON_AddItemToArray(busy, cJSON_CreateNumber(ld_busy(d->ld, i)));
   return o;
 }
 
@@ -128,6 +140,8 @@ struct ops_group {
   unsigned tp_size, ep_size, nranks;
   struct group_rank *ranks;
   cJSON *base;       /* the plan object without ranks (a copy) */
+  bool source_given; /* the request named a source */
+  enum ld_source_choice source;
   unsigned pending;  /* ranks not finished */
   bool starting;     /* res_load calls are being made (a rank may finish inside one) */
   bool planning;     /* the planning job holds the group */
@@ -228,7 +242,7 @@ static void rank_done(struct res_waiter *w, struct res_set *s, bool joined, cons
     cJSON_AddNumberToObject(e, "gib_per_s",
                             s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0);
     cJSON_AddBoolToObject(e, "shared", joined);
-    msg_add_string(e, "method", s->load.method);
+    msg_add_string(e, "method", res_set_method(s));
     add_origin(d, &s->load, e);
   }
   k->result = e;
@@ -321,7 +335,7 @@ static void group_plan_done(struct job *j) {
     struct plan *p = k->plan;
     k->plan = NULL;
     reg_ref(g->ck);
-    res_load(d->res, g->ck, k->device, p, &k->wait);
+    res_load(d->res, g->ck, k->device, p, ops_load_source(d, g->ck, g->source_given, g->source), &k->wait);
   }
   for (unsigned i = 0; i < g->nranks; i++) ld_unreserve(d->ld, g->ranks[i].device);
   g->starting = false;
@@ -373,7 +387,8 @@ static int group_parse(struct request *r, struct ops_group *g, struct wd_error *
   if (msg_get_object(ops_args(r, &o), "group", true, &grp, err) < 0 ||
       msg_get_object(ops_args(r, &o), "plan", false, &plan, err) < 0)
     return err->code;
-  if ((rc = group_size(&grp, "tp_size", &g->tp_size, err)) != 0 || (rc = group_size(&grp, "ep_size", &g->ep_size, err)) != 0)
+  if ((rc = group_size(&grp, "tp_size", &g->tp_size, err)) != 0 || (rc = group_size(&grp, "ep_size", &g->ep_size, err)) != 0 ||
+      (rc = ops_source_arg(r, &g->source_given, &g->source, err)) != 0)
     return rc;
   unsigned world = g->tp_size > g->ep_size ? g->tp_size : g->ep_size;
   if (world % g->tp_size != 0 || world % g->ep_size != 0)

@@ -241,7 +241,7 @@ static void reply_loaded(struct request *r, struct res_set *s, bool shared) {
   cJSON_AddNumberToObject(rep, "gib_per_s",
                           s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0);
   cJSON_AddBoolToObject(rep, "shared", shared);
-  msg_add_string(rep, "method", s->load.method);
+  msg_add_string(rep, "method", res_set_method(s));
   ops_multi_set_fields(d, s, rep);
   req_reply(r, rep, NULL, 0);
 }
@@ -466,6 +466,7 @@ struct plan_job {
   struct reg_ckpt *ck;
   const cJSON *spec; /* in the request, which does not change */
   int device;
+  enum ld_source_choice source;
   struct plan *plan;
   int rc;
   struct wd_error err;
@@ -497,7 +498,7 @@ static void plan_done(struct job *j) {
   } else {
     req_args_free(r); /* a waiting load keeps only its id: joiners of a slow load hold no request text */
     wait_init(r);
-    res_load(req_daemon(r)->res, pj->ck, pj->device, pj->plan, &r->wait);
+    res_load(req_daemon(r)->res, pj->ck, pj->device, pj->plan, pj->source, &r->wait);
   }
   free(pj);
 }
@@ -532,6 +533,10 @@ static void load_ready(void *arg, struct reg_ckpt *ck, const struct wd_error *er
   pj->req = r;
   pj->ck = ck;
   pj->spec = cJSON_GetObjectItemCaseSensitive(r->root, "plan");
+  bool given;
+  enum ld_source_choice asked = LD_CHOOSE_AUTO;
+  ops_source_arg(r, &given, &asked, &e); /* op_load checked it */
+  pj->source = ops_load_source(d, ck, given, asked);
   jobs_submit(d->control_pool, &pj->job);
 }
 
@@ -543,6 +548,12 @@ void op_load(struct request *r) {
   if (path == NULL) return;
   if (ops_device_resolve(req_daemon(r), cJSON_GetObjectItemCaseSensitive(r->root, "device"), &device, &err) != 0 ||
       msg_get_object(ops_args(r, &o), "plan", false, &plan, &err) < 0) {
+    req_fail_err(r, &err);
+    return;
+  }
+  bool given;
+  enum ld_source_choice source;
+  if (ops_source_arg(r, &given, &source, &err) != 0) {
     req_fail_err(r, &err);
     return;
   }

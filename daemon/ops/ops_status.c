@@ -63,7 +63,7 @@ cJSON *ops_set_json(const struct daemon *d, const struct res_set *s) {
   if (s->state == SET_LOADING) json_u64_add(o, "bytes_done", atomic_load(&s->load.bytes_done));
   if (s->state == SET_READY) {
     cJSON_AddNumberToObject(o, "seconds", s->seconds);
-    msg_add_string(o, "method", s->load.method);
+    msg_add_string(o, "method", res_set_method(s));
     if (s->load.slab != NULL) msg_add_string(o, "handles", wd_handle_kind_name(s->load.slab->kind));
   }
   ops_multi_set_fields(d, s, o);
@@ -150,7 +150,7 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
   json_u64_add(o, "connections", d->stats.connections);
   msg_add_string(o, "socket", d->socket_path);
   json_u64_add(o, "jobs", jobs_outstanding(d->control_pool) + jobs_outstanding(d->job_pool));
-  json_u64_add(o, "fill_threads", fill_threads(d->fill));
+  json_u64_add(o, "fill_threads", ld_pool_threads(d->fill));
   msg_add_string(o, "load_method", config_enum_name(&d->cfg, "load_method"));
   msg_add_string(o, "staged_strided", config_enum_name(&d->cfg, "staged_strided"));
   json_u64_add(o, "staging_slots", d->cfg.staging_slots);
@@ -163,7 +163,7 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
   const struct res_stats *st = res_stats(d->res);
   uint64_t loads = 0;
   for (int rr = 0; rr < RES_RESULT_COUNT; rr++)
-    for (int m = 0; m < RES_METHOD_COUNT; m++) loads += st->loads[rr][m];
+    for (int m = 0; m < LD_METHOD_COUNT; m++) loads += st->loads[rr][m];
   json_u64_add(o, "loads", loads); /* load jobs finished since start, whatever their result */
   json_u64_add(o, "sets_readopted", st->adopted);
   cJSON *devs = cJSON_AddArrayToObject(r, "devices");

@@ -308,9 +308,9 @@ static void collect_loads(struct daemon *d, struct collection *c) {
   const struct res_stats *st = res_stats(d->res);
   struct family *f = family(c, "weightd_loads_total", "counter", "Load jobs finished, by result and method.");
   for (int r = 0; r < RES_RESULT_COUNT; r++)
-    for (int m = 0; m < RES_METHOD_COUNT; m++)
+    for (int m = 0; m < LD_METHOD_COUNT; m++)
       sample(c, f, (double)st->loads[r][m], "result", res_result_name((enum res_result)r), "method",
-             res_method_name((enum res_method)m), NULL);
+             ld_method_name((enum ld_method)m), NULL);
   f = family(c, "weightd_load_duration_seconds", "histogram", "Time of successful load jobs, slab allocation included.");
   static const double bounds[RES_DURATION_BUCKETS] = RES_DURATION_BOUNDS;
   uint64_t cum = 0;
@@ -328,6 +328,11 @@ static void collect_loads(struct daemon *d, struct collection *c) {
   sample(c, f, (double)cum, NULL);
   f = family(c, "weightd_loaded_bytes_total", "counter", "Payload bytes of successful loads.");
   sample(c, f, (double)st->bytes_loaded, NULL);
+  f = family(c, "weightd_read_bytes_total", "counter",
+             "Checkpoint file bytes successful loads read from host memory or files, by the source that read them.");
+  for (int k = 0; k < LD_SOURCE_KINDS; k++)
+    if (k != LD_SOURCE_ROUTE) /* a route reads through its members, which count */
+      sample(c, f, (double)st->source_bytes[k], "source", ld_source_kind_name((enum ld_source_kind)k), NULL);
   f = family(c, "weightd_last_load_gib_per_second", "gauge", "Rate of the last successful load (payload GiB/s).");
   sample(c, f, st->last_gib_per_s, NULL);
   f = family(c, "weightd_sets_readopted_total", "counter",

@@ -39,7 +39,7 @@ int reload_apply(struct daemon *d, struct wd_config *next, struct wd_error *err)
   /* Check what can fail before anything changes. */
   int rc = server_config_check(next, err);
   if (rc != 0) return rc;
-  if (changed(&df, "model_roots")) {
+  if (changed(&df, "model_roots") || changed(&df, "root_sources")) {
     rc = startup_roots_apply(d, next, err);
     if (rc != 0) return rc;
   }

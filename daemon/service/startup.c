@@ -14,7 +14,6 @@
 #include <unistd.h>
 
 #include "base/log.h"
-#include "load/multigpu.h"
 #include "transport/server.h"
 #include "stream_copy.h"
 #include "base/topology.h"
@@ -108,26 +107,49 @@ static int query_devices(struct daemon *d, struct wd_device_info **out, struct w
   return 0;
 }
 
-int startup_roots_apply(struct daemon *d, const struct wd_config *cfg, struct wd_error *err) {
-  size_t n = cfg->n_model_roots;
-  char **dirs = calloc(n ? n : 1, sizeof *dirs);
-  if (dirs == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  int rc = 0;
-  size_t k = 0;
-  for (; k < n; k++) {
-    dirs[k] = realpath(cfg->model_roots[k], NULL);
-    if (dirs[k] == NULL) {
-      rc = err_set(err, WEIGHTD_E_INVALID, "model root %s: %s", cfg->model_roots[k], strerror(errno));
-      break;
-    }
+/* Parses root_sources into resolved directories and choices; 0, or INVALID naming the entry. */
+static int sources_parse(const struct wd_config *cfg, char **dirs, enum ld_source_choice *choices,
+                         struct wd_error *err) {
+  for (size_t i = 0; i < cfg->n_root_sources; i++) {
+    const char *e = cfg->root_sources[i], *colon = strchr(e, ':');
+    char name[16];
+    size_t n = colon != NULL ? (size_t)(colon - e) : 0;
+    if (colon == NULL || n >= sizeof name)
+      return err_set(err, WEIGHTD_E_INVALID, "root_sources entry %zu ('%s'): not SOURCE:DIR", i, e);
+    memcpy(name, e, n);
+    name[n] = '\0';
+    if (ld_source_choice_parse(name, &choices[i]) != 0)
+      return err_set(err, WEIGHTD_E_INVALID, "root_sources entry %zu: '%s' is not one of auto, mmap, direct", i, name);
+    if ((dirs[i] = realpath(colon + 1, NULL)) == NULL)
+      return err_set(err, WEIGHTD_E_INVALID, "root_sources entry %zu: %s: %s", i, colon + 1, strerror(errno));
   }
+  return 0;
+}
+
+int startup_roots_apply(struct daemon *d, const struct wd_config *cfg, struct wd_error *err) {
+  size_t n = cfg->n_model_roots, ns = cfg->n_root_sources;
+  char **dirs = calloc(n ? n : 1, sizeof *dirs);
+  char **sdirs = calloc(ns ? ns : 1, sizeof *sdirs);
+  enum ld_source_choice *choices = calloc(ns ? ns : 1, sizeof *choices);
+  int rc = dirs == NULL || sdirs == NULL || choices == NULL ? err_set(err, WEIGHTD_E_NOMEM, "out of memory") : 0;
+  for (size_t k = 0; rc == 0 && k < n; k++) {
+    dirs[k] = realpath(cfg->model_roots[k], NULL);
+    if (dirs[k] == NULL) rc = err_set(err, WEIGHTD_E_INVALID, "model root %s: %s", cfg->model_roots[k], strerror(errno));
+  }
+  if (rc == 0) rc = sources_parse(cfg, sdirs, choices, err);
   if (rc == 0) rc = reg_roots_set(d->reg, (const char *const *)dirs, n, err);
+  if (rc == 0) rc = reg_sources_set(d->reg, (const char *const *)sdirs, choices, ns, err);
   if (rc == 0) {
     for (size_t i = 0; i < n; i++) log_msg(LOG_INFO, "model root %s", dirs[i]);
+    for (size_t i = 0; i < ns; i++)
+      log_msg(LOG_INFO, "checkpoints under %s read through source %s", sdirs[i], ld_source_choice_name(choices[i]));
     if (n == 0) log_msg(LOG_WARN, "no model roots configured: any readable path may be loaded");
   }
-  for (size_t i = 0; i < k; i++) free(dirs[i]);
+  for (size_t i = 0; dirs != NULL && i < n; i++) free(dirs[i]);
+  for (size_t i = 0; sdirs != NULL && i < ns; i++) free(sdirs[i]);
   free(dirs);
+  free(sdirs);
+  free(choices);
   return rc;
 }
 
@@ -169,6 +191,9 @@ void startup_budgets_cap(struct wd_config *cfg, const struct wd_device_info *dev
     cfg->host_pin_budget = phys;
   }
 }
+_Static_assert((int)CFG_SOURCE_AUTO == (int)LD_CHOOSE_AUTO && (int)CFG_SOURCE_MMAP == (int)LD_CHOOSE_MMAP &&
+                   (int)CFG_SOURCE_DIRECT == (int)LD_CHOOSE_DIRECT,
+               "source's choices are load/source.h's in order");
 _Static_assert((int)CFG_STRIDED_GATHER == (int)PLAN_STRIDED_GATHER && (int)CFG_STRIDED_ROWS == (int)PLAN_STRIDED_ROWS &&
                    (int)CFG_STRIDED_AUTO == (int)PLAN_STRIDED_AUTO,
                "staged_strided's choices are plan_stage.h's modes in order");
@@ -206,8 +231,8 @@ static void log_topology(const struct daemon *d, unsigned bound) {
 int startup_state(struct daemon *d, struct wd_error *err) {
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   unsigned fill = d->cfg.fill_threads ? (unsigned)d->cfg.fill_threads : (unsigned)(ncpu > 0 ? ncpu : 1);
-  /* fill_run's caller helps, so the pool has one thread fewer than asked. */
-  if (fill_start(fill > 1 ? fill - 1 : 0, &d->fill) != 0) return err_set(err, WEIGHTD_E_NOMEM, "cannot start fill threads");
+  /* ld_pool_run's caller helps, so the pool has one thread fewer than asked. */
+  if (ld_pool_start(fill > 1 ? fill - 1 : 0, &d->fill) != 0) return err_set(err, WEIGHTD_E_NOMEM, "cannot start fill threads");
   struct wd_device_info *devices = NULL;
   int rc = query_devices(d, &devices, err);
   if (rc != 0) return rc;
@@ -221,37 +246,28 @@ int startup_state(struct daemon *d, struct wd_error *err) {
     free(devices);
     return err->code;
   }
-  unsigned bound = d->cfg.numa == CFG_SWITCH_AUTO ? fill_bind(d->fill, &d->topo->numa) : 0;
+  unsigned bound = d->cfg.numa == CFG_SWITCH_AUTO ? ld_pool_bind(d->fill, &d->topo->numa) : 0;
   log_topology(d, bound);
-  /* Staging memory is allocated near each device; the starting thread runs anywhere again afterwards. */
-  cpu_set_t affinity;
-  bool restore = pthread_getaffinity_np(pthread_self(), sizeof affinity, &affinity) == 0;
-  struct mg_params mp = {.backend = &d->backend,
-                         .fill = d->fill,
-                         .topo = d->topo,
-                         .replicas = d->cfg.replicas == CFG_SWITCH_AUTO,
-                         .striping = d->cfg.striping == CFG_SWITCH_AUTO,
-                         .staged_only = d->cfg.load_method == CFG_LOAD_STAGED,
-                         .stripe_min_bytes = d->cfg.stripe_min_bytes,
-                         .window_bytes = (size_t)d->cfg.staging_slot_bytes,
-                         .place = place_near,
-                         .place_arg = d};
-  rc = mg_create(&mp, &d->mg, err);
   int *nodes = calloc((size_t)d->ndevices, sizeof *nodes);
   for (int i = 0; nodes != NULL && i < d->ndevices; i++)
     nodes[i] = d->cfg.numa == CFG_SWITCH_AUTO && topo_node(d->topo, topo_device_node(d->topo, i)) != NULL
                    ? topo_device_node(d->topo, i)
                    : -1;
   struct ld_params lp = {.backend = &d->backend,
-                         .fill = d->fill,
+                         .pool = d->fill,
                          .ndevices = d->ndevices,
-                         .method = d->cfg.load_method,
+                         .staged_only = d->cfg.load_method == CFG_LOAD_STAGED,
                          .strided = (enum plan_strided)d->cfg.staged_strided,
                          .staging_slots = (size_t)d->cfg.staging_slots,
                          .staging_slot_bytes = (size_t)d->cfg.staging_slot_bytes,
                          .writes = writes_modes[d->cfg.staging_writes],
                          .test_load_gate = d->cfg.test_load_gate,
-                         .mg = d->mg,
+                         .test_refuse_odirect = d->cfg.test_refuse_odirect == CFG_ON,
+                         .auto_direct_bytes = d->cfg.auto_direct_bytes,
+                         .topo = d->topo,
+                         .replicas = d->cfg.replicas == CFG_SWITCH_AUTO,
+                         .striping = d->cfg.striping == CFG_SWITCH_AUTO,
+                         .stripe_min_bytes = d->cfg.stripe_min_bytes,
                          .device_nodes = nodes,
                          .place = place_near,
                          .place_arg = d};
@@ -261,10 +277,9 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                           .fill = d->fill,
                           .pin_budget = d->cfg.host_pin_budget,
                           .pin_mode = startup_pin_mode(&d->cfg)};
-  if (rc == 0 && nodes == NULL) rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  rc = nodes == NULL ? err_set(err, WEIGHTD_E_NOMEM, "out of memory") : 0;
   if (rc == 0) rc = ld_create(&lp, &d->ld, err);
   free(nodes);
-  if (restore) pthread_setaffinity_np(pthread_self(), sizeof affinity, &affinity);
   if (rc == 0) rc = reg_create(&gp, &d->reg, err);
   if (rc == 0 && d->backend.ops->host_register != NULL)
     log_msg(LOG_INFO, "pin %s; host_pin_budget %llu MiB now (from %s); staged_strided %s; staging_writes %s",
@@ -282,7 +297,7 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                             .ndevices = d->ndevices,
                             .devices = devices,
                             .device_budget = d->cfg.device_memory_budget,
-                            .replicas = d->mg != NULL && d->cfg.replicas == CFG_SWITCH_AUTO};
+                            .replicas = ld_has_peers(d->ld) && d->cfg.replicas == CFG_SWITCH_AUTO};
     rc = res_create(&rp, &d->res, err);
   }
   free(devices);
@@ -301,12 +316,10 @@ void startup_free(struct daemon *d) {
   d->srv = NULL;
   ld_destroy(d->ld);
   d->ld = NULL;
-  mg_destroy(d->mg);
-  d->mg = NULL;
   topo_destroy(d->topo);
   d->topo = NULL;
   backend_destroy(&d->backend);
-  fill_stop(d->fill);
+  ld_pool_stop(d->fill);
   d->fill = NULL;
   free(d->socket_path);
   d->socket_path = NULL;

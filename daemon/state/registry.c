@@ -62,6 +62,53 @@ int reg_roots_set(struct registry *r, const char *const *dirs, size_t n, struct 
   return 0;
 }
 
+static void sources_free(struct registry *r) {
+  for (size_t i = 0; i < r->nsources; i++) free(r->source_dirs[i]);
+  free(r->source_dirs);
+  free(r->source_choices);
+  r->source_dirs = NULL;
+  r->source_choices = NULL;
+  r->nsources = 0;
+}
+
+int reg_sources_set(struct registry *r, const char *const *dirs, const enum ld_source_choice *choices, size_t n,
+                    struct wd_error *err) {
+  char **d = calloc(n ? n : 1, sizeof *d);
+  enum ld_source_choice *c = calloc(n ? n : 1, sizeof *c);
+  bool ok = d != NULL && c != NULL;
+  for (size_t i = 0; ok && i < n; i++) {
+    ok = (d[i] = strdup(dirs[i])) != NULL;
+    c[i] = choices[i];
+  }
+  if (!ok) {
+    for (size_t i = 0; d != NULL && i < n; i++) free(d[i]);
+    free(d);
+    free(c);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  sources_free(r);
+  r->source_dirs = d;
+  r->source_choices = c;
+  r->nsources = n;
+  return 0;
+}
+
+bool reg_source_for(const struct registry *r, const char *path, enum ld_source_choice *out) {
+  size_t best = 0;
+  bool found = false;
+  for (size_t i = 0; i < r->nsources; i++) {
+    size_t n = strlen(r->source_dirs[i]);
+    bool under = strncmp(path, r->source_dirs[i], n) == 0 && (path[n] == '/' || path[n] == '\0' ||
+                                                               (n > 0 && r->source_dirs[i][n - 1] == '/'));
+    if (under && (!found || n > best)) {
+      best = n;
+      *out = r->source_choices[i];
+      found = true;
+    }
+  }
+  return found;
+}
+
 size_t reg_roots_count(const struct registry *r) { return r->roots->n; }
 const char *reg_root(const struct registry *r, size_t i) { return i < r->roots->n ? r->roots->dirs[i] : NULL; }
 
@@ -101,7 +148,7 @@ bool reg_registers(const struct registry *r) {
 void reg_unregister_ranges(const struct wd_backend *b, const struct reg_ckpt *ck, const struct plan_range *v,
                            size_t n) {
   for (size_t i = 0; i < n; i++)
-    b->ops->host_unregister(b->ctx, (char *)ck->maps[v[i].shard] + v[i].off, (size_t)v[i].len);
+    b->ops->host_unregister(b->ctx, (char *)ld_source_map(ck->src, v[i].shard) + v[i].off, (size_t)v[i].len);
 }
 
 bool reg_pin_wants_ranges(const struct registry *r) { return r->pin_mode != REG_PIN_OFF && reg_registers(r); }
@@ -114,6 +161,7 @@ void reg_ref(struct reg_ckpt *ck) { ck->refs++; }
 
 static void registry_free(struct registry *r) {
   reg_roots_unref(r->roots);
+  sources_free(r);
   ckpt_verdicts_free(r->verdicts);
   free(r);
 }
@@ -122,17 +170,14 @@ static void registry_free(struct registry *r) {
 static void entry_release(struct reg_ckpt *ck) {
   const struct wd_backend *b = ck->reg->backend;
   if (ck->npins > 0 && b->ops->host_unregister != NULL) reg_unregister_ranges(b, ck, ck->pins, ck->npins);
-  if (ck->ck != NULL) {
-    for (size_t i = 0; i < ck->ck->nshards; i++)
-      if (ck->maps != NULL && ck->maps[i] != NULL) munmap(ck->maps[i], ck->ck->shards[i].size);
-  }
+  ld_source_close(ck->src);
+  ck->src = NULL;
 }
 
 /* Frees what is left of an entry once released. The registry itself goes with its last entry once destroyed. */
 static void entry_finish(struct reg_ckpt *ck) {
   struct registry *r = ck->reg;
   free(ck->pins);
-  free(ck->maps);
   ckpt_free(ck->ck);
   free(ck->path);
   free(ck);
@@ -161,7 +206,7 @@ static void entry_free(struct reg_ckpt *ck) {
   struct registry *r = ck->reg;
   r->pinned_bytes -= ck->pinned_bytes;
   ck->pinned_bytes = 0;
-  struct release_job *rj = r->bulk != NULL && !r->destroyed && ck->maps != NULL ? calloc(1, sizeof *rj) : NULL;
+  struct release_job *rj = r->bulk != NULL && !r->destroyed && ck->src != NULL ? calloc(1, sizeof *rj) : NULL;
   if (rj != NULL) {
     rj->job.work = release_work;
     rj->job.done = release_done;
@@ -219,7 +264,7 @@ bool reg_pinned_whole(const struct reg_ckpt *ck) {
   if (ck->ck == NULL || ck->npins == 0) return false;
   size_t k = 0;
   for (size_t s = 0; s < ck->ck->nshards; s++) {
-    if (ck->maps[s] == NULL) continue;
+    if (ld_source_map(ck->src, (uint32_t)s) == NULL) continue;
     uint64_t pos = 0;
     while (k < ck->npins && ck->pins[k].shard < s) k++;
     while (k < ck->npins && ck->pins[k].shard == s && ck->pins[k].off == pos) pos += ck->pins[k++].len;

@@ -11,7 +11,7 @@
  *
  * Entries (struct reg_ckpt) are reference counted: the registry holds one
  * while the entry is listed, each resident set and each running job another.
- * An open entry's ckpt and maps never change, so jobs may read them without
+ * An open entry's ckpt and mmap source never change, so jobs may read them without
  * locks; a replaced shard detaches the old entry (sets built from it keep it
  * alive) and a fresh one is opened.
  *
@@ -37,9 +37,10 @@
 #include "backend/backend.h"
 #include "checkpoint.h"
 #include "error.h"
-#include "load/fillpool.h"
+#include "load/pool.h"
 #include "base/jobs.h"
 #include "plan.h"
+#include "load/source.h"
 
 struct registry;
 struct reg_roots;
@@ -61,7 +62,7 @@ struct reg_ckpt {
   uint64_t generation;
   enum reg_state state;
   struct ckpt *ck;    /* immutable once open */
-  void **maps;        /* per shard: the read-only MAP_SHARED mapping (NULL for an empty file) */
+  struct ld_source *src; /* the mmap source: every shard mapped read-only (load/source.h) */
   int refs;           /* the registry's own, sets, jobs and waiters */
   bool detached;      /* no longer in the registry (closed or replaced) */
   bool prefetching;
@@ -82,7 +83,7 @@ struct reg_params {
   const struct wd_backend *backend;
   struct jobs *control; /* quick work: resolving, checking, opening */
   struct jobs *bulk;    /* long work: prefetching, pinning */
-  struct fillpool *fill;
+  struct ld_pool *fill;
   uint64_t pin_budget;  /* bytes of the pinned-resident tier; 0: derived (hostmem.h) */
   enum reg_pin_mode pin_mode;
 };
@@ -96,6 +97,15 @@ void reg_destroy(struct registry *r);
  * Running jobs keep the roots they started with; new requests use these.
  */
 int reg_roots_set(struct registry *r, const char *const *dirs, size_t n, struct wd_error *err);
+/*
+ * Replaces the per-directory sources (the root_sources setting: resolved
+ * directories and the source loads of checkpoints under each read through).
+ */
+int reg_sources_set(struct registry *r, const char *const *dirs, const enum ld_source_choice *choices, size_t n,
+                    struct wd_error *err);
+/* The source configured for a checkpoint at resolved path `path` (the longest directory that holds it); false: none. */
+bool reg_source_for(const struct registry *r, const char *path, enum ld_source_choice *out);
+
 /* The current roots, for status and checks on the loop thread. */
 size_t reg_roots_count(const struct registry *r);
 const char *reg_root(const struct registry *r, size_t i);

@@ -20,8 +20,11 @@ struct reg_roots {
 struct registry {
   const struct wd_backend *backend;
   struct jobs *control, *bulk;
-  struct fillpool *fill;
+  struct ld_pool *fill;
   struct reg_roots *roots;
+  char **source_dirs; /* root_sources: resolved directories (loop thread) */
+  enum ld_source_choice *source_choices;
+  size_t nsources;
   struct ckpt_verdicts *verdicts; /* failed index checks, remembered by file identity */
   uint64_t pin_budget;   /* configured; 0: derived */
   enum reg_pin_mode pin_mode;

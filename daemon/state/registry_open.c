@@ -54,24 +54,6 @@ static void acquire_free(struct acquire *a) {
   free(a);
 }
 
-static int map_shards(struct reg_ckpt *e, struct wd_error *err) {
-  const struct ckpt *c = e->ck;
-  e->maps = calloc(c->nshards ? c->nshards : 1, sizeof *e->maps);
-  if (e->maps == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  for (size_t i = 0; i < c->nshards; i++) {
-    if (c->shards[i].size == 0) continue;
-    void *p = mmap(NULL, c->shards[i].size, PROT_READ, MAP_SHARED, c->shards[i].fd, 0);
-    if (p == MAP_FAILED) return err_set(err, WEIGHTD_E_IO, "%s: mmap: %s", c->shards[i].rel, strerror(errno));
-    e->maps[i] = p;
-  }
-  /* The mappings keep the files; the descriptors are no longer needed. */
-  for (size_t i = 0; i < c->nshards; i++) {
-    close(c->shards[i].fd);
-    c->shards[i].fd = -1;
-  }
-  return 0;
-}
-
 static void acquire_work(struct job *j) {
   struct acquire *a = (struct acquire *)j;
   const struct reg_roots *rt = a->roots;
@@ -99,7 +81,7 @@ static void acquire_work(struct job *j) {
       return;
     }
     a->entry->ck = c; /* the entry is OPENING: nobody else reads it yet */
-    a->rc = map_shards(a->entry, &a->err);
+    a->rc = ld_source_mmap_open(c, &a->entry->src, &a->err);
     return;
   }
   }

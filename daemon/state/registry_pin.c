@@ -173,7 +173,7 @@ static uint64_t resident_mincore(const struct reg_ckpt *ck, size_t i, uint64_t p
   enum { CHUNK_PAGES = 1 << 16 };
   unsigned char vec[CHUNK_PAGES];
   uint64_t resident = 0;
-  const unsigned char *base = ck->maps[i];
+  const unsigned char *base = ld_source_map(ck->src, (uint32_t)i);
   uint64_t size = ck->ck->shards[i].size;
   for (uint64_t off = 0; base != NULL && off < size; off += (uint64_t)CHUNK_PAGES * page) {
     size_t len = size - off < (uint64_t)CHUNK_PAGES * page ? (size_t)(size - off) : (size_t)CHUNK_PAGES * (size_t)page;
@@ -208,7 +208,7 @@ static int64_t resident_cachestat(const struct reg_ckpt *ck, size_t i, uint64_t 
 uint64_t reg_resident_bytes(const struct reg_ckpt *ck) {
   uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE), resident = 0;
   for (size_t i = 0; i < ck->ck->nshards; i++) {
-    if (ck->maps[i] == NULL) continue;
+    if (ld_source_map(ck->src, (uint32_t)i) == NULL) continue;
     int64_t n = resident_cachestat(ck, i, page);
     resident += n >= 0 ? (uint64_t)n : resident_mincore(ck, i, page);
   }
@@ -257,7 +257,7 @@ static int whole_ranges(const struct reg_ckpt *ck, struct plan_range **out, size
   if (v == NULL) return WEIGHTD_E_NOMEM;
   size_t k = 0;
   for (size_t i = 0; i < c->nshards; i++)
-    if (ck->maps[i] != NULL) v[k++] = (struct plan_range){(uint32_t)i, 0, c->shards[i].size};
+    if (ld_source_map(ck->src, (uint32_t)i) != NULL) v[k++] = (struct plan_range){(uint32_t)i, 0, c->shards[i].size};
   *out = v;
   *n = k;
   return 0;
@@ -325,7 +325,9 @@ static void prefetch_chunk(void *arg, size_t i) {
   const struct plan_range *g = &p->ranges[r];
   uint64_t off = g->off + k * PREFETCH_CHUNK, end = off + PREFETCH_CHUNK;
   if (end > g->off + g->len) end = g->off + g->len;
-  if (fault_touch((const char *)p->ck->maps[g->shard] + off, (size_t)(end - off)) != 0) atomic_store(&p->failed, 1);
+  struct wd_error err = {0};
+  if (ld_source_prefetch(p->ck->src, g->shard, off, end - off, NULL, NULL, &err) != 0)
+    atomic_store(&p->failed, 1);
   atomic_fetch_add(&p->done, end - off);
 }
 
@@ -335,11 +337,9 @@ static void prefetch_work(struct job *j) {
   double t0 = clock_s();
   if (p->read) {
     size_t n = 0;
-    for (size_t r = 0; r < p->nranges; r++) {
-      madvise((char *)p->ck->maps[p->ranges[r].shard] + p->ranges[r].off, (size_t)p->ranges[r].len, MADV_WILLNEED);
-      n += (size_t)((p->ranges[r].len + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK);
-    }
-    fill_run(p->reg->fill, n, prefetch_chunk, p);
+    ld_source_advise(p->ck->src, p->ranges, p->nranges);
+    for (size_t r = 0; r < p->nranges; r++) n += (size_t)((p->ranges[r].len + PREFETCH_CHUNK - 1) / PREFETCH_CHUNK);
+    ld_pool_run(p->reg->fill, n, prefetch_chunk, p);
   }
   double t1 = clock_s();
   p->res.read_seconds = t1 - t0;
@@ -349,7 +349,8 @@ static void prefetch_work(struct job *j) {
     size_t i = 0;
     for (; i < p->nadd; i++) {
       const struct plan_range *g = &p->add[i];
-      p->pin_rc = b->ops->host_register(b->ctx, (char *)p->ck->maps[g->shard] + g->off, (size_t)g->len, &p->pin_err);
+      p->pin_rc = b->ops->host_register(b->ctx, (char *)ld_source_map(p->ck->src, g->shard) + g->off, (size_t)g->len,
+                                          &p->pin_err);
       if (p->pin_rc != 0) break;
     }
     if (p->pin_rc != 0) {

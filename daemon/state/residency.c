@@ -32,10 +32,7 @@ void res_on_change(struct residency *r, void (*fn)(void *arg), void *arg) {
   r->changed_arg = arg;
 }
 
-const char *res_method_name(enum res_method m) {
-  static const char *const names[] = {"memcpy", "staged", "direct", "peer", "striped"};
-  return m < RES_METHOD_COUNT ? names[m] : "?";
-}
+const char *res_set_method(const struct res_set *s) { return s->adopted ? "adopted" : ld_method_name(s->load.method); }
 
 const char *res_result_name(enum res_result r) {
   static const char *const names[] = {"ok", "failed", "canceled"};
@@ -211,7 +208,7 @@ static void timer_closed(uv_handle_t *h) {
   ppage_destroy(s->page, s->page_fd);
   if (s->table_fd >= 0) close(s->table_fd);
   free(s->copy_from);
-  free((void *)s->load.sources);
+  free((void *)s->load.copies);
   free(s->table_cache);
   free(s->key);
   free(s);
@@ -461,10 +458,12 @@ int res_set_adopt(struct residency *r, struct reg_ckpt *ck, int device, struct p
   s->plan = plan;
   s->state = SET_READY;
   s->load.plan = plan;
-  s->load.ck = ck;
+  s->load.ck = ck->ck;
+  s->load.name = ck->path;
+  s->load.mmap = ck->src;
   s->load.device = device;
   s->load.slab = slab;
-  s->load.method = "adopted";
+  s->adopted = true;
   atomic_init(&s->load.bytes_done, plan->slab_bytes);
   atomic_init(&s->load.ready_bytes, plan->slab_bytes);
   atomic_init(&s->load.cancel, false);

@@ -55,6 +55,7 @@ struct res_set {
   int device;
   struct plan *plan;
   struct ld_target load; /* the loader's target: slab, method, progress, cancel */
+  bool adopted;          /* re-adopted after a restart: never loaded by this daemon */
   enum set_state state;
   int leases;
   uint64_t last_used_ms;
@@ -116,15 +117,7 @@ struct res_device {
   uint64_t used; /* bytes of resident sets */
 };
 
-/* What residency counts, for metrics and status (loop thread). */
-enum res_method {
-  RES_METHOD_MEMCPY,
-  RES_METHOD_STAGED,
-  RES_METHOD_DIRECT,
-  RES_METHOD_PEER,    /* a replica copied from a peer's copy */
-  RES_METHOD_STRIPED, /* over several devices' host links */
-  RES_METHOD_COUNT
-};
+/* What residency counts, for metrics and status (loop thread); loads by method are by enum ld_method (load/target.h). */
 enum res_result { RES_RESULT_OK, RES_RESULT_FAILED, RES_RESULT_CANCELED, RES_RESULT_COUNT };
 enum res_evict_reason { RES_EVICT_BUDGET, RES_EVICT_DEVICE_FULL, RES_EVICT_REQUEST, RES_EVICT_RELOAD, RES_EVICT_COUNT };
 /* Upper bounds (seconds) of the load-duration histogram's buckets; a last bucket takes the rest. */
@@ -132,7 +125,8 @@ enum res_evict_reason { RES_EVICT_BUDGET, RES_EVICT_DEVICE_FULL, RES_EVICT_REQUE
 #define RES_DURATION_BUCKETS 12
 
 struct res_stats {
-  uint64_t loads[RES_RESULT_COUNT][RES_METHOD_COUNT]; /* finished load jobs */
+  uint64_t loads[RES_RESULT_COUNT][LD_METHOD_COUNT]; /* finished load jobs */
+  uint64_t source_bytes[LD_SOURCE_KINDS];           /* file bytes successful loads read, by the source that read them */
   uint64_t bytes_loaded;                              /* payload bytes of successful loads */
   double last_gib_per_s;                              /* of the last successful load */
   uint64_t duration_le[RES_DURATION_BUCKETS];         /* successful loads, per bucket (not cumulative) */
@@ -143,7 +137,6 @@ struct res_stats {
 };
 
 /* The names of the enums above, as labels. */
-const char *res_method_name(enum res_method m);
 const char *res_result_name(enum res_result r);
 const char *res_evict_reason_name(enum res_evict_reason r);
 
@@ -180,10 +173,16 @@ size_t res_count_sets_of(const struct residency *r, const struct reg_ckpt *ck);
 /* ---- loading and waiting --------------------------------------------------- */
 
 /*
- * Finds or starts the set for (ck, device, plan) and makes w wait for it.
- * Takes the caller's references to ck and plan in every case.
+ * Finds or starts the set for (ck, device, plan) and makes w wait for it; a
+ * new load reads through `source` (a set already resident or loading is
+ * joined, however it reads). Takes the caller's references to ck and plan in
+ * every case.
  */
-void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, struct res_waiter *w);
+void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, enum ld_source_choice source,
+              struct res_waiter *w);
+
+/* How a set got its bytes, as status shows it: its load's method, or "adopted". */
+const char *res_set_method(const struct res_set *s);
 
 /* Makes w wait for a set that is still loading (as an identical load would); a ready set answers at once. */
 void res_wait(struct residency *r, struct res_set *s, struct res_waiter *w);

@@ -26,14 +26,13 @@
 
 /* Counts a finished load job (loop thread). */
 static void count_load(struct residency *r, const struct res_set *s, int rc) {
-  enum res_method m = RES_METHOD_MEMCPY;
-  for (int i = 0; i < RES_METHOD_COUNT; i++)
-    if (s->load.method != NULL && strcmp(s->load.method, res_method_name((enum res_method)i)) == 0) m = (enum res_method)i;
+  enum ld_method m = s->load.method < LD_METHOD_COUNT ? s->load.method : LD_METHOD_MEMCPY;
   enum res_result res = rc == 0 ? RES_RESULT_OK : rc == WEIGHTD_E_CANCELED ? RES_RESULT_CANCELED : RES_RESULT_FAILED;
   struct res_stats *st = &r->stats;
   st->loads[res][m]++;
   if (rc != 0) return;
   st->bytes_loaded += s->plan->payload_bytes;
+  for (int k = 0; k < LD_SOURCE_KINDS; k++) st->source_bytes[k] += atomic_load(&s->load.source_bytes[k]);
   st->last_gib_per_s = s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0;
   static const double bounds[RES_DURATION_BUCKETS] = RES_DURATION_BOUNDS;
   int b = 0;
@@ -132,11 +131,13 @@ static void load_work(struct job *j) {
   lj->set->seconds = clock_s() - t0;
   /*
    * Listed here, off the loop; a load that went direct read only registered
-   * bytes already, and a replica read no host memory at all.
+   * bytes already, a replica read no host memory at all, and one that read
+   * with O_DIRECT must not bring its bytes into the page cache after all.
    */
   struct wd_error e2 = {0};
-  const char *m = lj->set->load.method;
-  if (lj->rc == 0 && lj->want_ranges && strcmp(m, "direct") != 0 && strcmp(m, "peer") != 0)
+  const struct ld_target *t = &lj->set->load;
+  if (lj->rc == 0 && lj->want_ranges && (t->method == LD_METHOD_MEMCPY || t->method == LD_METHOD_STAGED ||
+                                          t->method == LD_METHOD_STRIPED) && t->source_kind == LD_SOURCE_MMAP)
     reg_plan_ranges(lj->set->ck, lj->set->plan, &lj->ranges, &lj->nranges, &e2);
 }
 
@@ -174,7 +175,7 @@ static void load_done(struct job *j) {
   ld_unreserve(r->ld, s->device);
   for (size_t i = 0; i < s->ncopy_from; i++) s->copy_from[i]->copying--;
   s->ncopy_from = 0;
-  s->load.nsources = 0;
+  s->load.ncopies = 0;
   count_load(r, s, lj->rc);
   free((void *)s->load.pins); /* the registrations it could use: no longer needed */
   s->load.pins = NULL;
@@ -188,9 +189,11 @@ static void load_done(struct job *j) {
     res_changed(r);
     double gibs = s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0;
     log_msg(LOG_INFO,
-            "loaded set %s: %s on %s, %zu tensors, %" PRIu64 " bytes in %.3f s (%.2f GiB/s, %s; slab allocation %.1f ms)",
+            "loaded set %s: %s on %s, %zu tensors, %" PRIu64 " bytes in %.3f s (%.2f GiB/s, %s%s%s; slab allocation "
+            "%.1f ms)",
             s->id, s->ck->path, r->devices[s->device].info.uuid, s->plan->noutputs, s->plan->payload_bytes,
-            s->seconds, gibs, s->load.method, s->load.alloc_seconds * 1e3);
+            s->seconds, gibs, ld_method_name(s->load.method), s->load.source[0] ? " from " : "", s->load.source,
+            s->load.alloc_seconds * 1e3);
   } else {
     s->state = SET_FAILED;
     log_msg(LOG_WARN, "load of set %s (%s) failed: %s", s->id, s->ck->path, lj->err.msg);
@@ -237,7 +240,7 @@ static void offer_copies(struct residency *r, struct res_set *s) {
   for (struct res_set *c = r->sets; c != NULL; c = c->next)
     n += c->ck == s->ck && c->device != s->device && c->state == SET_READY && strcmp(c->plan->key, s->plan->key) == 0;
   if (n == 0) return;
-  struct ld_source *src = calloc(n, sizeof *src);
+  struct ld_copy *src = calloc(n, sizeof *src);
   struct res_set **from = calloc(n, sizeof *from);
   if (src == NULL || from == NULL) {
     free(src);
@@ -248,17 +251,18 @@ static void offer_copies(struct residency *r, struct res_set *s) {
   for (struct res_set *c = r->sets; c != NULL && k < n; c = c->next) {
     if (c->ck != s->ck || c->device == s->device || c->state != SET_READY || strcmp(c->plan->key, s->plan->key) != 0)
       continue;
-    src[k] = (struct ld_source){.slab = c->load.slab, .device = c->device};
+    src[k] = (struct ld_copy){.slab = c->load.slab, .device = c->device};
     from[k++] = c;
     c->copying++;
   }
-  s->load.sources = src;
-  s->load.nsources = k;
+  s->load.copies = src;
+  s->load.ncopies = k;
   s->copy_from = from;
   s->ncopy_from = k;
 }
 
-void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, struct res_waiter *w) {
+void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, enum ld_source_choice source,
+              struct res_waiter *w) {
   w->set = NULL;
   char *key = NULL;
   if (asprintf(&key, "%s#%" PRIu64 "|%d|%s", ck->path, ck->generation, device, plan->key) < 0) {
@@ -304,9 +308,12 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   s->state = SET_LOADING;
   offer_copies(r, s);
   s->load.plan = plan;
-  s->load.ck = ck;
+  s->load.ck = ck->ck;
+  s->load.name = ck->path;
+  s->load.mmap = ck->src;
+  s->load.choice = source;
   s->load.device = device;
-  s->load.method = "memcpy";
+  s->load.method = LD_METHOD_MEMCPY;
   struct plan_range *pins = NULL;
   if (reg_pins_copy(ck, &pins, &s->load.npins) != 0) s->load.npins = 0; /* no memory: it stages instead */
   s->load.pins = pins;

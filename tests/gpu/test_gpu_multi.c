@@ -31,8 +31,7 @@
 
 #include "cuda_import.h"
 #include "fixture.h"
-#include "load/multigpu.h"
-#include "load/stripe.h"
+#include "load/loader.h"
 #include "testutil.h"
 #include "base/topology.h"
 #include "weightd.h"
@@ -81,12 +80,17 @@ static void test_backend_without_peers(void) {
     for (int i = 0; i < n; i++)
       for (int j = 0; j < n; j++)
         if (i != j) printf("GPU %d -> %d: access %d, %s\n", i, j, topo_peer(t, i, j)->access, wd_link_name(topo_peer(t, i, j)->link));
-    /* One GPU: no multi-device context, every load uses its own link. */
-    struct mg *m = (struct mg *)1;
-    struct mg_params mp = {.backend = &b, .topo = t, .replicas = true, .striping = true, .window_bytes = 4u << 20};
-    CHECK_EQ_INT(mg_create(&mp, &m, &err), 0);
-    if (n == 1) CHECK(m == NULL);
-    mg_destroy(m);
+    /* One GPU: no peers, every load uses its own link; several: lending links and replica lanes on each. */
+    struct ld_pool *pool = NULL;
+    CHECK_EQ_INT(ld_pool_start(1, &pool), 0);
+    struct loader *ld = NULL;
+    struct ld_params lp = {.backend = &b, .pool = pool, .ndevices = n, .staging_slots = 2,
+                           .staging_slot_bytes = 4u << 20, .topo = t, .replicas = true, .striping = true};
+    CHECK_EQ_INT(ld_create(&lp, &ld, &err), 0);
+    if (n == 1) CHECK(!ld_has_peers(ld));
+    CHECK_EQ_INT(ld_staging_start(ld, &err), 0); /* the staging and lending links on the GPU(s) */
+    ld_destroy(ld);
+    ld_pool_stop(pool);
     topo_destroy(t);
   }
   backend_destroy(&b);
@@ -140,10 +144,6 @@ static void test_copy_peer_one_gpu(void) {
     cuimp_device_put(&dev);
   }
   close(h.fd);
-  /* A striping kit: pinned slots, bounce buffers, streams and events on the GPU. */
-  struct stripe_kit k;
-  CHECK_EQ_INT(stripe_kit_init(&k, &b, 0, 4u << 20, &err), 0);
-  stripe_kit_fini(&k, &b);
 out:
   if (e) ops->event_destroy(b.ctx, e);
   if (s) ops->stream_destroy(b.ctx, s);

@@ -43,6 +43,7 @@ FAMILIES = {
     "weightd_loads_total": ("counter", {"result", "method"}),
     "weightd_load_duration_seconds": ("histogram", set()),
     "weightd_loaded_bytes_total": ("counter", set()),
+    "weightd_read_bytes_total": ("counter", {"source"}),
     "weightd_last_load_gib_per_second": ("gauge", set()),
     "weightd_evictions_total": ("counter", {"reason"}),
     "weightd_sets_readopted_total": ("counter", set()),

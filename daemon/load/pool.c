@@ -1,7 +1,7 @@
 /*
- * fillpool.c - the fill threads (see fillpool.h).
+ * pool.c - the fill threads (see pool.h).
  *
- * DESIGN: batches (one per fill_run call) sit in a list in the order they
+ * DESIGN: batches (one per ld_pool_run call) sit in a list in the order they
  * started, each numbered (serial), guarded by `lock`. A pool thread picks,
  * among the batches with a task left (its node's first), the first one
  * numbered after the batch a pool thread served last, else the first one:
@@ -9,7 +9,7 @@
  * then counts it finished; the batch's owner helps with its own tasks and
  * waits on `done` until its count reaches ntasks.
  */
-#include "fillpool.h"
+#include "pool.h"
 
 #include <pthread.h>
 #include <stdbool.h>
@@ -26,12 +26,12 @@ struct batch {
 };
 
 struct worker {
-  struct fillpool *p;
+  struct ld_pool *p;
   pthread_t thread;
   int node; /* bound to, -1: unbound (guarded by the pool's lock) */
 };
 
-struct fillpool {
+struct ld_pool {
   pthread_mutex_t lock;
   pthread_cond_t work;
   pthread_cond_t done;
@@ -45,13 +45,13 @@ struct fillpool {
 
 static _Thread_local int home_node = -1;
 
-void fill_set_home(int node) { home_node = node; }
+void ld_pool_set_home(int node) { home_node = node; }
 
 /*
  * The batch a pool thread on `node` serves next: round robin by serial after
  * last_served, among its node's batches first, then among all. Lock held.
  */
-static struct batch *pick(struct fillpool *p, int node) {
+static struct batch *pick(struct ld_pool *p, int node) {
   for (int pass = node >= 0 ? 0 : 1; pass < 2; pass++) {
     struct batch *first = NULL, *after = NULL;
     for (struct batch *b = p->batches; b != NULL && after == NULL; b = b->link) {
@@ -65,13 +65,13 @@ static struct batch *pick(struct fillpool *p, int node) {
   return NULL;
 }
 
-static void finish(struct fillpool *p, struct batch *b) {
+static void finish(struct ld_pool *p, struct batch *b) {
   if (++b->finished == b->ntasks) pthread_cond_broadcast(&p->done);
 }
 
 static void *fill_thread(void *arg) {
   struct worker *w = arg;
-  struct fillpool *p = w->p;
+  struct ld_pool *p = w->p;
   pthread_mutex_lock(&p->lock);
   for (;;) {
     struct batch *b = pick(p, w->node);
@@ -91,8 +91,8 @@ static void *fill_thread(void *arg) {
   return NULL;
 }
 
-int fill_start(unsigned nthreads, struct fillpool **out) {
-  struct fillpool *p = calloc(1, sizeof *p);
+int ld_pool_start(unsigned nthreads, struct ld_pool **out) {
+  struct ld_pool *p = calloc(1, sizeof *p);
   if (p == NULL) return -1;
   p->workers = calloc(nthreads ? nthreads : 1, sizeof *p->workers);
   if (p->workers == NULL) {
@@ -112,9 +112,9 @@ int fill_start(unsigned nthreads, struct fillpool **out) {
   return 0;
 }
 
-unsigned fill_threads(const struct fillpool *p) { return p->nthreads + 1; }
+unsigned ld_pool_threads(const struct ld_pool *p) { return p->nthreads + 1; }
 
-unsigned fill_bind(struct fillpool *p, const struct numa_map *map) {
+unsigned ld_pool_bind(struct ld_pool *p, const struct numa_map *map) {
   if (map == NULL || map->n < 2 || p->nthreads == 0) return 0;
   size_t total = 0;
   for (size_t k = 0; k < map->n; k++) total += map->nodes[k].ncpus;
@@ -138,7 +138,7 @@ unsigned fill_bind(struct fillpool *p, const struct numa_map *map) {
   return bound;
 }
 
-int fill_thread_node(struct fillpool *p, unsigned i) {
+int ld_pool_thread_node(struct ld_pool *p, unsigned i) {
   if (i >= p->nthreads) return -1;
   pthread_mutex_lock(&p->lock);
   int node = p->workers[i].node;
@@ -146,7 +146,7 @@ int fill_thread_node(struct fillpool *p, unsigned i) {
   return node;
 }
 
-void fill_run(struct fillpool *p, size_t ntasks, void (*fn)(void *arg, size_t i), void *arg) {
+void ld_pool_run(struct ld_pool *p, size_t ntasks, void (*fn)(void *arg, size_t i), void *arg) {
   if (ntasks == 0) return;
   struct batch b = {.fn = fn, .arg = arg, .ntasks = ntasks, .node = home_node};
   pthread_mutex_lock(&p->lock);
@@ -173,7 +173,7 @@ void fill_run(struct fillpool *p, size_t ntasks, void (*fn)(void *arg, size_t i)
   pthread_mutex_unlock(&p->lock);
 }
 
-void fill_stop(struct fillpool *p) {
+void ld_pool_stop(struct ld_pool *p) {
   if (p == NULL) return;
   pthread_mutex_lock(&p->lock);
   p->stopping = 1;

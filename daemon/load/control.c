@@ -1,10 +1,11 @@
 /*
- * load_control.c - what a running load reports and obeys, whichever way it
- * fills (loader.c, loader_staged.c): the ready watermark, cancellation, the
- * test gate, and the size of its fill tasks. Safe from any of the load's
- * threads (the watermark is a compare-and-swap that only grows).
+ * control.c - what a running load reports and obeys, whichever way it fills
+ * (loader.c, pipeline.c, multi.c): the ready watermark, cancellation, the
+ * test gate, the size of its fill tasks, and the FAULT error. Safe from any
+ * of the load's threads (the watermark is a compare-and-swap that only
+ * grows).
  */
-#include "loader_internal.h"
+#include "internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -13,7 +14,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "fillpool.h"
 #include "base/log.h"
 
 /* Bytes one fill task gathers, at least and at most (ld_task_bytes). */
@@ -40,9 +40,9 @@ void ld_publish_final(struct ld_target *t) { raise_ready(t, t->plan->slab_bytes)
 
 /* ---- cancellation and the test gate ---------------------------------------------------- */
 
-int ld_check_cancel(struct ld_target *s, struct wd_error *err) {
-  if (!atomic_load(&s->cancel)) return 0;
-  return err_set(err, WEIGHTD_E_CANCELED, "load of %s canceled", s->ck->path);
+int ld_check_cancel(const struct ld_target *t, struct wd_error *err) {
+  if (!atomic_load(&t->cancel)) return 0;
+  return err_set(err, WEIGHTD_E_CANCELED, "load of %s canceled", t->name);
 }
 
 int ld_gate_open(const struct loader *ld) {
@@ -52,13 +52,13 @@ int ld_gate_open(const struct loader *ld) {
   return gate;
 }
 
-int ld_gate_pass(int *gate, struct ld_target *s, struct wd_error *err) {
+int ld_gate_pass(int *gate, const struct ld_target *t, struct wd_error *err) {
   while (*gate >= 0) {
     char byte;
     ssize_t n = read(*gate, &byte, 1);
     if (n == 1) return 0;
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
-      int rc = ld_check_cancel(s, err);
+      int rc = ld_check_cancel(t, err);
       if (rc != 0) return rc;
       struct pollfd p = {.fd = *gate, .events = POLLIN};
       poll(&p, 1, 20);
@@ -73,7 +73,20 @@ int ld_gate_pass(int *gate, struct ld_target *s, struct wd_error *err) {
 /* ---- fill tasks --------------------------------------------------------------------------- */
 
 uint64_t ld_task_bytes(const struct loader *ld, uint64_t window) {
-  uint64_t task = window / (uint64_t)fill_threads(ld->fill);
+  uint64_t task = window / (uint64_t)ld_pool_threads(ld->pool);
   task = task < LD_TASK_MIN ? LD_TASK_MIN : task > LD_TASK_MAX ? LD_TASK_MAX : task;
   return (task + 65535) / 65536 * 65536;
+}
+
+int ld_fault_error(const struct ld_target *t, uint64_t off, struct wd_error *err) {
+  const struct plan_output *o = plan_output_at(t->plan, off);
+  const char *shard = "?", *name = o ? o->name : "?";
+  if (o != NULL && o->npieces > 0 && o->pieces[0].src != NULL) shard = t->ck->shards[o->pieces[0].src->shard].rel;
+  return err_set(err, WEIGHTD_E_FAULT,
+                 "%s: tensor '%s': the shard was truncated or became unreadable while it was read", shard, name);
+}
+
+void ld_count_reads(struct ld_target *t, const uint64_t *counts) {
+  for (int k = 0; k < LD_SOURCE_KINDS; k++)
+    if (counts[k] != 0) atomic_fetch_add(&t->source_bytes[k], counts[k]);
 }
