@@ -526,6 +526,10 @@ int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
     goto fail;
   }
   if (c->layout != CKPT_FILE && (rc = read_config(c, &roots, err)) != 0) goto fail;
+  if (ckpt_layout_id(c, c->layout_id) != 0) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    goto fail;
+  }
   ckpt_index_free(ix);
   free(top.real);
   *out = c;

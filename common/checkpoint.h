@@ -30,6 +30,9 @@
 
 enum ckpt_layout { CKPT_INDEX, CKPT_SINGLE, CKPT_FILE };
 
+/* Bytes of a layout or content id (SHA-256). */
+#define CKPT_ID_BYTES 32
+
 struct ckpt_shard {
   char *rel;  /* the name in the index, or the file's name */
   char *path; /* dir/rel, possibly a symlink */
@@ -68,6 +71,12 @@ struct ckpt {
   struct ckpt_ref *by_name; /* sorted by tensor name */
   uint64_t total_bytes;     /* payload: the sum of all tensors' bytes */
   struct mcfg *config;      /* config.json, or NULL when there is none */
+  /*
+   * The layout id (ckpt_layout_id), computed at open from the headers and
+   * the index alone: it names the layout, not the bytes (fine-tunes of one
+   * architecture share it); a content id adds each file's payload identity.
+   */
+  unsigned char layout_id[CKPT_ID_BYTES];
 };
 
 int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
@@ -137,6 +146,15 @@ const struct ckpt_ref *ckpt_tensor_find(const struct ckpt *c, const char *name);
  * inode, size and mtime at its path. Fails with WEIGHTD_E_STALE naming the shard.
  */
 int ckpt_check_unchanged(const struct ckpt *c, struct wd_error *err);
+
+/*
+ * The layout id of an opened checkpoint: SHA-256 over the canonical form of
+ * every shard's header (tensors by name with dtype, shape and offsets,
+ * metadata by key, the data section's start), the shard names and sizes and
+ * the index's tensor-to-shard map (ckpt_id.c gives the encoding). 0, or -1
+ * when memory runs out.
+ */
+int ckpt_layout_id(const struct ckpt *c, unsigned char out[CKPT_ID_BYTES]);
 
 /* A name for the layout ("index", "single", "file"). */
 const char *ckpt_layout_name(enum ckpt_layout l);

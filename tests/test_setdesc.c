@@ -48,6 +48,10 @@ static void sample(struct setdesc *d, struct setdesc_set sets[2], struct setdesc
     memset(sets[i].alloc_id, 0xa0 + i, WD_ALLOC_ID_BYTES);
     sets[i].fdname = i == 0 ? "wd-slab-s3" : "wd-slab-s12";
     sets[i].plan_key = i == 0 ? "{\"preset\":\"whole\"}" : "{\"outputs\":2,\"sha256\":\"ab\"}";
+    sets[i].has_ids = true;
+    memset(sets[i].layout_id, 0x30 + i, SETDESC_ID_BYTES);
+    sets[i].content_known = i == 0; /* the second set's content id is not known yet */
+    if (i == 0) memset(sets[i].content_id, 0xc7, SETDESC_ID_BYTES);
     sets[i].nshards = i == 0 ? 2 : 1;
     sets[i].shards = shards;
     sets[i].table = table;
@@ -92,6 +96,7 @@ static void test_round_trip(void) {
   struct wd_error err = {0};
   CHECK_EQ_INT(setdesc_read(buf, len, &out, &err), 0);
   CHECK_EQ_INT(out.generation, 7);
+  CHECK_EQ_INT(out.version, SETDESC_VERSION);
   CHECK_EQ_INT(out.nsets, 2);
   CHECK_EQ_INT(out.nleases, 3);
   for (size_t i = 0; i < 2 && out.nsets == 2; i++) {
@@ -102,6 +107,9 @@ static void test_round_trip(void) {
     CHECK_EQ_INT(b->slab_bytes, a->slab_bytes);
     CHECK_EQ_INT(b->alloc_bytes, a->alloc_bytes);
     CHECK(memcmp(a->alloc_id, b->alloc_id, WD_ALLOC_ID_BYTES) == 0);
+    CHECK(b->has_ids && memcmp(a->layout_id, b->layout_id, SETDESC_ID_BYTES) == 0);
+    CHECK_EQ_INT(b->content_known, a->content_known);
+    if (a->content_known) CHECK(memcmp(a->content_id, b->content_id, SETDESC_ID_BYTES) == 0);
     CHECK_EQ_INT(b->nshards, a->nshards);
     for (size_t k = 0; k < a->nshards && b->nshards == a->nshards; k++) {
       CHECK(strcmp(a->shards[k].name, b->shards[k].name) == 0);
@@ -165,9 +173,9 @@ static void test_bad_header_rejected(void) {
   buf[0] ^= 1;
   expect_rejected(buf, len, "bad magic");
   buf[0] ^= 1;
-  uint32_t v = 2;
+  uint32_t v = 3;
   memcpy(buf + 8, &v, 4);
-  expect_rejected(buf, len, "version 2");
+  expect_rejected(buf, len, "version 3");
   v = SETDESC_VERSION;
   memcpy(buf + 8, &v, 4);
   buf[len / 2] ^= 0x40;
@@ -176,6 +184,68 @@ static void test_bad_header_rejected(void) {
   uint32_t many = 1u << 30;
   memcpy(buf + 32, &many, 4);
   expect_rejected(buf, len, "do not fit");
+  free(buf);
+}
+
+/*
+ * A description an earlier weightd wrote (version 1, no ids) is read: its
+ * sets carry no ids, everything else as written; its bytes are version 2's
+ * without the identity fields.
+ */
+static void test_version_1_read(void) {
+  struct setdesc d, out;
+  struct setdesc_set sets[2];
+  struct setdesc_lease leases[3];
+  sample(&d, sets, leases);
+  struct wd_error err = {0};
+  unsigned char *v2, *v1;
+  size_t l2, l1;
+  CHECK_EQ_INT(setdesc_write(&d, &v2, &l2, &err), 0);
+  d.version = 1;
+  CHECK_EQ_INT(setdesc_write(&d, &v1, &l1, &err), 0);
+  CHECK(l2 > l1); /* two sets' ids (68 bytes each; the padding before the tables moves with them) */
+  free(v2);
+  CHECK_EQ_INT(setdesc_read(v1, l1, &out, &err), 0);
+  CHECK_EQ_INT(out.version, 1);
+  CHECK_EQ_INT(out.nsets, 2);
+  for (size_t i = 0; i < out.nsets; i++) {
+    CHECK(!out.sets[i].has_ids && !out.sets[i].content_known);
+    CHECK(strcmp(out.sets[i].plan_key, sets[i].plan_key) == 0 && out.sets[i].nshards == sets[i].nshards);
+  }
+  CHECK_EQ_INT(out.nleases, 3);
+  setdesc_free(&out);
+  d.version = 9;
+  CHECK_EQ_INT(setdesc_write(&d, &v2, &l2, &err), WEIGHTD_E_INVALID);
+  CHECK(v2 == NULL);
+  free(v1);
+}
+
+/* A content id flag other than 0 or 1, or id bytes with the flag 0, is refused. */
+static void test_bad_ids_rejected(void) {
+  struct setdesc d;
+  struct setdesc_set sets[2];
+  struct setdesc_lease leases[3];
+  sample(&d, sets, leases);
+  d.nsets = 1;
+  d.nleases = 2;
+  struct wd_error err = {0};
+  unsigned char *buf;
+  size_t len;
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+  /* Find the content id flag: after the plan key's bytes and the layout id. */
+  const char *key = sets[0].plan_key;
+  unsigned char *k = memmem(buf, len, key, strlen(key));
+  CHECK(k != NULL);
+  if (k != NULL) {
+    unsigned char *flag = k + strlen(key) + SETDESC_ID_BYTES;
+    uint32_t two = 2, zero = 0;
+    memcpy(flag, &two, 4);
+    reseal(buf, len);
+    expect_rejected(buf, len, "content id known is 2");
+    memcpy(flag, &zero, 4); /* the id bytes stay: not zeros */
+    reseal(buf, len);
+    expect_rejected(buf, len, "non-zero id bytes");
+  }
   free(buf);
 }
 
@@ -257,6 +327,8 @@ int main(void) {
   RUN(test_round_trip);
   RUN(test_every_truncation_rejected);
   RUN(test_bad_header_rejected);
+  RUN(test_version_1_read);
+  RUN(test_bad_ids_rejected);
   RUN(test_bad_body_rejected);
   RUN(test_writer_refuses);
   free(table);

@@ -45,6 +45,8 @@ enum ld_source_choice ops_load_source(const struct daemon *d, const struct reg_c
 int ops_device_resolve(const struct daemon *d, const cJSON *v, int *device, struct wd_error *err);
 
 /* JSON views (ops_status.c). */
+/* Adds a checkpoint's "layout_id" and "content_id" (hex; null until known) to o. */
+void ops_ids_add(const struct reg_ckpt *ck, cJSON *o);
 cJSON *ops_checkpoint_json(const struct daemon *d, const struct reg_ckpt *ck, uint64_t resident);
 cJSON *ops_device_json(const struct daemon *d, int i);
 cJSON *ops_set_json(const struct daemon *d, const struct res_set *s);

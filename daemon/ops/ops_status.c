@@ -12,15 +12,29 @@
 
 #include "clock.h"
 #include "jsonutil.h"
+#include "sha256.h"
 #include "ops_common.h"
 #include "telemetry.h"
 
 /* ---- views ------------------------------------------------------------------------------- */
 
+void ops_ids_add(const struct reg_ckpt *ck, cJSON *o) {
+  char hex[SHA256_HEX_LEN + 1];
+  sha256_hex(ck->ck->layout_id, hex);
+  msg_add_string(o, "layout_id", hex);
+  if (ck->content_known) {
+    sha256_hex(ck->content_id, hex);
+    msg_add_string(o, "content_id", hex);
+  } else {
+    cJSON_AddNullToObject(o, "content_id"); /* known once a whole prefetch has digested the files */
+  }
+}
+
 cJSON *ops_checkpoint_json(const struct daemon *d, const struct reg_ckpt *ck, uint64_t resident) {
   cJSON *o = cJSON_CreateObject();
   msg_add_string(o, "path", ck->path);
   msg_add_string(o, "layout", ckpt_layout_name(ck->ck->layout));
+  ops_ids_add(ck, o);
   json_u64_add(o, "shards", ck->ck->nshards);
   json_u64_add(o, "tensors", ck->ck->ntensors);
   json_u64_add(o, "bytes", ck->ck->total_bytes);
@@ -54,6 +68,7 @@ cJSON *ops_set_json(const struct daemon *d, const struct res_set *s) {
   cJSON *o = cJSON_CreateObject();
   msg_add_string(o, "set", s->id);
   msg_add_string(o, "path", s->ck->path);
+  ops_ids_add(s->ck, o);
   msg_add_string(o, "device", res_device(d->res, s->device)->info.uuid);
   cJSON_AddItemToObject(o, "plan", cJSON_Parse(s->plan->key));
   msg_add_string(o, "state", res_set_canceling(s) ? "canceling" : states[s->state]);

@@ -48,7 +48,7 @@ static int put_str(struct out *o, const char *s, size_t max, const char *what, s
   return 0;
 }
 
-static int put_set(struct out *o, const struct setdesc_set *s, struct wd_error *err) {
+static int put_set(struct out *o, const struct setdesc_set *s, uint32_t version, struct wd_error *err) {
   if (s->handle_kind != WD_HANDLE_FD && s->handle_kind != WD_HANDLE_CUDA_VMM)
     return err_set(err, WEIGHTD_E_INVALID, "set %s: %s handles cannot be described", s->id,
                    wd_handle_kind_name((enum wd_handle_kind)s->handle_kind));
@@ -63,6 +63,12 @@ static int put_set(struct out *o, const struct setdesc_set *s, struct wd_error *
   rc = put_str(o, s->fdname, SETDESC_NAME_MAX, "store name", err);
   if (rc == 0) rc = put_str(o, s->plan_key, PLAN_KEY_MAX, "plan key", err);
   if (rc != 0) return rc;
+  static const unsigned char none[SETDESC_ID_BYTES];
+  if (version >= 2) {
+    put(o, s->has_ids ? s->layout_id : none, SETDESC_ID_BYTES);
+    put_u32(o, s->has_ids && s->content_known);
+    put(o, s->has_ids && s->content_known ? s->content_id : none, SETDESC_ID_BYTES);
+  }
   put_u32(o, (uint32_t)s->nshards);
   for (size_t i = 0; i < s->nshards; i++) {
     const struct setdesc_shard *sh = &s->shards[i];
@@ -82,13 +88,16 @@ static int put_set(struct out *o, const struct setdesc_set *s, struct wd_error *
 int setdesc_write(const struct setdesc *d, unsigned char **out, size_t *len, struct wd_error *err) {
   *out = NULL;
   *len = 0;
+  uint32_t version = d->version == 0 ? SETDESC_VERSION : d->version;
+  if (version != 1 && version != SETDESC_VERSION)
+    return err_set(err, WEIGHTD_E_INVALID, "version %u cannot be written", version);
   if (d->nsets > UINT32_MAX || d->nleases > UINT32_MAX)
     return err_set(err, WEIGHTD_E_INVALID, "too many sets or leases to describe");
   struct out o = {0};
   unsigned char header[SETDESC_HEADER_BYTES] = {0};
   put(&o, header, sizeof header);
   int rc = 0;
-  for (size_t i = 0; rc == 0 && i < d->nsets; i++) rc = put_set(&o, &d->sets[i], err);
+  for (size_t i = 0; rc == 0 && i < d->nsets; i++) rc = put_set(&o, &d->sets[i], version, err);
   for (size_t i = 0; rc == 0 && i < d->nleases; i++) {
     const struct setdesc_lease *l = &d->leases[i];
     rc = put_str(&o, l->id, SETDESC_ID_MAX, "lease id", err);
@@ -106,7 +115,7 @@ int setdesc_write(const struct setdesc *d, unsigned char **out, size_t *len, str
     return rc;
   }
   unsigned char *h = o.buf;
-  uint32_t version = SETDESC_VERSION, hbytes = SETDESC_HEADER_BYTES, nsets = (uint32_t)d->nsets,
+  uint32_t hbytes = SETDESC_HEADER_BYTES, nsets = (uint32_t)d->nsets,
            nleases = (uint32_t)d->nleases;
   uint64_t total = o.len, sum = ttab_xxh64(o.buf + SETDESC_HEADER_BYTES, o.len - SETDESC_HEADER_BYTES);
   memcpy(h, SETDESC_MAGIC, 8);
@@ -128,6 +137,7 @@ int setdesc_write(const struct setdesc *d, unsigned char **out, size_t *len, str
 struct in {
   const unsigned char *buf;
   size_t len, at;
+  uint32_t version;
   struct wd_error *err;
   char where[96];
   int rc;
@@ -215,6 +225,19 @@ static void read_set(struct in *c, struct setdesc_set *s, size_t i) {
     return;
   }
   if ((s->plan_key = take_str(c, PLAN_KEY_MAX, false, "plan key")) == NULL) return;
+  if (c->version >= 2) {
+    s->has_ids = true;
+    if (!take(c, s->layout_id, SETDESC_ID_BYTES, "layout id")) return;
+    uint32_t known = take_u32(c, "content id known");
+    if (!take(c, s->content_id, SETDESC_ID_BYTES, "content id")) return;
+    static const unsigned char none[SETDESC_ID_BYTES];
+    if (known > 1 || (known == 0 && memcmp(s->content_id, none, SETDESC_ID_BYTES) != 0)) {
+      c->rc = err_set(c->err, WEIGHTD_E_INVALID, "%s: content id known is %u with %s id bytes", c->where, known,
+                      known > 1 ? "any" : "non-zero");
+      return;
+    }
+    s->content_known = known == 1;
+  }
   uint32_t n = take_u32(c, "shard count");
   if (c->rc != 0) return;
   /* Each shard takes at least 36 bytes: a count past what is left is refused before allocating. */
@@ -310,10 +333,12 @@ int setdesc_read(const void *buf, size_t len, struct setdesc *out, struct wd_err
   memcpy(&nsets, b + 32, 4);
   memcpy(&nleases, b + 36, 4);
   memcpy(&sum, b + 40, 8);
-  if (version != SETDESC_VERSION)
-    return err_set(err, WEIGHTD_E_INVALID, "version %u (this daemon reads version %u)", version, SETDESC_VERSION);
+  if (version != 1 && version != SETDESC_VERSION)
+    return err_set(err, WEIGHTD_E_INVALID, "version %u (this daemon reads versions 1 and %u)", version, SETDESC_VERSION);
   if (hbytes != SETDESC_HEADER_BYTES)
-    return err_set(err, WEIGHTD_E_INVALID, "header of %u bytes (version 1 has %u)", hbytes, SETDESC_HEADER_BYTES);
+    return err_set(err, WEIGHTD_E_INVALID, "header of %u bytes (version %u has %u)", hbytes, version,
+                   SETDESC_HEADER_BYTES);
+  out->version = version;
   if (total != len || len > SETDESC_MAX_BYTES)
     return err_set(err, WEIGHTD_E_INVALID, "the header says %llu bytes, the description has %zu (at most %llu)",
                    (unsigned long long)total, len, (unsigned long long)SETDESC_MAX_BYTES);
@@ -326,7 +351,7 @@ int setdesc_read(const void *buf, size_t len, struct setdesc *out, struct wd_err
   size_t body = len - SETDESC_HEADER_BYTES;
   if (nsets > body / 100 || nleases > body / 18)
     return err_set(err, WEIGHTD_E_INVALID, "%u sets and %u leases do not fit %zu bytes", nsets, nleases, body);
-  struct in c = {.buf = b, .len = len, .at = SETDESC_HEADER_BYTES, .err = err};
+  struct in c = {.buf = b, .len = len, .at = SETDESC_HEADER_BYTES, .err = err, .version = version};
   out->sets = nsets ? calloc(nsets, sizeof *out->sets) : NULL;
   out->leases = nleases ? calloc(nleases, sizeof *out->leases) : NULL;
   if ((nsets && out->sets == NULL) || (nleases && out->leases == NULL)) {

@@ -5,7 +5,8 @@
  * daemon, whenever its sets or leases change) and one reader (the daemon at
  * start, and the fuzz target).
  *
- * Version 1, all integers little-endian:
+ * Version 2, all integers little-endian (version 1 is the same without the
+ * identity fields, and is still read: its sets carry no ids):
  *
  *   header   SETDESC_HEADER_BYTES: magic "WDSETDSC", u32 version, u32 header
  *            size, u64 total size, u64 generation, u32 sets, u32 leases, u64
@@ -13,7 +14,9 @@
  *   sets     per set: str id, str checkpoint path (resolved), str device
  *            UUID, u32 handle kind, u64 slab bytes, u64 allocation bytes,
  *            16 bytes allocation id, str store name of the slab descriptor,
- *            str plan key, u32 shard count, per shard (str name, u64 device,
+ *            str plan key, 32 bytes layout id, u32 content id known (0 or
+ *            1), 32 bytes content id (zeros when not known), u32 shard
+ *            count, per shard (str name, u64 device,
  *            u64 inode, u64 size, i64 mtime ns), u64 table size, zeros to an
  *            8-byte boundary, the binary tensor table (tensor_table.h)
  *   leases   per lease: str id, str set id, u32 uid, i32 pid, str client
@@ -30,6 +33,7 @@
 #ifndef WD_SETDESC_H
 #define WD_SETDESC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -37,7 +41,8 @@
 #include "handles.h"
 
 #define SETDESC_MAGIC "WDSETDSC" /* 8 bytes, no NUL */
-#define SETDESC_VERSION 1u
+#define SETDESC_VERSION 2u     /* what setdesc_write writes; 1 is read too */
+#define SETDESC_ID_BYTES 32u    /* a layout or content id (checkpoint.h's CKPT_ID_BYTES) */
 #define SETDESC_HEADER_BYTES 48u
 #define SETDESC_MAX_BYTES (1ull << 30)
 #define SETDESC_ID_MAX 23u      /* set and lease ids ("s12", "l13") */
@@ -61,6 +66,10 @@ struct setdesc_set {
   unsigned char alloc_id[WD_ALLOC_ID_BYTES];
   char *fdname;   /* the slab descriptor's name in the store */
   char *plan_key; /* plan.h's identity key */
+  bool has_ids;   /* a version 2 description: layout_id is given (and content_id when content_known) */
+  unsigned char layout_id[SETDESC_ID_BYTES];
+  bool content_known;
+  unsigned char content_id[SETDESC_ID_BYTES];
   size_t nshards;
   struct setdesc_shard *shards;
   const unsigned char *table; /* the binary tensor table: the writer's input; the reader's points into its buffer */
@@ -76,6 +85,7 @@ struct setdesc_lease {
 };
 
 struct setdesc {
+  uint32_t version; /* read: what the description was written as; written: 0 for SETDESC_VERSION, 1 as a daemon before ids did */
   uint64_t generation;
   size_t nsets;
   struct setdesc_set *sets;

@@ -87,6 +87,10 @@ static int describe_set(struct survive *sv, struct res_set *s, struct setdesc_se
   memcpy(o->alloc_id, h.alloc_id, sizeof o->alloc_id);
   o->fdname = strdup(name);
   o->plan_key = s->plan->key;
+  o->has_ids = true;
+  memcpy(o->layout_id, c->layout_id, sizeof o->layout_id);
+  o->content_known = s->ck->content_known;
+  if (o->content_known) memcpy(o->content_id, s->ck->content_id, sizeof o->content_id);
   o->nshards = c->nshards;
   o->shards = calloc(c->nshards, sizeof *o->shards);
   if (o->fdname == NULL || o->shards == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
@@ -217,9 +221,18 @@ static void drop(struct survive *sv, const struct setdesc_set *s, const char *wh
   sv->dropped++;
 }
 
-/* "" when ck's shards are the described ones, else what changed. */
+/*
+ * "" when ck's shards are the described ones, else what changed: the files'
+ * identities (device, inode, size, mtime), and for a description with ids
+ * the layout id. A description written before ids existed (version 1) is
+ * judged by the files' identities alone.
+ */
 static void identity_diff(const struct setdesc_set *s, const struct ckpt *c, char *why, size_t len) {
   why[0] = '\0';
+  if (s->has_ids && memcmp(s->layout_id, c->layout_id, sizeof s->layout_id) != 0) {
+    snprintf(why, len, "its layout id differs from the described one");
+    return;
+  }
   if (c->nshards != s->nshards) {
     snprintf(why, len, "%zu shard(s) now, %zu then", c->nshards, s->nshards);
     return;
@@ -283,8 +296,10 @@ static int adopt(struct survive *sv, const struct setdesc_set *s, struct reg_ckp
     if (res_lease_restore(d->res, set, l->id, &h, &lerr) == 0) sv->leases++;
     else log_msg(LOG_WARN, "lease %s of set %s is not restored: %s", l->id, s->id, lerr.msg);
   }
-  log_msg(LOG_INFO, "re-adopted set %s: %s on %s, %zu tensors, %" PRIu64 " bytes, without loading", s->id, s->path,
-          s->uuid, plan->noutputs, s->slab_bytes);
+  if (s->content_known) reg_content_adopt(ck, s->content_id); /* the same files: the same bytes */
+  log_msg(LOG_INFO, "re-adopted set %s: %s on %s, %zu tensors, %" PRIu64 " bytes, without loading%s", s->id, s->path,
+          s->uuid, plan->noutputs, s->slab_bytes,
+          s->has_ids ? "" : " (described by an earlier weightd without content ids: judged by its files' identities)");
   return 0;
 }
 

@@ -178,6 +178,7 @@ static void entry_release(struct reg_ckpt *ck) {
 static void entry_finish(struct reg_ckpt *ck) {
   struct registry *r = ck->reg;
   free(ck->pins);
+  reg_digests_free(ck->digests);
   ckpt_free(ck->ck);
   free(ck->path);
   free(ck);

@@ -56,6 +56,19 @@ enum reg_pin_mode {
 
 struct prefetch;
 
+/* The payload digests of an open checkpoint, taken while a whole prefetch read it (the in-memory manifest). */
+#define REG_DIGEST_CHUNK (4ull << 20) /* bytes per chunk digest, from file offset 0 */
+#define REG_DIGEST_BYTES 16           /* XXH3-128, canonical (big-endian) */
+struct reg_file_digest {
+  uint64_t nchunks;
+  unsigned char (*chunks)[REG_DIGEST_BYTES]; /* per chunk: XXH3-128 of its bytes */
+  unsigned char file[REG_DIGEST_BYTES];      /* XXH3-128 of the chunk digests in order */
+};
+struct reg_digests {
+  size_t nshards;
+  struct reg_file_digest *files;
+};
+
 struct reg_ckpt {
   struct registry *reg;
   char *path; /* resolved; the registry key */
@@ -73,6 +86,16 @@ struct reg_ckpt {
   uint64_t pinned_bytes; /* bytes registered or being registered, counted against the pin budget */
   struct prefetch *parked; /* pin requests waiting for the running pin job */
   unsigned loads;     /* loads from it now running (reg_load_begin/end): never unpinned under them */
+  /*
+   * The content id: SHA-256 of the layout id and every shard's payload
+   * digest (reg_content_id). Known once a whole prefetch digested every
+   * file (digests then holds what it computed), or when a set description
+   * of the same files carried it over a restart (digests NULL).
+   */
+  bool content_known;
+  unsigned char content_id[CKPT_ID_BYTES];
+  struct reg_digests *digests;
+  bool digesting; /* a whole prefetch is computing them */
   uint64_t last_used_ms;
   struct reg_waiter *waiters; /* acquirers waiting for REG_OPENING */
   struct reg_ckpt *next;
@@ -189,6 +212,19 @@ bool reg_pin_wants_ranges(const struct registry *r);
  */
 void reg_pin_after_load(struct reg_ckpt *ck, struct plan_range *ranges, size_t n);
 
+/* ---- identity ------------------------------------------------------------------ */
+
+/*
+ * The content id of a checkpoint with layout id `layout` whose shards have
+ * payload digests files[0..n): SHA-256 of "weightd-content-v1", the layout
+ * id, the shard count and each file digest in shard order.
+ */
+void reg_content_id(const unsigned char layout[CKPT_ID_BYTES], const struct reg_file_digest *files, size_t n,
+                    unsigned char out[CKPT_ID_BYTES]);
+
+/* Records a content id carried over a restart for ck (whose files the carrier checked unchanged). */
+void reg_content_adopt(struct reg_ckpt *ck, const unsigned char id[CKPT_ID_BYTES]);
+
 /* ---- the page cache and the pinned tier ------------------------------------- */
 
 /* Shard bytes in the page cache (mincore). Reads only ck: runs on job threads. */
@@ -208,7 +244,9 @@ typedef void (*reg_prefetched_fn)(void *arg, struct reg_ckpt *ck, const struct r
 
 /*
  * Starts a background read of the given ranges of ck's shard files (NULL:
- * every shard whole; the array is copied) and, with pin, their registration
+ * every shard whole; the array is copied; a whole read of a checkpoint whose
+ * content id is not known yet digests every file as it reads them, and then
+ * knows it) and, with pin, their registration
  * for direct DMA within the pin budget (unpinning others, least recently used
  * first, when that makes room); ranges already registered are left as they
  * are. While another pin of ck runs, this one waits for it. cb (may be NULL)

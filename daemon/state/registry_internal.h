@@ -52,6 +52,9 @@ void reg_detach(struct reg_ckpt *ck);
 
 /* ---- registry_pin.c ------------------------------------------------------------------- */
 
+/* Frees digests (NULL-safe). */
+void reg_digests_free(struct reg_digests *d);
+
 /* pin on_open: a checkpoint just opened is read and registered whole, when it fits. */
 void reg_pin_on_open(struct registry *r, struct reg_ckpt *ck);
 

@@ -26,7 +26,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <xxhash.h>
+
 #include "clock.h"
+#include "sha256.h"
 #include "base/fault.h"
 #include "base/hostmem.h"
 #include "base/log.h"
@@ -239,6 +242,7 @@ struct prefetch {
   int pin_rc;
   struct wd_error pin_err;
   struct reg_prefetched res; /* measured on the job thread */
+  struct reg_digests *digests; /* a whole read of a checkpoint without a content id: filled by the chunks */
   struct prefetch *next_parked;
 };
 
@@ -247,7 +251,68 @@ struct prefetch {
 static void prefetch_free(struct prefetch *p) {
   free(p->ranges);
   free(p->add);
+  reg_digests_free(p->digests);
   free(p);
+}
+
+/* ---- payload digests and the content id ------------------------------------------------- */
+
+void reg_digests_free(struct reg_digests *d) {
+  if (d == NULL) return;
+  for (size_t i = 0; i < d->nshards; i++) free(d->files[i].chunks);
+  free(d->files);
+  free(d);
+}
+
+/* Room for every chunk digest of c's shards, or NULL. */
+static struct reg_digests *digests_new(const struct ckpt *c) {
+  struct reg_digests *d = calloc(1, sizeof *d);
+  if (d == NULL || (d->files = calloc(c->nshards ? c->nshards : 1, sizeof *d->files)) == NULL) {
+    free(d);
+    return NULL;
+  }
+  d->nshards = c->nshards;
+  for (size_t i = 0; i < c->nshards; i++) {
+    uint64_t n = (c->shards[i].size + REG_DIGEST_CHUNK - 1) / REG_DIGEST_CHUNK;
+    d->files[i].nchunks = n;
+    if ((d->files[i].chunks = calloc(n ? n : 1, sizeof *d->files[i].chunks)) == NULL) {
+      reg_digests_free(d);
+      return NULL;
+    }
+  }
+  return d;
+}
+
+/* The prefetch's seen callback: the bytes of one chunk, in order. */
+static void digest_seen(void *arg, const unsigned char *p, size_t n) { XXH3_128bits_update(arg, p, n); }
+
+/* Each file's digest: XXH3-128 of its chunk digests, in order. */
+static void digests_finish(struct reg_digests *d) {
+  for (size_t i = 0; i < d->nshards; i++) {
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits(d->files[i].chunks, (size_t)d->files[i].nchunks * REG_DIGEST_BYTES));
+    memcpy(d->files[i].file, c.digest, REG_DIGEST_BYTES);
+  }
+}
+
+void reg_content_id(const unsigned char layout[CKPT_ID_BYTES], const struct reg_file_digest *files, size_t n,
+                    unsigned char out[CKPT_ID_BYTES]) {
+  static const char tag[] = "weightd-content-v1";
+  struct sha256 h;
+  sha256_init(&h);
+  sha256_update(&h, tag, sizeof tag - 1);
+  sha256_update(&h, layout, CKPT_ID_BYTES);
+  unsigned char b[8];
+  for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)n >> (8 * i));
+  sha256_update(&h, b, sizeof b);
+  for (size_t i = 0; i < n; i++) sha256_update(&h, files[i].file, REG_DIGEST_BYTES);
+  sha256_final(&h, out);
+}
+
+void reg_content_adopt(struct reg_ckpt *ck, const unsigned char id[CKPT_ID_BYTES]) {
+  if (ck->content_known) return;
+  memcpy(ck->content_id, id, CKPT_ID_BYTES);
+  ck->content_known = true;
 }
 
 /* Every shard whole, as ranges. */
@@ -326,8 +391,24 @@ static void prefetch_chunk(void *arg, size_t i) {
   uint64_t off = g->off + k * PREFETCH_CHUNK, end = off + PREFETCH_CHUNK;
   if (end > g->off + g->len) end = g->off + g->len;
   struct wd_error err = {0};
-  if (ld_source_prefetch(p->ck->src, g->shard, off, end - off, NULL, NULL, &err) != 0)
-    atomic_store(&p->failed, 1);
+  if (p->digests == NULL) {
+    if (ld_source_prefetch(p->ck->src, g->shard, off, end - off, NULL, NULL, &err) != 0) atomic_store(&p->failed, 1);
+  } else { /* whole files from offset 0: every REG_DIGEST_CHUNK digested as it is read */
+    XXH3_state_t *st = XXH3_createState();
+    if (st == NULL) atomic_store(&p->failed, 1);
+    for (uint64_t a = off; st != NULL && a < end; a += REG_DIGEST_CHUNK) {
+      uint64_t n = end - a < REG_DIGEST_CHUNK ? end - a : REG_DIGEST_CHUNK;
+      XXH3_128bits_reset(st);
+      if (ld_source_prefetch(p->ck->src, g->shard, a, n, digest_seen, st, &err) != 0) {
+        atomic_store(&p->failed, 1);
+        break;
+      }
+      XXH128_canonical_t c;
+      XXH128_canonicalFromHash(&c, XXH3_128bits_digest(st));
+      memcpy(p->digests->files[g->shard].chunks[a / REG_DIGEST_CHUNK], c.digest, REG_DIGEST_BYTES);
+    }
+    XXH3_freeState(st);
+  }
   atomic_fetch_add(&p->done, end - off);
 }
 
@@ -402,6 +483,21 @@ static void prefetch_done(struct job *j) {
   struct registry *r = p->reg;
   struct reg_ckpt *ck = p->ck;
   if (p->read) ck->prefetching = false;
+  if (p->digests != NULL) {
+    ck->digesting = false;
+    if (!atomic_load(&p->failed) && !p->stopped && !ck->content_known) {
+      digests_finish(p->digests);
+      reg_content_id(ck->ck->layout_id, p->digests->files, p->digests->nshards, ck->content_id);
+      ck->content_known = true;
+      reg_digests_free(ck->digests);
+      ck->digests = p->digests;
+      p->digests = NULL;
+      char hex[SHA256_HEX_LEN + 1];
+      sha256_hex(ck->content_id, hex);
+      log_msg(LOG_INFO, "%s: content id %s (payload digests of %zu shard(s) taken while prefetching)", ck->path, hex,
+              ck->digests->nshards);
+    }
+  }
   victims_release(p->unpin, p->nunpin, "making room in host_pin_budget");
   p->unpin = NULL;
   int failed = atomic_load(&p->failed);
@@ -493,6 +589,11 @@ static int prefetch_admit(struct prefetch *p, struct wd_error *err) {
 
 static void prefetch_submit(struct prefetch *p) {
   if (p->read) p->ck->prefetching = true;
+  if (p->digests != NULL && (p->ck->content_known || p->ck->digesting)) { /* another whole read got there first */
+    reg_digests_free(p->digests);
+    p->digests = NULL;
+  }
+  if (p->digests != NULL) p->ck->digesting = true;
   jobs_submit(p->reg->bulk, &p->job);
 }
 
@@ -513,6 +614,8 @@ static struct prefetch *prefetch_new(struct registry *r, struct reg_ckpt *ck, co
   int rc = 0;
   if (ranges == NULL) {
     rc = whole_ranges(ck, &p->ranges, &p->nranges);
+    /* The first whole read of a checkpoint without a content id digests it (no memory: it reads without). */
+    if (rc == 0 && read && !ck->content_known && !ck->digesting) p->digests = digests_new(ck->ck);
   } else if (nranges > 0) {
     p->ranges = malloc(nranges * sizeof *p->ranges);
     if (p->ranges == NULL) rc = WEIGHTD_E_NOMEM;

@@ -7,6 +7,7 @@ backend, whose memfd slabs stand in for VMM allocations.
 import fcntl
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,7 @@ import pytest
 
 import fdstore_harness
 from conftest import REPO, SANITIZER_MARKS, SLOW, STOP_SECONDS, WEIGHTD, write_single, TINY_TENSORS, _failed
-from wdclient import Checkpoint, Conn, WDError, map_readonly, ranges_equal, verify_attached, wait_until
+from wdclient import Checkpoint, Conn, WDError, map_readonly, ranges_equal, verify_attached, wait_until, xxh64
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -222,6 +223,99 @@ def read_description(store):
     with store.lock:
         (fd,) = [fd for name, fd in store.fds if name.startswith("wd-sets-")]
         return os.pread(fd, 1 << 20, 0)
+
+
+def _sets_of(data):
+    """A version-2 set description cut at its sets: (header, [(fields before the ids, ids, the rest)], leases)."""
+    (nsets,) = struct.unpack_from("<I", data, 32)
+    at, sets = 48, []
+
+    def skip_str(at):
+        (n,) = struct.unpack_from("<I", data, at)
+        return at + 4 + n
+
+    for _ in range(nsets):
+        start = at
+        for _ in range(3):
+            at = skip_str(at)  # id, path, uuid
+        at += 4 + 8 + 8 + 16  # handle kind, slab bytes, allocation bytes, allocation id
+        at = skip_str(skip_str(at))  # store name, plan key
+        ids = data[at:at + 68]
+        at += 68
+        head = data[start:at - 68]
+        (nshards,) = struct.unpack_from("<I", data, at)
+        tail_start = at
+        at += 4
+        for _ in range(nshards):
+            at = skip_str(at) + 32
+        (tlen,) = struct.unpack_from("<Q", data, at)
+        at += 8
+        shards = data[tail_start:at]
+        at += (8 - at % 8) % 8
+        table = data[at:at + tlen]
+        at += tlen
+        sets.append((head, ids, shards, table))
+    return data[:48], sets, data[at:]
+
+
+def _describe(header, version, sets, leases):
+    """Writes a description of the given parts as `version` (1: without ids), with its size and checksum."""
+    body = bytearray()
+    for head, ids, shards, table in sets:
+        body += head + (ids if version >= 2 else b"") + shards
+        body += b"\0" * ((8 - (48 + len(body)) % 8) % 8) + table
+    body += leases
+    h = bytearray(header)
+    struct.pack_into("<IIQ", h, 8, version, 48, 48 + len(body))
+    struct.pack_into("<Q", h, 40, xxh64(bytes(body)))
+    return bytes(h) + bytes(body)
+
+
+def _restart_with(s, tiny, rewrite):
+    """A set loaded and its lease released, the daemon killed, its description rewritten, the daemon started."""
+    with s.connect() as c:
+        att, fd = c.attach(path=tiny["a"])
+        os.close(fd)
+        c.call("release", lease=att["lease"])
+    wait_until(lambda: s.status()["leases"] == [] and len(stored_slabs(s.store)) == 1
+               and len(stored_descriptions(s.store)) == 1, what="the slab and one description in the store")
+    s.kill()
+    header, sets, leases = _sets_of(read_description(s.store))
+    replace_description(s.store, rewrite(header, sets, leases))
+    s.start()
+    return att["set"]
+
+
+def test_description_of_an_earlier_daemon_is_readopted(supervisor, tiny):
+    """A version-1 description (no ids, as weightd wrote before them) re-adopts its sets by file identity."""
+    s = supervisor().start()
+    set_id = _restart_with(s, tiny, lambda h, sets, leases: _describe(h, 1, sets, leases))
+    text = s.log_text()
+    assert f"re-adopted set {set_id}" in text and "described by an earlier weightd without content ids" in text, text
+    st = s.status()
+    assert [x["set"] for x in st["sets"]] == [set_id] and loads(st) == 0
+    with s.connect() as c:  # and the next description is version 2 again
+        att, fd = c.attach(path=tiny["a"])
+        os.close(fd)
+    wait_until(lambda: struct.unpack_from("<I", read_description(s.store), 8)[0] == 2, what="a version-2 description")
+    s.stop()
+
+
+def test_description_with_another_layout_id_is_dropped(supervisor, tiny):
+    """A described layout id that is not the checkpoint's: the set is dropped, never mismatched."""
+    s = supervisor().start()
+
+    def tamper(h, sets, leases):
+        head, ids, shards, table = sets[0]
+        ids = bytes([ids[0] ^ 1]) + ids[1:]
+        return _describe(h, 2, [(head, ids, shards, table)] + sets[1:], leases)
+
+    set_id = _restart_with(s, tiny, tamper)
+    text = s.log_text()
+    assert f"set {set_id} of {os.path.realpath(tiny['a'])} is not re-adopted: the checkpoint changed while the " \
+           f"daemon was down: its layout id differs from the described one" in text, text
+    assert s.status()["sets"] == []
+    s.stop()
 
 
 @pytest.mark.parametrize("how", ["flipped", "truncated", "magic", "unsealed"])
