@@ -18,6 +18,11 @@ static const struct optab_opt load_opts[] = {
      "default, and --fuse), each onto its device, in one request; not with --tp-rank, --ep-rank, --experts, "
      "--plan or --device.",
      0, NULL},
+    {CTL_OPT_SOURCE, "source", 0, OPTAB_VALUE, "S",
+     "Where a new load reads the checkpoint from: mmap (the page cache), direct (O_DIRECT reads, no page-cache "
+     "use) or auto; default: the daemon's source setting for the checkpoint's directory. A set already "
+     "resident or loading is shared however it reads.",
+     0, "auto mmap direct"},
     {CTL_OPT_DEVICES, "devices", 0, OPTAB_VALUE, "D,D,...",
      "With --all-ranks: the device of each rank, in rank order (indexes or UUIDs; a device may be named for "
      "several ranks); default: rank r on device r mod the device count.",
@@ -37,7 +42,7 @@ static int run_load_group(const struct ctl_args *a, const struct ctl_plan_args *
     cJSON_Delete(plan);
     return rc;
   }
-  rc = ctl_group_load(c, a->pos[0], group, plan);
+  rc = ctl_group_load(c, a->pos[0], group, plan, ctl_val(a, CTL_OPT_SOURCE));
   ctl_disconnect(c);
   return rc;
 }
@@ -60,6 +65,7 @@ static int run_load(const struct ctl_args *a) {
   ctl_add_path(req, a->pos[0]);
   ctl_add_device(req, ctl_val(a, CTL_OPT_DEVICE));
   if (plan != NULL) cJSON_AddItemToObject(req, "plan", plan);
+  if (ctl_has(a, CTL_OPT_SOURCE)) cJSON_AddStringToObject(req, "source", ctl_val(a, CTL_OPT_SOURCE));
   ctl_progress_begin("load");
   rc = ctl_request(c, req, ctl_progress_cb, NULL, &reply);
   ctl_progress_end();
@@ -75,8 +81,10 @@ static int run_load(const struct ctl_args *a) {
            cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(reply, "shared")) ? "; already resident, shared" : "");
     const cJSON *links = cJSON_GetObjectItemCaseSensitive(reply, "links");
     const cJSON *source = cJSON_GetObjectItemCaseSensitive(reply, "source");
-    if ((cJSON_IsString(source) && strcmp(source->valuestring, "host") != 0) || links != NULL) {
-      printf("  from %s", ctl_str(reply, "source"));
+    const cJSON *read = cJSON_GetObjectItemCaseSensitive(reply, "read_from");
+    if ((cJSON_IsString(source) && strcmp(source->valuestring, "host") != 0) || links != NULL || cJSON_IsString(read)) {
+      if (cJSON_IsString(source) && strcmp(source->valuestring, "host") != 0) printf("  from %s", source->valuestring);
+      else printf("  read through %s", ctl_str(reply, "read_from"));
       if (links != NULL) printf(", over the host links of %d devices", cJSON_GetArraySize(links));
       printf("\n");
     }
@@ -94,8 +102,9 @@ const struct ctl_cmd ctl_cmd_load = {
     .summary = "load a checkpoint (one rank's plan, or every rank of a group) and print the resident sets",
     .description =
         "Loads the tensors of one rank's plan of the checkpoint at PATH into one slab of device memory (a "
-        "resident set) and prints the set's id, its size, the time and the rate, and where the bytes came from "
-        "when not from the files (a peer's copy) or over several host links (striped). A set that is already "
+        "resident set) and prints the set's id, its size, the time and the rate, and where the bytes came from: "
+        "the source the files were read through (--source), a peer's copy, or several host links (striped). A "
+        "set that is already "
         "resident is shared, not loaded again. On a terminal a progress line shows the bytes, rate and time left; "
         "Ctrl-C cancels the load.\n\nWith --all-ranks, every rank of the group that --tp-size and --ep-size "
         "describe loads at once, each onto its device (--devices, or rank r on device r mod the device count), "

@@ -186,7 +186,7 @@ static int run_prewarm_group(const struct ctl_args *a, const struct ctl_plan_arg
   if (exit_code != 0) goto out;
   if ((rc = open_checkpoint(c, a->pos[0], &path)) != 0 || (rc = prefetch_wait(c, path, ctl_has(a, CTL_OPT_PIN), NULL)) != 0)
     goto fail;
-  exit_code = ctl_group_load(c, a->pos[0], group, plan); /* consumes group and plan */
+  exit_code = ctl_group_load(c, a->pos[0], group, plan, NULL); /* consumes group and plan */
   group = plan = NULL;
   goto out;
 fail:

@@ -67,6 +67,7 @@ enum ctl_opt_id {
   CTL_OPT_DEVICE,
   CTL_OPT_DEVICES,
   CTL_OPT_ALL_RANKS,
+  CTL_OPT_SOURCE,
   CTL_OPT_PIN,
   CTL_OPT_WAIT,
   CTL_OPT_VERIFY,
@@ -428,7 +429,7 @@ int ctl_group_spec(const struct ctl_plan_args *a, const char *devices, cJSON **g
  * each failed rank's error when the group failed (with --json: the reply,
  * or the error reply with its ranks). Returns the exit code.
  */
-int ctl_group_load(weightd_client *c, const char *path, cJSON *group, cJSON *plan);
+int ctl_group_load(weightd_client *c, const char *path, cJSON *group, cJSON *plan, const char *source);
 
 /* ---- attach --verify (cmd_verify.c) ------------------------------------- */
 

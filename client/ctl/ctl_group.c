@@ -91,11 +91,12 @@ static void print_ranks(const cJSON *reply) {
   }
 }
 
-int ctl_group_load(weightd_client *c, const char *path, cJSON *group, cJSON *plan) {
+int ctl_group_load(weightd_client *c, const char *path, cJSON *group, cJSON *plan, const char *source) {
   cJSON *req = ctl_request_new("load_group");
   ctl_add_path(req, path);
   cJSON_AddItemToObject(req, "group", group);
   cJSON_AddItemToObject(req, "plan", plan);
+  if (source != NULL) cJSON_AddStringToObject(req, "source", source);
   char *text = cJSON_PrintUnformatted(req);
   cJSON_Delete(req);
   if (text == NULL) {

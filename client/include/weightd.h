@@ -200,6 +200,13 @@ struct weightd_load_options {
   weightd_progress_fn progress;/* called from inside weightd_load; may be NULL */
   void *progress_arg;
   unsigned flags;              /* WEIGHTD_ATTACH_*; 0 (the default): none */
+  /*
+   * Where a new load reads the checkpoint from: "mmap" (the page cache),
+   * "direct" (O_DIRECT, no page-cache use) or "auto"; NULL: the daemon's
+   * setting for the checkpoint's directory (docs/operations.md, `source`).
+   * A set already resident or loading is joined however it reads.
+   */
+  const char *source;
 };
 
 /* Opens (validates and maps) a checkpoint in the daemon. */

@@ -60,7 +60,7 @@ int weightd_evict(weightd_client *c, const char *set_id) {
 #define OPT_HAS(opts, field) \
   ((opts) != NULL && (opts)->struct_size >= offsetof(struct weightd_load_options, field) + sizeof((opts)->field))
 
-/* Builds {"op": op, "path", "device", "plan"} from the options. */
+/* Builds {"op": op, "path", "device", "plan", "source"} from the options. */
 static int load_request(weightd_client *c, const char *op, const char *path,
                         const struct weightd_load_options *opts, cJSON **out) {
   *out = NULL;
@@ -86,6 +86,11 @@ static int load_request(weightd_client *c, const char *op, const char *path,
       goto fail;
     }
     cJSON_AddItemToObject(req, "plan", plan);
+  }
+  const char *source = OPT_HAS(opts, source) ? opts->source : NULL;
+  if (source != NULL && cJSON_AddStringToObject(req, "source", source) == NULL) {
+    rc = lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+    goto fail;
   }
   *out = req;
   return 0;

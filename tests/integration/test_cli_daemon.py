@@ -73,6 +73,16 @@ def test_status_lists_leases_and_evict_names_holders(daemon, tiny):
         assert ok(dctl(daemon, "evict", set_id)).out == f"evicted {set_id}\n"
 
 
+def test_load_source_flag(daemon, tiny):
+    """weightctl load --source: says what read the bytes; --json carries read_from; a bad value is refused."""
+    res = ok(dctl(daemon, "load", tiny["b"], "--source", "direct"))
+    assert "read through direct\n" in res.out, res.describe()
+    rep = json_out(ok(dctl(daemon, "--json", "load", tiny["c"], "--source", "mmap")))
+    assert rep["read_from"] == "mmap" and set(rep["read_bytes"]) == {"mmap"}, rep
+    res = dctl(daemon, "load", tiny["a"], "--source", "tape")
+    one_error_line(res, 1, "BAD_REQUEST", "field 'source'", "auto, mmap, direct")
+
+
 # ---- cancel ---------------------------------------------------------------------------------
 
 

@@ -19,6 +19,15 @@ def set_plan(daemon, sid):
     return s["plan"]
 
 
+def test_load_source(client, daemon, dense_ckpt):
+    """Client.load(source=...): the daemon reads through it; the bytes are the files'."""
+    sid = client.load(dense_ckpt, tp_size=2, tp_rank=0, source="direct")
+    (s,) = [x for x in daemon.status()["sets"] if x["set"] == sid]
+    assert s["read_from"] == "direct" and set(s["read_bytes"]) == {"direct"}, s
+    with pytest.raises(weightd.BadRequestError, match="source"):
+        client.load(dense_ckpt, source="tape")
+
+
 def test_plan_from_keyword_arguments(client, daemon, dense_ckpt):
     sid = client.load(dense_ckpt, tp_size=2, tp_rank=1)
     plan = set_plan(daemon, sid)  # the daemon's canonical form: the preset resolved, defaults filled in

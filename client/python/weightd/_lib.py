@@ -77,6 +77,7 @@ class LoadOptions(ctypes.Structure):
         ("progress", PROGRESS_FN),
         ("progress_arg", ctypes.c_void_p),
         ("flags", ctypes.c_uint),
+        ("source", ctypes.c_char_p),
     ]
 
 

@@ -202,13 +202,15 @@ class Client:
     def load(self, path: Union[str, os.PathLike], *, device: Device = None, progress: Progress = None,
              plan: Optional[dict] = None, preset: Optional[str] = None, tp_size: Optional[int] = None,
              tp_rank: Optional[int] = None, ep_size: Optional[int] = None, ep_rank: Optional[int] = None,
-             experts: Optional[Iterable[int]] = None, fuse: bool = False) -> str:
+             experts: Optional[Iterable[int]] = None, fuse: bool = False, source: Optional[str] = None) -> str:
         """Loads one rank's tensors of a checkpoint onto a device; returns the resident set's id.
 
         The plan comes from ``plan=`` or the tp/ep/fuse arguments
         (:func:`plan_from_args`). ``progress``: a callable(bytes_done,
-        bytes_total), True for a tqdm bar, or None. :meth:`cancel` from another
-        thread (or an exception raised by the callback) stops it.
+        bytes_total), True for a tqdm bar, or None. ``source``: where a new
+        load reads the files ("mmap", "direct" or "auto"; None: the daemon's
+        setting). :meth:`cancel` from another thread (or an exception raised
+        by the callback) stops it.
         """
         spec = plan_from_args(plan, preset=preset, tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size,
                               ep_rank=ep_rank, experts=experts, fuse=fuse)
@@ -216,7 +218,8 @@ class Client:
         conn = self._c
         call = _Call(conn, resolve(progress, f"weightd load {os.fspath(path)}"), load=True)
         opts = LoadOptions(ctypes.sizeof(LoadOptions), dev.encode() if dev is not None else None,
-                           json.dumps(spec).encode() if spec is not None else None, call.cfn, None)
+                           json.dumps(spec).encode() if spec is not None else None, call.cfn, None, 0,
+                           source.encode() if source is not None else None)
         out = ctypes.create_string_buffer(_SET_ID_LEN)
         with conn.call() as c, call:
             rc = lib.weightd_load(c, os.fsencode(path), ctypes.byref(opts), out, _SET_ID_LEN)
