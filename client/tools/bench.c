@@ -21,7 +21,7 @@
  * early phase (after the others).
  *
  * weightd-bench --checkpoint DIR --socket PATH [--device N] [--runs N] [--plan JSON]
- *               [--phases LIST] [--alt-socket PATH] [--label TEXT] [--fill-threads N]
+ *               [--phases LIST] [--alt-socket PATH] [--names A,B] [--source S] [--label TEXT] [--fill-threads N]
  *               [--settle-ms MS] [--no-b2b] [--ceiling-max-gib N] [--attach-only]
  *               [--early] [--json] [--json-out FILE]
  * weightd-bench --attach-probe SET --socket PATH   (the fresh process)
@@ -42,9 +42,13 @@
  *   prefetch `prefetch` of the plan's bytes with wait (a plan: only its ranges)
  *   staged   --runs staged loads (the checkpoint closed first, so unpinned);
  *            with --alt-socket, loads alternate between the two daemons
- *            (each labelled by its staged_strided setting)
- *   pin      `prefetch` with pin and wait, per plan when --plan is given
- *   pinned   --runs loads after pin (direct)
+ *            (each named by its staged_strided setting, or by --names A,B:
+ *            two builds of the daemon compared in one run)
+ *   pin      `prefetch` with pin and wait, per plan when --plan is given (in
+ *            both daemons with --alt-socket)
+ *   pinned   --runs loads after pin (direct), alternating like staged
+ *   direct   --runs loads with the O_DIRECT source (source "direct"),
+ *            alternating like staged
  *   auto     the pin policy: the checkpoint closed, one load (staged), the
  *            wait until the daemon has pinned it by itself, then --runs loads
  *   attach   a fresh process attaches the resident set (--runs, at most 16):
@@ -59,10 +63,14 @@
  *            *.layers.0.* in slab order) are in place and usable, and the
  *            whole load, all from the attach call (--runs, at most 16)
  *   cold     the page cache dropped (root: /proc/sys/vm/drop_caches; else
- *            posix_fadvise DONTNEED, checked with mincore): O_DIRECT 16 MiB
- *            reads of the plan's ranges with 1 and 4 threads (the disk's
- *            ceiling), then a cold load through the daemon; page cache warm
- *            again afterwards
+ *            posix_fadvise DONTNEED, checked with mincore): the disk's
+ *            O_DIRECT ceiling as the best of a sweep over threads, read
+ *            sizes and io_uring depths (bench_disk.c), then two cold loads
+ *            through the daemon, with its source setting and with the
+ *            O_DIRECT source, each with the page cache's share of the
+ *            plan's ranges before and after; page cache warm again after
+ *
+ * Every timed load takes --source S as its source option when given.
  */
 #include <cjson/cJSON.h>
 #include <cuda_runtime.h>
@@ -117,6 +125,8 @@ int main(int argc, char **argv) {
     else if (v && strcmp(argv[i], "--runs") == 0) bench_cfg.runs = atoi(argv[++i]);
     else if (v && strcmp(argv[i], "--settle-ms") == 0) bench_cfg.settle_ms = atoi(argv[++i]);
     else if (v && strcmp(argv[i], "--plan") == 0) bench_cfg.plan_json = argv[++i];
+    else if (v && strcmp(argv[i], "--names") == 0) bench_cfg.names = argv[++i];
+    else if (v && strcmp(argv[i], "--source") == 0) bench_cfg.source = argv[++i];
     else if (v && strcmp(argv[i], "--phases") == 0)
       snprintf(bench_cfg.phases, sizeof bench_cfg.phases, "%s", argv[++i]);
     else if (v && strcmp(argv[i], "--ceiling-max-gib") == 0) bench_cfg.ceiling_max_gib = atof(argv[++i]);
@@ -126,7 +136,8 @@ int main(int argc, char **argv) {
     else {
       fprintf(stderr,
               "usage: weightd-bench --checkpoint DIR --socket PATH [--device N] [--runs N] [--plan JSON]\n"
-              "                     [--phases LIST] [--alt-socket PATH] [--label TEXT] [--fill-threads N]\n"
+              "                     [--phases LIST] [--alt-socket PATH] [--names A,B] [--source S] [--label TEXT]\n"
+              "                     [--fill-threads N]\n"
               "                     [--settle-ms MS] [--no-b2b] [--ceiling-max-gib N] [--attach-only]\n"
               "                     [--early] [--json] [--json-out FILE]\n"
               "       weightd-bench --multi all|replica|striped|group ... (several GPUs)\n");
@@ -156,6 +167,13 @@ int main(int argc, char **argv) {
   cJSON_AddStringToObject(bench_result, "checkpoint", abs);
   bench_daemon_attach(&bench_daemons[bench_ndaemons++], bench_cfg.sock);
   if (bench_cfg.alt_sock) bench_daemon_attach(&bench_daemons[bench_ndaemons++], bench_cfg.alt_sock);
+  if (bench_cfg.names != NULL) { /* --names A,B */
+    const char *comma = strchr(bench_cfg.names, ',');
+    if (comma == NULL || bench_ndaemons < 2) bench_die("--names", "give two names, A,B, with --alt-socket");
+    snprintf(bench_daemons[0].name, sizeof bench_daemons[0].name, "%.*s", (int)(comma - bench_cfg.names),
+             bench_cfg.names);
+    snprintf(bench_daemons[1].name, sizeof bench_daemons[1].name, "%s", comma + 1);
+  }
 
   /* Here: open the checkpoint and build the plan (timed), and list its byte ranges. */
   struct ckpt *c = NULL;
@@ -284,11 +302,12 @@ int main(int argc, char **argv) {
     for (int i = 0; i < bench_ndaemons; i++)
       bench_request_or_die(bench_daemons[i].c, req); /* page cache warm, nothing pinned */
     free(req);
-    bench_run_loads(abs, "staged", "staged", 1);
+    bench_run_loads(abs, "staged", "staged", 1, NULL);
   }
 
   if (phase("pin")) {
     char *req = bench_plan_request("prefetch", abs, ",\"pin\":true,\"wait\":true");
+    for (int i = 1; i < bench_ndaemons; i++) bench_request_or_die(bench_daemons[i].c, req); /* the partner too */
     t0 = clock_s();
     cJSON *r = bench_request_json(bench_daemons[0].c, req, NULL);
     double s = clock_s() - t0;
@@ -303,7 +322,9 @@ int main(int argc, char **argv) {
     bench_row_plain("pinning (prefetch --pin --wait)", s, note);
   }
 
-  if (phase("pinned")) bench_run_loads(abs, "pinned", "pinned-resident", 0);
+  if (phase("pinned")) bench_run_loads(abs, "pinned", "pinned-resident", 1, NULL);
+
+  if (phase("direct")) bench_run_loads(abs, "direct", "O_DIRECT source", 1, "direct");
 
   if (phase("auto")) bench_phase_auto(abs);
 

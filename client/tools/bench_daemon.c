@@ -56,6 +56,7 @@ void bench_daemon_attach(struct daemon_conn *d, const char *sock) {
   cJSON *st = bench_request_json(d->c, "{\"op\":\"status\"}", NULL);
   const cJSON *dm = cJSON_GetObjectItemCaseSensitive(st, "daemon");
   snprintf(d->strided, sizeof d->strided, "%s", bench_jstr(dm, "staged_strided"));
+  snprintf(d->name, sizeof d->name, "%s", d->strided);
   snprintf(d->pin, sizeof d->pin, "%s", bench_jstr(dm, "pin"));
   snprintf(d->method, sizeof d->method, "%s", bench_jstr(dm, "load_method"));
   d->pid = (int)bench_jnum(dm, "pid");
@@ -108,19 +109,27 @@ char *bench_plan_request(const char *op, const char *abs, const char *extra) {
  * copy engines, which slows copies that start right after an eviction
  * (tests/gpu/dma_study.c). The method the daemon used goes to method.
  */
-double bench_timed_load(struct daemon_conn *d, const char *abs, char *method, size_t mlen, int settle_ms) {
+double bench_timed_load_from(struct daemon_conn *d, const char *abs, const char *source, char *method, size_t mlen,
+                             char *read_from, size_t rlen, int settle_ms) {
   bench_evict_all(bench_cfg.device);
   if (settle_ms > 0) usleep((useconds_t)settle_ms * 1000);
-  char *req = NULL, extra[32];
-  snprintf(extra, sizeof extra, ",\"device\":%d", bench_cfg.device);
+  if (source == NULL) source = bench_cfg.source;
+  char *req = NULL, extra[96];
+  snprintf(extra, sizeof extra, ",\"device\":%d%s%.16s%s", bench_cfg.device, source ? ",\"source\":\"" : "",
+           source ? source : "", source ? "\"" : "");
   req = bench_plan_request("load", abs, extra);
   double t0 = clock_s();
   cJSON *r = bench_request_json(d->c, req, NULL);
   double dt = clock_s() - t0;
   if (method != NULL) snprintf(method, mlen, "%s", bench_jstr(r, "method"));
+  if (read_from != NULL) snprintf(read_from, rlen, "%s", bench_jstr(r, "read_from"));
   cJSON_Delete(r);
   free(req);
   return dt;
+}
+
+double bench_timed_load(struct daemon_conn *d, const char *abs, char *method, size_t mlen, int settle_ms) {
+  return bench_timed_load_from(d, abs, NULL, method, mlen, NULL, 0, settle_ms);
 }
 
 uint64_t bench_daemon_rss_anon(int pid) {

@@ -12,6 +12,7 @@ struct daemon_conn {
   weightd_client *c;
   const char *sock;
   char strided[16], pin[16], method[16]; /* its settings, from status */
+  char name[24];                          /* what results call it: --names, else its staged_strided */
   int pid;
 };
 
@@ -32,7 +33,14 @@ void bench_evict_all(int device);
 void bench_close_all(const char *abs, int device);
 /* A request object with op, path and (when given) the plan (free it). */
 char *bench_plan_request(const char *op, const char *abs, const char *extra);
-/* One timed load after evicting the device's sets and waiting settle_ms (bench_daemon.c says why). */
+/*
+ * One timed load after evicting the device's sets and waiting settle_ms
+ * (bench_daemon.c says why), with the load's source option `source` (NULL:
+ * --source, else none). The method goes to method, what read the bytes to
+ * read_from (either may be NULL).
+ */
+double bench_timed_load_from(struct daemon_conn *d, const char *abs, const char *source, char *method, size_t mlen,
+                             char *read_from, size_t rlen, int settle_ms);
 double bench_timed_load(struct daemon_conn *d, const char *abs, char *method, size_t mlen, int settle_ms);
 uint64_t bench_daemon_rss_anon(int pid);
 

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "bench_daemon.h"
+#include "bench_disk.h"
 #include "bench_phases.h"
 #include "bench_report.h"
 #include "clock.h"
@@ -193,98 +194,30 @@ static double drop_cache(const struct ckpt *c, const struct plan_range *r, size_
   return cached_fraction(c, r, nr);
 }
 
-struct odirect_arg {
-  const struct ckpt *c;
-  const struct plan_range *r;
-  size_t nr;
-  atomic_size_t next; /* 16 MiB task counter over the ranges */
-  size_t *task_range;
-  uint64_t *task_off;
-  size_t ntasks;
-  atomic_uint_fast64_t bytes;
-  int failed;
-};
-
-static void *odirect_thread(void *arg) {
-  struct odirect_arg *a = arg;
-  void *buf = NULL;
-  if (posix_memalign(&buf, 4096, 16u << 20) != 0) return NULL;
-  int *fds = calloc(a->c->nshards, sizeof *fds);
-  for (size_t i = 0; i < a->c->nshards; i++) fds[i] = -1;
-  for (;;) {
-    size_t t = atomic_fetch_add(&a->next, 1);
-    if (t >= a->ntasks) break;
-    const struct plan_range *g = &a->r[a->task_range[t]];
-    if (fds[g->shard] < 0) fds[g->shard] = open(a->c->shards[g->shard].real, O_RDONLY | O_DIRECT);
-    if (fds[g->shard] < 0) {
-      a->failed = 1;
-      break;
-    }
-    uint64_t off = a->task_off[t], end = g->off + g->len;
-    size_t n = end - off < (16u << 20) ? (size_t)(end - off) : (16u << 20);
-    size_t want = (n + 4095) & ~(size_t)4095; /* O_DIRECT wants whole blocks; a short read at EOF is fine */
-    ssize_t got = pread(fds[g->shard], buf, want, (off_t)off);
-    if (got < 0) {
-      a->failed = 1;
-      break;
-    }
-    atomic_fetch_add(&a->bytes, (uint64_t)(got < (ssize_t)n ? got : (ssize_t)n));
-  }
-  for (size_t i = 0; i < a->c->nshards; i++)
-    if (fds[i] >= 0) close(fds[i]);
-  free(fds);
-  free(buf);
-  return NULL;
-}
-
-/* Reads the ranges with O_DIRECT in 16 MiB reads on nthreads threads: seconds, bytes in *bytes (0 on failure). */
-static double odirect_read(const struct ckpt *c, const struct plan_range *r, size_t nr, unsigned nthreads,
-                           uint64_t *bytes) {
-  struct odirect_arg a = {.c = c, .r = r, .nr = nr};
-  for (size_t k = 0; k < nr; k++) a.ntasks += (size_t)((r[k].len + (16u << 20) - 1) >> 24);
-  a.task_range = malloc((a.ntasks ? a.ntasks : 1) * sizeof *a.task_range);
-  a.task_off = malloc((a.ntasks ? a.ntasks : 1) * sizeof *a.task_off);
-  size_t t = 0;
-  for (size_t k = 0; k < nr; k++)
-    for (uint64_t off = r[k].off; off < r[k].off + r[k].len; off += 16u << 20, t++) {
-      a.task_range[t] = k;
-      a.task_off[t] = off;
-    }
-  atomic_init(&a.next, 0);
-  atomic_init(&a.bytes, 0);
-  pthread_t th[16];
-  if (nthreads > 16) nthreads = 16;
-  double t0 = clock_s();
-  for (unsigned i = 0; i < nthreads; i++) pthread_create(&th[i], NULL, odirect_thread, &a);
-  for (unsigned i = 0; i < nthreads; i++) pthread_join(th[i], NULL);
-  double dt = clock_s() - t0;
-  *bytes = a.failed ? 0 : atomic_load(&a.bytes);
-  free(a.task_range);
-  free(a.task_off);
-  return dt;
-}
-
 /* ---- phases ---------------------------------------------------------------------------------- */
 
-/* --runs loads through daemon d (and, alternating, its partner), recorded under key. */
-void bench_run_loads(const char *abs, const char *key, const char *what, int with_alt) {
+/* --runs loads through daemon d (and, alternating, its partner), recorded under key; source: as bench_timed_load_from. */
+void bench_run_loads(const char *abs, const char *key, const char *what, int with_alt, const char *source) {
   int nd = with_alt && bench_ndaemons > 1 ? 2 : 1, runs = bench_cfg.runs;
   double v[2][MAX_RUNS], b2b[2][MAX_RUNS];
-  char method[2][16] = {"?", "?"};
+  char method[2][16] = {"?", "?"}, read_from[2][48] = {"", ""};
   for (int i = 0; i < runs; i++)
     for (int k = 0; k < nd; k++)
-      v[k][i] = bench_timed_load(&bench_daemons[k], abs, method[k], sizeof method[k], bench_cfg.settle_ms);
+      v[k][i] = bench_timed_load_from(&bench_daemons[k], abs, source, method[k], sizeof method[k], read_from[k],
+                                      sizeof read_from[k], bench_cfg.settle_ms);
   if (bench_cfg.b2b)
     for (int i = 0; i < runs; i++)
-      for (int k = 0; k < nd; k++) b2b[k][i] = bench_timed_load(&bench_daemons[k], abs, NULL, 0, 0);
+      for (int k = 0; k < nd; k++) b2b[k][i] = bench_timed_load_from(&bench_daemons[k], abs, source, NULL, 0, NULL, 0, 0);
   for (int k = 0; k < nd; k++) {
     char name[96], label[96];
-    if (nd > 1) snprintf(name, sizeof name, "%s_%s", key, bench_daemons[k].strided);
+    if (nd > 1) snprintf(name, sizeof name, "%s_%s", key, bench_daemons[k].name);
     else snprintf(name, sizeof name, "%s", key);
     cJSON *o = cJSON_AddObjectToObject(bench_result, name);
     bench_put_num(o, "median_s", bench_median(v[k], runs));
     bench_put_runs(o, "runs_s", v[k], runs);
     cJSON_AddStringToObject(o, "method", method[k]);
+    cJSON_AddStringToObject(o, "read_from", read_from[k]);
+    cJSON_AddStringToObject(o, "daemon", bench_daemons[k].name);
     cJSON_AddStringToObject(o, "staged_strided", bench_daemons[k].strided);
     cJSON_AddStringToObject(o, "pin", bench_daemons[k].pin);
     if (bench_cfg.b2b) {
@@ -294,8 +227,8 @@ void bench_run_loads(const char *abs, const char *key, const char *what, int wit
     if (strcmp(key, "staged") == 0 && strcmp(method[k], "staged") != 0)
       fprintf(bench_out, "  (note: these loads went %s: the daemon pins by itself; run it with --set pin=off)\n",
               method[k]);
-    snprintf(label, sizeof label, "load, %s (%s%s%s)", what, method[k], nd > 1 ? ", " : "",
-             nd > 1 ? bench_daemons[k].strided : "");
+    snprintf(label, sizeof label, "load, %s (%s%s%s%s%s)", what, method[k], read_from[k][0] ? " from " : "",
+             read_from[k], nd > 1 ? ", " : "", nd > 1 ? bench_daemons[k].name : "");
     bench_row(label, bench_median(v[k], runs));
     if (bench_cfg.b2b) {
       snprintf(label, sizeof label, "  same, right after an evict");
@@ -347,6 +280,41 @@ void bench_phase_auto(const char *abs) {
   bench_row(label, bench_median(v, bench_cfg.runs));
 }
 
+struct drop_arg {
+  const struct ckpt *c;
+  const struct plan_range *r;
+  size_t nr;
+};
+
+static void drop_again(void *arg) {
+  const struct drop_arg *d = arg;
+  const char *how;
+  drop_cache(d->c, d->r, d->nr, &how);
+}
+
+/* One cold load through daemon 0 with the given source (NULL: the daemon's setting): a row, and its figures in o. */
+static void cold_load(const char *abs, const char *source, const char *key, uint64_t read_bytes, double ceiling,
+                      const struct drop_arg *d, cJSON *o) {
+  drop_again((void *)d);
+  double before = cached_fraction(d->c, d->r, d->nr);
+  char m[16] = "?", from[48] = "";
+  double s = bench_timed_load_from(&bench_daemons[0], abs, source, m, sizeof m, from, sizeof from, 0);
+  double after = cached_fraction(d->c, d->r, d->nr);
+  double gbps = (double)read_bytes / 1e9 / s;
+  cJSON *e = cJSON_AddObjectToObject(o, key);
+  bench_put_num(e, "s", s);
+  bench_put_num(e, "gbps", gbps);
+  bench_put_num(e, "of_odirect", ceiling > 0 ? gbps / ceiling : 0);
+  bench_put_num(e, "cached_before", before);
+  bench_put_num(e, "cached_after", after);
+  cJSON_AddStringToObject(e, "method", m);
+  cJSON_AddStringToObject(e, "read_from", from);
+  char label[96];
+  snprintf(label, sizeof label, "cold load (%s from %s)", m, from[0] ? from : "?");
+  fprintf(bench_out, "%-46s %8.1f ms %7.2f GB/s  %5.0f%% of O_DIRECT; page cache %.1f%% -> %.1f%%\n", label,
+          s * 1e3, gbps, ceiling > 0 ? 100 * gbps / ceiling : 0, 100 * before, 100 * after);
+}
+
 void bench_phase_cold(const char *abs, const struct ckpt *c, const struct plan *plan, const struct plan_range *r,
                       size_t nr, uint64_t read_bytes) {
   cJSON *o = cJSON_AddObjectToObject(bench_result, "cold");
@@ -361,32 +329,35 @@ void bench_phase_cold(const char *abs, const struct ckpt *c, const struct plan *
     cJSON_AddStringToObject(o, "skipped", "page cache not dropped");
     return;
   }
-  double best = 0;
-  for (unsigned th = 1; th <= 4; th *= 4) {
-    uint64_t bytes = 0;
-    if (th > 1) drop_cache(c, r, nr, &how);
-    double s = odirect_read(c, r, nr, th, &bytes);
-    char k[32], label[96];
-    snprintf(k, sizeof k, "odirect_%u_threads_gbps", th);
-    double gbps = bytes ? (double)bytes / 1e9 / s : 0;
-    bench_put_num(o, k, gbps);
-    if (gbps > best) best = gbps;
-    snprintf(label, sizeof label, "disk: O_DIRECT 16 MiB reads, %u thread%s", th, th == 1 ? "" : "s");
-    fprintf(bench_out, "%-46s %8.1f ms %7.2f GB/s\n", label, s * 1e3, gbps);
+  struct drop_arg d = {c, r, nr};
+  struct bench_disk sw;
+  if (bench_disk_sweep(c, r, nr, drop_again, &d, &sw) != 0) bench_die("O_DIRECT sweep", "out of memory");
+  cJSON *pts = cJSON_AddArrayToObject(o, "odirect_sweep");
+  for (size_t i = 0; i < sw.npoints; i++) {
+    const struct bench_disk_point *q = &sw.points[i];
+    cJSON *e = cJSON_CreateObject();
+    cJSON_AddStringToObject(e, "way", q->uring ? "io_uring" : "pread");
+    bench_put_num(e, q->uring ? "depth" : "threads", q->threads);
+    bench_put_num(e, "read_bytes", (double)q->size);
+    bench_put_num(e, "gbps", q->gbps);
+    cJSON_AddItemToArray(pts, e);
+    char label[96];
+    snprintf(label, sizeof label, "disk: O_DIRECT %s %llu MiB x %u%s", q->uring ? "io_uring" : "preads",
+             (unsigned long long)(q->size >> 20), q->threads, q->uring ? " in flight" : " threads");
+    fprintf(bench_out, "%-46s %19.2f GB/s (a slice)\n", label, q->gbps);
   }
-  bench_put_num(o, "odirect_best_gbps", best);
-  drop_cache(c, r, nr, &how);
-  char m[16] = "?";
-  double s = bench_timed_load(&bench_daemons[0], abs, m, sizeof m, 0);
-  double gbps = (double)read_bytes / 1e9 / s;
-  bench_put_num(o, "load_s", s);
-  bench_put_num(o, "load_gbps", gbps);
-  cJSON_AddStringToObject(o, "load_method", m);
-  bench_put_num(o, "of_odirect", best > 0 ? gbps / best : 0);
+  if (!sw.have_uring) fprintf(bench_out, "  (built without liburing: no io_uring points)\n");
+  cJSON *b = cJSON_AddObjectToObject(o, "odirect_best");
+  cJSON_AddStringToObject(b, "way", sw.best.uring ? "io_uring" : "pread");
+  bench_put_num(b, sw.best.uring ? "depth" : "threads", sw.best.threads);
+  bench_put_num(b, "read_bytes", (double)sw.best.size);
+  bench_put_num(o, "odirect_best_gbps", sw.ceiling_gbps);
   char label[96];
-  snprintf(label, sizeof label, "cold load through the daemon (%s)", m);
-  fprintf(bench_out, "%-46s %8.1f ms %7.2f GB/s  %5.0f%% of O_DIRECT\n", label, s * 1e3, gbps,
-          best > 0 ? 100 * gbps / best : 0);
+  snprintf(label, sizeof label, "disk ceiling: the best way, every range");
+  fprintf(bench_out, "%-46s %19.2f GB/s (%s %llu MiB x %u)\n", label, sw.ceiling_gbps,
+          sw.best.uring ? "io_uring" : "preads", (unsigned long long)(sw.best.size >> 20), sw.best.threads);
+  cold_load(abs, NULL, "load", read_bytes, sw.ceiling_gbps, &d, o);
+  cold_load(abs, "direct", "direct_load", read_bytes, sw.ceiling_gbps, &d, o);
   (void)plan;
   /* Warm again for whatever runs next. */
   char *req = bench_plan_request("prefetch", abs, ",\"wait\":true");

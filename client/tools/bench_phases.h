@@ -25,8 +25,8 @@ enum bench_writes { BENCH_WRITES_CACHED, BENCH_WRITES_STREAMING, BENCH_WRITES_WR
 /* Page cache -> pinned memory as the staging pipeline fills its slots: seconds; bytes copied in *copied. */
 double bench_fill_rate(const struct mapped *m, const struct plan *plan, enum plan_strided mode,
                        enum bench_writes writes, unsigned nthreads, uint64_t *copied);
-/* --runs loads through daemon d (and, alternating, its partner), recorded under key. */
-void bench_run_loads(const char *abs, const char *key, const char *what, int with_alt);
+/* --runs loads through daemon 0 (and, alternating, daemon 1), recorded under key, with the load's source (NULL: --source). */
+void bench_run_loads(const char *abs, const char *key, const char *what, int with_alt, const char *source);
 void bench_phase_auto(const char *abs);
 void bench_phase_cold(const char *abs, const struct ckpt *c, const struct plan *plan, const struct plan_range *r,
                       size_t nr, uint64_t read_bytes);

@@ -19,6 +19,8 @@
 struct bench_opt {
   const char *path, *sock, *alt_sock, *label, *json_out;
   const char *plan_json; /* --plan, or NULL for every tensor whole */
+  const char *names;     /* --names A,B: the two daemons' names in results (default: their staged_strided) */
+  const char *source;    /* --source S: every timed load's source option (NULL: the daemon's setting) */
   int device, runs, settle_ms, json, b2b;
   unsigned fill_threads;
   double ceiling_max_gib;

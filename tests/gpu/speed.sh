@@ -17,6 +17,10 @@
 #
 # Sections (each under a time limit; one that fails is reported and the run
 # goes on):
+#   X  two builds compared in one run (SPEED_BASELINE=BUILD_DIR of the other,
+#      e.g. main): a daemon of each, pin off, staged and pinned loads of the
+#      whole set and the TP=2 rank alternating between them; the medians'
+#      difference in points of the ceiling, against the runs' spread
 #   A  whole set and TP=2 fused rank: ceiling, fill (gather, rows), staged
 #      (two daemons, staged_strided gather and rows, loads alternating),
 #      pin once, pinned-resident, attach, daemon RssAnon       [pin off]
@@ -24,14 +28,18 @@
 #      until the daemon has pinned by itself, later loads (whole and TP=2)
 #   D  pin on_open: the same, pinned from the open on
 #   P  peers, warm, the same checkpoint, against C's later loads
-#   S  DeepSeek-V3 (sparse) EP8 rank 0 (~94 GiB): open + plan, prefetch,
-#      one staged load, pin per plan, one pinned load, attach, RssAnon
-#   K  cold: the page cache dropped; O_DIRECT 16 MiB reads (the disk's
-#      ceiling), a cold load with the default configuration, InstantTensor's
-#      cold default
+#   S  DeepSeek-V3 (sparse) EP8 rank 0 (~94 GiB): open + plan, one load with
+#      the O_DIRECT source (holes read as zeros, no disk), prefetch, one staged
+#      load, pin per plan, one pinned load, attach, RssAnon
+#   K  cold: the page cache dropped; the disk's O_DIRECT ceiling as the best
+#      of a sweep over threads, read sizes and io_uring depths, a cold load
+#      with the default configuration and one with the O_DIRECT source (the
+#      page cache's share before and after each), InstantTensor's cold
+#      default
 #
 # Environment: OUT (a folder: speed.json, the raw JSON and the logs are
-# copied there), SPEED_RUNS (5), SPEED_PRESET (qwen3-4b), SPEED_SKIP (section
+# copied there), SPEED_RUNS (5), SPEED_PRESET (qwen3-4b), SPEED_BASELINE
+# (section X's other build), SPEED_SKIP (section
 # letters to leave out, e.g. "PK"), SPEED_DSV3_LAYERS / SPEED_DSV3_EXPERTS
 # (cut the DeepSeek layout for a dry run), SPEED_NO_ATTACH=1 (dry runs
 # without a GPU: tests/gpu/dryrun.sh).
@@ -123,6 +131,32 @@ cat /proc/meminfo | head -3
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv 2>/dev/null || true
 df -h "$work" | tail -1
 
+# ---- X: two builds, alternating ---------------------------------------------------------------
+if want X; then
+  base=${SPEED_BASELINE:-}
+  if [ -z "$base" ] || [ ! -x "$base/weightd" ]; then
+    echo "X: SPEED_BASELINE names no build with a weightd: section skipped"
+  else
+    base=$(cd "$base" && pwd)
+    start_daemon new --set pin=off && {
+      sock=$work/main.sock
+      rm -f "$sock"
+      "$base/weightd" --foreground --backend cuda --socket "$sock" --model-root "$work" --set metrics_address= \
+        --set pin=off >"$work/main.log" 2>&1 &
+      pids[main]=$!
+      for _ in $(seq 300); do [ -S "$sock" ] && break; sleep 0.1; done
+      run "X1 whole set, this build vs $base (alternating)" 240 \
+        "${bench[@]}" --checkpoint "$qwen" --socket "$work/new.sock" --alt-socket "$sock" --names new,main \
+        --phases ceiling,staged,pin,pinned --label "whole, two builds" --json-out "$json/X1_whole.json"
+      run "X2 TP=2 fused rank 0, this build vs $base (alternating)" 240 \
+        "${bench[@]}" --checkpoint "$qwen" --socket "$work/new.sock" --alt-socket "$sock" --names new,main \
+        --plan "$TP2" --phases ceiling,staged,pin,pinned --label "TP=2 fused, two builds" --json-out "$json/X2_tp2.json"
+    }
+    stop_daemon new
+    stop_daemon main
+  fi
+fi
+
 # ---- A: staged (gather vs rows), pinned, attach -------------------------------------------
 if want A; then
   start_daemon gather --set pin=off --set staged_strided=gather &&
@@ -167,7 +201,7 @@ fi
 if want S && [ -f "$dsv3/model.safetensors.index.json" ]; then
   rank=$("$build/weightctl" plan "$dsv3" --preset auto --ep-size 8 --ep-rank 0 | awk '/^payload bytes/ {print $3}')
   mem=$(($(awk '/^MemTotal/ {print $2}' /proc/meminfo) * 1024))
-  phases=open,ceiling,prefetch,fill,staged # fill: what limits the staged load
+  phases=open,ceiling,direct,prefetch,fill,staged # fill: what limits the staged load
   # Pinning the rank holds all of it in memory at once: only with 24 GiB (or a fifth of memory) to spare.
   spare=$((24 << 30))
   [ $((mem / 5)) -lt "$spare" ] && spare=$((mem / 5))
