@@ -8,8 +8,8 @@
  * 1, 4, 16 MiB), and, where liburing is built in, io_uring on one thread with
  * Q reads of R bytes in flight (Q in 8, 32, 128). Each way reads a different
  * slice of the ranges (a disk or a hypervisor that caches what was read just
- * now would flatter a way that rereads it); the best way then reads all of
- * them once more, and that rate is the ceiling.
+ * now would flatter a way that rereads it); the two fastest ways then read
+ * all of them once more, and the faster rate is the ceiling.
  *
  * DESIGN: a sweep point starts its threads and joins them before it returns;
  * they share one atomic task counter and read-only inputs, each its own
@@ -126,6 +126,7 @@ static double run_preads(const struct ckpt *c, const struct tasks *t, unsigned t
   atomic_init(&p.bytes, 0);
   atomic_init(&p.failed, 0);
   int *fds = open_all(c);
+  p.fds = fds;
   pthread_t th[64];
   if (threads > 64) threads = 64;
   double t0 = clock_s();
@@ -239,24 +240,37 @@ int bench_disk_sweep(const struct ckpt *c, const struct plan_range *r, size_t nr
     }
 #endif
   }
-  size_t best = 0;
-  for (size_t i = 1; i < out->npoints; i++)
-    if (out->points[i].gbps > out->points[best].gbps) best = i;
-  out->best = out->points[best];
-  /* The best way over every range, once more: the ceiling. */
-  struct tasks t;
-  if (tasks_make(r, nr, out->best.size, 0, total, &t) != 0) return -1;
-  if (drop) drop(arg);
-  uint64_t b = 0;
-  double sec;
+  /* The two fastest ways on their slices read every range once more; the faster of them is the ceiling. */
+  size_t first = 0, second = out->npoints > 1 ? 1 : 0;
+  for (size_t i = 0; i < out->npoints; i++) {
+    if (out->points[i].gbps > out->points[first].gbps) {
+      second = first;
+      first = i;
+    } else if (i != first && (second == first || out->points[i].gbps > out->points[second].gbps)) {
+      second = i;
+    }
+  }
+  size_t cand[2] = {first, second};
+  for (size_t k = 0; k < (first == second ? 1u : 2u); k++) {
+    const struct bench_disk_point *q = &out->points[cand[k]];
+    struct tasks t;
+    if (tasks_make(r, nr, q->size, 0, total, &t) != 0) return -1;
+    if (drop) drop(arg);
+    uint64_t b = 0;
+    double sec;
 #ifdef WEIGHTD_HAVE_LIBURING
-  if (out->best.uring) sec = run_uring(c, &t, out->best.threads, out->best.size, &b);
-  else
+    if (q->uring) sec = run_uring(c, &t, q->threads, q->size, &b);
+    else
 #endif
-    sec = run_preads(c, &t, out->best.threads, out->best.size, &b);
-  tasks_free(&t);
-  out->ceiling_gbps = b && sec > 0 ? (double)b / 1e9 / sec : 0;
-  out->ceiling_bytes = b;
+      sec = run_preads(c, &t, q->threads, q->size, &b);
+    tasks_free(&t);
+    double gbps = b && sec > 0 ? (double)b / 1e9 / sec : 0;
+    if (gbps > out->ceiling_gbps) {
+      out->ceiling_gbps = gbps;
+      out->ceiling_bytes = b;
+      out->best = *q;
+    }
+  }
   out->have_uring = nuring > 0;
   return 0;
 }

@@ -20,8 +20,8 @@ struct bench_disk_point {
 struct bench_disk {
   size_t npoints;
   struct bench_disk_point points[32];
-  struct bench_disk_point best; /* the fastest on its slice */
-  double ceiling_gbps;          /* the best way over every range, read once more */
+  struct bench_disk_point best; /* the way of the ceiling */
+  double ceiling_gbps;          /* the faster of the two fastest ways, each over every range */
   uint64_t ceiling_bytes;
   bool have_uring;              /* built with liburing: io_uring points are in the sweep */
 };
@@ -29,8 +29,8 @@ struct bench_disk {
 /*
  * Sweeps the ways of reading ranges r[0..nr) of c with O_DIRECT, each on a
  * slice of its own, drop(arg) before each (the page cache dropped again),
- * then reads every range with the best way: its rate is the ceiling. 0, or
- * -1 when memory runs out.
+ * then reads every range with each of the two fastest ways: the faster is
+ * the ceiling. 0, or -1 when memory runs out.
  */
 int bench_disk_sweep(const struct ckpt *c, const struct plan_range *r, size_t nr, void (*drop)(void *arg),
                      void *arg, struct bench_disk *out);

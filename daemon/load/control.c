@@ -72,9 +72,10 @@ int ld_gate_pass(int *gate, const struct ld_target *t, struct wd_error *err) {
 
 /* ---- fill tasks --------------------------------------------------------------------------- */
 
-uint64_t ld_task_bytes(const struct loader *ld, uint64_t window) {
+uint64_t ld_task_bytes(const struct loader *ld, uint64_t window, const struct ld_source *src) {
   uint64_t task = window / (uint64_t)ld_pool_threads(ld->pool);
   task = task < LD_TASK_MIN ? LD_TASK_MIN : task > LD_TASK_MAX ? LD_TASK_MAX : task;
+  if (src != NULL && task < src->read_min) task = src->read_min < window ? src->read_min : window;
   return (task + 65535) / 65536 * 65536;
 }
 

@@ -99,13 +99,15 @@ int ld_gate_open(const struct loader *ld);
 int ld_gate_pass(int *gate, const struct ld_target *t, struct wd_error *err);
 
 /*
- * Bytes per fill task for a window: one task per fill thread, 256 KiB to 8
- * MiB each, in 64 KiB multiples. A staged load has its slots' windows in
- * flight at once, so every fill thread has a task while the slots are free
- * (16 threads and 16 MiB windows: 1 MiB tasks, as measured on the H200 host;
- * docs/benchmarks.md); a memcpy load's 256 MiB windows get 8 MiB tasks.
+ * Bytes per fill task for a window read from src: one task per fill thread,
+ * 256 KiB to 8 MiB each (at least src's read_min, at most the window), in
+ * 64 KiB multiples. A staged load has its slots' windows in flight at once,
+ * so every fill thread has a task while the slots are free (16 threads and
+ * 16 MiB windows: 1 MiB tasks, as measured on the H200 host;
+ * docs/benchmarks.md); a memcpy load's 256 MiB windows get 8 MiB tasks; an
+ * O_DIRECT source's reads are 4 MiB or more.
  */
-uint64_t ld_task_bytes(const struct loader *ld, uint64_t window);
+uint64_t ld_task_bytes(const struct loader *ld, uint64_t window, const struct ld_source *src);
 
 /* A FAULT error naming the tensor at slab offset off (a shard truncated while it was read). */
 int ld_fault_error(const struct ld_target *t, uint64_t off, struct wd_error *err);

@@ -124,7 +124,7 @@ static void memcpy_task(void *arg, size_t i) {
 static int memcpy_window(struct loader *ld, struct ld_target *t, const struct ld_source *src, uint64_t lo,
                          uint64_t hi, unsigned char *dst, struct wd_error *err) {
   struct window_fill r = {.t = t, .src = src, .lo = lo, .hi = hi, .dst = dst};
-  r.task = ld_task_bytes(ld, hi - lo);
+  r.task = ld_task_bytes(ld, hi - lo, src);
   r.ntasks = (size_t)((hi - lo + r.task - 1) / r.task);
   r.finished = calloc(r.ntasks ? r.ntasks : 1, 1);
   if (r.finished == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");

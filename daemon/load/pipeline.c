@@ -509,7 +509,7 @@ static int run_plan(struct run *r, struct ld_link *const *links, const uint64_t 
 static int run_tasks(struct run *r, struct wd_error *err) {
   const struct plan_stage *s = r->sched;
   size_t nw = s->nwindows ? s->nwindows : 1;
-  r->task = ld_task_bytes(r->ld, s->slot_bytes);
+  r->task = ld_task_bytes(r->ld, s->slot_bytes, r->src);
   r->task_base = malloc((s->nwindows + 1) * sizeof *r->task_base);
   r->left = malloc(nw * sizeof *r->left);
   if (r->task_base == NULL || r->left == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");

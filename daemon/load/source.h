@@ -122,6 +122,8 @@ struct ld_source {
   const struct ckpt *ck; /* the checkpoint it reads (outlives the source) */
   /* Reads are fastest with dst congruent to off modulo align (a power of two; 1: any). */
   uint64_t align;
+  /* Reads are fastest at least this long (a device with a queue to fill: O_DIRECT); 0: any length. */
+  uint64_t read_min;
   char label[48]; /* what status shows: the kind, or a route's members ("pagecache+direct") */
 };
 

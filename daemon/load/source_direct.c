@@ -12,9 +12,10 @@
  * and every strided read, goes through bounce buffers: one aligned read of a
  * run of rows, then the rows copied out.
  *
- * Reads run on the fill threads, each a blocking pread, so a load has as
- * many reads in flight as it has fill threads (docs/benchmarks.md, "Cold
- * loads", says why a thread pool and not io_uring).
+ * Reads run on the fill threads, each a blocking pread of a fill task's part
+ * (at least DIRECT_READ_MIN: read_min), so a load has as many reads in
+ * flight as it has fill threads (docs/benchmarks.md, "Cold", says why a
+ * thread pool and not io_uring).
  *
  * DESIGN (threads): the descriptors never change after open and pread has no
  * shared offset, so readers share them without locks. Bounce buffers are a
@@ -34,6 +35,8 @@
 
 /* Each bounce buffer's size: the largest aligned read that does not go straight into its destination. */
 #define DIRECT_BOUNCE (2u << 20)
+/* The length reads go fastest at (struct ld_source.read_min): fill tasks are at least this long. */
+#define DIRECT_READ_MIN (4u << 20)
 /* The alignment used when the kernel does not report one, and the least used. */
 #define DIRECT_ALIGN_MIN 4096u
 
@@ -272,7 +275,7 @@ int ld_source_direct_open(const struct ckpt *ck, bool refuse_test, struct ld_sou
     free(s);
     return rc;
   }
-  *s = (struct ld_source){.ops = &direct_ops, .ctx = d, .ck = ck, .align = d->align};
+  *s = (struct ld_source){.ops = &direct_ops, .ctx = d, .ck = ck, .align = d->align, .read_min = DIRECT_READ_MIN};
   snprintf(s->label, sizeof s->label, "%s", ld_source_kind_name(LD_SOURCE_DIRECT));
   *out = s;
   return 0;

@@ -165,6 +165,7 @@ int ld_source_route_open(struct ld_source *const *members, size_t n, struct ld_s
   for (size_t i = 0; i < n; i++) {
     r->m[r->n++] = members[i];
     if (members[i]->align > s->align) s->align = members[i]->align;
+    if (members[i]->read_min > s->read_min) s->read_min = members[i]->read_min;
     int w = snprintf(s->label + used, sizeof s->label - used, "%s%s", i ? "+" : "", members[i]->label);
     if (w > 0 && (size_t)w < sizeof s->label - used) used += (size_t)w;
   }
