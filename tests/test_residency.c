@@ -467,15 +467,22 @@ static void test_lru_eviction_spares_leased_sets(void) {
   /* s1 is used after s2: s2 is the least recently used (though s1 is older). */
   touch(&f, s1);
   struct wt t3;
+  /* Eviction happens when the load's job starts, about to allocate: held in the queue, it evicted nothing. */
+  struct gate g;
+  gate_close(&g, f.e.bulk);
   load(&f, ck[2], &t3);
-  /* Eviction happens when the load is admitted, before its job runs. */
+  CHECK(res_find_set(f.e.res, "s2") == s2);
+  CHECK_EQ_INT(count_sets(f.e.res), 3);
+  gate_open(&g);
+  CHECK(env_run_until(&f.e, env_flag_set, &g.finished));
+  gate_destroy(&g);
+  CHECK(env_run_until(&f.e, wt_fired, &t3));
   CHECK(res_find_set(f.e.res, "s2") == NULL);
   CHECK(res_find_set(f.e.res, "s1") == s1);
   CHECK_EQ_INT(count_sets(f.e.res), 2);
   CHECK_EQ_INT(used(&f), 2 * S);
   CHECK_EQ_INT(res_count_sets_of(f.e.res, ck[1]), 0);
   CHECK_EQ_INT(ck[1]->refs, 2); /* the set's reference went with it */
-  CHECK(env_run_until(&f.e, wt_fired, &t3));
   struct res_set *s3 = t3.s;
   CHECK(s3 != NULL && strcmp(s3->id, "s3") == 0);
 
@@ -487,10 +494,10 @@ static void test_lru_eviction_spares_leased_sets(void) {
   if (s3 != NULL) touch(&f, s3);
   struct wt t4;
   load(&f, ck[3], &t4);
+  CHECK(env_run_until(&f.e, wt_fired, &t4));
   CHECK(res_find_set(f.e.res, "s3") == NULL);
   CHECK(res_find_set(f.e.res, "s1") == s1);
   CHECK_EQ_INT(count_sets(f.e.res), 2);
-  CHECK(env_run_until(&f.e, wt_fired, &t4));
   struct res_set *s5 = t4.s; /* id 4 went to the lease */
   CHECK(s5 != NULL && strcmp(s5->id, "s5") == 0);
   CHECK_EQ_INT(used(&f), 2 * S);
@@ -651,6 +658,83 @@ static void test_cancel_only_waiter(void) {
   fix_stop(&f);
 }
 
+/*
+ * A load canceled while queued evicts nothing: it would have needed room (a
+ * ready set beside it and a budget for one), but evictions wait for the job.
+ */
+static void test_canceled_load_evicts_nothing(void) {
+  struct fix f;
+  if (!fix_start(&f, "res-cancel-room")) {
+    fix_stop(&f);
+    return;
+  }
+  char file[PATH_MAX];
+  struct reg_ckpt *a = open_ckpt(&f, "a", file), *b = open_ckpt(&f, "b", file);
+  struct res_set *sa = a != NULL ? load_ready(&f, a) : NULL;
+  CHECK(sa != NULL && b != NULL);
+  if (sa != NULL && b != NULL) {
+    res_device_budget_set(f.e.res, sa->plan->slab_bytes + sa->plan->slab_bytes / 2); /* one set fits */
+    struct gate g;
+    gate_close(&g, f.e.bulk);
+    struct wt t;
+    load(&f, b, &t);
+    CHECK(res_waiter_cancel(&t.w));
+    gate_open(&g);
+    CHECK(env_run_until(&f.e, env_flag_set, &g.finished));
+    gate_destroy(&g);
+    CHECK(env_run_until(&f.e, env_pools_idle, &f.e));
+    CHECK_EQ_INT(count_sets(f.e.res), 1);
+    CHECK(res_find_set(f.e.res, sa->id) == sa); /* still resident: no room was made for a load nobody wanted */
+    CHECK_EQ_INT(res_stats(f.e.res)->evictions[RES_EVICT_BUDGET], 0);
+    CHECK_EQ_INT(t.done_calls, 0);
+  }
+  reg_unref(a);
+  reg_unref(b);
+  fix_stop(&f);
+}
+
+/*
+ * A cancel that comes while the load's last bytes move (the job has copied
+ * everything, its completion not handled yet): its requester was told
+ * CANCELED, so the set is not kept. The loop runs until the slab exists (the
+ * room for it is the loop's to make), then stops: the job copies everything
+ * and its completion waits for the loop, which the test runs again only after
+ * the cancel.
+ */
+static bool slab_allocated(void *arg) { return atomic_load(&((const struct res_set *)arg)->allocated); }
+
+static void test_cancel_as_the_load_completes(void) {
+  struct fix f;
+  if (!fix_start(&f, "res-cancel-late")) {
+    fix_stop(&f);
+    return;
+  }
+  char file[PATH_MAX];
+  struct reg_ckpt *ck = open_ckpt(&f, "m", file);
+  struct wt t;
+  struct res_set *s = NULL;
+  if (ck != NULL) {
+    load(&f, ck, &t);
+    s = res_first_set(f.e.res);
+  }
+  CHECK(s != NULL);
+  if (s != NULL) {
+    CHECK(env_run_until(&f.e, slab_allocated, s));
+    for (int i = 0; i < 60000 && atomic_load(&s->load.ready_bytes) < s->plan->slab_bytes; i++) usleep(1000);
+    CHECK_EQ_INT(atomic_load(&s->load.ready_bytes), s->plan->slab_bytes); /* every byte in place */
+    CHECK_EQ_INT(s->state, SET_LOADING);                                   /* its completion not handled */
+    CHECK(res_waiter_cancel(&t.w));
+    CHECK(env_run_until(&f.e, no_sets, &f));
+    CHECK(env_run_until(&f.e, env_pools_idle, &f.e));
+    CHECK_EQ_INT(t.done_calls, 0);
+    CHECK_EQ_INT(used(&f), 0);
+    CHECK_EQ_INT(res_stats(f.e.res)->loads[RES_RESULT_CANCELED][LD_METHOD_MEMCPY], 1);
+    CHECK_EQ_INT(res_stats(f.e.res)->loads[RES_RESULT_OK][LD_METHOD_MEMCPY], 0);
+  }
+  if (ck != NULL) reg_unref(ck);
+  fix_stop(&f);
+}
+
 /* One of two waiters leaves: the load goes on for the other. A canceled load asked for again goes on too. */
 static void test_cancel_with_other_waiters(void) {
   struct fix f;
@@ -768,6 +852,8 @@ int main(void) {
   RUN(test_evict);
   RUN(test_cancel_only_waiter);
   RUN(test_cancel_with_other_waiters);
+  RUN(test_canceled_load_evicts_nothing);
+  RUN(test_cancel_as_the_load_completes);
   RUN(test_truncated_shard_fails_load);
   RUN(test_replaced_shard_fails_load);
   return tu_finish();

@@ -48,8 +48,11 @@ const struct res_stats *res_stats(const struct residency *r) { return &r->stats;
 
 static void serve_early_waiters(struct res_set *s);
 
+static void answer_rooms(struct residency *r);
+
 static void on_notify(uv_async_t *a) {
   struct residency *r = a->data;
+  answer_rooms(r);
   for (struct res_set *s = r->sets; s != NULL; s = s->next)
     if (res_set_early_ok(s)) serve_early_waiters(s);
 }
@@ -74,6 +77,8 @@ int res_create(const struct res_params *p, struct residency **out, struct wd_err
     return err_set(err, WEIGHTD_E_INTERNAL, "uv_async_init failed");
   }
   r->notify.data = r;
+  pthread_mutex_init(&r->room_lock, NULL);
+  pthread_cond_init(&r->room_cv, NULL);
   *out = r;
   return 0;
 }
@@ -266,26 +271,91 @@ uint64_t res_device_budget(const struct residency *r, int device) {
   return 0;
 }
 
-/* Evicts unleased sets of device, least recently used first, until `need` more bytes fit. */
-bool res_make_room(struct residency *r, int device, uint64_t need, struct slab_list *keep) {
-  uint64_t budget = res_device_budget(r, device);
-  if (budget == 0) return true; /* the device itself decides, at allocation */
-  /* What eviction cannot free (leased or loading sets) must leave room, or nothing is evicted. */
+/* Bytes of device's sets that eviction cannot free: loading, leased or being copied, and orphans. */
+static uint64_t unevictable(const struct residency *r, int device) {
   uint64_t pinned = 0;
-  for (struct res_set *s = r->sets; s != NULL; s = s->next)
+  for (const struct res_set *s = r->sets; s != NULL; s = s->next)
     if (s->device == device && (s->state != SET_READY || s->leases > 0 || s->copying > 0))
       pinned += s->plan->slab_bytes;
-  for (struct res_set *s = r->orphans; s != NULL; s = s->next)
+  for (const struct res_set *s = r->orphans; s != NULL; s = s->next)
     if (s->device == device) pinned += s->plan->slab_bytes;
-  if (need > budget || pinned > budget - need) return false;
-  for (;;) {
-    if (r->devices[device].used + need <= budget) return true;
+  return pinned;
+}
+
+bool res_room_possible(const struct residency *r, int device, uint64_t need) {
+  uint64_t budget = res_device_budget(r, device), pinned = unevictable(r, device);
+  return budget == 0 || (need <= budget && pinned <= budget - need);
+}
+
+/*
+ * Evicts unleased sets of loading set s's device, least recently used
+ * first, until the device's sets (s among them) fit its budget; 0, or
+ * DEVICE_NOMEM without evicting anything when they cannot.
+ */
+static int make_room(struct residency *r, struct res_set *s, struct slab_list *keep, struct wd_error *err) {
+  int device = s->device;
+  uint64_t budget = res_device_budget(r, device), pinned = unevictable(r, device);
+  if (budget == 0) return 0; /* the device itself decides, at allocation */
+  if (pinned > budget)
+    return err_set(err, WEIGHTD_E_DEVICE_NOMEM,
+                   "set %s of %" PRIu64 " bytes does not fit device %d's budget of %" PRIu64 " bytes (%" PRIu64
+                   " held by leased and loading sets, this one included, which are never evicted)",
+                   s->id, s->plan->slab_bytes, device, budget, pinned);
+  size_t n = 0;
+  while (r->devices[device].used > budget) {
     struct res_set *victim = NULL;
-    for (struct res_set *s = r->sets; s != NULL; s = s->next)
-      if (res_evictable(s, device) && (victim == NULL || s->last_used_ms < victim->last_used_ms)) victim = s;
-    if (victim == NULL) return false;
+    for (struct res_set *v = r->sets; v != NULL; v = v->next)
+      if (res_evictable(v, device) && (victim == NULL || v->last_used_ms < victim->last_used_ms)) victim = v;
+    if (victim == NULL) break; /* cannot happen: pinned <= budget */
     res_evict_one(victim, keep, RES_EVICT_BUDGET, NULL);
+    n++;
   }
+  if (n > 0) log_msg(LOG_INFO, "made room on device %d for set %s (%" PRIu64 " bytes): %zu set(s) evicted", device,
+                     s->id, s->plan->slab_bytes, n);
+  return 0;
+}
+
+/* Whether set s's load was canceled by its requesters and nobody wants it any more. */
+static bool nobody_wants(const struct res_set *s) {
+  return s->cancel_asked && atomic_load(&s->load.cancel) && s->waiters == NULL && s->leases == 0;
+}
+
+/* Answers the loads waiting for room (loop thread). */
+static void answer_rooms(struct residency *r) {
+  pthread_mutex_lock(&r->room_lock);
+  struct room_req *q = r->room_queue;
+  r->room_queue = NULL;
+  pthread_mutex_unlock(&r->room_lock);
+  while (q != NULL) {
+    struct room_req *next = q->next;
+    int rc;
+    struct wd_error err = {0};
+    if (nobody_wants(q->set) || r->destroying)
+      rc = err_set(&err, WEIGHTD_E_CANCELED, "load of %s canceled before it started", q->set->ck->path);
+    else
+      rc = make_room(r, q->set, &q->freed, &err);
+    pthread_mutex_lock(&r->room_lock);
+    q->rc = rc;
+    q->err = err;
+    q->answered = true;
+    pthread_cond_broadcast(&r->room_cv);
+    pthread_mutex_unlock(&r->room_lock);
+    q = next;
+  }
+}
+
+int res_room_ask(struct residency *r, struct res_set *s, struct room_req *req) {
+  memset(req, 0, sizeof *req);
+  req->set = s;
+  pthread_mutex_lock(&r->room_lock);
+  req->next = r->room_queue;
+  r->room_queue = req;
+  pthread_mutex_unlock(&r->room_lock);
+  uv_async_send(&r->notify);
+  pthread_mutex_lock(&r->room_lock);
+  while (!req->answered) pthread_cond_wait(&r->room_cv, &r->room_lock);
+  pthread_mutex_unlock(&r->room_lock);
+  return req->rc;
 }
 
 int res_evict(struct residency *r, const char *set_id, int device, res_evicted_fn cb, void *arg,
@@ -505,12 +575,16 @@ void res_cancel_all(struct residency *r) {
 
 static void residency_closed(uv_handle_t *h) {
   struct residency *r = h->data;
+  pthread_cond_destroy(&r->room_cv);
+  pthread_mutex_destroy(&r->room_lock);
   free(r->devices);
   free(r);
 }
 
 void res_destroy(struct residency *r) {
   if (r == NULL) return;
+  r->destroying = true;
+  answer_rooms(r); /* a load job that still waits for room is told to stop */
   while (r->leases != NULL) res_lease_drop(r, r->leases); /* orphans go with their last lease */
   while (r->sets != NULL) res_set_destroy(r->sets, NULL);
   uv_close((uv_handle_t *)&r->notify, residency_closed);

@@ -55,6 +55,7 @@ struct res_set {
   int device;
   struct plan *plan;
   struct ld_target load; /* the loader's target: slab, method, progress, cancel */
+  bool cancel_asked;     /* its last waiter canceled the load (not a shutdown): nothing is kept when it ends */
   bool adopted;          /* re-adopted after a restart: never loaded by this daemon */
   enum set_state state;
   int leases;

@@ -10,6 +10,7 @@
 #ifndef WD_RESIDENCY_INTERNAL_H
 #define WD_RESIDENCY_INTERNAL_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -18,6 +19,27 @@
 #include "residency.h"
 
 struct free_job;
+
+/* Slabs taken from evicted sets, freed together off the loop. */
+struct slab_list {
+  struct wd_slab **v;
+  size_t n, cap;
+};
+
+/*
+ * A load job's request to the loop for room on its device, made when the
+ * job starts (res_room_ask), so that evictions for a load happen only when
+ * it is about to allocate its slab: a load canceled or still queued has
+ * evicted nothing. The loop answers in on_notify.
+ */
+struct room_req {
+  struct res_set *set;
+  struct slab_list freed; /* the evicted sets' slabs, which the job frees before it allocates */
+  bool answered;
+  int rc;
+  struct wd_error err;
+  struct room_req *next;
+};
 
 struct residency {
   uv_loop_t *loop;
@@ -32,7 +54,11 @@ struct residency {
   struct res_set *orphans; /* failed or canceled while leased: freed with their last lease */
   struct lease *leases;
   struct res_stats stats;
-  uv_async_t notify; /* a load allocated its slab: answer early waiters */
+  uv_async_t notify; /* a load allocated its slab (answer early waiters) or asks for room */
+  pthread_mutex_t room_lock; /* guards room_queue and the queued requests' answers */
+  pthread_cond_t room_cv;
+  struct room_req *room_queue;
+  bool destroying; /* res_destroy runs: rooms asked for now are refused */
   bool replicas;
   void (*changed)(void *arg); /* sets or leases changed (res_on_change) */
   void *changed_arg;
@@ -42,12 +68,6 @@ struct residency {
 static inline void res_changed(struct residency *r) {
   if (r->changed != NULL) r->changed(r->changed_arg);
 }
-
-/* Slabs taken from evicted sets, freed together off the loop. */
-struct slab_list {
-  struct wd_slab **v;
-  size_t n, cap;
-};
 
 /* The set of that identity (path#generation|device|plan key) that has not failed, or NULL. */
 struct res_set *res_find_by_key(const struct residency *r, const char *key);
@@ -65,7 +85,17 @@ void res_free_later(struct residency *r, struct free_job *f, struct slab_list *l
 int res_evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reason why, struct wd_error *err);
 /* True when s is a ready set of device that nothing holds: no lease, no load copying it. */
 bool res_evictable(const struct res_set *s, int device);
-/* Evicts unleased sets of device, least recently used first, until `need` more bytes fit; false if they cannot. */
-bool res_make_room(struct residency *r, int device, uint64_t need, struct slab_list *keep);
+/*
+ * Whether `need` more bytes could fit device's budget by evicting unleased
+ * ready sets (leased and loading ones stay); nothing is evicted.
+ */
+bool res_room_possible(const struct residency *r, int device, uint64_t need);
+/*
+ * On a load's job thread: asks the loop for room for set s (counted on its
+ * device since it was queued) and waits for the answer: 0 with the evicted
+ * sets' slabs in req->freed, CANCELED when its load was canceled meanwhile,
+ * DEVICE_NOMEM when the budget cannot hold it now.
+ */
+int res_room_ask(struct residency *r, struct res_set *s, struct room_req *req);
 
 #endif

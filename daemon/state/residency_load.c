@@ -57,6 +57,7 @@ static void add_waiter(struct res_set *s, struct res_waiter *w, bool joined) {
   w->next = s->waiters;
   s->waiters = w;
   atomic_store(&s->load.cancel, false); /* a canceled load someone wants again goes on */
+  s->cancel_asked = false;
   if (w->progress != NULL) w->progress(w, atomic_load(&s->load.bytes_done), s->plan->slab_bytes);
 }
 
@@ -76,7 +77,10 @@ bool res_waiter_cancel(struct res_waiter *w) {
   struct res_set *s = w->set;
   if (!res_waiter_leave(w)) return false;
   /* Early attachers are not waiters: their leases keep the load going too. */
-  if (s->waiters == NULL && s->leases == 0) atomic_store(&s->load.cancel, true);
+  if (s->waiters == NULL && s->leases == 0) {
+    atomic_store(&s->load.cancel, true);
+    s->cancel_asked = true; /* and if it completes anyway, nothing is kept: the cancel's reply said so */
+  }
   return true;
 }
 
@@ -99,6 +103,8 @@ struct load_job {
   struct loader *ld;
   const struct wd_backend *backend;
   struct slab_list to_free; /* evicted for this load: freed before it allocates */
+  bool budgeted;            /* the device has a budget: the job asks the loop for room before it allocates */
+  bool room_refused;        /* the budget could not hold the set: evicting more would not help */
   bool retried;
   bool want_ranges; /* the pin policy wants the byte ranges a finished load read */
   struct plan_range *ranges;
@@ -126,6 +132,17 @@ static void load_ready(struct ld_target *t, uint64_t ready) {
 static void load_work(struct job *j) {
   struct load_job *lj = (struct load_job *)j;
   res_slab_list_free_now(lj->backend, &lj->to_free);
+  /* Room on the device now, as it is about to allocate (a slab it has already, from a run before, needs none). */
+  if (lj->budgeted && lj->set->load.slab == NULL) {
+    struct room_req room;
+    lj->rc = res_room_ask(lj->set->res, lj->set, &room);
+    res_slab_list_free_now(lj->backend, &room.freed);
+    if (lj->rc != 0) {
+      lj->err = room.err;
+      lj->room_refused = true;
+      return;
+    }
+  }
   double t0 = clock_s();
   lj->rc = ld_fill(lj->ld, &lj->set->load, &lj->err);
   lj->set->seconds = clock_s() - t0;
@@ -145,6 +162,11 @@ static void load_done(struct job *j) {
   struct load_job *lj = (struct load_job *)j;
   struct res_set *s = lj->set;
   struct residency *r = s->res;
+  if (lj->rc == 0 && s->cancel_asked && atomic_load(&s->load.cancel) && s->waiters == NULL && s->leases == 0) {
+    /* Its last window was moving when the cancel came: its requester was told CANCELED, so nothing is kept. */
+    log_msg(LOG_INFO, "set %s: its load was canceled as it completed: not kept", s->id);
+    lj->rc = err_set(&lj->err, WEIGHTD_E_CANCELED, "load of %s canceled", s->ck->path);
+  }
   if (lj->rc == WEIGHTD_E_CANCELED && (s->waiters != NULL || s->leases > 0) && !atomic_load(&s->load.cancel)) {
     /* Canceled, but someone asked for the same set since: load it for them (into the same slab). */
     log_msg(LOG_INFO, "set %s: canceled load restarted for a request that joined it", s->id);
@@ -152,7 +174,7 @@ static void load_done(struct job *j) {
     jobs_submit(r->bulk, &lj->job);
     return;
   }
-  if (lj->rc == WEIGHTD_E_DEVICE_NOMEM && !lj->retried && !atomic_load(&s->load.cancel)) {
+  if (lj->rc == WEIGHTD_E_DEVICE_NOMEM && !lj->retried && !lj->room_refused && !atomic_load(&s->load.cancel)) {
     size_t n = 0;
     struct res_set *e = r->sets;
     while (e != NULL) {
@@ -279,12 +301,10 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
     res_wait(r, s, w);
     return;
   }
-  struct slab_list evicted = {0};
   s = calloc(1, sizeof *s);
   struct load_job *lj = calloc(1, sizeof *lj);
-  if (s == NULL || lj == NULL || !res_make_room(r, device, plan->slab_bytes, &evicted)) {
+  if (s == NULL || lj == NULL || !res_room_possible(r, device, plan->slab_bytes)) {
     bool nomem = s == NULL || lj == NULL;
-    res_free_later(r, NULL, &evicted);
     free(s);
     free(lj);
     free(key);
@@ -336,7 +356,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   lj->set = s;
   lj->ld = r->ld;
   lj->backend = r->backend;
-  lj->to_free = evicted;
+  lj->budgeted = res_device_budget(r, device) > 0;
   lj->want_ranges = reg_pin_wants_ranges(ck->reg) && ld_can_direct(r->ld);
   log_msg(LOG_DEBUG, "loading set %s: %s, %zu tensors, %" PRIu64 " bytes", s->id, ck->path, plan->noutputs,
           plan->slab_bytes);
