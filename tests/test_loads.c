@@ -287,7 +287,7 @@ static const char *load_check_evict(struct fix *f, struct reg_ckpt *ck, const ch
   }
   free(file);
   free(want);
-  CHECK_EQ_INT(res_evict(f->e.res, t.s->id, 0, NULL, NULL, &err), 0);
+  CHECK_EQ_INT(res_evict(f->e.res, t.s->id, 0, NULL, NULL, NULL, NULL, &err), 0);
   CHECK(env_run_until(&f->e, env_pools_idle, &f->e));
   return method;
 }
@@ -950,7 +950,7 @@ static void test_budget_lru_and_loading(void) {
   CHECK_EQ_INT(reg_pin_budget(f.e.reg), hm.limit / 2);
   CHECK(strcmp(reg_pin_budget_source(f.e.reg), hm.source) == 0);
   CHECK_EQ_INT(fk.violations, 0);
-  CHECK_EQ_INT(res_evict(f.e.res, NULL, 0, NULL, NULL, &err), 0);
+  CHECK_EQ_INT(res_evict(f.e.res, NULL, 0, NULL, NULL, NULL, NULL, &err), 0);
   reg_unref(a);
   reg_unref(b);
   fix_stop(&f);

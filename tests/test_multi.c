@@ -514,7 +514,7 @@ static void test_replica_from_peer(void) {
   struct wd_error err = {0};
   if (a != NULL) {
     CHECK_EQ_INT(a->copying, 1);
-    CHECK_EQ_INT(res_evict(f.e.res, a->id, 0, NULL, NULL, &err), WEIGHTD_E_BUSY);
+    CHECK_EQ_INT(res_evict(f.e.res, a->id, 0, NULL, NULL, NULL, NULL, &err), WEIGHTD_E_BUSY);
     CHECK_STR_CONTAINS(err.msg, "being copied to another device");
   }
   gate_open(&g);
@@ -536,7 +536,7 @@ static void test_replica_from_peer(void) {
       CHECK(c->load.source_device == 0 || c->load.source_device == 1);
       check_whole(&f, c);
     }
-    CHECK_EQ_INT(res_evict(f.e.res, a->id, 0, NULL, NULL, &err), 0); /* no copy holds it any more */
+    CHECK_EQ_INT(res_evict(f.e.res, a->id, 0, NULL, NULL, NULL, NULL, &err), 0); /* no copy holds it any more */
   }
   mfix_stop(&f);
 }

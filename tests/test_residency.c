@@ -328,7 +328,7 @@ static void test_identical_load_joins(void) {
     struct wd_error err = {0};
     CHECK_EQ_INT(res_lease_add(f.e.res, s, &hold, &l, &err), WEIGHTD_E_BUSY);
     CHECK(l == NULL);
-    CHECK_EQ_INT(res_evict(f.e.res, s->id, 0, NULL, NULL, &err), WEIGHTD_E_BUSY);
+    CHECK_EQ_INT(res_evict(f.e.res, s->id, 0, NULL, NULL, NULL, NULL, &err), WEIGHTD_E_BUSY);
     CHECK_STR_CONTAINS(err.msg, "still loading");
     CHECK(res_first_set(f.e.res) == s);
   }
@@ -420,7 +420,7 @@ static void test_leases(void) {
   res_leases_drop_owner(f.e.res, &owner_a); /* none left: nothing happens */
   CHECK_EQ_INT(s->leases, 1);
 
-  CHECK_EQ_INT(res_evict(f.e.res, "s1", 0, NULL, NULL, &err), WEIGHTD_E_BUSY);
+  CHECK_EQ_INT(res_evict(f.e.res, "s1", 0, NULL, NULL, NULL, NULL, &err), WEIGHTD_E_BUSY);
   CHECK_STR_CONTAINS(err.msg, "1 lease(s)");
   CHECK(res_find_set(f.e.res, "s1") == s);
 
@@ -572,14 +572,14 @@ static void test_evict(void) {
   CHECK_EQ_INT(res_lease_add(f.e.res, sa, &h, &l, &err), 0);
 
   struct ev v = {0};
-  CHECK_EQ_INT(res_evict(f.e.res, "s1", 0, ev_cb, &v, &err), WEIGHTD_E_BUSY);
-  CHECK_EQ_INT(res_evict(f.e.res, "s99", 0, ev_cb, &v, &err), WEIGHTD_E_NOT_FOUND);
+  CHECK_EQ_INT(res_evict(f.e.res, "s1", 0, NULL, NULL, ev_cb, &v, &err), WEIGHTD_E_BUSY);
+  CHECK_EQ_INT(res_evict(f.e.res, "s99", 0, NULL, NULL, ev_cb, &v, &err), WEIGHTD_E_NOT_FOUND);
   CHECK_STR_CONTAINS(err.msg, "s99");
   CHECK_EQ_INT(count_sets(f.e.res), 2);
   CHECK_EQ_INT(used(&f), 2 * S);
 
   /* By id: gone at once, reported once its memory is free. */
-  CHECK_EQ_INT(res_evict(f.e.res, "s2", 0, ev_cb, &v, &err), 0);
+  CHECK_EQ_INT(res_evict(f.e.res, "s2", 0, NULL, NULL, ev_cb, &v, &err), 0);
   CHECK(res_find_set(f.e.res, "s2") == NULL);
   CHECK_EQ_INT(used(&f), S);
   CHECK_EQ_INT(b->refs, 2);
@@ -592,7 +592,7 @@ static void test_evict(void) {
   struct res_set *sb2 = load_ready(&f, b);
   CHECK(sb2 != NULL && strcmp(sb2->id, "s4") == 0);
   struct ev all = {0};
-  CHECK_EQ_INT(res_evict(f.e.res, NULL, 0, ev_cb, &all, &err), 0);
+  CHECK_EQ_INT(res_evict(f.e.res, NULL, 0, NULL, NULL, ev_cb, &all, &err), 0);
   CHECK(env_run_until(&f.e, env_flag_set, &all.fired));
   CHECK_EQ_INT(all.n, 1);
   CHECK(strcmp(all.ids[0], "s4") == 0);
@@ -602,7 +602,7 @@ static void test_evict(void) {
 
   res_lease_drop(f.e.res, l);
   struct ev last = {0};
-  CHECK_EQ_INT(res_evict(f.e.res, "s1", 0, ev_cb, &last, &err), 0);
+  CHECK_EQ_INT(res_evict(f.e.res, "s1", 0, NULL, NULL, ev_cb, &last, &err), 0);
   CHECK(env_run_until(&f.e, env_flag_set, &last.fired));
   CHECK_EQ_INT(last.n, 1);
   CHECK(strcmp(last.ids[0], "s1") == 0);

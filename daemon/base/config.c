@@ -77,6 +77,9 @@ static const struct cfg_key keys[] = {
      "anyone who can open the socket", .reload = true},
     {"allowed_gids", CFG_ID_LIST, OFF(allowed_gids), OFF(n_allowed_gids), 0, UINT32_MAX, NULL,
      "peer primary gids allowed", .reload = true},
+    {"admin_gids", CFG_ID_LIST, OFF(admin_gids), OFF(n_admin_gids), 0, UINT32_MAX, NULL,
+     "groups (primary or supplementary) whose members may, besides root and the daemon's user, evict sets other "
+     "users loaded, release their leases and cancel their requests", .reload = true},
     {"backend", CFG_ENUM, OFF(backend), 0, 0, 0, "auto", "auto | cuda | host", backend_names},
     {"device_memory_budget", CFG_BYTES, OFF(device_memory_budget), 0, 0, UINT64_MAX, "0",
      "bytes of resident sets per device before unleased sets are evicted (0 = a GPU's own memory; "

@@ -40,6 +40,8 @@ struct wd_config {
   size_t n_allowed_uids;
   uint64_t *allowed_gids;
   size_t n_allowed_gids;
+  uint64_t *admin_gids; /* may evict, release and cancel what other users started */
+  size_t n_admin_gids;
   enum cfg_backend backend;
   uint64_t device_memory_budget; /* bytes per device for resident sets; 0 = no limit */
   uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier; 0 = derived (hostmem.h) */

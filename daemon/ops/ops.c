@@ -118,17 +118,17 @@ static struct request *request_by_serial(const struct conn *self, const char *te
   return NULL;
 }
 
-/* cancel {"request": "r42"}: any connection's request, for the same uid, root or the daemon's uid. */
+/* cancel {"request": "r42"}: any connection's request, for the same uid, root, the daemon's uid or admin_gids. */
 static void cancel_by_serial(struct request *r, const char *rid) {
   struct request *t = request_by_serial(r->conn, rid);
   if (t == NULL || t == r || t->done) {
     req_fail(r, WEIGHTD_E_NOT_FOUND, "no request '%.40s' in progress (status lists them under 'requests')", rid);
     return;
   }
-  if (t->conn->uid != r->conn->uid && !conn_is_privileged(r->conn)) {
+  if (t->conn->uid != r->conn->uid && !ops_is_admin(r->conn)) {
     req_fail(r, WEIGHTD_E_PERMISSION,
-             "request %s belongs to uid %d: only that uid, root or the daemon's uid may cancel it", rid,
-             (int)t->conn->uid);
+             "request %s belongs to uid %d: only that uid, root, the daemon's uid or a member of admin_gids may cancel it",
+             rid, (int)t->conn->uid);
     return;
   }
   int op = t->op;
@@ -195,8 +195,11 @@ static void op_release(struct request *r) {
     return;
   }
   if (l->holder.owner != r->conn) {
-    if (!conn_is_privileged(r->conn)) {
-      req_fail(r, WEIGHTD_E_PERMISSION, "lease %s belongs to another connection", l->id);
+    if (!ops_is_admin(r->conn)) {
+      req_fail(r, WEIGHTD_E_PERMISSION,
+               "lease %s belongs to another connection: only root, the daemon's user or a member of admin_gids may "
+               "release it",
+               l->id);
       return;
     }
     log_msg(LOG_WARN, "lease %s of pid %d released by pid %d", l->id, (int)l->holder.pid, (int)r->conn->pid);

@@ -120,3 +120,11 @@ enum ld_source_choice ops_load_source(const struct daemon *d, const struct reg_c
   return (enum ld_source_choice)d->cfg.source;
 }
 
+
+bool ops_is_admin(const struct conn *c) {
+  if (conn_is_privileged(c)) return true;
+  const struct wd_config *cfg = &c->d->cfg;
+  for (size_t i = 0; i < cfg->n_admin_gids; i++)
+    if (conn_in_group(c, (gid_t)cfg->admin_gids[i])) return true;
+  return false;
+}

@@ -25,6 +25,9 @@ void req_fail_err(struct request *r, const struct wd_error *err);
 /* A progress event: dropped, not queued, when the client does not read its replies. */
 void req_progress(struct request *r, uint64_t done, uint64_t total);
 
+/* Root, the daemon's own uid, or a member of admin_gids: may evict, release and cancel what others started. */
+bool ops_is_admin(const struct conn *c);
+
 /* The daemon a request belongs to. */
 static inline struct daemon *req_daemon(const struct request *r) { return r->conn->d; }
 

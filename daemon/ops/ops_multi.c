@@ -421,6 +421,7 @@ static int group_parse(struct request *r, struct ops_group *g, struct wd_error *
     k->ep_rank = i % g->ep_size;
     k->wait.done = rank_done;
     k->wait.progress = rank_progress;
+    k->wait.uid = r->conn->uid;
     k->device = (int)(i % (unsigned)d->ndevices);
     if (devs != NULL && ops_device_resolve(d, cJSON_GetArrayItem(devs, (int)i), &k->device, err) != 0)
       return err_prefix(err, "group.devices[%u]", i);

@@ -438,6 +438,7 @@ static void wait_init(struct request *r) {
   r->wait.done = set_done;
   r->wait.progress = set_progress;
   r->wait.early = r->op == MSG_OP_ATTACH && r->early;
+  r->wait.uid = r->conn->uid;
 }
 
 bool ops_sets_cancel(struct request *t) {
@@ -624,6 +625,12 @@ static void busy_holders(struct daemon *d, const char *set_id, struct wd_error *
            " (the holder releases it, or root or the daemon's user: weightctl release LEASE)");
 }
 
+/* Whether the requester may evict set s: its loader, root, the daemon's user or a member of admin_gids. */
+static bool may_evict(void *arg, const struct res_set *s) {
+  const struct request *r = arg;
+  return s->loader_uid == r->conn->uid || ops_is_admin(r->conn);
+}
+
 /* evict answers once the memory is back: the slabs are freed on a job first. */
 void op_evict(struct request *r) {
   struct daemon *d = req_daemon(r);
@@ -642,7 +649,14 @@ void op_evict(struct request *r) {
       return;
     }
   }
-  if (res_evict(d->res, set_id, device, evicted, r, &err) != 0) {
+  const struct res_set *s = set_id != NULL ? res_find_set(d->res, set_id) : NULL;
+  if (s != NULL && !may_evict(r, s)) {
+    req_fail(r, WEIGHTD_E_PERMISSION,
+             "set %s was loaded by %s: only that user, root, the daemon's user or a member of admin_gids may evict it",
+             s->id, s->loader_uid == (uid_t)-1 ? "an earlier daemon (re-adopted)" : "another user");
+    return;
+  }
+  if (res_evict(d->res, set_id, device, may_evict, r, evicted, r, &err) != 0) {
     if (err.code == WEIGHTD_E_BUSY && set_id != NULL) busy_holders(d, set_id, &err);
     req_fail_err(r, &err);
   }

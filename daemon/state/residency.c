@@ -358,8 +358,8 @@ int res_room_ask(struct residency *r, struct res_set *s, struct room_req *req) {
   return req->rc;
 }
 
-int res_evict(struct residency *r, const char *set_id, int device, res_evicted_fn cb, void *arg,
-              struct wd_error *err) {
+int res_evict(struct residency *r, const char *set_id, int device, bool (*may)(void *arg, const struct res_set *s),
+              void *may_arg, res_evicted_fn cb, void *arg, struct wd_error *err) {
   struct free_job *f = calloc(1, sizeof *f);
   if (f == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   f->cb = cb;
@@ -389,7 +389,7 @@ int res_evict(struct residency *r, const char *set_id, int device, res_evicted_f
     struct res_set *s = r->sets;
     while (s != NULL) {
       struct res_set *next = s->next;
-      if (res_evictable(s, device)) {
+      if (res_evictable(s, device) && (may == NULL || may(may_arg, s))) {
         char *id = strdup(s->id);
         if (id != NULL) f->ids[f->nids++] = id;
         res_evict_one(s, &keep, RES_EVICT_REQUEST, NULL);
@@ -534,6 +534,7 @@ int res_set_adopt(struct residency *r, struct reg_ckpt *ck, int device, struct p
   s->load.device = device;
   s->load.slab = slab;
   s->adopted = true;
+  s->loader_uid = (uid_t)-1;
   atomic_init(&s->load.bytes_done, plan->slab_bytes);
   atomic_init(&s->load.ready_bytes, plan->slab_bytes);
   atomic_init(&s->load.cancel, false);

@@ -56,6 +56,7 @@ struct res_set {
   struct plan *plan;
   struct ld_target load; /* the loader's target: slab, method, progress, cancel */
   bool cancel_asked;     /* its last waiter canceled the load (not a shutdown): nothing is kept when it ends */
+  uid_t loader_uid;      /* who asked for the load that made it ((uid_t)-1: re-adopted, unknown) */
   bool adopted;          /* re-adopted after a restart: never loaded by this daemon */
   enum set_state state;
   int leases;
@@ -91,6 +92,7 @@ struct res_waiter {
   void (*done)(struct res_waiter *w, struct res_set *s, bool joined, const struct wd_error *err);
   void (*progress)(struct res_waiter *w, uint64_t done, uint64_t total);
   bool early; /* the caller's: done may come while the set loads */
+  uid_t uid;  /* the caller's: a set its request starts records it as its loader */
   /* Residency's own. */
   struct res_set *set; /* the set waited for; NULL when not waiting */
   bool joined;
@@ -228,12 +230,13 @@ void res_leases_drop_owner(struct residency *r, const void *owner);
 typedef void (*res_evicted_fn)(void *arg, char *const *ids, size_t n);
 
 /*
- * Evicts the set called set_id (NULL: every unleased ready set of device),
- * then frees the memory on a job and calls cb. Returns 0, or an error (no
- * such set, BUSY: leased or loading) without evicting anything.
+ * Evicts the set called set_id (NULL: every unleased ready set of device
+ * that may(may_arg, set) accepts; may NULL: all), then frees the memory on a
+ * job and calls cb. Returns 0, or an error (no such set, BUSY: leased or
+ * loading) without evicting anything.
  */
-int res_evict(struct residency *r, const char *set_id, int device, res_evicted_fn cb, void *arg,
-              struct wd_error *err);
+int res_evict(struct residency *r, const char *set_id, int device, bool (*may)(void *arg, const struct res_set *s),
+              void *may_arg, res_evicted_fn cb, void *arg, struct wd_error *err);
 
 /* ---- restarts ------------------------------------------------------------ */
 

@@ -324,6 +324,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   s->key = key;
   s->ck = ck; /* takes the caller's reference */
   s->device = device;
+  s->loader_uid = w->uid;
   s->plan = plan;
   s->state = SET_LOADING;
   offer_copies(r, s);

@@ -55,6 +55,9 @@ struct conn_ops {
   void (*drop_args)(struct request *r);
 };
 
+/* Supplementary groups kept per connection (a peer in more is judged by its first ones). */
+#define CONN_MAX_GROUPS 64
+
 struct conn {
   const struct conn_ops *ops;
   struct server *srv;
@@ -68,6 +71,8 @@ struct conn {
   pid_t pid;
   uid_t uid;
   gid_t gid;
+  gid_t groups[CONN_MAX_GROUPS]; /* supplementary groups at connect (SO_PEERGROUPS), at most CONN_MAX_GROUPS */
+  int ngroups;                    /* -1: the kernel did not say */
   char client[64]; /* the name the client gave in hello ("" when none) */
   unsigned accepts; /* the handle kinds the client can open (WD_HANDLE_BIT), from hello */
   bool accepts_listed; /* hello listed them ("handles"); else accepts is WD_HANDLES_DEFAULT */
@@ -121,5 +126,13 @@ struct request {
 
 /* Root, or the daemon's own uid. */
 static inline bool conn_is_privileged(const struct conn *c) { return c->uid == 0 || c->uid == geteuid(); }
+
+/* Whether the peer's primary or a supplementary group is gid. */
+static inline bool conn_in_group(const struct conn *c, gid_t gid) {
+  if (c->gid == gid) return true;
+  for (int i = 0; i < c->ngroups; i++)
+    if (c->groups[i] == gid) return true;
+  return false;
+}
 
 #endif

@@ -183,6 +183,21 @@ static void conn_close(struct conn *c) {
 
 static bool uid_privileged(uid_t uid) { return uid == 0 || uid == geteuid(); }
 
+/* The peer's supplementary groups (SO_PEERGROUPS, Linux 4.13), at most max of them: how many, or -1. */
+static int peer_groups(int fd, gid_t *out, int max) {
+  socklen_t len = (socklen_t)((size_t)max * sizeof(gid_t));
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, out, &len) == 0) return (int)(len / sizeof(gid_t));
+  if (errno != ERANGE || len == 0) return -1;
+  gid_t *all = malloc(len); /* more than max: keep the first ones */
+  int n = -1;
+  if (all != NULL && getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, all, &len) == 0) {
+    n = (int)(len / sizeof(gid_t)) < max ? (int)(len / sizeof(gid_t)) : max;
+    memcpy(out, all, (size_t)n * sizeof(gid_t));
+  }
+  free(all);
+  return n;
+}
+
 /*
  * Whether one more connection may be served: within max_connections (plus
  * reserved_connections for root and the daemon's uid), and within the
@@ -291,6 +306,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     c->pid = cred.pid;
     c->uid = cred.uid;
     c->gid = cred.gid;
+    c->ngroups = peer_groups(fd, c->groups, CONN_MAX_GROUPS);
     c->refs = 1;
     c->queued_tail = &c->queued;
     wire_reader_init(&c->reader);

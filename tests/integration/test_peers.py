@@ -16,10 +16,10 @@ NOBODY = 65534
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
 
-def as_nobody(sock, reqs, until_eof=False):
+def as_nobody(sock, reqs, until_eof=False, groups=()):
     """Runs reqs in a forked child under uid nobody: every frame it got, then {"eof": True} on EOF.
 
-    until_eof: after the last reply, keep reading until the daemon closes.
+    until_eof: after the last reply, keep reading until the daemon closes. groups: its supplementary groups.
     """
     r, w = os.pipe()
     pid = os.fork()
@@ -27,7 +27,7 @@ def as_nobody(sock, reqs, until_eof=False):
         code = 0
         try:
             os.close(r)
-            os.setgroups([])
+            os.setgroups(list(groups))
             os.setgid(NOBODY)
             os.setuid(NOBODY)
             out = []
@@ -98,6 +98,27 @@ def test_allowed_peer_may_not_shutdown_or_release_others_leases(start_daemon, ti
         with d.connect() as admin:
             assert admin.call("release", lease=att["lease"])["released"] is True
         assert owner.status()["sets"][0]["leases"] == 0
+
+
+def test_who_may_evict(start_daemon, tiny):
+    """A set is evicted by its loader, root, the daemon's user or a member of admin_gids; nobody else."""
+    d = start_daemon({"allowed_uids": str(NOBODY), "socket_mode": "0666", "admin_gids": "4343"}, public=True)
+    with d.connect() as owner:
+        sid = owner.call("load", path=tiny["a"])["set"]  # unleased: evictable, but not by anyone
+        got = as_nobody(d.socket, [HELLO, {"op": "evict", "id": 2, "set": sid},
+                                   {"op": "evict", "id": 3, "device": 0}])
+        by_id = {m.get("id"): m for m in got}
+        assert by_id[2]["error"]["code"] == "PERMISSION", got
+        assert "loaded by another user" in by_id[2]["error"]["message"] and "admin_gids" in by_id[2]["error"]["message"]
+        assert by_id[3].get("ok") is True and by_id[3]["evicted"] == [], got  # the device's sets: only its own
+        assert [s["set"] for s in owner.status()["sets"]] == [sid]
+        # A member of admin_gids (a supplementary group) may.
+        got = as_nobody(d.socket, [HELLO, {"op": "evict", "id": 2, "set": sid}], groups=(4343,))
+        assert got[1].get("ok") is True and got[1]["evicted"] == [sid], got
+        assert owner.status()["sets"] == []
+        # Its loader may, and root may.
+        sid = owner.call("load", path=tiny["b"])["set"]
+        assert owner.call("evict", set=sid)["evicted"] == [sid]
 
 
 class NobodyConnections:
