@@ -1,8 +1,10 @@
 /*
  * ckpt_id.c - a checkpoint's layout id (see checkpoint.h): SHA-256 over a
- * canonical encoding of what its headers and index say, so that the same
- * layout written with other whitespace, key order or metadata order gets the
- * same id, and any difference a reader of the bytes would see gets another.
+ * canonical encoding of what its headers and index say, so that headers
+ * that differ only in key order or metadata order get the same id, and any
+ * difference a reader of the bytes would see gets another. The shard sizes
+ * and data-section starts are in it (they place every byte), so the same
+ * tensors written with a header of another length get another id.
  *
  * The encoding, version 1: the text "weightd-layout-v1", the layout kind
  * (index, single, file) and the shard count; per shard in the checkpoint's

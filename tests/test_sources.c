@@ -304,6 +304,35 @@ static const struct ld_source_ops failing_ops = {
     .unchanged = failing_unchanged,
 };
 
+/*
+ * Tensors of megabytes at unaligned offsets, with a column slice, for the
+ * production slot size: windows of 16 MiB cut into fill tasks of 4 MiB
+ * (the O_DIRECT source's read_min), so that aligned blocks are split across
+ * tasks as they are on a GPU host.
+ */
+static const char *const big_specs[] = {
+    "",
+    "{\"outputs\":[{\"name\":\"cols\",\"dtype\":\"BF16\",\"shape\":[1501,700],\"pieces\":[{\"tensor\":"
+    "\"b1\",\"dim\":1,\"start\":333,\"end\":1033}]},{\"name\":\"rows\",\"dtype\":\"BF16\","
+    "\"shape\":[1000,1703],\"pieces\":[{\"tensor\":\"b2\",\"dim\":0,\"start\":3,\"end\":1003}]},"
+    "{\"name\":\"c3\",\"dtype\":\"U8\",\"shape\":[12345],\"pieces\":[{\"tensor\":\"b3\"}]},"
+    "{\"name\":\"c4\",\"dtype\":\"BF16\",\"shape\":[2999,1777],\"pieces\":[{\"tensor\":\"b4\"}]}]}",
+    NULL};
+
+static void big_model(struct model *m) {
+  memset(m, 0, sizeof *m);
+  m->name = "big";
+  m->config = "{\"model_type\":\"llama\",\"hidden_size\":64,\"num_attention_heads\":4,\"num_key_value_heads\":2}";
+  m->specs = big_specs;
+  add(m, "U8", 1, 77, 0, "b0");
+  add(m, "BF16", 2, 1501, 1700, "b1");
+  add(m, "U8", 1, 12345, 0, "b3");
+  m->split = m->n;
+  add(m, "BF16", 2, 1200, 1703, "b2");
+  add(m, "U8", 1, 3, 0, "b5");
+  add(m, "BF16", 2, 2999, 1777, "b4");
+}
+
 /* ---- loads ------------------------------------------------------------------------------------------- */
 
 enum way { WAY_IN_PLACE, WAY_STAGED, WAY_STRIPED, NWAYS };
@@ -318,18 +347,23 @@ struct fix {
   bool up;
 };
 
-/* An env for way w on the host backend: small slots so plans take many windows. */
-static bool fix_start(struct fix *f, const char *tag, enum way w, const char *gate, bool refuse_odirect) {
+/*
+ * An env for way w on the host backend: small slots so plans take many
+ * windows; big: the production slots (16 MiB, two fill threads).
+ */
+static bool fix_start_as(struct fix *f, const char *tag, enum way w, const char *gate, bool refuse_odirect, bool big) {
   memset(f, 0, sizeof *f);
-  struct env_opts o = {.bulk_threads = 1,
+  size_t slot = big ? 16u << 20 : 16u << 10;
+  struct env_opts o = {.bulk_threads = big ? 2 : 1,
                        .residency = true,
                        .method = w == WAY_STAGED ? CFG_LOAD_STAGED : CFG_LOAD_AUTO,
                        .strided = PLAN_STRIDED_AUTO,
                        .staging_slots = 3,
-                       .staging_slot_bytes = 16u << 10,
+                       .staging_slot_bytes = slot,
                        .host_devices = w == WAY_STRIPED ? 2 : 1,
                        .striping = w == WAY_STRIPED,
-                       .window_bytes = 16u << 10,
+                       .window_bytes = slot,
+                       .stripe_min_bytes = big ? 1 : 0,
                        .refuse_odirect = refuse_odirect,
                        .auto_direct_bytes = 1, /* auto always routes: warm ranges from the page cache, the rest O_DIRECT */
                        .load_gate = gate};
@@ -337,6 +371,10 @@ static bool fix_start(struct fix *f, const char *tag, enum way w, const char *ga
   f->up = f->scratch != NULL && env_start(&f->e, &o) == 0;
   CHECK(f->up);
   return f->up;
+}
+
+static bool fix_start(struct fix *f, const char *tag, enum way w, const char *gate, bool refuse_odirect) {
+  return fix_start_as(f, tag, w, gate, refuse_odirect, false);
 }
 
 static void fix_stop(struct fix *f) {
@@ -431,16 +469,19 @@ static uint64_t cached_bytes(const char *path) {
 
 /* ---- every source, every way, every plan --------------------------------------------------------- */
 
-static void conform(enum way w) {
-  void (*const models[])(struct model *) = {dense_model, moe_model, dsv3_model};
+static void conform(enum way w, bool big) {
+  void (*const small_models[])(struct model *) = {dense_model, moe_model, dsv3_model};
+  void (*const big_models[])(struct model *) = {big_model};
+  void (*const *models)(struct model *) = big ? big_models : small_models;
+  size_t nmodels = big ? 1 : 3;
   static struct model m;
   struct fix f;
   size_t striped = 0, loads = 0;
-  if (!fix_start(&f, "src-conform", w, NULL, false)) {
+  if (!fix_start_as(&f, big ? "src-conform-big" : "src-conform", w, NULL, false, big)) {
     fix_stop(&f);
     return;
   }
-  for (size_t mi = 0; mi < sizeof models / sizeof models[0]; mi++) {
+  for (size_t mi = 0; mi < nmodels; mi++) {
     models[mi](&m);
     char dir[PATH_MAX];
     snprintf(dir, sizeof dir, "%s/%s", f.scratch, m.name);
@@ -504,14 +545,19 @@ static void conform(enum way w) {
     }
     reg_unref(a.ck);
   }
-  CHECK_EQ_INT(loads, 13 * NREADERS);
+  CHECK_EQ_INT(loads, (big ? 2 : 13) * NREADERS);
   if (w == WAY_STRIPED) CHECK(striped >= loads / 2); /* most plans take enough windows to stripe */
   fix_stop(&f);
 }
 
-static void test_conform_in_place(void) { conform(WAY_IN_PLACE); }
-static void test_conform_staged(void) { conform(WAY_STAGED); }
-static void test_conform_striped(void) { conform(WAY_STRIPED); }
+static void test_conform_in_place(void) { conform(WAY_IN_PLACE, false); }
+static void test_conform_staged(void) { conform(WAY_STAGED, false); }
+static void test_conform_striped(void) { conform(WAY_STRIPED, false); }
+/* The production slot size: aligned windows cut across fill tasks, two fill threads. */
+static void test_conform_production(void) {
+  conform(WAY_STAGED, true);
+  conform(WAY_STRIPED, true);
+}
 
 /* ---- what every source reports alike ------------------------------------------------------------------ */
 
@@ -615,9 +661,13 @@ static void test_mishaps(void) {
       for (int what = 0; what < NMISHAPS; what++) mishap((enum way)w, (enum reader)rd, (enum mishap)what);
 }
 
-/* A read error: alone it fails the load naming the shard; routed, the next source serves the range. */
+/*
+ * A read error: alone it fails the load naming the shard, read once (a
+ * striped load does not try its own link again: the source would fail
+ * again); routed, the next source serves the range.
+ */
 static void test_read_error(void) {
-  for (int w = WAY_IN_PLACE; w <= WAY_STAGED; w++) {
+  for (int w = WAY_IN_PLACE; w < NWAYS; w++) {
     struct fix f;
     if (!fix_start(&f, "src-readerr", (enum way)w, NULL, false)) {
       fix_stop(&f);
@@ -640,6 +690,7 @@ static void test_read_error(void) {
       CHECK_STR_CONTAINS(err.msg, a.ck->ck->shards[0].rel);
       CHECK_STR_CONTAINS(err.msg, "tensor '");
       CHECK(atomic_load(&l.t.ready_bytes) < p->slab_bytes);
+      CHECK_EQ_INT(atomic_load(&l.fail.failed), 1); /* one fill thread: the first failure stops the load */
       load_fini(&f.e, &l);
       plan_free(p);
     }
@@ -720,6 +771,7 @@ int main(void) {
   RUN(test_conform_in_place);
   RUN(test_conform_staged);
   RUN(test_conform_striped);
+  RUN(test_conform_production);
   RUN(test_mishaps);
   RUN(test_read_error);
   RUN(test_odirect_refused);

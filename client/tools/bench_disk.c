@@ -157,6 +157,12 @@ static double run_uring(const struct ckpt *c, const struct tasks *t, unsigned de
   uint64_t got = 0;
   bool failed = false;
   unsigned *free_slot = malloc(depth * sizeof *free_slot), nfree = depth;
+  if (free_slot == NULL) {
+    free(bufs);
+    close_all(c, fds);
+    io_uring_queue_exit(&ring);
+    return 0;
+  }
   for (unsigned i = 0; i < depth; i++) free_slot[i] = i;
   double t0 = clock_s();
   while ((next < t->n || inflight > 0) && !failed) {
@@ -185,10 +191,18 @@ static double run_uring(const struct ckpt *c, const struct tasks *t, unsigned de
     io_uring_cqe_seen(&ring, cqe);
   }
   double dt = clock_s() - t0;
+  /* Reads still in flight after a failure write into bufs: reap them first (the ring's teardown is asynchronous). */
+  while (inflight > 0) {
+    struct io_uring_cqe *cqe;
+    if (io_uring_wait_cqe(&ring, &cqe) != 0) break;
+    io_uring_cqe_seen(&ring, cqe);
+    inflight--;
+  }
+  io_uring_queue_exit(&ring);
+  if (inflight > 0) bufs = NULL; /* could not reap them: the buffers are left to the process's end */
   free(free_slot);
   free(bufs);
   close_all(c, fds);
-  io_uring_queue_exit(&ring);
   *bytes = failed ? 0 : got;
   return dt;
 }

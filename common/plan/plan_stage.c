@@ -26,6 +26,7 @@ struct builder {
   size_t wcap, xcap;
   bool open;   /* a window is open */
   uint64_t at; /* the open window's fill position */
+  bool source; /* aligned: the open window's last transfer is source bytes, whose tail block is its own */
   int rc;
 };
 
@@ -36,9 +37,16 @@ static void window_close(struct builder *b) {
   b->open = false;
 }
 
-/* Where the next image transfer may start in the open window (0 in a new one). */
+/*
+ * Where the next image transfer may start in the open window (0 in a new
+ * one): after a transfer of source bytes in an aligned schedule, at the next
+ * aligned block, so that the blocks a read fills straight from the file
+ * hold no other transfer's bytes whatever order the fill tasks run in.
+ */
 static uint64_t next_at(const struct builder *b) {
-  return b->open ? (b->at + XFER_ALIGN - 1) / XFER_ALIGN * XFER_ALIGN : 0;
+  if (!b->open) return 0;
+  uint64_t g = b->source && b->s->align > XFER_ALIGN ? b->s->align : XFER_ALIGN;
+  return (b->at + g - 1) / g * g;
 }
 
 /*
@@ -68,6 +76,7 @@ static void window_open(struct builder *b) {
   s->windows[s->nwindows++] = (struct plan_window){.first = s->nxfers};
   b->open = true;
   b->at = 0;
+  b->source = false;
 }
 
 static void xfer_add(struct builder *b, const struct plan_xfer *x, uint64_t slab_bytes) {
@@ -87,6 +96,7 @@ static void xfer_add(struct builder *b, const struct plan_xfer *x, uint64_t slab
   w->count++;
   w->slab_bytes += slab_bytes;
   b->at = x->at + x->len;
+  b->source = x->kind != PLAN_XFER_IMAGE && s->align > 1;
 }
 
 /* Slab image bytes [lo, hi), split across windows. */

@@ -69,8 +69,8 @@ static const struct cfg_key keys[] = {
     {"model_roots", CFG_PATH_LIST, OFF(model_roots), OFF(n_model_roots), 0, 0, NULL,
      "directories checkpoints must resolve into; empty = any path the daemon can read", .reload = true},
     {"root_sources", CFG_PATH_LIST, OFF(root_sources), OFF(n_root_sources), 0, 0, NULL,
-     "per model root, where its loads read bytes from, as SOURCE:DIR (SOURCE as for 'source'; DIR one of "
-     "model_roots or a directory inside one, the longest match wins); roots not listed use 'source'",
+     "per directory, where loads of checkpoints under it read bytes from, as SOURCE:DIR (SOURCE as for "
+     "'source'; DIR resolved at start and reload, the longest that holds a checkpoint wins); others use 'source'",
      .reload = true},
     {"allowed_uids", CFG_ID_LIST, OFF(allowed_uids), OFF(n_allowed_uids), 0, UINT32_MAX, NULL,
      "peer uids allowed besides root and the daemon's uid; with allowed_gids both empty, "

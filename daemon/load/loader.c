@@ -228,6 +228,7 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   int rc;
   t->source_device = -1;
   t->nshares = 0;
+  t->read_failed = false;
   t->method = LD_METHOD_MEMCPY;
   for (int k = 0; k < LD_SOURCE_KINDS; k++) atomic_store(&t->source_bytes[k], 0);
   if (t->slab == NULL) { /* else a load run again: it refills the slab that clients may map already */
@@ -245,7 +246,10 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   struct opened o = {.n = 0};
   const struct ld_source *src = t->src != NULL ? t->src : t->mmap;
   rc = dma || t->src != NULL ? 0 : open_source(ld, t, &o, &src, err);
-  if (rc != 0) return rc;
+  if (rc != 0) {
+    opened_close(&o); /* what open_source opened before it failed */
+    return rc;
+  }
   snprintf(t->source, sizeof t->source, "%s", src->label);
   t->source_kind = src->ops->kind;
   ld_pool_set_home(ld->nodes != NULL ? ld->nodes[t->device] : -1); /* fill threads near the device first */

@@ -12,6 +12,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "base/log.h"
 
@@ -63,10 +64,21 @@ int ld_replica_pick(const struct topology *t, int target, const struct ld_copy *
   return best;
 }
 
-/* True for a failure of the device-to-device path itself, after which the usual load is tried. */
-static bool falls_back(int rc) {
-  return rc != 0 && rc != WEIGHTD_E_CANCELED && rc != WEIGHTD_E_FAULT && rc != WEIGHTD_E_STALE &&
-         rc != WEIGHTD_E_NOMEM;
+/*
+ * True for a failure of the device-to-device path itself, after which the
+ * usual load is tried. A failed read of the source is the source's: it would
+ * fail again (a bad sector read twice), so it is the load's answer.
+ */
+static bool falls_back(const struct ld_target *t, int rc) {
+  return rc != 0 && !t->read_failed && rc != WEIGHTD_E_CANCELED && rc != WEIGHTD_E_FAULT &&
+         rc != WEIGHTD_E_STALE && rc != WEIGHTD_E_NOMEM;
+}
+
+/* Forgets what a failed attempt counted, before the usual load starts over. */
+static void restart_counts(struct ld_target *t) {
+  atomic_store(&t->bytes_done, 0);
+  for (int k = 0; k < LD_SOURCE_KINDS; k++) atomic_store(&t->source_bytes[k], 0);
+  t->nshares = 0;
 }
 
 /* ---- replicas ------------------------------------------------------------------------ */
@@ -109,10 +121,11 @@ static int fill_replica(struct loader *ld, struct ld_target *t, bool *filled, st
   atomic_fetch_add(&ld->busy[src->device], 1);
   int rc = copy_replica(ld, t, src, err);
   atomic_fetch_sub(&ld->busy[src->device], 1);
-  if (falls_back(rc)) {
+  if (falls_back(t, rc)) {
     log_msg(LOG_WARN, "%s onto device %d: the copy from device %d failed (%s): loading from host memory instead",
             t->name, t->device, src->device, err->msg);
-    atomic_store(&t->bytes_done, 0);
+    restart_counts(t);
+    memset(err, 0, sizeof *err);
     return 0;
   }
   *filled = true;
@@ -176,11 +189,11 @@ static int fill_striped(struct loader *ld, struct ld_target *t, const struct ld_
   int rc = ld_pipe_run(ld, t, src, used, cuts, k, direct, err);
   for (size_t i = 1; i < k; i++) give_link(ld, used[i]);
   pthread_mutex_unlock(&links[0]->lock);
-  if (falls_back(rc)) {
+  if (falls_back(t, rc)) {
     log_msg(LOG_WARN, "%s onto device %d: the striped load failed (%s): loading over its own link instead", t->name,
             t->device, err->msg);
-    atomic_store(&t->bytes_done, 0);
-    t->nshares = 0;
+    restart_counts(t);
+    memset(err, 0, sizeof *err);
     return 0;
   }
   *filled = true;

@@ -129,6 +129,7 @@ struct run {
   size_t next_landed;    /* windows [0, next_landed) have all landed */
   int rc;
   struct wd_error err;
+  bool read_failed; /* the failure recorded first was a read of the source */
 };
 
 /* Window w's link, its place j on it, and its slot. */
@@ -139,15 +140,19 @@ static inline const struct run_link *link_of(const struct run *r, size_t w, size
   return l;
 }
 
-static void run_fail(struct run *r, int rc, const struct wd_error *err) {
+/* Records the run's first failure (read: a failed read of the source, not of the link) and wakes every waiter. */
+static void run_fail_as(struct run *r, int rc, const struct wd_error *err, bool read) {
   pthread_mutex_lock(&r->lock);
   if (r->rc == 0) {
     r->rc = rc ? rc : WEIGHTD_E_INTERNAL;
     r->err = *err;
+    r->read_failed = read;
   }
   pthread_cond_broadcast(&r->moved);
   pthread_mutex_unlock(&r->lock);
 }
+
+static void run_fail(struct run *r, int rc, const struct wd_error *err) { run_fail_as(r, rc, err, false); }
 
 /*
  * Marks window w landed (w == SIZE_MAX: none) and then, when all_issued is
@@ -339,7 +344,7 @@ static void staged_task(void *arg, size_t i) {
         err = rd.err;
         err_prefix(&err, "tensor '%s'", o != NULL ? o->name : "?");
       }
-      run_fail(r, err.code, &err);
+      run_fail_as(r, err.code, &err, true);
       return;
     }
     if (r->fence) stream_copy_fence();
@@ -613,5 +618,6 @@ int ld_pipe_run(struct loader *ld, struct ld_target *t, const struct ld_source *
   run_free(&r);
   plan_stage_free(sched);
   if (r.rc != 0) *err = r.err;
+  t->read_failed = r.rc != 0 && r.read_failed;
   return r.rc;
 }

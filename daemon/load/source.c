@@ -43,6 +43,15 @@ uint64_t ld_source_holds(const struct ld_source *s, uint32_t shard, uint64_t off
   return s->ops->holds != NULL ? s->ops->holds(s->ctx, shard, off, len) : len;
 }
 
+int ld_read_check(const struct ckpt *ck, const struct ld_read *rq, struct wd_error *err) {
+  uint64_t span = (rq->height - 1) * rq->pitch + rq->width;
+  if (rq->shard < ck->nshards && rq->off <= ck->shards[rq->shard].size && span <= ck->shards[rq->shard].size - rq->off)
+    return 0;
+  return err_set(err, WEIGHTD_E_INTERNAL, "%s: a read of %llu bytes at %llu lies outside the file",
+                 rq->shard < ck->nshards ? ck->shards[rq->shard].rel : "?", (unsigned long long)span,
+                 (unsigned long long)rq->off);
+}
+
 const unsigned char *ld_source_map(const struct ld_source *s, uint32_t shard) {
   return s->ops->map != NULL ? s->ops->map(s->ctx, shard) : NULL;
 }

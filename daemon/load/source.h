@@ -6,9 +6,10 @@
  * (a staging slot, or a host slab). It is a const table of operations plus a
  * context, filled with designated initializers; optional operations may be
  * NULL and say what that means. Every load reads through one source, and the
- * loader asks it for exactly the ranges the rank's plan needs: the staging
- * pipeline, the striped pipeline and in-place host loads all read through
- * ld_source_read, whatever the source is.
+ * loader asks it for exactly the ranges the rank's plan needs: the one
+ * pipeline (pipeline.c: staged, over one link or striped over several) and
+ * in-place host loads all read through ld_source_read, whatever the source
+ * is.
  *
  * Kinds (enum ld_source_kind, printed through one table):
  *   mmap       the shard files mapped read-only (MAP_SHARED): reads copy out
@@ -133,6 +134,8 @@ static inline int ld_source_read(const struct ld_source *s, const struct ld_read
   return s->ops->read(s->ctx, rq, err);
 }
 uint64_t ld_source_holds(const struct ld_source *s, uint32_t shard, uint64_t off, uint64_t len);
+/* For sources: 0 when rq's bytes lie in its shard of ck; else INTERNAL (a plan that does not fit its checkpoint). */
+int ld_read_check(const struct ckpt *ck, const struct ld_read *rq, struct wd_error *err);
 /* The shard's mapping, or NULL when the source does not map. */
 const unsigned char *ld_source_map(const struct ld_source *s, uint32_t shard);
 int ld_source_unchanged(const struct ld_source *s, struct wd_error *err);

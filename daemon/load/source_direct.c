@@ -19,8 +19,9 @@
  *
  * DESIGN (threads): the descriptors never change after open and pread has no
  * shared offset, so readers share them without locks. Bounce buffers are a
- * free list under `lock`, one taken per read that needs one and returned at
- * its end; at most one per concurrent reader is ever made.
+ * free list under `lock`, taken by a read that needs one and returned at
+ * its end; at most two per concurrent reader are ever made (a strided read
+ * holds one and takes another for a row longer than a buffer).
  */
 #include "source.h"
 
@@ -79,8 +80,11 @@ static void bounce_give(struct direct_src *d, void *p) {
   pthread_mutex_unlock(&d->lock);
 }
 
-/* Reads n bytes at `at` into buf (every argument aligned); the bytes read (fewer at the end of the file), or -errno. */
-static int64_t pread_all(int fd, unsigned char *buf, uint64_t n, uint64_t at) {
+/*
+ * Reads n bytes at `at` into buf (every argument a multiple of align); the
+ * bytes read (fewer at the end of the file), or -errno.
+ */
+static int64_t pread_all(int fd, unsigned char *buf, uint64_t n, uint64_t at, uint64_t align) {
   uint64_t got = 0;
   while (got < n) {
     ssize_t r = pread(fd, buf + got, (size_t)(n - got), (off_t)(at + got));
@@ -88,7 +92,7 @@ static int64_t pread_all(int fd, unsigned char *buf, uint64_t n, uint64_t at) {
     if (r < 0) return -errno;
     if (r == 0) break;
     got += (uint64_t)r;
-    if (got % DIRECT_ALIGN_MIN != 0) break; /* a short read ends at the end of the file */
+    if (got % align != 0) break; /* a short read ends at the end of the file */
   }
   return (int64_t)got;
 }
@@ -100,7 +104,7 @@ static int64_t pread_all(int fd, unsigned char *buf, uint64_t n, uint64_t at) {
  */
 static int read_blocks(const struct direct_src *d, uint32_t i, unsigned char *buf, uint64_t a, uint64_t b,
                        uint64_t need, struct wd_error *err) {
-  int64_t got = pread_all(d->fds[i], buf, b - a, a);
+  int64_t got = pread_all(d->fds[i], buf, b - a, a, d->align);
   const char *rel = d->ck->shards[i].rel;
   if (got < 0)
     return err_set(err, WEIGHTD_E_IO, "%s: O_DIRECT read of %llu bytes at %llu: %s", rel, (unsigned long long)(b - a),
@@ -157,13 +161,10 @@ static int direct_read(void *ctx, const struct ld_read *rq_in, struct wd_error *
   if (rq.copy == NULL) rq.copy = memcpy;
   if (rq.height == 0 || rq.width == 0) return 0;
   const struct ckpt *ck = d->ck;
-  uint64_t span = (rq.height - 1) * rq.pitch + rq.width;
-  if (rq.shard >= ck->nshards || d->fds[rq.shard] < 0 || rq.off > ck->shards[rq.shard].size ||
-      span > ck->shards[rq.shard].size - rq.off)
-    return err_set(err, WEIGHTD_E_INTERNAL, "%s: a read of %llu bytes at %llu lies outside the file",
-                   rq.shard < ck->nshards ? ck->shards[rq.shard].rel : "?", (unsigned long long)span,
-                   (unsigned long long)rq.off);
-  int rc;
+  int rc = ld_read_check(ck, &rq, err);
+  if (rc != 0) return rc;
+  if (d->fds[rq.shard] < 0) /* only empty files have none, and nothing lies in them */
+    return err_set(err, WEIGHTD_E_INTERNAL, "%s: a read of an empty file", ck->shards[rq.shard].rel);
   uint64_t A = d->align, len = rq.width * rq.height;
   bool congruent = ((uintptr_t)rq.dst - rq.off) % A == 0;
   if (rq.height > 1 && rq.pitch != rq.width) {
@@ -218,12 +219,19 @@ static const struct ld_source_ops direct_ops = {
     .destroy = direct_destroy,
 };
 
-/* The filesystem's direct-I/O alignment for fd (statx STATX_DIOALIGN), at least DIRECT_ALIGN_MIN. */
+/*
+ * The filesystem's direct-I/O alignment for fd (statx STATX_DIOALIGN), a
+ * power of two of at least DIRECT_ALIGN_MIN; 0 when the filesystem says it
+ * does not do direct I/O on this file (ext4 with data=journal, encrypted or
+ * inline-data files: the open succeeds, the reads would go through the page
+ * cache). A filesystem that does not report the alignment gets the minimum.
+ */
 static uint64_t dio_align(int fd) {
   uint64_t a = DIRECT_ALIGN_MIN;
 #ifdef STATX_DIOALIGN
   struct statx sx;
   if (statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN)) {
+    if (sx.stx_dio_offset_align == 0 || sx.stx_dio_mem_align == 0) return 0;
     if (sx.stx_dio_offset_align > a) a = sx.stx_dio_offset_align;
     if (sx.stx_dio_mem_align > a) a = sx.stx_dio_mem_align;
   }
@@ -267,7 +275,10 @@ int ld_source_direct_open(const struct ckpt *ck, bool refuse_test, struct ld_sou
     } else {
       d->fds[i] = fd;
       uint64_t a = dio_align(fd);
-      if (a > d->align) d->align = a;
+      if (a == 0)
+        rc = err_set(err, WEIGHTD_E_UNSUPPORTED, "%s: the filesystem does no direct I/O on this file (statx)", sh->rel);
+      else if (a > d->align)
+        d->align = a;
     }
   }
   if (rc != 0) {

@@ -25,20 +25,10 @@ struct mmap_src {
   uint64_t page;
 };
 
-/* An INTERNAL error when [off, off + span) does not lie in the shard (a plan that does not fit its checkpoint). */
-static int check_span(const struct ckpt *ck, const struct ld_read *rq, struct wd_error *err) {
-  uint64_t span = (rq->height - 1) * rq->pitch + rq->width;
-  if (rq->shard < ck->nshards && rq->off <= ck->shards[rq->shard].size && span <= ck->shards[rq->shard].size - rq->off)
-    return 0;
-  return err_set(err, WEIGHTD_E_INTERNAL, "%s: a read of %llu bytes at %llu lies outside the file",
-                 rq->shard < ck->nshards ? ck->shards[rq->shard].rel : "?", (unsigned long long)span,
-                 (unsigned long long)rq->off);
-}
-
 /* Copies rq out of the mappings, counting its bytes as kind's. */
 static int copy_out(const struct mmap_src *m, const struct ld_read *rq, enum ld_source_kind kind, struct wd_error *err) {
   if (rq->height == 0 || rq->width == 0) return 0;
-  int rc = check_span(m->ck, rq, err);
+  int rc = ld_read_check(m->ck, rq, err);
   if (rc != 0) return rc;
   const unsigned char *src = (const unsigned char *)m->maps[rq->shard] + rq->off;
   void *(*copy)(void *, const void *, size_t) = rq->copy != NULL ? rq->copy : memcpy;

@@ -19,6 +19,7 @@
  */
 #include "source.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,10 +27,13 @@
 #include "base/log.h"
 
 #define ROUTE_MAX 8
+/* Failed member reads logged per route (one per load); later ones are counted, and the count logged once. */
+#define ROUTE_LOGGED 4
 
 struct route {
   size_t n;
   struct ld_source *m[ROUTE_MAX];
+  atomic_uint failures; /* member reads that failed and were passed on */
 };
 
 static bool passes_on(int rc) {
@@ -41,7 +45,7 @@ static bool passes_on(int rc) {
  * from members first, first + 1, ...: each that holds all of it tries in
  * turn until one succeeds.
  */
-static int read_from(const struct route *r, size_t first, const struct ld_read *rq, struct wd_error *err) {
+static int read_from(struct route *r, size_t first, const struct ld_read *rq, struct wd_error *err) {
   uint64_t span = (rq->height - 1) * rq->pitch + rq->width;
   int rc = 0;
   for (size_t i = first; i < r->n; i++) {
@@ -51,9 +55,13 @@ static int read_from(const struct route *r, size_t first, const struct ld_read *
     if (rc == 0) return 0;
     *err = e;
     if (!passes_on(rc)) return rc;
-    log_msg(LOG_WARN, "%s: the %s source failed to read %llu bytes at %llu (%s)%s", rq->shard < r->m[i]->ck->nshards ? r->m[i]->ck->shards[rq->shard].rel : "?",
-            r->m[i]->label, (unsigned long long)span, (unsigned long long)rq->off, e.msg,
-            i + 1 < r->n ? ": trying the next source" : "");
+    unsigned k = atomic_fetch_add(&r->failures, 1) + 1;
+    if (k <= ROUTE_LOGGED)
+      log_msg(LOG_WARN, "%s: the %s source failed to read %llu bytes at %llu (%s)%s%s",
+              rq->shard < r->m[i]->ck->nshards ? r->m[i]->ck->shards[rq->shard].rel : "?", r->m[i]->label,
+              (unsigned long long)span, (unsigned long long)rq->off, e.msg,
+              i + 1 < r->n ? ": trying the next source" : "",
+              k == ROUTE_LOGGED ? " (later failures of this load are counted, not logged)" : "");
   }
   return rc;
 }
@@ -77,7 +85,7 @@ static int no_holder(const struct route *r, const struct ld_read *rq, uint64_t o
 }
 
 static int route_read(void *ctx, const struct ld_read *rq, struct wd_error *err) {
-  const struct route *r = ctx;
+  struct route *r = ctx;
   if (rq->height == 0 || rq->width == 0) return 0;
   if (rq->height == 1 || rq->pitch == rq->width) {
     uint64_t len = rq->width * rq->height;
@@ -137,7 +145,14 @@ static int route_unchanged(void *ctx, struct wd_error *err) {
   return 0;
 }
 
-static void route_destroy(void *ctx) { free(ctx); }
+static void route_destroy(void *ctx) {
+  struct route *r = ctx;
+  unsigned k = atomic_load(&r->failures);
+  if (k > ROUTE_LOGGED && r->n > 0)
+    log_msg(LOG_WARN, "%s: %u failed reads passed to the next source in all (%u not logged)",
+            r->m[0]->ck->nshards > 0 ? r->m[0]->ck->shards[0].rel : "?", k, k - ROUTE_LOGGED);
+  free(ctx);
+}
 
 static const struct ld_source_ops route_ops = {
     .kind = LD_SOURCE_ROUTE,

@@ -93,6 +93,7 @@ struct ld_target {
   char source[48];      /* the source the bytes were read through (its label; "" for a replica) */
   enum ld_source_kind source_kind;
   atomic_uint_fast64_t source_bytes[LD_SOURCE_KINDS]; /* file bytes read, by the leaf source that read them */
+  bool read_failed;     /* the fill failed reading the source (not moving bytes): no other path is tried */
   double alloc_seconds;
   int source_device;    /* method peer: the device whose copy was copied; else -1 (host memory) */
   size_t nshares;       /* method striped: the links that moved the bytes, the target's first */

@@ -235,6 +235,7 @@ struct prefetch {
   struct victim *unpin;   /* admitted: checkpoints to unregister first */
   size_t nunpin;
   atomic_int failed;
+  atomic_int skipped;          /* a chunk was not read (shutdown or cancel): the digests are not whole */
   atomic_bool canceled;        /* reg_prefetch_cancel: stop between chunks, do not pin */
   atomic_uint_fast64_t done;   /* shard bytes read so far */
   uint64_t total;              /* shard bytes to read */
@@ -386,7 +387,11 @@ static void prefetch_chunk(void *arg, size_t i) {
     if (k < n) break;
     k -= n;
   }
-  if (r == p->nranges || atomic_load(&p->reg->stopping) || atomic_load(&p->canceled)) return;
+  if (r == p->nranges) return;
+  if (atomic_load(&p->reg->stopping) || atomic_load(&p->canceled)) {
+    atomic_store(&p->skipped, 1);
+    return;
+  }
   const struct plan_range *g = &p->ranges[r];
   uint64_t off = g->off + k * PREFETCH_CHUNK, end = off + PREFETCH_CHUNK;
   if (end > g->off + g->len) end = g->off + g->len;
@@ -425,6 +430,12 @@ static void prefetch_work(struct job *j) {
   double t1 = clock_s();
   p->res.read_seconds = t1 - t0;
   p->stopped = atomic_load(&p->canceled);
+  struct wd_error e2 = {0};
+  if (p->digests != NULL && !atomic_load(&p->skipped) && ld_source_unchanged(p->ck->src, &e2) != 0) {
+    /* Digests over bytes that changed while they were read name no content: none is recorded. */
+    log_msg(LOG_WARN, "%s: no content id from this prefetch: %s", p->ck->path, e2.msg);
+    atomic_store(&p->skipped, 1);
+  }
   victims_unregister(b, p->unpin, p->nunpin);
   if (p->pin && p->nadd > 0 && !atomic_load(&p->failed) && !p->stopped) {
     size_t i = 0;
@@ -485,7 +496,7 @@ static void prefetch_done(struct job *j) {
   if (p->read) ck->prefetching = false;
   if (p->digests != NULL) {
     ck->digesting = false;
-    if (!atomic_load(&p->failed) && !p->stopped && !ck->content_known) {
+    if (!atomic_load(&p->failed) && !atomic_load(&p->skipped) && !p->stopped && !ck->content_known) {
       digests_finish(p->digests);
       reg_content_id(ck->ck->layout_id, p->digests->files, p->digests->nshards, ck->content_id);
       ck->content_known = true;
@@ -609,6 +620,7 @@ static struct prefetch *prefetch_new(struct registry *r, struct reg_ckpt *ck, co
   p->read = read;
   p->pin = pin && reg_registers(r);
   atomic_init(&p->failed, 0);
+  atomic_init(&p->skipped, 0);
   atomic_init(&p->canceled, false);
   atomic_init(&p->done, 0);
   int rc = 0;
