@@ -418,9 +418,16 @@ int main(int argc, char **argv) {
     config_free(&d->cfg);
     return 1;
   }
-  d->socket_path = d->cfg.socket[0] ? strdup(d->cfg.socket) : startup_default_socket();
-  if (d->socket_path == NULL) {
-    err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
+  /* A passed socket's path comes from the socket itself (server.c); the default one, with its directory, is
+   * only made for a socket this daemon binds. */
+  int listen_fd = passed_socket(d);
+  if (d->cfg.socket[0] != '\0' || listen_fd >= 0) {
+    d->socket_path = strdup(d->cfg.socket);
+    if (d->socket_path == NULL) {
+      err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
+      goto fail;
+    }
+  } else if (startup_default_socket(&d->socket_path, &err) != 0) {
     goto fail;
   }
   if (!foreground) detach_from_terminal();
@@ -430,7 +437,6 @@ int main(int argc, char **argv) {
   }
   d->stats.fd_limit = startup_raise_fd_limit();
   d->loop = uv_default_loop();
-  int listen_fd = passed_socket(d);
   if (startup_backend(d, &err) != 0) goto fail;
   uint64_t backend_ns = clock_ns();
   log_msg(LOG_INFO, "%s backend ready %.1f ms after start", d->backend_name, (double)(backend_ns - start_ns) / 1e6);

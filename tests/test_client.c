@@ -406,36 +406,49 @@ static int count_open_fds(void) {
 
 static void test_connect_search(void) {
   struct fake *f = fake_start(FAKE_NORMAL);
-  char xdg[PATH_MAX];
+  char xdg[PATH_MAX], link[PATH_MAX + 16];
   snprintf(xdg, sizeof xdg, "%s/xdg", f->dir);
+  snprintf(link, sizeof link, "%s/weightd.sock", xdg);
   mkdir(xdg, 0700);
-  setenv("WEIGHTD_SOCKET", "/nonexistent/weightd.sock", 1);
+  unsetenv("WEIGHTD_SOCKET");
   setenv("XDG_RUNTIME_DIR", xdg, 1);
   weightd_client *c = NULL;
+  /* Nothing named: the service's socket, then the per-user one; the message names both. */
   int rc = weightd_connect(NULL, &c);
   CHECK_EQ_INT(rc, WEIGHTD_E_CONNECT);
   CHECK(c != NULL);
-  CHECK_STR_CONTAINS(weightd_last_error(c), "$WEIGHTD_SOCKET=/nonexistent/weightd.sock");
   CHECK_STR_CONTAINS(weightd_last_error(c), "/run/weightd/weightd.sock");
   CHECK_STR_CONTAINS(weightd_last_error(c), xdg);
   CHECK_EQ_INT(weightd_open(c, "/x"), WEIGHTD_E_CLOSED);
   weightd_close(c);
+  /* The per-user socket answers. */
+  CHECK_EQ_INT(symlink(f->sock_path, link), 0);
+  rc = weightd_connect(NULL, &c);
+  CHECK_EQ_INT(rc, 0);
+  CHECK(strcmp(weightd_socket_path(c), link) == 0);
+  weightd_close(c);
 
-  /* The first that connects wins: $WEIGHTD_SOCKET. */
+  /* A $WEIGHTD_SOCKET where no daemon answers is the only socket tried, though the per-user one answers. */
+  setenv("WEIGHTD_SOCKET", "/nonexistent/weightd.sock", 1);
+  rc = weightd_connect(NULL, &c);
+  CHECK_EQ_INT(rc, WEIGHTD_E_CONNECT);
+  CHECK_STR_CONTAINS(weightd_last_error(c), "$WEIGHTD_SOCKET=/nonexistent/weightd.sock");
+  CHECK(strstr(weightd_last_error(c), xdg) == NULL && strstr(weightd_last_error(c), "/run/weightd") == NULL);
+  weightd_close(c);
+  /* So is one that answers, and so is the caller's argument over $WEIGHTD_SOCKET. */
   setenv("WEIGHTD_SOCKET", f->sock_path, 1);
   rc = weightd_connect(NULL, &c);
   CHECK_EQ_INT(rc, 0);
   CHECK(strcmp(weightd_backend(c), "host") == 0);
   CHECK(strcmp(weightd_last_error(c), "") == 0);
+  CHECK(strcmp(weightd_socket_path(c), f->sock_path) == 0);
   weightd_close(c);
-  /* Then the per-user socket. */
+  rc = weightd_connect("/nonexistent/other.sock", &c);
+  CHECK_EQ_INT(rc, WEIGHTD_E_CONNECT);
+  CHECK_STR_CONTAINS(weightd_last_error(c), "/nonexistent/other.sock: no such socket");
+  CHECK(strstr(weightd_last_error(c), f->sock_path) == NULL);
+  weightd_close(c);
   unsetenv("WEIGHTD_SOCKET");
-  char link[PATH_MAX];
-  snprintf(link, sizeof link, "%s/weightd.sock", xdg);
-  CHECK_EQ_INT(symlink(f->sock_path, link), 0);
-  rc = weightd_connect(NULL, &c);
-  CHECK_EQ_INT(rc, 0);
-  weightd_close(c);
   unsetenv("XDG_RUNTIME_DIR");
   weightd_close(NULL);
   CHECK(strcmp(weightd_last_error(NULL), "") == 0);

@@ -3,7 +3,8 @@
  * socket: load, attach (twice by set, once by path: one mapping), every byte
  * of every tensor against the file, evict of a leased set, leases ended by
  * close, early attach (each tensor waited for, then compared with the file;
- * the states and the watermark), path confinement, a group load
+ * the states and the watermark), path confinement, a named socket as the
+ * only one tried, a group load
  * (weightd_load_group), and a clean shutdown.
  *
  * The backend comes from argv[1] ("host" by default, "cuda" for the GPU run,
@@ -294,6 +295,36 @@ static void test_errors(void) {
   weightd_close(c);
 }
 
+/*
+ * A socket named in $WEIGHTD_SOCKET where no daemon answers is the only one
+ * tried, though the daemon answers on the per-user socket ($XDG_RUNTIME_DIR
+ * is its directory here); without it the search reaches that daemon.
+ */
+static void test_named_socket_only(void) {
+  char dead[PATH_MAX + 16];
+  snprintf(dead, sizeof dead, "%s/no-daemon.sock", dir);
+  setenv("XDG_RUNTIME_DIR", dir, 1);
+  unsetenv("WEIGHTD_SOCKET");
+  weightd_client *c = NULL;
+  int rc = weightd_connect(NULL, &c);
+  if (access("/run/weightd/weightd.sock", F_OK) != 0) {
+    CHECK_EQ_INT(rc, 0);
+    CHECK(strcmp(weightd_socket_path(c), sock) == 0);
+  }
+  weightd_close(c);
+  setenv("WEIGHTD_SOCKET", dead, 1);
+  CHECK_EQ_INT(weightd_connect(NULL, &c), WEIGHTD_E_CONNECT);
+  CHECK_STR_CONTAINS(weightd_last_error(c), dead);
+  CHECK(strstr(weightd_last_error(c), sock) == NULL);
+  weightd_close(c);
+  struct weightd_connect_options o = {.struct_size = sizeof o, .socket_path = dead};
+  CHECK_EQ_INT(weightd_connect_opts(&o, &c), WEIGHTD_E_CONNECT);
+  CHECK_STR_CONTAINS(weightd_last_error(c), dead);
+  weightd_close(c);
+  unsetenv("WEIGHTD_SOCKET");
+  unsetenv("XDG_RUNTIME_DIR");
+}
+
 /* weightd_load_group: a group of one rank (whole tensors) on device 0, its set's bytes, and a group that cannot plan. */
 static void test_group(void) {
   weightd_client *c = NULL;
@@ -388,6 +419,7 @@ int main(int argc, char **argv) {
   RUN(test_load_attach_verify);
   RUN(test_early_attach);
   RUN(test_errors);
+  RUN(test_named_socket_only);
   RUN(test_group);
   RUN(test_wait_after_daemon_death);
   RUN(test_shutdown);

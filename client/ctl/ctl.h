@@ -15,7 +15,7 @@
  *      mismatch, an interrupted command)
  *   2  usage error (unknown command or option, missing argument)
  *   3  the daemon cannot be reached (no socket, nobody listening, refused by
- *      the socket's permissions)
+ *      the socket's permissions, a socket or daemon of another user refused)
  *   4  timed out (--timeout)
  *
  * Output: a command prints its result on stdout; errors go to stderr as one
@@ -35,6 +35,7 @@
 #include "clock.h"
 #include "jsonutil.h"
 #include "optab.h"
+#include "sockpath.h"
 #include "weightd.h"
 
 #define CTL_EXIT_OK 0
@@ -42,6 +43,9 @@
 #define CTL_EXIT_USAGE 2
 #define CTL_EXIT_UNREACHABLE 3
 #define CTL_EXIT_TIMEOUT 4
+
+/* The help of --socket, a global option and every daemon command's (weightctl.c, ctl_tables.c). */
+#define CTL_SOCKET_HELP "The daemon's socket, the only one tried when given (default: " SOCKPATH_SEARCH_TEXT ")."
 
 /* Global options, set by main before a command runs (and by demo). */
 struct ctl_options {

@@ -19,7 +19,7 @@ static const struct {
                     "interrupt)"},
     {CTL_EXIT_USAGE, "usage error (an unknown command or option, a missing or malformed argument)"},
     {CTL_EXIT_UNREACHABLE, "the daemon cannot be reached (no socket, no daemon listening, refused by the socket's "
-                           "permissions)"},
+                           "permissions, a socket or daemon of another user refused)"},
     {CTL_EXIT_TIMEOUT, "timed out (--timeout)"},
 };
 
@@ -127,7 +127,9 @@ void ctl_write_man(FILE *f) {
                     "never renamed or removed.");
   fputs(".SH EXIT STATUS\n", f);
   exit_codes_man(f);
-  fputs(".SH ENVIRONMENT\n.TP\n\\fBWEIGHTD_SOCKET\\fR\nThe daemon's socket, when --socket is not given.\n"
+  fputs(".SH ENVIRONMENT\n.TP\n\\fBWEIGHTD_SOCKET\\fR\nThe daemon's socket when --socket is not given, and then "
+        "the only one tried.\n.TP\n\\fBXDG_RUNTIME_DIR\\fR\nThe directory of the per-user socket, weightd.sock; "
+        "without it, /tmp/weightd-$UID/weightd.sock, in a directory that must be the user's own with mode 0700.\n"
         ".SH SEE ALSO\n\\fBweightd\\fR(8); docs/operations.md and docs/protocol.md in the documentation.\n",
         f);
 }

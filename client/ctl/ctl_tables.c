@@ -18,8 +18,7 @@ static const struct optab_opt common_table[] = {
 
 static const struct optab_opt daemon_table[] = {
     {CTL_OPT_SOCKET, "socket", 0, OPTAB_VALUE, "PATH",
-     "The daemon's socket (default: $WEIGHTD_SOCKET, then /run/weightd/weightd.sock, then "
-     "$XDG_RUNTIME_DIR/weightd.sock or /tmp/weightd-$UID.sock).",
+     CTL_SOCKET_HELP,
      0, "@file"},
     {CTL_OPT_TIMEOUT, "timeout", 0, OPTAB_VALUE, "DURATION",
      "Give up after DURATION (seconds, or 500ms, 30s, 2m, 1h): cancel what the command started and exit 4.", 0,

@@ -18,8 +18,7 @@ const size_t ctl_ncommands = sizeof ctl_commands / sizeof ctl_commands[0];
 
 static const struct optab_opt global_table[] = {
     {CTL_OPT_SOCKET, "socket", 0, OPTAB_VALUE, "PATH",
-     "The daemon's socket (default: $WEIGHTD_SOCKET, then /run/weightd/weightd.sock, then "
-     "$XDG_RUNTIME_DIR/weightd.sock or /tmp/weightd-$UID.sock).",
+     CTL_SOCKET_HELP,
      0, "@file"},
     {CTL_OPT_JSON, "json", 0, OPTAB_SWITCH, NULL,
      "Print exactly one JSON object on stdout for every outcome: the result, or {\"error\": {\"code\", "

@@ -113,10 +113,16 @@ typedef struct weightd_set weightd_set;
 #define WEIGHTD_PROTOCOL_VERSION 1
 
 /*
- * Connects and performs the hello exchange. socket_path NULL means: try
- * $WEIGHTD_SOCKET, then /run/weightd/weightd.sock, then the per-user socket
- * ($XDG_RUNTIME_DIR/weightd.sock, else /tmp/weightd-$UID.sock); the first
- * that accepts wins, and WEIGHTD_E_CONNECT's message names every path tried.
+ * Connects and performs the hello exchange. A socket named explicitly, as
+ * socket_path or else in $WEIGHTD_SOCKET, is the only one tried. With
+ * neither: /run/weightd/weightd.sock, then the per-user socket
+ * ($XDG_RUNTIME_DIR/weightd.sock, else /tmp/weightd-$UID/weightd.sock, whose
+ * directory must be the caller's own, mode 0700, not a symbolic link); the
+ * first that accepts wins, and WEIGHTD_E_CONNECT's message names every path
+ * tried. Whatever the path, the daemon must run as the caller's uid, root or
+ * the service user `weightd` (its SO_PEERCRED uid): any other gives
+ * WEIGHTD_E_CONNECT naming the uid and pid found and the socket, since
+ * another user's process could serve its own memory.
  * A daemon that does not speak this protocol gives WEIGHTD_E_VERSION, one
  * that refuses this user WEIGHTD_E_PERMISSION; hello waits at most 30 s.
  * WEIGHTD_E_CONNECT's message says, for each path, what to do: no socket

@@ -33,6 +33,7 @@ struct weightd_client {
   int reconnecting;   /* lib_usable is reconnecting: the hello and reclaims it sends do not reconnect again */
   char backend[16];   /* from hello */
   char *socket_path;  /* the path connected to */
+  char *socket_dir;   /* its private directory (sockpath.h), checked at every reconnect too; NULL when none */
   char client_name[64]; /* sent in hello */
   char daemon_version[32];
   unsigned daemon_features; /* the attach features hello's reply listed (WD_FEATURE_BIT) */

@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "lib_internal.h"
+#include "sockpath.h"
 
 /* A daemon that has not answered hello within this long is not working. */
 #define HELLO_TIMEOUT_MS 30000
@@ -459,6 +460,43 @@ static void describe_connect_error(const char *path, int e, char *buf, size_t le
            (unsigned)st.st_gid, (unsigned)(st.st_mode & 07777), self, group ? group->gr_name : "?");
 }
 
+/*
+ * Connects to one socket of the search (sockpath.h), shown in messages as
+ * label and path: its private directory (private_dir, NULL or "" for none)
+ * is checked first, then the uid of the daemon that listens. Returns 0 with
+ * *out open; else a negative errno (-ENOENT: no socket there) or -EPERM for a
+ * refusal, with why saying what was wrong and what to do.
+ */
+static int sock_open(const char *path, const char *label, const char *private_dir, int *out, char *why,
+                     size_t len) {
+  char shown[PATH_MAX + 32];
+  snprintf(shown, sizeof shown, "%s%s", label, path);
+  struct wd_error err = {0};
+  int rc = private_dir != NULL && private_dir[0] != '\0'
+               ? sockpath_dir_check(private_dir, (unsigned)getuid(), false, &err)
+               : 0;
+  if (rc == WEIGHTD_E_NOT_FOUND) {
+    describe_connect_error(shown, ENOENT, why, len);
+    return -ENOENT;
+  }
+  if (rc != 0) {
+    snprintf(why, len, "%s: %s", shown, err.msg);
+    return -EPERM;
+  }
+  int fd = -1, e = try_connect(path, &fd);
+  if (e != 0) {
+    describe_connect_error(shown, -e, why, len);
+    return e;
+  }
+  if (sockpath_peer_check(fd, shown, &err) != 0) {
+    close(fd);
+    snprintf(why, len, "%s", err.msg);
+    return -EPERM;
+  }
+  *out = fd;
+  return 0;
+}
+
 /* The name hello sends: the caller's, cut at 63 bytes on a character boundary. */
 static void client_name_set(weightd_client *c, const char *name) {
   if (name == NULL) {
@@ -537,10 +575,9 @@ static int hello(weightd_client *c) {
  * daemon is not back (the next call tries again).
  */
 static int reconnect(weightd_client *c) {
-  int fd = -1, e = try_connect(c->socket_path, &fd);
-  if (e != 0) {
-    char why[700];
-    describe_connect_error(c->socket_path, -e, why, sizeof why);
+  int fd = -1;
+  char why[WD_ERROR_MSG_MAX];
+  if (sock_open(c->socket_path, "", c->socket_dir, &fd, why, sizeof why) != 0) {
     return lib_fail(c, c->shutdown_seen ? WEIGHTD_E_SHUTDOWN : WEIGHTD_E_CONNECT,
                     "the connection to weightd closed%s and reconnecting failed: %s",
                     c->shutdown_seen ? " (the daemon shut down)" : "", why);
@@ -594,40 +631,24 @@ int weightd_connect_opts(const struct weightd_connect_options *opts, weightd_cli
   const char *socket_path = CONNECT_HAS(opts, socket_path) ? opts->socket_path : NULL;
   client_name_set(c, CONNECT_HAS(opts, client_name) ? opts->client_name : NULL);
 
-  /* The candidates, in order, each with the reason it is tried. */
-  char per_user[PATH_MAX];
-  const char *xdg = getenv("XDG_RUNTIME_DIR");
-  if (xdg != NULL && xdg[0] != '\0') snprintf(per_user, sizeof per_user, "%s/weightd.sock", xdg);
-  else snprintf(per_user, sizeof per_user, "/tmp/weightd-%lu.sock", (unsigned long)getuid());
-  const char *env = getenv("WEIGHTD_SOCKET");
-  const char *cand[3];
-  const char *label[3];
+  /* The sockets to try, in the order sockpath.h gives. */
+  struct sockpath cand[2];
   size_t n = 0;
-  if (socket_path != NULL) {
-    cand[n] = socket_path;
-    label[n++] = "";
-  } else {
-    if (env != NULL && env[0] != '\0') {
-      cand[n] = env;
-      label[n++] = "$WEIGHTD_SOCKET=";
-    }
-    cand[n] = "/run/weightd/weightd.sock";
-    label[n++] = "";
-    cand[n] = per_user;
-    label[n++] = "";
-  }
+  struct wd_error serr = {0};
+  if (sockpath_search(socket_path, (unsigned)getuid(), cand, &n, &serr) != 0)
+    return lib_fail(c, WEIGHTD_E_CONNECT, "cannot connect to weightd: %s", serr.msg);
   char tried[WD_ERROR_MSG_MAX] = "";
   size_t len = 0, missing = 0;
   for (size_t i = 0; i < n; i++) {
-    int e = try_connect(cand[i], &c->sock);
+    char why[WD_ERROR_MSG_MAX];
+    int e = sock_open(cand[i].path, cand[i].label, cand[i].private_dir, &c->sock, why, sizeof why);
     if (e == 0) {
-      c->socket_path = strdup(cand[i]);
-      if (c->socket_path == NULL) return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
+      c->socket_path = strdup(cand[i].path);
+      c->socket_dir = cand[i].private_dir[0] != '\0' ? strdup(cand[i].private_dir) : NULL;
+      if (c->socket_path == NULL || (cand[i].private_dir[0] != '\0' && c->socket_dir == NULL))
+        return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
       break;
     }
-    char shown[PATH_MAX + 32], why[700];
-    snprintf(shown, sizeof shown, "%s%s", label[i], cand[i]);
-    describe_connect_error(shown, -e, why, sizeof why);
     missing += e == -ENOENT;
     int w = snprintf(tried + len, sizeof tried - len, "%s%s", i ? "; " : "", why);
     if (w > 0 && (size_t)w < sizeof tried - len) len += (size_t)w;
@@ -650,6 +671,7 @@ void weightd_close(weightd_client *c) {
   }
   if (c->sock >= 0) close(c->sock);
   free(c->socket_path);
+  free(c->socket_dir);
   free(c);
 }
 

@@ -14,6 +14,7 @@
 #include "json_strict.h"
 #include "optab.h"
 #include "pathutil.h"
+#include "sockpath.h"
 #include "suggest.h"
 
 enum cfg_type { CFG_STRING, CFG_UINT, CFG_BYTES, CFG_MODE, CFG_ENUM, CFG_PATH_LIST, CFG_ID_LIST };
@@ -58,8 +59,7 @@ static const char *const onoff_names[] = {"off", "on", NULL};
 
 static const struct cfg_key keys[] = {
     {"socket", CFG_STRING, OFF(socket), 0, 0, 0, "",
-     "socket path (default: /run/weightd/weightd.sock as root, else $XDG_RUNTIME_DIR/weightd.sock "
-     "or /tmp/weightd-$UID.sock)"},
+     "socket path (default: " SOCKPATH_DAEMON_TEXT ")"},
     {"socket_fd_name", CFG_STRING, OFF(socket_fd_name), 0, 0, 0, "weightd.socket",
      "under socket activation, the name (LISTEN_FDNAMES) of the passed socket to serve; a single unnamed "
      "descriptor is served too"},

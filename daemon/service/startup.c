@@ -14,20 +14,24 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "sockpath.h"
 #include "transport/server.h"
 #include "stream_copy.h"
 #include "base/topology.h"
 
-char *startup_default_socket(void) {
-  char buf[PATH_MAX];
+int startup_default_socket(char **out, struct wd_error *err) {
+  struct sockpath sp;
   if (geteuid() == 0) {
     mkdir("/run/weightd", 0755);
-    return strdup("/run/weightd/weightd.sock");
+    snprintf(sp.path, sizeof sp.path, "%s", SOCKPATH_SERVICE);
+  } else {
+    unsigned uid = (unsigned)geteuid();
+    int rc = sockpath_user_socket(uid, &sp, err);
+    if (rc == 0 && sp.private_dir[0] != '\0') rc = sockpath_dir_check(sp.private_dir, uid, true, err);
+    if (rc != 0) return err_prefix(err, "socket %s", sp.path);
   }
-  const char *xdg = getenv("XDG_RUNTIME_DIR");
-  if (xdg != NULL && xdg[0] == '/') snprintf(buf, sizeof buf, "%s/weightd.sock", xdg);
-  else snprintf(buf, sizeof buf, "/tmp/weightd-%d.sock", (int)geteuid());
-  return strdup(buf);
+  *out = strdup(sp.path);
+  return *out != NULL ? 0 : err_set(err, WEIGHTD_E_NOMEM, "out of memory");
 }
 
 uint64_t startup_raise_fd_limit(void) {

@@ -11,8 +11,13 @@
 #include "daemon.h"
 #include "error.h"
 
-/* The default socket path for this uid. A new string, or NULL when memory ran out. */
-char *startup_default_socket(void);
+/*
+ * The socket path of a daemon started without one (sockpath.h): the
+ * service's as root, else the per-user socket, whose private directory
+ * under /tmp is created or checked here. Returns 0 with *out a new string,
+ * or fails with err naming the path (the directory refused, no memory).
+ */
+int startup_default_socket(char **out, struct wd_error *err);
 
 /* Raises RLIMIT_NOFILE's soft limit to its hard one; returns the soft limit now in force. */
 uint64_t startup_raise_fd_limit(void);

@@ -316,17 +316,31 @@ class Daemon(DaemonProcess):
     flag, the config file decides). config: a config file (--config), read
     again on SIGHUP. nofile: the daemon's RLIMIT_NOFILE, one number for soft
     and hard or a (soft, hard) pair, for running it out of descriptors.
+    user: a uid to run the daemon as (needs root), with that number as its
+    group and no other; its directory is given to it, and it has no model
+    root unless roots names some. socket: the path it listens on instead of
+    one in its directory; with socket_flag False it gets no --socket and must
+    choose that path itself. env: variables to set in its environment (None
+    removes one).
     """
 
     def __init__(self, workdir, model_root, settings=None, roots=None, log_level=None, public=False,
-                 metrics=False, nofile=None, config=None):
+                 metrics=False, nofile=None, config=None, user=None, socket=None, socket_flag=True, env=None):
         self.dir = tempfile.mkdtemp(prefix="d-", dir=workdir)
         self.socket = os.path.join(self.dir, "weightd.sock")
-        if len(self.socket) > 100 or public:  # sun_path holds 108 bytes
+        if len(self.socket) > 100 or public or user is not None:  # sun_path holds 108 bytes
             self.dir = tempfile.mkdtemp(prefix="wdi-")
             self.socket = os.path.join(self.dir, "weightd.sock")
         if public:  # other users may reach the socket (its own mode still applies)
             os.chmod(self.dir, 0o755)
+        self.user = user
+        if user is not None:
+            os.chown(self.dir, user, user)
+            roots = roots if roots is not None else []
+        if socket is not None:
+            self.socket = socket
+        self.socket_flag = socket_flag
+        self.env = dict(env or {})
         self.log_path = os.path.join(self.dir, "weightd.log")
         self.model_root = model_root
         self.settings = dict(settings or {})
@@ -344,8 +358,9 @@ class Daemon(DaemonProcess):
         self.stopped = False
 
     def argv(self):
-        a = [WEIGHTD, "--foreground", "--socket", self.socket, "--backend", "host",
-             "--log-level", self.log_level]
+        a = [WEIGHTD, "--foreground", "--backend", "host", "--log-level", self.log_level]
+        if self.socket_flag:
+            a += ["--socket", self.socket]
         if self.config is not None:
             a += ["--config", self.config]
         for r in self.roots:
@@ -388,10 +403,16 @@ class Daemon(DaemonProcess):
         env["ASAN_OPTIONS"] = asan
         env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
         env.pop("WEIGHTD_SOCKET", None)
+        for k, v in self.env.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        as_user = {"user": self.user, "group": self.user, "extra_groups": []} if self.user is not None else {}
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=self._limits if self.nofile is not None else None)
+                                     preexec_fn=self._limits if self.nofile is not None else None, **as_user)
         deadline = time.monotonic() + timeout
         while "weightd: listening on " + self.socket not in self.log_text():
             if self.proc.poll() is not None:

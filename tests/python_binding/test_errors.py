@@ -48,6 +48,31 @@ def test_connect_failure_names_the_socket(tmp_path):
     assert sock in ei.value.message and ei.value.code == weightd.ConnectError.code
 
 
+def test_named_socket_is_the_only_one_tried(daemon, tmp_path, monkeypatch):
+    """Before: a $WEIGHTD_SOCKET with no daemon behind it fell through to the per-user socket and connected."""
+    if os.path.exists("/run/weightd/weightd.sock"):
+        pytest.skip("/run/weightd/weightd.sock exists on this machine: the search would reach it first")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", daemon.dir)  # its socket, DIR/weightd.sock, is the per-user one
+    monkeypatch.delenv("WEIGHTD_SOCKET", raising=False)
+    with weightd.Client() as c:
+        assert c.backend == "host"
+    dead = str(tmp_path / "none.sock")
+    monkeypatch.setenv("WEIGHTD_SOCKET", dead)
+    with pytest.raises(weightd.ConnectError) as ei:
+        weightd.Client()
+    assert dead in ei.value.message and daemon.socket not in ei.value.message, ei.value.message
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a daemon as another uid")
+def test_daemon_of_another_user_is_refused(start_daemon):
+    """Before: the client connected to a daemon run by nobody, which could serve it memory of its own."""
+    d = start_daemon({"socket_mode": "0666"}, user=65534, public=True)
+    with pytest.raises(weightd.ConnectError) as ei:
+        weightd.Client(d.socket)
+    for needle in (d.socket, "uid 65534 (nobody)", f"pid {d.pid}"):
+        assert needle in ei.value.message, ei.value.message
+
+
 def test_daemon_errors_carry_code_and_message(client, daemon, tiny, outside_dir, dense_ckpt, model_root):
     with pytest.raises(weightd.NotFoundError, match="s404"):
         client.attach(set_id="s404")

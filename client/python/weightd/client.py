@@ -105,8 +105,10 @@ class _Call:
 class Client:
     """A connection to weightd.
 
-    ``socket`` None tries $WEIGHTD_SOCKET, /run/weightd/weightd.sock, then the
-    per-user socket (as libweightd does). ``timeout`` (seconds) bounds each
+    ``socket`` None tries $WEIGHTD_SOCKET alone when it is set, else
+    /run/weightd/weightd.sock, then the per-user socket (as libweightd does:
+    a named socket is the only one tried, and a daemon run by another user
+    than this one, root or the service user is refused with ConnectError). ``timeout`` (seconds) bounds each
     wait for the daemon's next frame; None waits forever.
 
     The handle is locked around every call, so a Client may be shared by

@@ -26,7 +26,8 @@ class Key:
 #: name, accepted types, default, meaning. docs/vllm.md lists the same table.
 KEYS = (
     Key("socket", (str, type(None)), None,
-        "the daemon's socket; default: $WEIGHTD_SOCKET, /run/weightd/weightd.sock, then the per-user socket"),
+        "the daemon's socket; default: $WEIGHTD_SOCKET alone when set, else /run/weightd/weightd.sock, "
+        "then the per-user socket"),
     Key("path", (str, type(None)), None,
         "the checkpoint directory as the daemon sees it; default: vLLM's model path (a local directory)"),
     Key("mode", (str,), "copy",
