@@ -168,3 +168,104 @@ def test_slowloris_is_closed_by_the_request_deadline(start_daemon):
         for s in slow:
             s.close()
     d.check_serving()
+
+
+# ---- labels and names from paths ------------------------------------------------------------
+
+
+def scrape(d):
+    """The text of /metrics, which must be UTF-8, and its families by name."""
+    status, body = probe(d, "/metrics")
+    assert status == 200, body[:300]
+    text = body.decode("utf-8")  # strict: raises on anything that is not UTF-8
+    return text, {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def path_labels(fams, family="weightd_checkpoint_bytes"):
+    return [s.labels["path"] for s in fams[family].samples]
+
+
+def json_path_labels(st, family="weightd_checkpoint_bytes"):
+    return [s["labels"]["path"] for s in st["metrics"][family]["samples"]]
+
+
+def ctl_status(d):
+    """weightctl status --json, through the strict client library; the parsed reply."""
+    r = subprocess.run([WEIGHTCTL, "--socket", d.socket, "status", "--json"], capture_output=True, timeout=60 * SLOW)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    return json.loads(r.stdout)
+
+
+def test_paths_that_are_not_utf8(start_daemon, model_root):
+    """Checkpoints reached through symlinks whose targets are not UTF-8: valid JSON, valid /metrics, two series.
+
+    Before: the status reply's "metrics" object carried the path's bytes as
+    they were, so weightctl status failed with "not a JSON object
+    (PROTOCOL)", Python's json could not decode it, and /metrics was not
+    UTF-8. Replies now replace each ill-formed subpart with U+FFFD, as
+    Python's errors="replace" does; a label also carries a hash of the
+    original bytes, so that two paths differing only there stay two series.
+    """
+    root = os.fsencode(os.path.realpath(model_root))
+    targets = [root + b"/http-\xff\xfe-a", root + b"/http-\xff\xfd-a"]  # the same once replaced
+    links = []
+    for i, t in enumerate(targets):
+        write_single(os.fsdecode(t), TINY_TENSORS, 20 + i)
+        link = os.path.join(model_root, f"http-link-{i}")
+        os.symlink(os.fsdecode(t), link)
+        links.append(link)
+    shown = [t.decode("utf-8", "replace") for t in targets]
+    assert shown[0] == shown[1]
+    d = start_daemon(metrics=True)
+    with d.connect() as c:
+        for link in links:
+            c.call("open", path=link)
+        st = c.status()
+    assert sorted(k["path"] for k in st["checkpoints"]) == sorted(shown)
+    assert sorted(k["path"] for k in ctl_status(d)["checkpoints"]) == sorted(shown)
+    _, fams = scrape(d)
+    labels = path_labels(fams)
+    assert len(labels) == 2 and len(set(labels)) == 2, labels
+    for label in labels:
+        assert label.startswith(shown[0] + " (not UTF-8: ") and len(label) == len(shown[0]) + 30, label
+        assert all(ch in "0123456789abcdef" for ch in label[-17:-1]) and label.endswith(")"), label
+    assert sorted(json_path_labels(st)) == sorted(labels)
+    d.check_serving()
+
+
+def long_path(root, name, length, mark=None):
+    """root/name/... of at least length bytes in components of at most 200; mark, when given, at byte length."""
+    p = os.path.join(root, name)
+    while len(p) < length - 200:
+        p += "/" + "a" * 199
+    p += "/" + "b" * (length - len(p) - 1)
+    assert len(p) == length
+    return p + (mark or "")
+
+
+def test_long_labels_are_whole_and_distinct(start_daemon, model_root):
+    """A '"' at byte 1015 of a path, and two paths sharing their first 1100 bytes: whole, distinct labels.
+
+    Before: a sample's labels were written into 1 KiB: the escape of a '"'
+    at byte 1015 of the path took the last two bytes and the label lost its
+    closing quote (the exposition did not parse), and two paths alike in
+    their first ~1 KiB became one series.
+    """
+    root = os.path.realpath(model_root)
+    quoted = long_path(root, "http-q", 1015, mark='"then \\ and\nmore')
+    prefix = long_path(root, "http-p", 1100)
+    paths = [quoted, prefix + "/one", prefix + "/two"]
+    for i, p in enumerate(paths):
+        write_single(p, TINY_TENSORS, 30 + i)
+    d = start_daemon(metrics=True)
+    with d.connect() as c:
+        for p in paths:
+            c.call("open", path=p)
+        st = c.status()
+    text, fams = scrape(d)
+    assert sorted(path_labels(fams)) == sorted(paths)
+    assert sorted(json_path_labels(st)) == sorted(paths)
+    assert sorted(k["path"] for k in ctl_status(d)["checkpoints"]) == sorted(paths)
+    # The escapes themselves, as the format writes them.
+    assert 'path="' + quoted.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"' in text
+    d.check_serving()
