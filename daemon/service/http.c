@@ -166,15 +166,11 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **state, e
   if (c != NULL) c->since_ms = clock_ms();
 }
 
-/* Closes every connection whose request has passed its deadline; returns how many. */
-static unsigned close_expired(struct http *h, uint64_t now) {
-  unsigned n = 0;
+/* Closes every connection whose request has passed its deadline. */
+static void close_expired(struct http *h, uint64_t now) {
   for (struct http_conn *c = h->conns; c != NULL; c = c->next)
-    if (!c->closing && now - c->since_ms >= h->deadline_ms) {
+    if (!c->closing && now - c->since_ms >= h->deadline_ms)
       conn_close(c, "its request passed metrics_request_timeout_ms");
-      n++;
-    }
-  return n;
 }
 
 /*
