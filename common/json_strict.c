@@ -496,42 +496,89 @@ const char *sj_type_name(enum sj_type t) {
   return "?";
 }
 
+/* ---- UTF-8 --------------------------------------------------------------- */
+
+/*
+ * The length of the well-formed sequence s[0..len) starts with (len > 0;
+ * the Unicode Standard's table 3-7: no overlongs, no surrogates, at most
+ * U+10FFFF), or 0 when there is none; *bad is then the length of the
+ * maximal subpart there: the longest prefix of some well-formed sequence,
+ * at least one byte, never an ASCII byte after the first.
+ */
+static size_t utf8_seq(const unsigned char *s, size_t len, size_t *bad) {
+  unsigned char c = s[0], lo = 0x80, hi = 0xBF;
+  size_t need;
+  if (c < 0x80) return 1;
+  if (c >= 0xC2 && c <= 0xDF) {
+    need = 1;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    need = 2;
+    if (c == 0xE0) lo = 0xA0;
+    if (c == 0xED) hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    need = 3;
+    if (c == 0xF0) lo = 0x90;
+    if (c == 0xF4) hi = 0x8F;
+  } else {
+    *bad = 1;
+    return 0;
+  }
+  for (size_t k = 1; k <= need; k++, lo = 0x80, hi = 0xBF)
+    if (k >= len || s[k] < lo || s[k] > hi) {
+      *bad = k;
+      return 0;
+    }
+  return need + 1;
+}
+
+/* The end of the run of ASCII bytes from i, eight at a time where it can. */
+static size_t skip_ascii(const unsigned char *s, size_t i, size_t len) {
+  for (uint64_t w; i + 8 <= len; i += 8) {
+    memcpy(&w, s + i, 8);
+    if (w & UINT64_C(0x8080808080808080)) break;
+  }
+  while (i < len && s[i] < 0x80) i++;
+  return i;
+}
+
 int sj_utf8_valid(const unsigned char *s, size_t len, size_t *bad_at) {
-  size_t i = 0;
-  while (i < len) {
-    unsigned char c = s[i];
-    if (c < 0x80) {
-      i++;
-      continue;
+  size_t i = 0, bad;
+  while ((i = skip_ascii(s, i, len)) < len) {
+    size_t n = utf8_seq(s + i, len - i, &bad);
+    if (n == 0) {
+      if (bad_at != NULL) *bad_at = i;
+      return 0;
     }
-    size_t need;
-    unsigned cp, min;
-    if ((c & 0xE0) == 0xC0) {
-      need = 1;
-      cp = c & 0x1F;
-      min = 0x80;
-    } else if ((c & 0xF0) == 0xE0) {
-      need = 2;
-      cp = c & 0x0F;
-      min = 0x800;
-    } else if ((c & 0xF8) == 0xF0) {
-      need = 3;
-      cp = c & 0x07;
-      min = 0x10000;
-    } else {
-      goto bad;
-    }
-    if (len - i - 1 < need) goto bad;
-    for (size_t k = 1; k <= need; k++) {
-      unsigned char cc = s[i + k];
-      if ((cc & 0xC0) != 0x80) goto bad;
-      cp = (cp << 6) | (cc & 0x3F);
-    }
-    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) goto bad;
-    i += need + 1;
+    i += n;
   }
   return 1;
-bad:
-  if (bad_at != NULL) *bad_at = i;
-  return 0;
+}
+
+/* Writes s with every maximal subpart replaced into out (when not NULL); returns the length. */
+static size_t utf8_replace_into(const unsigned char *s, size_t len, char *out) {
+  static const char fffd[3] = {'\xEF', '\xBF', '\xBD'};
+  size_t i = 0, o = 0, bad;
+  while (i < len) {
+    size_t n = utf8_seq(s + i, len - i, &bad);
+    if (n == 0) {
+      if (out != NULL) memcpy(out + o, fffd, 3);
+      o += 3;
+      i += bad;
+    } else {
+      if (out != NULL) memcpy(out + o, s + i, n);
+      o += n;
+      i += n;
+    }
+  }
+  return o;
+}
+
+char *sj_utf8_replace(const char *s, size_t len, size_t *outlen) {
+  size_t n = utf8_replace_into((const unsigned char *)s, len, NULL);
+  char *out = malloc(n + 1);
+  if (out == NULL) return NULL;
+  utf8_replace_into((const unsigned char *)s, len, out);
+  out[n] = '\0';
+  if (outlen != NULL) *outlen = n;
+  return out;
 }

@@ -61,7 +61,23 @@ int sj_u64(const struct sj_node *n, uint64_t *out);
 /* A human name for a node's type ("string", "array", ...). */
 const char *sj_type_name(enum sj_type t);
 
-/* True when s[0..len) is well-formed UTF-8 (no overlongs, no surrogates, <= U+10FFFF). */
+/*
+ * True when s[0..len) is well-formed UTF-8 (no overlongs, no surrogates,
+ * <= U+10FFFF); otherwise false, with *bad_at (when not NULL) the offset of
+ * the first sequence that is not.
+ */
 int sj_utf8_valid(const unsigned char *s, size_t len, size_t *bad_at);
+
+/*
+ * s[0..len) as well-formed UTF-8 (malloc'd, NUL-terminated, its length in
+ * *outlen when not NULL), or NULL when memory ran out: each maximal subpart
+ * of an ill-formed sequence becomes one U+FFFD (the Unicode Standard's
+ * "substitution of maximal subparts", chapter 3.9; what WHATWG's decoder
+ * and Python's errors="replace" do). Well-formed input comes back as it is,
+ * and no ASCII byte is ever replaced, so JSON text stays JSON with the same
+ * structure. The daemon's one rule for bytes that are not UTF-8 (file names
+ * above all) in what it sends: replies (msg_serialize) and metric labels.
+ */
+char *sj_utf8_replace(const char *s, size_t len, size_t *outlen);
 
 #endif

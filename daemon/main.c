@@ -213,7 +213,8 @@ static void on_watchdog(uv_timer_t *t) {
 /* Serves the metrics endpoints the configuration asks for; a port in use is logged, not fatal. */
 static void start_http(struct daemon *d) {
   struct wd_error err = {0};
-  if (http_start(d, d->cfg.metrics_address, (unsigned)d->cfg.metrics_connections, &d->http, &err) != 0)
+  if (http_start(d, d->cfg.metrics_address, (unsigned)d->cfg.metrics_connections, d->cfg.metrics_request_timeout_ms,
+                 &d->http, &err) != 0)
     log_msg(LOG_ERROR, "%s: metrics and probes are off (the socket is served)", err.msg);
 }
 
@@ -222,13 +223,13 @@ static void reload(struct daemon *d) {
   struct wd_config next;
   struct wd_error err = {0};
   char *old_address = strdup(d->cfg.metrics_address);
-  uint64_t old_connections = d->cfg.metrics_connections;
+  uint64_t old_connections = d->cfg.metrics_connections, old_timeout = d->cfg.metrics_request_timeout_ms;
   int rc = read_config(&next, &err);
   if (rc == 0) rc = reload_apply(d, &next, &err);
   if (rc != 0) log_msg(LOG_WARN, "reload failed, the running configuration is kept: %s", err.msg);
   config_free(&next);
   if (old_address == NULL || strcmp(old_address, d->cfg.metrics_address) != 0 ||
-      old_connections != d->cfg.metrics_connections) {
+      old_connections != d->cfg.metrics_connections || old_timeout != d->cfg.metrics_request_timeout_ms) {
     http_stop(d->http);
     d->http = NULL;
     start_http(d);

@@ -411,17 +411,7 @@ static int add_raw(cJSON *obj, const char *name, const char *text) {
 }
 
 int msg_add_string(cJSON *obj, const char *name, const char *s) {
-  size_t n = strlen(s), at = 0, bad = 0;
-  char *copy = malloc(n + 1);
-  if (copy == NULL) return WEIGHTD_E_NOMEM;
-  memcpy(copy, s, n + 1);
-  while (at < n && !sj_utf8_valid((const unsigned char *)copy + at, n - at, &bad)) {
-    copy[at + bad] = '?';
-    at += bad + 1;
-  }
-  cJSON *item = cJSON_AddStringToObject(obj, name, copy);
-  free(copy);
-  return item != NULL ? 0 : WEIGHTD_E_NOMEM;
+  return cJSON_AddStringToObject(obj, name, s) != NULL ? 0 : WEIGHTD_E_NOMEM;
 }
 
 /* Adds "id" echoing the request's id exactly; nothing when id is NULL. */
@@ -482,7 +472,15 @@ fail:
   return NULL;
 }
 
-char *msg_serialize(const cJSON *j) { return cJSON_PrintUnformatted((cJSON *)j); }
+char *msg_serialize(const cJSON *j) {
+  char *text = cJSON_PrintUnformatted((cJSON *)j);
+  if (text == NULL) return NULL;
+  size_t n = strlen(text);
+  if (sj_utf8_valid((const unsigned char *)text, n, NULL)) return text;
+  char *clean = sj_utf8_replace(text, n, NULL); /* cJSON writes a string's bytes as they are */
+  cJSON_free(text);
+  return clean;
+}
 
 /* ---- hex ---------------------------------------------------------------- */
 

@@ -168,10 +168,16 @@ cJSON *msg_event(const cJSON *id, const char *name);
 /* {"id": ..., "event": "progress", "bytes_done": done, "bytes_total": total} */
 cJSON *msg_event_progress(const cJSON *id, uint64_t done, uint64_t total);
 
-/* Adds name: s, with bytes that are not valid UTF-8 replaced by '?'. */
+/* Adds name: s; bytes of s that are not UTF-8 are replaced when the message is serialized. */
 int msg_add_string(cJSON *obj, const char *name, const char *s);
 
-/* The unformatted JSON text of j (malloc'd), or NULL when memory ran out. */
+/*
+ * The unformatted JSON text of j (malloc'd), or NULL when memory ran out.
+ * Every frame the daemon sends is made here, so this is the one place where
+ * strings that are not UTF-8 (a file name, a symlink's target) are made so:
+ * each maximal ill-formed subpart becomes U+FFFD (sj_utf8_replace), in keys
+ * and values alike, whichever call added them.
+ */
 char *msg_serialize(const cJSON *j);
 
 /* Writes 2n lowercase hex digits and a NUL to out (room for 2n + 1). */

@@ -1,6 +1,7 @@
 /*
- * test_json_strict.c - the strict JSON parser (sj_parse, sj_u64) and the
- * UTF-8 validator (sj_utf8_valid).
+ * test_json_strict.c - the strict JSON parser (sj_parse, sj_u64), the
+ * UTF-8 validator (sj_utf8_valid) and the replacement of what is not UTF-8
+ * (sj_utf8_replace).
  *
  * The parser's contract is serde_json's, the parser behind the reference
  * safetensors package: RFC 8259 exactly, nesting at most 127 containers,
@@ -655,6 +656,61 @@ static void test_utf8_invalid(void) {
   CHECK(!sj_utf8_valid((const unsigned char *)"\xC0\x80", 2, NULL));
 }
 
+/*
+ * Each maximal ill-formed subpart becomes one U+FFFD. The expected strings
+ * are Python's bytes.decode("utf-8", errors="replace") of the inputs (an
+ * independent implementation of the Unicode Standard's practice).
+ */
+static void test_utf8_replace(void) {
+  static const struct {
+    const char *in;
+    size_t len;
+    const char *out;
+  } cases[] = {
+      {"\xC0\x80", 2, "\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xE0\x80\x80", 3, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xE0\x9F\xBF", 3, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xF0\x80\x80\x80", 4, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xED\xA0\x80", 3, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xED\xA0\xBD\xED\xB8\x80", 6, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xF4\x90\x80\x80", 4, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xF5\x80\x80\x80", 4, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xF8\x88\x80\x80\x80", 5, "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"\xFF", 1, "\xEF\xBF\xBD"},
+      {"\x80\xBF", 2, "\xEF\xBF\xBD\xEF\xBF\xBD"},
+      {"ab\xC3", 3, "ab\xEF\xBF\xBD"},
+      {"ab\xE2\x82", 4, "ab\xEF\xBF\xBD"},
+      {"ab\xF0\x9F\x98", 5, "ab\xEF\xBF\xBD"},
+      {"\xE2\x82""A", 3, "\xEF\xBF\xBD""A"},
+      {"\xC3\xC3\xA9", 3, "\xEF\xBF\xBD\xC3\xA9"},
+      {"\xF0\x9F\x98\"x", 5, "\xEF\xBF\xBD\"x"},
+      {"/models/ck-\xFF\xFE/\xE9t\xE9", 17, "/models/ck-\xEF\xBF\xBD\xEF\xBF\xBD/\xEF\xBF\xBDt\xEF\xBF\xBD"},
+      {"caf\xC3\xA9 \xF0\x9F\x98\x80 ok", 13, "caf\xC3\xA9 \xF0\x9F\x98\x80 ok"},
+      {"a\0b", 3, "a\0b"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    size_t want = strlen(cases[i].out) + (i == sizeof cases / sizeof cases[0] - 1 ? 2 : 0), n = 0;
+    char *got = sj_utf8_replace(cases[i].in, cases[i].len, &n);
+    CHECK(got != NULL && n == want && memcmp(got, cases[i].out, want) == 0 && got[n] == '\0');
+    if (got == NULL || n != want || memcmp(got, cases[i].out, want) != 0) fprintf(stderr, "  case %zu differs\n", i);
+    CHECK(got != NULL && utf8_ok(got, n, NULL));
+    free(got);
+  }
+  /* An ill-formed byte at every offset of ASCII runs (the validator reads eight at a time). */
+  char buf[40];
+  for (size_t at = 0; at < 24; at++) {
+    memset(buf, 'a', sizeof buf);
+    buf[at] = (char)0xFF;
+    size_t bad = 0;
+    CHECK(!utf8_ok(buf, sizeof buf, &bad));
+    CHECK_EQ_INT(bad, at);
+    size_t n = 0;
+    char *got = sj_utf8_replace(buf, sizeof buf, &n);
+    CHECK(got != NULL && n == sizeof buf + 2 && memcmp(got + at, "\xEF\xBF\xBD", 3) == 0 && got[at + 3] == 'a');
+    free(got);
+  }
+}
+
 int main(void) {
   RUN(test_scalars);
   RUN(test_numbers_keep_raw_text);
@@ -679,5 +735,6 @@ int main(void) {
   RUN(test_type_names);
   RUN(test_utf8_valid);
   RUN(test_utf8_invalid);
+  RUN(test_utf8_replace);
   return tu_finish();
 }

@@ -298,7 +298,7 @@ static void test_replies(void) {
   cJSON *r = msg_reply_ok(id7);
   CHECK_EQ_INT(json_u64_add(r, "bytes", UINT64_C(1) << 63), 0);
   CHECK_EQ_INT(msg_add_string(r, "name", "w\xff\xfe.bin"), 0);
-  check_json(r, "{\"id\":7,\"ok\":true,\"bytes\":9223372036854775808,\"name\":\"w??.bin\"}");
+  check_json(r, "{\"id\":7,\"ok\":true,\"bytes\":9223372036854775808,\"name\":\"w\xEF\xBF\xBD\xEF\xBF\xBD.bin\"}");
 
   check_json(msg_reply_error(id7, WEIGHTD_E_BAD_REQUEST, "unknown op 'x'"),
              "{\"id\":7,\"error\":{\"code\":\"BAD_REQUEST\",\"message\":\"unknown op 'x'\"}}");
@@ -306,7 +306,12 @@ static void test_replies(void) {
              "{\"error\":{\"code\":\"DEVICE_NOMEM\",\"message\":\"device out of memory\"}}");
   check_json(msg_reply_error(ids, WEIGHTD_E_PATH_DENIED, "/etc\n\"x\"\xc3\x28"),
              "{\"id\":\"a\\\"b\",\"error\":{\"code\":\"PATH_DENIED\",\"message\":\"/"
-             "etc\\n\\\"x\\\"?(\"}}");
+             "etc\\n\\\"x\\\"\xEF\xBF\xBD(\"}}");
+  /* Strings added by any call, keys too, are replaced when serialized (the status reply's metrics). */
+  r = msg_reply_ok(id7);
+  cJSON *m = cJSON_AddObjectToObject(r, "metrics");
+  CHECK(cJSON_AddStringToObject(m, "p\xff", "/m/\xe2\x82\"") != NULL);
+  check_json(r, "{\"id\":7,\"ok\":true,\"metrics\":{\"p\xEF\xBF\xBD\":\"/m/\xEF\xBF\xBD\\\"\"}}");
   check_json(
       msg_event_progress(id7, 1, UINT64_C(1) << 63),
       "{\"id\":7,\"event\":\"progress\",\"bytes_done\":1,\"bytes_total\":9223372036854775808}");

@@ -63,6 +63,7 @@ struct wd_config {
   char *log_file; /* "" = none */
   char *metrics_address;        /* HOST:PORT of /metrics, /healthz, /readyz; "" = off */
   uint64_t metrics_connections; /* HTTP connections served at once */
+  uint64_t metrics_request_timeout_ms; /* an HTTP request's deadline, from accept or the last answer */
   enum cfg_source source;           /* where loads read bytes from (load/source.h) */
   uint64_t auto_direct_bytes;       /* source auto: larger plans read O_DIRECT; 0 = half of host memory */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */

@@ -16,8 +16,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 #include "clock.h"
+#include "json_strict.h"
 #include "jsonutil.h"
 #include "base/log.h"
 
@@ -201,8 +203,12 @@ bool telemetry_ready(struct daemon *d, char *why, size_t whylen) {
 
 /* ---- collection ------------------------------------------------------------------------ */
 
+#define MAX_LABELS 2 /* the most any family has */
+
 struct sample {
-  char *labels; /* 'k="v",k2="v2"' (escaped), or "" */
+  const char *names[MAX_LABELS]; /* static strings */
+  char *values[MAX_LABELS];      /* whole, valid UTF-8 (see label_value), owned; escaped only when rendered */
+  int nlabels;
   double value;
 };
 
@@ -237,34 +243,31 @@ static struct family *family(struct collection *c, const char *name, const char 
   return f;
 }
 
-/* Appends a label value escaped for the text format (\\, \", \n). */
-static void escape_into(char *out, size_t cap, size_t *o, const char *v) {
-  for (; *v && *o + 2 < cap; v++) {
-    if (*v == '\\' || *v == '"') out[(*o)++] = '\\', out[(*o)++] = *v;
-    else if (*v == '\n') out[(*o)++] = '\\', out[(*o)++] = 'n';
-    else out[(*o)++] = *v;
-  }
-  out[*o] = '\0';
+/*
+ * A label value as both views show it (malloc'd; NULL when memory ran out):
+ * v itself, whole, when it is UTF-8; otherwise v with each ill-formed
+ * subpart replaced by U+FFFD (the one rule, sj_utf8_replace) and a hash of
+ * the original bytes after it, " (not UTF-8: 16 hex digits)", so that two
+ * paths differing only in such bytes stay two series.
+ */
+static char *label_value(const char *v) {
+  size_t n = strlen(v), cn = 0;
+  if (sj_utf8_valid((const unsigned char *)v, n, NULL)) return strdup(v);
+  char *clean = sj_utf8_replace(v, n, &cn);
+  char *out = clean != NULL ? malloc(cn + 40) : NULL;
+  if (out != NULL)
+    snprintf(out, cn + 40, "%s (not UTF-8: %016" PRIx64 ")", clean, (uint64_t)XXH3_64bits(v, n));
+  free(clean);
+  return out;
 }
 
-/* Adds a sample; labels as NULL-terminated pairs of name, value. */
+static void sample_free(struct sample *s) {
+  for (int i = 0; i < s->nlabels; i++) free(s->values[i]);
+}
+
+/* Adds a sample; labels as NULL-terminated pairs of name (a static string), value. */
 static void sample(struct collection *c, struct family *f, double value, ...) {
   if (f == NULL) return;
-  char buf[1024];
-  size_t o = 0;
-  buf[0] = '\0';
-  va_list ap;
-  va_start(ap, value);
-  for (const char *k = va_arg(ap, const char *); k != NULL; k = va_arg(ap, const char *)) {
-    const char *v = va_arg(ap, const char *);
-    if (o > 0 && o + 1 < sizeof buf) buf[o++] = ',';
-    o += (size_t)snprintf(buf + o, sizeof buf - o, "%s=\"", k);
-    if (o >= sizeof buf) o = sizeof buf - 1;
-    escape_into(buf, sizeof buf, &o, v);
-    if (o + 1 < sizeof buf) buf[o++] = '"';
-    buf[o] = '\0';
-  }
-  va_end(ap);
   if (f->n == f->cap) {
     size_t cap = f->cap ? 2 * f->cap : 8;
     struct sample *nv = realloc(f->v, cap * sizeof *nv);
@@ -275,19 +278,28 @@ static void sample(struct collection *c, struct family *f, double value, ...) {
     f->v = nv;
     f->cap = cap;
   }
-  char *labels = strdup(buf);
-  if (labels == NULL) {
-    c->failed = true;
-    return;
+  struct sample *s = &f->v[f->n];
+  memset(s, 0, sizeof *s);
+  s->value = value;
+  va_list ap;
+  va_start(ap, value);
+  for (const char *k = va_arg(ap, const char *); k != NULL && s->nlabels < MAX_LABELS; k = va_arg(ap, const char *)) {
+    char *v = label_value(va_arg(ap, const char *));
+    if (v == NULL) {
+      c->failed = true;
+      break;
+    }
+    s->names[s->nlabels] = k;
+    s->values[s->nlabels++] = v;
   }
-  f->v[f->n].labels = labels;
-  f->v[f->n].value = value;
-  f->n++;
+  va_end(ap);
+  if (c->failed) sample_free(s);
+  else f->n++;
 }
 
 static void collection_free(struct collection *c) {
   for (size_t i = 0; i < c->n; i++) {
-    for (size_t k = 0; k < c->f[i].n; k++) free(c->f[i].v[k].labels);
+    for (size_t k = 0; k < c->f[i].n; k++) sample_free(&c->f[i].v[k]);
     free(c->f[i].v);
   }
   free(c->f);
@@ -474,6 +486,28 @@ static void put_value(struct text *t, double v) {
   else put(t, "%.17g", v);
 }
 
+/* A label value as the text format writes it: \\, \" and \n escaped, nothing cut. */
+static void put_escaped(struct text *t, const char *v) {
+  while (*v != '\0') {
+    size_t run = strcspn(v, "\\\"\n");
+    if (run > 0) put(t, "%.*s", (int)run, v);
+    v += run;
+    if (*v == '\0') break;
+    put(t, "\\%c", *v == '\n' ? 'n' : *v);
+    v++;
+  }
+}
+
+/* '{k="v",k2="v2"}', or nothing for a sample without labels. */
+static void put_labels(struct text *t, const struct sample *s) {
+  for (int i = 0; i < s->nlabels; i++) {
+    put(t, "%s%s=\"", i == 0 ? "{" : ",", s->names[i]);
+    put_escaped(t, s->values[i]);
+    put(t, "\"");
+  }
+  if (s->nlabels > 0) put(t, "}");
+}
+
 char *telemetry_prometheus(struct daemon *d) {
   struct collection c = {0};
   collect(d, &c);
@@ -486,7 +520,7 @@ char *telemetry_prometheus(struct daemon *d) {
     bool bucket = f->type != NULL && strcmp(f->type, "histogram") == 0;
     for (size_t k = 0; k < f->n; k++) {
       put(&t, "%s%s", metric, bucket ? "_bucket" : "");
-      if (f->v[k].labels[0]) put(&t, "{%s}", f->v[k].labels);
+      put_labels(&t, &f->v[k]);
       put(&t, " ");
       put_value(&t, f->v[k].value);
       put(&t, "\n");
@@ -500,26 +534,9 @@ char *telemetry_prometheus(struct daemon *d) {
   return t.s;
 }
 
-/* Parses 'k="v",...' (as written by sample) back into an object. */
-static cJSON *labels_json(const char *s) {
+static cJSON *labels_json(const struct sample *s) {
   cJSON *o = cJSON_CreateObject();
-  while (o != NULL && *s) {
-    const char *eq = strchr(s, '=');
-    if (eq == NULL || eq[1] != '"') break;
-    char key[64];
-    snprintf(key, sizeof key, "%.*s", (int)(eq - s), s);
-    char val[1024];
-    size_t o2 = 0;
-    const char *p = eq + 2;
-    for (; *p && *p != '"' && o2 + 1 < sizeof val; p++) {
-      if (*p == '\\' && p[1]) p++, val[o2++] = *p == 'n' ? '\n' : *p;
-      else val[o2++] = *p;
-    }
-    val[o2] = '\0';
-    cJSON_AddStringToObject(o, key, val);
-    s = *p == '"' ? p + 1 : p;
-    if (*s == ',') s++;
-  }
+  for (int i = 0; o != NULL && i < s->nlabels; i++) cJSON_AddStringToObject(o, s->names[i], s->values[i]);
   return o;
 }
 
@@ -544,7 +561,7 @@ cJSON *telemetry_json(struct daemon *d) {
     cJSON *samples = cJSON_GetObjectItemCaseSensitive(fam, "samples");
     for (size_t k = 0; k < f->n; k++) {
       cJSON *s = cJSON_CreateObject();
-      cJSON_AddItemToObject(s, "labels", labels_json(f->v[k].labels));
+      cJSON_AddItemToObject(s, "labels", labels_json(&f->v[k]));
       double v = f->v[k].value;
       if (v >= 0 && v < 9007199254740992.0 && v == (double)(uint64_t)v) json_u64_add(s, "value", (uint64_t)v);
       else cJSON_AddNumberToObject(s, "value", v);

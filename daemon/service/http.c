@@ -9,24 +9,49 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "base/log.h"
+#include "clock.h"
 #include "ops/telemetry.h"
 
 /* Bounds on what HTTP clients may hold (the endpoints are for scrapers and probes). */
-#define HTTP_TIMEOUT_S 5           /* a connection idle or slow this long is closed */
+#define HTTP_IDLE_S 5              /* a connection without a byte this long is closed */
 #define HTTP_MEMORY (32u * 1024u)  /* per connection: request line and headers must fit */
 #define HTTP_PER_IP 32             /* connections from one address */
+#define HTTP_ACCEPT_BATCH 16       /* connections accepted before the library reads their requests */
+#define HTTP_ACCEPT_PAUSE_MS 100   /* out of descriptors: accepting waits this long */
+
+/*
+ * One connection the library holds, as the accept path sees it. A
+ * connection is closed here by shutting its socket down: the library then
+ * reads the end of the stream and closes it on its next run.
+ */
+struct http_conn {
+  struct http_conn *prev, *next;
+  int fd;
+  struct sockaddr_storage peer;
+  uint64_t since_ms; /* when its current request began: accepted, or its last answer sent */
+  bool closing;      /* shut down here; gone when the library closes it */
+};
 
 struct http {
   struct daemon *d;
   struct MHD_Daemon *mhd;
-  uv_poll_t poll;
-  uv_timer_t timer;
-  int handles; /* open handles; freed when both are closed */
+  int listen_fd;            /* ours, not the library's: accepting never depends on its state */
+  uv_poll_t listen_poll;
+  uv_poll_t poll;           /* the library's epoll descriptor */
+  uv_timer_t timer;         /* the library's next timeout, or the next request deadline */
+  uv_timer_t accept_pause;  /* accepting again after running out of descriptors */
+  struct http_conn *conns;  /* every connection the library holds */
+  unsigned max_connections;
+  uint64_t deadline_ms;     /* metrics_request_timeout_ms */
+  uint64_t refused_emfile;  /* accept failures for want of descriptors, since the last success */
+  int handles;              /* open handles; freed when all are closed */
 };
 
-static void rearm(struct http *h);
+static void on_timer(uv_timer_t *t);
 
 /* Queues a response; an owned body (malloc'd) passes to the library, any other is copied. */
 static enum MHD_Result respond(struct MHD_Connection *conn, unsigned status, const char *type, const char *body,
@@ -77,25 +102,171 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
   return respond(conn, MHD_HTTP_NOT_FOUND, "text/plain", "not found: /metrics, /healthz, /readyz\n", false);
 }
 
+/* ---- connections and their deadlines ---------------------------------------------------- */
+
+/* Shuts a connection down once; the library closes it when it next runs. */
+static void conn_close(struct http_conn *c, const char *why) {
+  if (c->closing) return;
+  c->closing = true;
+  shutdown(c->fd, SHUT_RDWR);
+  log_msg(LOG_DEBUG, "http: closing a connection: %s", why);
+}
+
+/* Whether two peers are the same address (the port aside). */
+static bool same_address(const struct sockaddr_storage *a, const struct sockaddr_storage *b) {
+  if (a->ss_family != b->ss_family) return false;
+  if (a->ss_family == AF_INET)
+    return ((const struct sockaddr_in *)a)->sin_addr.s_addr == ((const struct sockaddr_in *)b)->sin_addr.s_addr;
+  if (a->ss_family == AF_INET6)
+    return memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr, &((const struct sockaddr_in6 *)b)->sin6_addr,
+                  sizeof(struct in6_addr)) == 0;
+  return false;
+}
+
+/* The library tells of each connection it takes and closes; the record lives in between. */
+static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_context,
+                          enum MHD_ConnectionNotificationCode toe) {
+  struct http *h = cls;
+  struct http_conn *c = *socket_context;
+  if (toe == MHD_CONNECTION_NOTIFY_CLOSED) {
+    if (c == NULL) return;
+    if (c->prev) c->prev->next = c->next;
+    else h->conns = c->next;
+    if (c->next) c->next->prev = c->prev;
+    free(c);
+    *socket_context = NULL;
+    return;
+  }
+  const union MHD_ConnectionInfo *fd = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CONNECTION_FD);
+  const union MHD_ConnectionInfo *peer = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+  if (fd == NULL) return; /* cannot happen: the library holds a socket for every connection */
+  c = calloc(1, sizeof *c);
+  if (c == NULL) { /* untracked, it would escape the deadline: refuse it */
+    shutdown(fd->connect_fd, SHUT_RDWR);
+    return;
+  }
+  c->fd = fd->connect_fd;
+  if (peer != NULL && peer->client_addr != NULL)
+    memcpy(&c->peer, peer->client_addr,
+           peer->client_addr->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in));
+  c->since_ms = clock_ms();
+  c->next = h->conns;
+  if (h->conns) h->conns->prev = c;
+  h->conns = c;
+  *socket_context = c;
+}
+
+/* A request is over (answered, or its connection closed): the next one's deadline starts now. */
+static void on_completed(void *cls, struct MHD_Connection *conn, void **state, enum MHD_RequestTerminationCode toe) {
+  (void)cls;
+  (void)state;
+  (void)toe;
+  const union MHD_ConnectionInfo *info = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+  struct http_conn *c = info != NULL ? info->socket_context : NULL;
+  if (c != NULL) c->since_ms = clock_ms();
+}
+
+/* Closes every connection whose request has passed its deadline. */
+static void close_expired(struct http *h, uint64_t now) {
+  for (struct http_conn *c = h->conns; c != NULL; c = c->next)
+    if (!c->closing && now - c->since_ms >= h->deadline_ms)
+      conn_close(c, "its request passed metrics_request_timeout_ms");
+}
+
+/*
+ * Makes room for a connection from peer: at the per-address limit the
+ * address's connection whose request has waited longest goes, else at the
+ * total limit the longest-waiting of all. A newcomer is never refused, so no
+ * number of hostile connections keeps a probe out; a connection goes only
+ * when as many have come after it as the limit allows.
+ */
+static void make_room(struct http *h, const struct sockaddr_storage *peer) {
+  struct http_conn *oldest = NULL, *oldest_here = NULL;
+  unsigned total = 0, here = 0;
+  for (struct http_conn *c = h->conns; c != NULL; c = c->next) {
+    if (c->closing) continue;
+    total++;
+    if (oldest == NULL || c->since_ms <= oldest->since_ms) oldest = c;
+    if (same_address(&c->peer, peer)) {
+      here++;
+      if (oldest_here == NULL || c->since_ms <= oldest_here->since_ms) oldest_here = c;
+    }
+  }
+  if (here >= HTTP_PER_IP) conn_close(oldest_here, "a newer connection from its address came past 32");
+  else if (total >= h->max_connections) conn_close(oldest, "a newer connection came past metrics_connections");
+}
+
+/* ---- driving the library ----------------------------------------------------------------- */
+
+/* Runs the library's pending work and sets the timer to its next timeout or the next deadline. */
+static void run(struct http *h) {
+  MHD_run(h->mhd);
+  uint64_t now = clock_ms(), due = UINT64_MAX;
+  MHD_UNSIGNED_LONG_LONG ms = 0;
+  if (MHD_get_timeout(h->mhd, &ms) == MHD_YES) due = ms;
+  for (const struct http_conn *c = h->conns; c != NULL; c = c->next) {
+    if (c->closing) continue;
+    uint64_t left = now - c->since_ms >= h->deadline_ms ? 0 : c->since_ms + h->deadline_ms - now;
+    if (left < due) due = left;
+  }
+  if (due != UINT64_MAX) uv_timer_start(&h->timer, on_timer, due, 0);
+  else uv_timer_stop(&h->timer);
+}
+
 static void on_ready(uv_poll_t *p, int status, int events) {
   (void)status;
   (void)events;
-  struct http *h = p->data;
-  MHD_run(h->mhd);
-  rearm(h);
+  run(p->data);
 }
 
 static void on_timer(uv_timer_t *t) {
   struct http *h = t->data;
-  MHD_run(h->mhd);
-  rearm(h);
+  close_expired(h, clock_ms());
+  run(h);
 }
 
-/* Sets the timer to the library's next deadline (connection timeouts). */
-static void rearm(struct http *h) {
-  MHD_UNSIGNED_LONG_LONG ms = 0;
-  if (MHD_get_timeout(h->mhd, &ms) == MHD_YES) uv_timer_start(&h->timer, on_timer, ms, 0);
-  else uv_timer_stop(&h->timer);
+/* ---- the accept path --------------------------------------------------------------------- */
+
+static void on_accept(uv_poll_t *p, int status, int events);
+
+static void on_accept_resume(uv_timer_t *t) {
+  struct http *h = t->data;
+  uv_poll_start(&h->listen_poll, UV_READABLE, on_accept);
+}
+
+/* Out of descriptors: the waiting peers stay in the backlog, and accepting pauses (no spinning). */
+static void accept_pause(struct http *h, int err) {
+  if (h->refused_emfile++ == 0)
+    log_msg(LOG_WARN, "http: accept: %s: pausing the metrics endpoints until descriptors free", strerror(err));
+  uv_poll_stop(&h->listen_poll);
+  uv_timer_start(&h->accept_pause, on_accept_resume, HTTP_ACCEPT_PAUSE_MS, 0);
+}
+
+/* Accepts a batch of connections and hands them to the library, which then reads their requests. */
+static void on_accept(uv_poll_t *p, int status, int events) {
+  struct http *h = p->data;
+  (void)status;
+  (void)events;
+  for (int n = 0; n < HTTP_ACCEPT_BATCH; n++) {
+    struct sockaddr_storage peer;
+    socklen_t len = sizeof peer;
+    int fd = accept4(h->listen_fd, (struct sockaddr *)&peer, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) accept_pause(h, errno);
+      else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
+        log_msg(LOG_WARN, "http: accept: %s", strerror(errno));
+      break;
+    }
+    if (h->refused_emfile > 0) {
+      log_msg(LOG_INFO, "http: accepting again after %" PRIu64 " failure(s) for want of descriptors",
+              h->refused_emfile);
+      h->refused_emfile = 0;
+    }
+    make_room(h, &peer);
+    if (MHD_add_connection(h->mhd, fd, (struct sockaddr *)&peer, len) != MHD_YES) /* it closed fd */
+      log_msg(LOG_DEBUG, "http: connection not taken: %s", strerror(errno));
+  }
+  run(h);
 }
 
 /* Parses "HOST:PORT" ("[v6]:PORT" for IPv6) into a socket address. */
@@ -135,39 +306,66 @@ static void log_mhd(void *cls, const char *fmt, va_list ap) {
   log_msg(LOG_DEBUG, "http: %s", line);
 }
 
-int http_start(struct daemon *d, const char *address, unsigned max_connections, struct http **out,
-               struct wd_error *err) {
+/* A listening socket on ss, nonblocking; -errno when it cannot be made or bound. */
+static int listen_on(const struct sockaddr_storage *ss) {
+  int fd = socket(ss->ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -errno;
+  int one = 1;
+  socklen_t len = ss->ss_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+  if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+      (ss->ss_family == AF_INET6 && setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one) != 0) ||
+      bind(fd, (const struct sockaddr *)ss, len) != 0 || listen(fd, SOMAXCONN) != 0) {
+    int e = errno;
+    close(fd);
+    return -e;
+  }
+  return fd;
+}
+
+int http_start(struct daemon *d, const char *address, unsigned max_connections, uint64_t request_timeout_ms,
+               struct http **out, struct wd_error *err) {
   *out = NULL;
   if (address == NULL || address[0] == '\0') return 0;
   struct sockaddr_storage ss;
   int rc = parse_address(address, &ss, err);
   if (rc != 0) return rc;
+  int fd = listen_on(&ss);
+  if (fd < 0)
+    return err_set(err, WEIGHTD_E_IO, "metrics_address %s: cannot listen: %s", address, strerror(-fd));
   struct http *h = calloc(1, sizeof *h);
-  if (h == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  if (h == NULL) {
+    close(fd);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  }
   h->d = d;
-  unsigned flags = MHD_USE_EPOLL | MHD_USE_ERROR_LOG | (ss.ss_family == AF_INET6 ? MHD_USE_IPv6 : 0);
-  h->mhd = MHD_start_daemon(flags, 0, NULL, NULL, on_request, h, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&ss,
-                            MHD_OPTION_CONNECTION_LIMIT, max_connections, MHD_OPTION_PER_IP_CONNECTION_LIMIT,
-                            (unsigned)HTTP_PER_IP, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)HTTP_TIMEOUT_S,
-                            MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)HTTP_MEMORY, MHD_OPTION_EXTERNAL_LOGGER,
-                            log_mhd, NULL, MHD_OPTION_END);
-  if (h->mhd == NULL) {
+  h->listen_fd = fd;
+  h->max_connections = max_connections;
+  h->deadline_ms = request_timeout_ms;
+  /* The library gets no listening socket: it only serves the connections the accept path hands it,
+   * at most a batch of newcomers beyond the limit while the ones they displace close. */
+  h->mhd = MHD_start_daemon(MHD_USE_EPOLL | MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ERROR_LOG, 0, NULL, NULL, on_request,
+                            h, MHD_OPTION_CONNECTION_LIMIT, max_connections + (unsigned)HTTP_ACCEPT_BATCH,
+                            MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)HTTP_IDLE_S, MHD_OPTION_CONNECTION_MEMORY_LIMIT,
+                            (size_t)HTTP_MEMORY, MHD_OPTION_NOTIFY_CONNECTION, on_connection, h,
+                            MHD_OPTION_NOTIFY_COMPLETED, on_completed, h, MHD_OPTION_EXTERNAL_LOGGER, log_mhd, NULL,
+                            MHD_OPTION_END);
+  const union MHD_DaemonInfo *info = h->mhd ? MHD_get_daemon_info(h->mhd, MHD_DAEMON_INFO_EPOLL_FD) : NULL;
+  if (info == NULL) {
+    if (h->mhd) MHD_stop_daemon(h->mhd);
+    close(fd);
     free(h);
-    return err_set(err, WEIGHTD_E_IO, "metrics_address %s: cannot listen (in use, or not an address of this host)",
+    return err_set(err, WEIGHTD_E_INTERNAL, "metrics_address %s: libmicrohttpd does not start in epoll mode",
                    address);
   }
-  const union MHD_DaemonInfo *info = MHD_get_daemon_info(h->mhd, MHD_DAEMON_INFO_EPOLL_FD);
-  if (info == NULL) {
-    MHD_stop_daemon(h->mhd);
-    free(h);
-    return err_set(err, WEIGHTD_E_INTERNAL, "libmicrohttpd gives no epoll descriptor");
-  }
   uv_poll_init(d->loop, &h->poll, info->epoll_fd);
+  uv_poll_init(d->loop, &h->listen_poll, fd);
   uv_timer_init(d->loop, &h->timer);
-  h->poll.data = h->timer.data = h;
-  h->handles = 2;
+  uv_timer_init(d->loop, &h->accept_pause);
+  h->poll.data = h->listen_poll.data = h->timer.data = h->accept_pause.data = h;
+  h->handles = 4;
   uv_poll_start(&h->poll, UV_READABLE, on_ready);
-  rearm(h);
+  uv_poll_start(&h->listen_poll, UV_READABLE, on_accept);
+  run(h);
   log_msg(LOG_INFO, "metrics and probes on http://%s/ (/metrics, /healthz, /readyz)", address);
   *out = h;
   return 0;
@@ -181,9 +379,14 @@ static void handle_closed(uv_handle_t *hd) {
 void http_stop(struct http *h) {
   if (h == NULL) return;
   uv_poll_stop(&h->poll);
+  uv_poll_stop(&h->listen_poll);
   uv_timer_stop(&h->timer);
-  MHD_stop_daemon(h->mhd); /* after the poll stops watching its descriptor */
+  uv_timer_stop(&h->accept_pause);
+  MHD_stop_daemon(h->mhd); /* after the poll stops watching its descriptor; closes every connection */
   h->mhd = NULL;
   uv_close((uv_handle_t *)&h->poll, handle_closed);
+  uv_close((uv_handle_t *)&h->listen_poll, handle_closed);
   uv_close((uv_handle_t *)&h->timer, handle_closed);
+  uv_close((uv_handle_t *)&h->accept_pause, handle_closed);
+  close(h->listen_fd); /* after the poll on it is closed: libuv forgets it at uv_close */
 }

@@ -8,6 +8,15 @@
  * handlers read loop state without locks. The library never blocks: a slow or
  * hostile HTTP client (slowloris, huge headers, many connections) costs
  * bounded memory and descriptors and never delays the Unix-socket clients.
+ *
+ * The listening socket is ours, not the library's: the accept path hands
+ * each connection to the library (MHD_add_connection), so accepting never
+ * depends on the library's state (it stops polling a listening socket of its
+ * own when its table is full and may never poll it again). At the limits a
+ * newcomer is taken and the connection whose request has waited longest
+ * goes, so connections that hold on, however many, cannot keep a probe out;
+ * and every request has a total deadline, not only an idle timeout, so a
+ * client dripping a byte at a time is closed all the same.
  */
 #ifndef WD_HTTP_H
 #define WD_HTTP_H
@@ -17,11 +26,13 @@
 
 /*
  * Starts serving on address ("HOST:PORT", an IPv4 or IPv6 literal (in
- * brackets), or "" for none: *out is then NULL). Returns 0 or an error naming
- * the address.
+ * brackets), or "" for none: *out is then NULL), with at most
+ * max_connections connections (32 from one address) and request_timeout_ms
+ * for each request, from its connection's accept or its previous answer to
+ * its own answer sent. Returns 0 or an error naming the address.
  */
-int http_start(struct daemon *d, const char *address, unsigned max_connections, struct http **out,
-               struct wd_error *err);
+int http_start(struct daemon *d, const char *address, unsigned max_connections, uint64_t request_timeout_ms,
+               struct http **out, struct wd_error *err);
 
 /* Stops serving and closes every HTTP connection; the loop then runs until its handles close. */
 void http_stop(struct http *h);
