@@ -77,6 +77,7 @@ struct reg_ckpt {
   struct ckpt *ck;    /* immutable once open */
   struct ld_source *src; /* the mmap source: every shard mapped read-only (load/source.h) */
   int refs;           /* the registry's own, sets, jobs and waiters */
+  int observers;      /* of refs, those of background measurements (loop thread): they never keep it open */
   bool detached;      /* no longer in the registry (closed or replaced) */
   bool prefetching;
   struct plan_range *pins; /* registered ranges, sorted by shard and offset, disjoint */

@@ -253,9 +253,10 @@ void reg_resolve(struct registry *r, const char *path, reg_resolved_fn cb, void 
 int reg_close(struct registry *r, const char *resolved, struct wd_error *err) {
   struct reg_ckpt *e = reg_find(r, resolved);
   if (e == NULL) return err_set(err, WEIGHTD_E_NOT_FOUND, "%s is not open", resolved);
-  if (e->refs > 1)
+  int users = e->refs - 1 - e->observers; /* a measurement under way holds it alive, not open */
+  if (users > 0)
     return err_set(err, WEIGHTD_E_BUSY, "%s is in use by %d resident set(s) or running operation(s)", resolved,
-                   e->refs - 1);
+                   users);
   log_msg(LOG_INFO, "closed %s", e->path);
   reg_detach(e);
   return 0;
