@@ -235,8 +235,9 @@ static void reload(struct daemon *d) {
     start_http(d);
   }
   free(old_address);
-  int lrc = log_open(foreground, d->cfg.log_file);
-  if (lrc != 0) log_msg(LOG_WARN, "log_file %s: %s; logging stays where it was", d->cfg.log_file, strerror(-lrc));
+  struct wd_error lerr = {0};
+  if (log_open(foreground, d->cfg.log_file, d->cfg.syslog_socket, &lerr) != 0)
+    log_msg(LOG_WARN, "%s; logging stays where it was (%s)", lerr.msg, log_target_name());
   last_status[0] = '\0';
   update_status(d);
   service_notifyf("READY=1");
@@ -324,16 +325,18 @@ static void detach_from_terminal(void) {
 
 /*
  * A detached daemon lets go of the terminal it was started from: stdin and
- * stdout, and stderr unless the journal is behind it, become /dev/null.
- * Otherwise a caller reading its output (`$(weightd)`, ssh) would wait for
- * it forever, and a stray write could reach a terminal that is gone.
+ * stdout, and stderr unless the journal or the log is behind it, become
+ * /dev/null. Otherwise a caller reading its output (`$(weightd)`, ssh) would
+ * wait for it forever, and a stray write could reach a terminal that is
+ * gone. stderr is the log only when no syslog socket could be reached
+ * (log_fallback): said at start, and better than logging nowhere.
  */
 static void release_terminal(void) {
   int null = open("/dev/null", O_RDWR | O_CLOEXEC);
   if (null < 0) return;
   dup2(null, 0);
   dup2(null, 1);
-  if (strcmp(log_target_name(), "journald") != 0) dup2(null, 2);
+  if (strcmp(log_target_name(), "journald") != 0 && strcmp(log_target_name(), "stderr") != 0) dup2(null, 2);
   if (null > 2) close(null);
 }
 
@@ -413,12 +416,14 @@ int main(int argc, char **argv) {
   bool supervised = service_notify_enabled();
   if (supervised) foreground = true; /* a service manager tracks this process: never fork */
   log_set_level(d->cfg.log_level);
-  int lrc = log_open(foreground, d->cfg.log_file);
-  if (lrc != 0) {
-    fprintf(stderr, "weightd: log_file %s: %s\n", d->cfg.log_file, strerror(-lrc));
+  if (log_open(foreground, d->cfg.log_file, d->cfg.syslog_socket, &err) != 0) {
+    fprintf(stderr, "weightd: %s\n", err.msg);
     config_free(&d->cfg);
     return 1;
   }
+  if (log_fallback() != NULL) /* said where the starting user sees it, before the daemon detaches */
+    fprintf(stderr, "weightd: %s: logging to stderr, which the detached daemon keeps open (set log_file to "
+                    "leave it)\n", log_fallback());
   /* A passed socket's path comes from the socket itself (server.c); the default one, with its directory, is
    * only made for a socket this daemon binds. */
   int listen_fd = passed_socket(d);
@@ -453,10 +458,11 @@ int main(int argc, char **argv) {
   start_http(d);
   telemetry_refresh(d);
   d->started_ms = clock_ms();
-  log_msg(LOG_INFO, "weightd %s: %s backend, %d device(s), %u fill threads, %s %s, logging to %s",
+  log_msg(LOG_INFO, "weightd %s: %s backend, %d device(s), %u fill threads, %s %s, logging to %s%s%s%s",
           weightd_version_string(), d->backend_name, d->ndevices, ld_pool_threads(d->fill),
           listen_fd >= 0 ? "serving the socket passed at start," : "listening on", d->socket_path,
-          log_target_name());
+          log_target_name(), log_fallback() ? " (" : "", log_fallback() ? log_fallback() : "",
+          log_fallback() ? ")" : "");
   /* For a person at a terminal; the journal has the start-up line above, and every line there needs its prefix. */
   if (!supervised && foreground && strcmp(log_target_name(), "journald") != 0)
     fprintf(stderr, "weightd: listening on %s\n", d->socket_path);

@@ -19,7 +19,6 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -r tests/requirements.txt
-export WD_REQUIRE_REFERENCE=1
 
 echo "== build (release, gcc) =="
 CC=gcc cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DWEIGHTD_WERROR=ON -DWEIGHTD_PYTHON="$PWD/.venv/bin/python"

@@ -2,7 +2,8 @@
  * test_setdesc.c - the set description (daemon/service/setdesc.h): a round trip of
  * sets and leases with every field compared, the writer's refusals, and the
  * reader's rejection of every truncation, a bad magic, an unknown version, a
- * flipped byte (checksum), a bad table and a lease naming no set.
+ * flipped byte (checksum), a bad table, a lease naming no set, and ids and
+ * generations past the counters the daemon takes them into.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -300,6 +301,78 @@ static void test_bad_body_rejected(void) {
   free(buf);
 }
 
+/*
+ * Ids and generations are counters the daemon takes over: a number past
+ * 2^63 - 1 (UINT64_MAX, or one that overflows) would wrap its counter into
+ * an id given twice, so the description is refused; so is anything that is
+ * not the letter and a plain decimal number.
+ */
+static void test_bad_counters_rejected(void) {
+  struct setdesc d, out;
+  struct setdesc_set sets[2];
+  struct setdesc_lease leases[3];
+  struct wd_error err = {0};
+  unsigned char *buf;
+  size_t len;
+  static char bad_sets[][24] = {"s18446744073709551615", "s99999999999999999999", "s9223372036854775808",
+                                "s0", "s012", "s+12", "s 12", "s-1", "s", "x12", "s12x"};
+  for (size_t i = 0; i < sizeof bad_sets / sizeof bad_sets[0]; i++) {
+    sample(&d, sets, leases);
+    sets[1].id = bad_sets[i];
+    leases[2].set_id = bad_sets[i];
+    CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+    char want[96];
+    snprintf(want, sizeof want, "set 1: id '%s' is not 's' and a number from 1 to 9223372036854775807", bad_sets[i]);
+    expect_rejected(buf, len, want);
+    free(buf);
+  }
+  sample(&d, sets, leases);
+  leases[1].id = "l18446744073709551615";
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+  expect_rejected(buf, len, "lease 1: id 'l18446744073709551615' is not 'l'");
+  free(buf);
+  sample(&d, sets, leases);
+  leases[0].id = "s4"; /* a set's letter on a lease */
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+  expect_rejected(buf, len, "lease 0: id 's4' is not 'l'");
+  free(buf);
+  /* The largest counter is an id and a generation; one past it, and 0, are not generations. */
+  sample(&d, sets, leases);
+  sets[1].id = leases[2].set_id = "s9223372036854775807";
+  d.generation = SETDESC_COUNTER_MAX;
+  CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+  CHECK_EQ_INT(setdesc_read(buf, len, &out, &err), 0);
+  CHECK(out.nsets == 2 && strcmp(out.sets[1].id, "s9223372036854775807") == 0);
+  CHECK(out.generation == SETDESC_COUNTER_MAX);
+  setdesc_free(&out);
+  free(buf);
+  static const uint64_t bad_gens[] = {0, SETDESC_COUNTER_MAX + 1, UINT64_MAX};
+  for (size_t i = 0; i < 3; i++) {
+    sample(&d, sets, leases);
+    d.generation = bad_gens[i];
+    CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
+    char want[64];
+    snprintf(want, sizeof want, "generation %llu is not a number", (unsigned long long)bad_gens[i]);
+    expect_rejected(buf, len, want);
+    free(buf);
+  }
+}
+
+/* The counter reader alone: what survive.c reads from "wd-sets-<generation>" too. */
+static void test_counter_parse(void) {
+  uint64_t v = 0;
+  CHECK(setdesc_counter_parse("1", &v) && v == 1);
+  CHECK(setdesc_counter_parse("9223372036854775807", &v) && v == SETDESC_COUNTER_MAX);
+  static const char *const bad[] = {"", "0", "00", "07", "9223372036854775808", "18446744073709551615",
+                                    "99999999999999999999", "184467440737095516150", "+1", "-1", " 1", "1 ", "1x",
+                                    "0x10"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    v = 42;
+    CHECK(!setdesc_counter_parse(bad[i], &v));
+    CHECK_EQ_INT(v, 42);
+  }
+}
+
 static void test_writer_refuses(void) {
   struct setdesc d;
   struct setdesc_set sets[2];
@@ -330,6 +403,8 @@ int main(void) {
   RUN(test_version_1_read);
   RUN(test_bad_ids_rejected);
   RUN(test_bad_body_rejected);
+  RUN(test_bad_counters_rejected);
+  RUN(test_counter_parse);
   RUN(test_writer_refuses);
   free(table);
   return tu_finish();

@@ -142,6 +142,9 @@ static const struct cfg_key keys[] = {
     {"log_file", CFG_STRING, OFF(log_file), 0, 0, 0, "",
      "append the log to this file (reopened at SIGHUP, for rotation) instead of syslog when detached; "
      "under journald the journal wins", .reload = true},
+    {"syslog_socket", CFG_STRING, OFF(syslog_socket), 0, 0, 0, "/dev/log",
+     "the syslog daemon's socket, where a detached daemon logs without journald or log_file; when it cannot be "
+     "reached at start (or is \"\"), lines go to stderr, which the daemon then keeps", .reload = true},
     {"source", CFG_ENUM, OFF(source), 0, 0, 0, "auto",
      "where loads read checkpoint bytes from (a load's 'source' option wins): mmap (the page cache), direct "
      "(O_DIRECT reads, no page-cache use; mmap where the filesystem refuses O_DIRECT), or auto: mmap, unless "

@@ -61,6 +61,7 @@ struct wd_config {
   uint64_t reserved_connections; /* beyond max_connections, for root and the daemon's uid */
   enum log_level log_level;
   char *log_file; /* "" = none */
+  char *syslog_socket; /* where a detached daemon logs without log_file ("" = none: stderr) */
   char *metrics_address;        /* HOST:PORT of /metrics, /healthz, /readyz; "" = off */
   uint64_t metrics_connections; /* HTTP connections served at once */
   uint64_t metrics_request_timeout_ms; /* an HTTP request's deadline, from accept or the last answer */

@@ -25,6 +25,8 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER; /* guards the target an
 static enum log_level current = LOG_INFO;
 static enum target target = TARGET_STDERR;
 static int out_fd = 2; /* TARGET_FILE: the log file; TARGET_SYSLOG: a datagram socket */
+static bool opened;     /* log_open chose a target once: later failures keep it */
+static char fallback[256]; /* why a detached daemon logs to stderr ("" when it does not) */
 
 void log_set_level(enum log_level level) { current = level; }
 
@@ -37,45 +39,95 @@ static bool stderr_is_journal(void) {
   return (unsigned long long)st.st_dev == dev && (unsigned long long)st.st_ino == ino;
 }
 
-static int open_syslog(void) {
-  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
+/* Connects a datagram socket to the syslog daemon's socket at path: the descriptor, or -errno. */
+static int open_syslog(const char *path) {
   struct sockaddr_un a = {.sun_family = AF_UNIX};
-  snprintf(a.sun_path, sizeof a.sun_path, "/dev/log");
+  if (strlen(path) >= sizeof a.sun_path) return -ENAMETOOLONG;
+  snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return -errno;
   if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    int e = errno;
     close(fd);
-    return -1;
+    return -e;
   }
   return fd;
 }
 
-int log_open(bool foreground, const char *log_file) {
+/* What a file of this mode is, for a message. */
+static const char *kind_of(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISFIFO(m)) return "a FIFO";
+  return "a file of another kind";
+}
+
+/*
+ * Opens log_file for appending without ever blocking: a regular file
+ * (created when missing) or a FIFO that has a reader. A FIFO without one
+ * fails at once (ENXIO) instead of waiting for a reader; its descriptor stays
+ * non-blocking, so a reader that stops reading costs lines, never the loop.
+ */
+static int open_file(const char *path, int *out, struct wd_error *err) {
+  struct stat st;
+  if (stat(path, &st) == 0 && !S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))
+    return err_set(err, WEIGHTD_E_INVALID, "log_file %s: %s, not a regular file or a FIFO", path,
+                   kind_of(st.st_mode));
+  int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, 0640);
+  if (fd < 0 && errno == ENXIO && stat(path, &st) == 0 && S_ISFIFO(st.st_mode))
+    return err_set(err, WEIGHTD_E_INVALID, "log_file %s: a FIFO with no reader (start its reader first, or use a "
+                   "regular file)", path);
+  if (fd < 0) return err_set(err, WEIGHTD_E_IO, "log_file %s: %s", path, strerror(errno));
+  if (fstat(fd, &st) != 0 || (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode))) {
+    close(fd);
+    return err_set(err, WEIGHTD_E_INVALID, "log_file %s: not a regular file or a FIFO", path);
+  }
+  *out = fd;
+  return 0;
+}
+
+int log_open(bool foreground, const char *log_file, const char *syslog_socket, struct wd_error *err) {
   enum target t;
-  int fd = -1, rc = 0;
+  int fd = -1;
+  char why[sizeof fallback] = "";
   if (stderr_is_journal()) {
     t = TARGET_JOURNALD;
   } else if (log_file != NULL && log_file[0] != '\0') {
-    fd = open(log_file, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0640);
-    if (fd < 0) return -errno;
+    int rc = open_file(log_file, &fd, err);
+    if (rc != 0) return rc;
     t = TARGET_FILE;
   } else if (foreground) {
     t = TARGET_STDERR;
-  } else {
+  } else if (syslog_socket != NULL && syslog_socket[0] != '\0' && (fd = open_syslog(syslog_socket)) >= 0) {
     t = TARGET_SYSLOG;
-    fd = open_syslog(); /* no syslog daemon: lines are lost rather than sent to a dead terminal */
+  } else {
+    if (syslog_socket == NULL || syslog_socket[0] == '\0')
+      snprintf(why, sizeof why, "syslog_socket is empty");
+    else
+      snprintf(why, sizeof why, "the syslog socket %s cannot be reached: %s", syslog_socket, strerror(-fd));
+    /* Once running detached, stderr is no longer the caller's: the target there is stays. */
+    if (opened) return err_set(err, WEIGHTD_E_IO, "%s", why);
+    t = TARGET_STDERR;
+    fd = -1;
   }
   pthread_mutex_lock(&lock);
   if (out_fd > 2) close(out_fd);
   target = t;
   out_fd = t == TARGET_JOURNALD || t == TARGET_STDERR ? 2 : fd;
+  snprintf(fallback, sizeof fallback, "%s", why);
+  opened = true;
   pthread_mutex_unlock(&lock);
-  return rc;
+  return 0;
 }
 
 const char *log_target_name(void) {
   static const char *const names[] = {"stderr", "journald", "file", "syslog"};
   return names[target];
 }
+
+const char *log_fallback(void) { return fallback[0] != '\0' ? fallback : NULL; }
 
 void log_msg(enum log_level level, const char *fmt, ...) {
   if (level > current) return;

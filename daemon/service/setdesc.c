@@ -192,6 +192,26 @@ static char *take_str(struct in *c, size_t max, bool empty_ok, const char *what)
   return s;
 }
 
+bool setdesc_counter_parse(const char *digits, uint64_t *out) {
+  uint64_t v = 0;
+  if (digits[0] < '1' || digits[0] > '9') return false;
+  for (const char *p = digits; *p != '\0'; p++) {
+    if (*p < '0' || *p > '9' || v > (SETDESC_COUNTER_MAX - (uint64_t)(*p - '0')) / 10) return false;
+    v = v * 10 + (uint64_t)(*p - '0');
+  }
+  *out = v;
+  return true;
+}
+
+/* An id is its kind's letter and a counter ("s12", "l13"); else c->rc says why. */
+static bool id_ok(struct in *c, const char *id, char letter, const char *what) {
+  uint64_t n;
+  if (id[0] == letter && setdesc_counter_parse(id + 1, &n)) return true;
+  c->rc = err_set(c->err, WEIGHTD_E_INVALID, "%s: %s '%s' is not '%c' and a number from 1 to %llu", c->where, what,
+                  id, letter, SETDESC_COUNTER_MAX);
+  return false;
+}
+
 /* Store names are what systemd accepts in FDNAME=: printable ASCII without ':'. */
 static bool fdname_ok(const char *s) {
   for (; *s != '\0'; s++)
@@ -201,7 +221,7 @@ static bool fdname_ok(const char *s) {
 
 static void read_set(struct in *c, struct setdesc_set *s, size_t i) {
   snprintf(c->where, sizeof c->where, "set %zu", i);
-  if ((s->id = take_str(c, SETDESC_ID_MAX, false, "id")) == NULL) return;
+  if ((s->id = take_str(c, SETDESC_ID_MAX, false, "id")) == NULL || !id_ok(c, s->id, 's', "id")) return;
   snprintf(c->where, sizeof c->where, "set %zu (%s)", i, s->id);
   if ((s->path = take_str(c, SETDESC_STR_MAX, false, "checkpoint path")) == NULL) return;
   if ((s->uuid = take_str(c, SETDESC_STR_MAX, false, "device UUID")) == NULL) return;
@@ -289,7 +309,7 @@ static void read_set(struct in *c, struct setdesc_set *s, size_t i) {
 
 static void read_lease(struct in *c, struct setdesc_lease *l, size_t i) {
   snprintf(c->where, sizeof c->where, "lease %zu", i);
-  if ((l->id = take_str(c, SETDESC_ID_MAX, false, "id")) == NULL) return;
+  if ((l->id = take_str(c, SETDESC_ID_MAX, false, "id")) == NULL || !id_ok(c, l->id, 'l', "id")) return;
   if ((l->set_id = take_str(c, SETDESC_ID_MAX, false, "set id")) == NULL) return;
   l->uid = take_u32(c, "uid");
   l->pid = (int32_t)take_u32(c, "pid");
@@ -339,6 +359,9 @@ int setdesc_read(const void *buf, size_t len, struct setdesc *out, struct wd_err
     return err_set(err, WEIGHTD_E_INVALID, "header of %u bytes (version %u has %u)", hbytes, version,
                    SETDESC_HEADER_BYTES);
   out->version = version;
+  if (out->generation == 0 || out->generation > SETDESC_COUNTER_MAX)
+    return err_set(err, WEIGHTD_E_INVALID, "generation %llu is not a number from 1 to %llu",
+                   (unsigned long long)out->generation, SETDESC_COUNTER_MAX);
   if (total != len || len > SETDESC_MAX_BYTES)
     return err_set(err, WEIGHTD_E_INVALID, "the header says %llu bytes, the description has %zu (at most %llu)",
                    (unsigned long long)total, len, (unsigned long long)SETDESC_MAX_BYTES);

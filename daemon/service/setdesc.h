@@ -26,9 +26,12 @@
  * string against its own limit, the checksum, the version, the handle kinds
  * (legacy IPC sets are never described), every tensor table with ttab_open,
  * unique ids and store names, leases naming described sets, and no byte may
- * follow the last lease. A description that breaks any rule is
- * WEIGHTD_E_INVALID naming the rule; nothing is read out of bounds on
- * arbitrary bytes.
+ * follow the last lease. Set ids are "s" and lease ids "l" followed by a
+ * counter, and the generation is a counter (setdesc_counter_parse): the
+ * daemon takes them over into counters of its own, which must never wrap
+ * into an id given twice or a generation that sorts before the last. A
+ * description that breaks any rule is WEIGHTD_E_INVALID naming the rule;
+ * nothing is read out of bounds on arbitrary bytes.
  */
 #ifndef WD_SETDESC_H
 #define WD_SETDESC_H
@@ -49,6 +52,8 @@
 #define SETDESC_NAME_MAX 255u   /* store names (systemd's FDNAME limit) */
 #define SETDESC_CLIENT_MAX 63u  /* the name a client gave in hello */
 #define SETDESC_STR_MAX 4096u   /* paths, shard names, UUIDs, plan keys */
+/* The largest id number and generation, 2^63 - 1: a counter taken over from a description never wraps. */
+#define SETDESC_COUNTER_MAX 9223372036854775807ull
 
 struct setdesc_shard {
   char *name; /* the shard's name in the checkpoint (the index's, or the file's) */
@@ -107,6 +112,14 @@ int setdesc_write(const struct setdesc *d, unsigned char **out, size_t *len, str
  * ("set 2 (s7): shard 1: name runs past the end"), or WEIGHTD_E_NOMEM.
  */
 int setdesc_read(const void *buf, size_t len, struct setdesc *out, struct wd_error *err);
+
+/*
+ * Reads a counter (an id's number, a generation, the <generation> of a store
+ * name "wd-sets-<generation>") written in decimal: digits only, no sign,
+ * space or leading zero, from 1 to SETDESC_COUNTER_MAX. True with *out,
+ * false for anything else.
+ */
+bool setdesc_counter_parse(const char *digits, uint64_t *out);
 
 /* Frees what setdesc_read made (NULL-safe; *d is zeroed). */
 void setdesc_free(struct setdesc *d);

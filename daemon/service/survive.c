@@ -128,6 +128,11 @@ static void remove_stale(struct survive *sv, const char *keep, const struct setd
 /* Stores a new generation of the description of every storable set, then removes stale names. */
 static void publish(struct survive *sv) {
   if (!fdstore_enabled(sv->fs) || sv->frozen) return;
+  if (sv->generation >= SETDESC_COUNTER_MAX) { /* only a description that said so brings it here */
+    log_msg(LOG_WARN, "cannot store the set description: generation %llu is the last (restarts keep the previous "
+            "one)", SETDESC_COUNTER_MAX);
+    return;
+  }
   struct daemon *d = sv->d;
   size_t nsets = 0, nleases = 0;
   for (struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) nsets += storable(s);
@@ -333,9 +338,13 @@ static struct service_fd *newest_description(struct survive *sv) {
     if (f->taken) continue;
     if (has_prefix(f->name, SLAB_PREFIX) || has_prefix(f->name, DESC_PREFIX)) fdstore_note(sv->fs, f->name);
     if (!has_prefix(f->name, DESC_PREFIX)) continue;
-    char *end;
-    unsigned long long gen = strtoull(f->name + strlen(DESC_PREFIX), &end, 10);
-    if (*end != '\0') continue;
+    uint64_t gen;
+    if (!setdesc_counter_parse(f->name + strlen(DESC_PREFIX), &gen)) {
+      /* Never a candidate (an overflowing number would outrank every real generation); removed at the next store. */
+      log_msg(LOG_WARN, "descriptor '%s' passed at start: not a generation from 1 to %llu; ignored", f->name,
+              SETDESC_COUNTER_MAX);
+      continue;
+    }
     if (gen > sv->generation) sv->generation = gen; /* a new generation comes after every one passed */
     if (best == NULL || gen > best_gen) {
       best = f;

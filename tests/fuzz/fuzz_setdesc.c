@@ -7,7 +7,8 @@
  *
  * Oracles besides the sanitizers: every refusal is INVALID (or NOMEM) and
  * says why; an accepted description written again is the same bytes (one
- * writer, one reader, agreeing), and its leases name described sets.
+ * writer, one reader, agreeing), its leases name described sets, and its
+ * ids and generation are counters the daemon can take over without wrapping.
  *
  * Built by tests/fuzz/CMakeLists.txt as the target "setdesc" (WD_FUZZ_TARGETS).
  */
@@ -44,7 +45,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   size_t len = 0;
   if (setdesc_write(&d, &again, &len, &err) != 0) abort();
   if (len != size || memcmp(again, b, size) != 0) abort();
+  uint64_t n;
+  if (d.generation < 1 || d.generation > SETDESC_COUNTER_MAX) abort();
+  for (size_t i = 0; i < d.nsets; i++)
+    if (d.sets[i].id[0] != 's' || !setdesc_counter_parse(d.sets[i].id + 1, &n)) abort();
   for (size_t i = 0; i < d.nleases; i++) {
+    if (d.leases[i].id[0] != 'l' || !setdesc_counter_parse(d.leases[i].id + 1, &n)) abort();
     int found = 0;
     for (size_t j = 0; j < d.nsets; j++) found |= strcmp(d.leases[i].set_id, d.sets[j].id) == 0;
     if (!found) abort();

@@ -318,6 +318,59 @@ def test_description_with_another_layout_id_is_dropped(supervisor, tiny):
     s.stop()
 
 
+def test_description_with_an_id_past_the_counter_is_rejected(supervisor, tiny):
+    """A set id whose number is past 2^63 - 1 (here 2^64 - 1) is refused with the rule: taken
+    over, it wrapped the daemon's id counter, so that new sets got ids given already."""
+    s = supervisor().start()
+    huge = b"s18446744073709551615"
+
+    def rename(h, sets, leases):
+        head, ids, shards, table = sets[0]
+        (n,) = struct.unpack_from("<I", head, 0)
+        head = struct.pack("<I", len(huge)) + huge + head[4 + n:]
+        return _describe(h, 2, [(head, ids, shards, table)] + sets[1:], leases)
+
+    _restart_with(s, tiny, rename)
+    text = s.log_text()
+    assert "rejected, starting with no sets: set 0: id 's18446744073709551615' is not 's' and a number from 1 " \
+           "to 9223372036854775807" in text, text
+    st = s.status()
+    assert st["sets"] == [] and st["daemon"]["sets_readopted"] == 0
+    with s.connect() as c:
+        assert c.call("load", path=tiny["a"])["set"] == "s1"
+    s.stop()
+
+
+@pytest.mark.parametrize("generation", ["99999999999999999999", "18446744073709551615", "+7"])
+def test_generation_past_the_counter_does_not_outrank_the_description(supervisor, tiny, generation):
+    """A stored name wd-sets-<generation> whose number overflows, is past 2^63 - 1 or is not a
+    plain number is no candidate: the valid description is re-adopted and the name removed.
+    Before: strtoull read it as 2^64 - 1, it outranked the valid one, and the sets were lost."""
+    s = supervisor().start()
+    with s.connect() as c:
+        att, fd = c.attach(path=tiny["a"])
+        os.close(fd)
+        c.call("release", lease=att["lease"])
+    wait_until(lambda: s.status()["leases"] == [] and len(stored_slabs(s.store)) == 1
+               and len(stored_descriptions(s.store)) == 1, what="the slab and one description in the store")
+    s.kill()
+    forged = "wd-sets-" + generation
+    m = os.memfd_create("forged", os.MFD_ALLOW_SEALING)
+    os.write(m, b"WDSETDSC" + b"\xff" * 40)
+    fcntl.fcntl(m, fcntl.F_ADD_SEALS, SEALS)
+    with s.store.lock:
+        s.store.fds.append([forged, m])
+    s.start()
+    text = s.log_text()
+    assert f"descriptor '{forged}' passed at start: not a generation from 1 to 9223372036854775807; ignored" \
+        in text, text
+    assert f"re-adopted set {att['set']}" in text, text
+    assert [x["set"] for x in s.status()["sets"]] == [att["set"]]
+    wait_until(lambda: forged not in s.store.names(), what="the forged name removed from the store")
+    assert len(stored_descriptions(s.store)) == 1
+    s.stop()
+
+
 @pytest.mark.parametrize("how", ["flipped", "truncated", "magic", "unsealed"])
 def test_corrupt_description_starts_empty(supervisor, tiny, how):
     s = supervisor().start()

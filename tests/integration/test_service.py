@@ -9,6 +9,7 @@ LISTEN_FDNAMES, a WATCHDOG_USEC deadline, and JOURNAL_STREAM naming the file
 that stands in for the journal. The checks follow docs/operations.md
 ("Running as a service") and the issue "Service: systemd-native".
 """
+import fcntl
 import json
 import os
 import re
@@ -719,6 +720,67 @@ def test_log_file_and_rotation(service):
     assert "stopped" in read(log_file) and "stopped" not in read(log_file + ".1")
 
 
+def test_log_file_fifo_without_reader_is_refused_at_start(service):
+    """A log_file that is a FIFO nobody reads is refused at once with the reason.
+    Before: the daemon opened it blocking and waited for a reader forever."""
+    s = service()
+    fifo = os.path.join(s.dir, "log.fifo")
+    os.mkfifo(fifo)
+    s.start(s.default_args() + ["--set", "log_file=" + fifo], wait_ready=False)
+    try:
+        rc = s.proc.wait(20 * SLOW)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"weightd hangs opening a FIFO with no reader:\n{s.log_text()}") from None
+    assert rc == 1, s.log_text()
+    assert f"weightd: log_file {fifo}: a FIFO with no reader" in s.log_text(), s.log_text()
+
+
+def test_log_file_that_is_a_device_is_refused(service):
+    """A log_file that is neither a regular file nor a FIFO (here a character device) is refused."""
+    s = service()
+    s.start(s.default_args() + ["--set", "log_file=/dev/null"], wait_ready=False)
+    assert s.proc.wait(20 * SLOW) == 1, s.log_text()
+    assert "weightd: log_file /dev/null: a character device, not a regular file or a FIFO" in s.log_text(), \
+        s.log_text()
+
+
+def test_reload_to_a_fifo_without_reader_keeps_serving(service):
+    """SIGHUP with log_file now a FIFO with no reader: the reload says so, logging stays in the
+    old file and the daemon serves on. Before: the reload blocked the event loop in open()."""
+    s = service()
+    old = os.path.join(s.dir, "weightd.log")
+    fifo = os.path.join(s.dir, "log.fifo")
+    os.mkfifo(fifo)
+    cfg = {"model_roots": [s.model_root], "log_file": old}
+    s.start(reload_config(s, cfg))
+    cfg["log_file"] = fifo
+    write_config(os.path.join(s.dir, "weightd.json"), cfg)
+    s.hup()
+    assert s.status()["daemon"]["pid"] == s.pid
+    text = open(old).read()
+    assert f"log_file {fifo}: a FIFO with no reader" in text and "logging stays where it was (file)" in text, text
+    s.stop()
+    assert "stopped" in open(old).read()
+
+
+def test_log_file_fifo_whose_reader_stops_reading(service):
+    """A FIFO with a reader is a log_file; when the reader stops reading and the pipe is full,
+    lines are dropped and the daemon serves on. Before: a full pipe blocked the event loop."""
+    s = service()
+    fifo = os.path.join(s.dir, "log.fifo")
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    s.owned.append(reader)
+    fcntl.fcntl(reader, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)  # one page: quick to fill
+    s.start(s.default_args() + ["--set", "log_file=" + fifo, "--log-level", "debug"])
+    first = os.read(reader, 65536).decode()
+    assert "logging to file" in first, first
+    # Each connection logs debug lines; never read, the page fills after a few dozen.
+    for _ in range(200):
+        assert s.status()["daemon"]["pid"] == s.pid
+    s.stop()
+
+
 def wait_gone(pid, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -730,20 +792,50 @@ def wait_gone(pid, timeout):
     return False
 
 
+def detached_env(s):
+    """The environment of a daemon started by hand: no service manager, no journal; sanitizer
+    reports of the detached daemon go to files, not to the terminal it left."""
+    env = dict(os.environ)
+    env.pop("NOTIFY_SOCKET", None)
+    env.pop("JOURNAL_STREAM", None)
+    env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "detect_leaks=1") + ":log_path=" + os.path.join(s.dir, "asan")
+    env["UBSAN_OPTIONS"] = env.get("UBSAN_OPTIONS", "print_stacktrace=1") + ":log_path=" + os.path.join(s.dir, "ubsan")
+    return env
+
+
+class SyslogSocket:
+    """A syslog daemon's datagram socket: every datagram it gets, as text."""
+
+    def __init__(self, path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.path = path
+
+    def text(self):
+        out = []
+        while True:
+            r, _, _ = select.select([self.sock], [], [], 0)
+            if not r:
+                return "\n".join(out)
+            out.append(self.sock.recv(65536).decode(errors="replace"))
+
+    def close(self):
+        self.sock.close()
+
+
 @pytest.mark.parametrize("with_log_file", [True, False])
 def test_detached_never_writes_to_the_terminal(service, with_log_file):
     """Detached (no --foreground, no NOTIFY_SOCKET): the starting command exits 0
     once the socket is ready, and the daemon keeps no descriptor of the terminal
-    (here a pipe, which reaches end-of-file): its lines go to log_file, else syslog."""
+    (here a pipe, which reaches end-of-file): its lines go to log_file, else syslog
+    (here a syslog socket of the test's, so that the run does not depend on /dev/log)."""
     s = service()
     log_file = os.path.join(s.dir, "weightd.log")
-    args = s.default_args() + (["--set", "log_file=" + log_file] if with_log_file else [])
-    env = dict(os.environ)
-    env.pop("NOTIFY_SOCKET", None)
-    env.pop("JOURNAL_STREAM", None)
-    # Sanitizer reports of the detached daemon go to a file, not to the terminal it left.
-    env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "detect_leaks=1") + ":log_path=" + os.path.join(s.dir, "asan")
-    env["UBSAN_OPTIONS"] = env.get("UBSAN_OPTIONS", "print_stacktrace=1") + ":log_path=" + os.path.join(s.dir, "ubsan")
+    syslog = SyslogSocket(os.path.join(s.dir, "syslog"))
+    s.owned.append(syslog)
+    args = s.default_args() + ["--set", "syslog_socket=" + syslog.path]
+    args += ["--set", "log_file=" + log_file] if with_log_file else []
+    env = detached_env(s)
     p = subprocess.Popen([WEIGHTD] + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, env=env)
     pid = None
@@ -767,10 +859,15 @@ def test_detached_never_writes_to_the_terminal(service, with_log_file):
         if with_log_file:
             text = open(log_file).read()
             assert "logging to file" in text, text
+        else:
+            text = syslog.text()
+            assert re.search(rf"^<30>weightd\[{pid}\]: weightd .* logging to syslog$", text, re.M), text
         os.kill(pid, signal.SIGTERM)
         assert wait_gone(pid, STOP_SECONDS), f"pid {pid} did not exit"
         if with_log_file:
             assert "stopped" in open(log_file).read()
+        else:
+            assert f"<30>weightd[{pid}]: stopped" in syslog.text()
         reports = [f for f in os.listdir(s.dir) if f.startswith(("asan", "ubsan"))]
         assert not reports, [open(os.path.join(s.dir, f)).read() for f in reports]
         assert not os.path.exists(s.socket)
@@ -780,6 +877,43 @@ def test_detached_never_writes_to_the_terminal(service, with_log_file):
             p.kill()
             p.wait()
         if pid is not None:  # the detached daemon is not our child: leave nothing running
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_detached_without_syslog_logs_to_stderr_and_says_so(service):
+    """Detached with no syslog socket to reach (a container without /dev/log) and no log_file:
+    the daemon says so on stderr before it detaches, keeps stderr as its log (stdout is let
+    go), and its lines, through the stop, go there. Before: they went nowhere."""
+    s = service()
+    missing = os.path.join(s.dir, "no-syslog")
+    args = s.default_args() + ["--set", "syslog_socket=" + missing]
+    err_path = os.path.join(s.dir, "stderr.txt")
+    with open(err_path, "wb") as err:
+        p = subprocess.Popen([WEIGHTD] + args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                             env=detached_env(s))
+    pid = None
+    try:
+        assert p.wait(20 * SLOW) == 0, open(err_path).read()
+        pid = s.status()["daemon"]["pid"]
+        r, _, _ = select.select([p.stdout], [], [], 5 * SLOW)
+        assert r and os.read(p.stdout.fileno(), 65536) == b"", "the detached daemon kept stdout"
+        text = open(err_path).read()
+        why = f"the syslog socket {missing} cannot be reached: No such file or directory"
+        assert f"weightd: {why}: logging to stderr, which the detached daemon keeps open" in text, text
+        assert re.search(rf"weightd\[info\]: weightd .* logging to stderr \({re.escape(why)}\)$", text, re.M), text
+        os.kill(pid, signal.SIGTERM)
+        assert wait_gone(pid, STOP_SECONDS), f"pid {pid} did not exit"
+        assert TIMESTAMP_RE.match(open(err_path).read().splitlines()[-1]) and \
+            open(err_path).read().splitlines()[-1].endswith("weightd[info]: stopped"), open(err_path).read()
+    finally:
+        p.stdout.close()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if pid is not None:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
