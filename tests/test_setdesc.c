@@ -55,8 +55,10 @@ static void sample(struct setdesc *d, struct setdesc_set sets[2], struct setdesc
     if (i == 0) memset(sets[i].content_id, 0xc7, SETDESC_ID_BYTES);
     sets[i].nshards = i == 0 ? 2 : 1;
     sets[i].shards = shards;
-    sets[i].table = table;
+    sets[i].table = table; /* versions 1 and 2 carry it inline */
     sets[i].table_len = table_len;
+    sets[i].table_fdname = i == 0 ? "wd-table-s3" : "wd-table-s12"; /* version 3 names it */
+    sets[i].table_sum = ttab_xxh64(table, table_len);
   }
   leases[0] = (struct setdesc_lease){.id = "l4", .set_id = "s3", .uid = 1000, .pid = 4242, .client = "vllm"};
   leases[1] = (struct setdesc_lease){.id = "l5", .set_id = "s3", .uid = 0, .pid = 1, .client = ""};
@@ -117,9 +119,23 @@ static void test_round_trip(void) {
       CHECK(a->shards[k].dev == b->shards[k].dev && a->shards[k].ino == b->shards[k].ino);
       CHECK(a->shards[k].size == b->shards[k].size && a->shards[k].mtime_ns == b->shards[k].mtime_ns);
     }
+    /* Version 3 names the table; the daemon checks the stored one against it. */
+    CHECK(b->table == NULL && b->table_fdname != NULL && strcmp(b->table_fdname, a->table_fdname) == 0);
     CHECK_EQ_INT(b->table_len, table_len);
-    CHECK(b->table_len == table_len && memcmp(b->table, table, table_len) == 0);
-    CHECK_EQ_INT(((uintptr_t)b->table) % 8, 0);
+    CHECK_EQ_INT(b->table_sum, a->table_sum);
+    struct setdesc_set *m = &out.sets[i];
+    CHECK_EQ_INT(setdesc_table_check(m, table, table_len, &err), 0);
+    CHECK(m->table == table);
+    unsigned char *bad = malloc(table_len);
+    memcpy(bad, table, table_len);
+    bad[table_len / 2] ^= 1;
+    m->table = NULL;
+    CHECK_EQ_INT(setdesc_table_check(m, bad, table_len, &err), WEIGHTD_E_INVALID);
+    CHECK_STR_CONTAINS(err.msg, "checksum");
+    CHECK_EQ_INT(setdesc_table_check(m, table, table_len - 8, &err), WEIGHTD_E_INVALID);
+    CHECK_STR_CONTAINS(err.msg, "bytes");
+    CHECK(m->table == NULL);
+    free(bad);
   }
   for (size_t i = 0; i < 3 && out.nleases == 3; i++) {
     const struct setdesc_lease *a = &in.leases[i], *b = &out.leases[i];
@@ -174,9 +190,9 @@ static void test_bad_header_rejected(void) {
   buf[0] ^= 1;
   expect_rejected(buf, len, "bad magic");
   buf[0] ^= 1;
-  uint32_t v = 3;
+  uint32_t v = SETDESC_VERSION + 1;
   memcpy(buf + 8, &v, 4);
-  expect_rejected(buf, len, "version 3");
+  expect_rejected(buf, len, "version 4");
   v = SETDESC_VERSION;
   memcpy(buf + 8, &v, 4);
   buf[len / 2] ^= 0x40;
@@ -189,9 +205,9 @@ static void test_bad_header_rejected(void) {
 }
 
 /*
- * A description an earlier weightd wrote (version 1, no ids) is read: its
- * sets carry no ids, everything else as written; its bytes are version 2's
- * without the identity fields.
+ * Descriptions earlier weightds wrote are read: version 2 with its tables
+ * inline (checked there, 8-byte aligned), version 1 also without ids; its
+ * bytes are version 2's without the identity fields.
  */
 static void test_version_1_read(void) {
   struct setdesc d, out;
@@ -201,7 +217,16 @@ static void test_version_1_read(void) {
   struct wd_error err = {0};
   unsigned char *v2, *v1;
   size_t l2, l1;
+  d.version = 2;
   CHECK_EQ_INT(setdesc_write(&d, &v2, &l2, &err), 0);
+  CHECK_EQ_INT(setdesc_read(v2, l2, &out, &err), 0);
+  CHECK_EQ_INT(out.version, 2);
+  for (size_t i = 0; i < out.nsets; i++) {
+    CHECK(out.sets[i].has_ids && out.sets[i].table_fdname == NULL);
+    CHECK(out.sets[i].table_len == table_len && memcmp(out.sets[i].table, table, table_len) == 0);
+    CHECK_EQ_INT(((uintptr_t)out.sets[i].table) % 8, 0);
+  }
+  setdesc_free(&out);
   d.version = 1;
   CHECK_EQ_INT(setdesc_write(&d, &v1, &l1, &err), 0);
   CHECK(l2 > l1); /* two sets' ids (68 bytes each; the padding before the tables moves with them) */
@@ -269,8 +294,9 @@ static void test_bad_body_rejected(void) {
   CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
   expect_rejected(buf, len, "given twice");
   free(buf);
-  /* A table for another slab size. */
+  /* A table for another slab size (inline, version 2). */
   sample(&d, sets, leases);
+  d.version = 2;
   sets[1].slab_bytes = 512;
   CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
   expect_rejected(buf, len, "tensor table is for a slab");
@@ -280,6 +306,7 @@ static void test_bad_body_rejected(void) {
   memcpy(bad, table, table_len);
   bad[table_len - 2] ^= 1;
   sample(&d, sets, leases);
+  d.version = 2;
   sets[0].table = bad;
   CHECK_EQ_INT(setdesc_write(&d, &buf, &len, &err), 0);
   expect_rejected(buf, len, "set 0 (s3): tensor table");

@@ -256,25 +256,6 @@ static const char *attach_table(struct res_set *s) {
   return s->table_cache;
 }
 
-/*
- * The binary tensor table of a set as a sealed memfd, built once per set
- * (s->table_fd; every attach sends a duplicate of it).
- */
-static int attach_table_fd(struct res_set *s, struct wd_error *err) {
-  if (s->table_fd >= 0) return 0;
-  unsigned char *buf;
-  size_t len;
-  int rc = ttab_write(s->plan->noutputs, plan_ttab_get, s->plan, s->plan->slab_bytes, &buf, &len, err);
-  if (rc != 0) return err_prefix(err, "set %s: its tensor table", s->id);
-  int fd = -1;
-  rc = sealed_memfd_create("weightd-table", buf, len, &fd, err);
-  free(buf);
-  if (rc != 0) return rc;
-  s->table_fd = fd;
-  s->table_bytes = len;
-  return 0;
-}
-
 /* Writes the names of the kinds in mask into buf: "fd, cuda_ipc" ("none" when empty). */
 static void kinds_text(unsigned mask, char *buf, size_t len) {
   size_t n = 0;
@@ -344,7 +325,7 @@ static void reply_attached(struct request *r, struct res_set *s) {
   bool binary = (r->conn->features & WD_FEATURE_BIT(WD_FEATURE_TENSOR_TABLE)) != 0;
   bool page = r->early && s->page_fd >= 0;
   const char *table = NULL;
-  int rc = binary ? attach_table_fd(s, &err) : (table = attach_table(s)) == NULL ? err_set(&err, WEIGHTD_E_NOMEM, "out of memory") : 0;
+  int rc = binary ? res_set_table_fd(s, &err) : (table = attach_table(s)) == NULL ? err_set(&err, WEIGHTD_E_NOMEM, "out of memory") : 0;
   if (rc != 0) {
     req_fail_err(r, &err);
     return;

@@ -78,6 +78,14 @@ static int put_set(struct out *o, const struct setdesc_set *s, uint32_t version,
     put_u64(o, sh->size);
     put_u64(o, (uint64_t)sh->mtime_ns);
   }
+  if (version >= 3) {
+    if (s->table_fdname == NULL || s->table_fdname[0] == '\0')
+      return err_set(err, WEIGHTD_E_INVALID, "set %s: no store name for its tensor table", s->id);
+    if ((rc = put_str(o, s->table_fdname, SETDESC_NAME_MAX, "table store name", err)) != 0) return rc;
+    put_u64(o, s->table_len);
+    put_u64(o, s->table_sum);
+    return 0;
+  }
   put_u64(o, s->table_len);
   static const unsigned char zeros[8];
   put(o, zeros, (8 - o->len % 8) % 8);
@@ -89,7 +97,7 @@ int setdesc_write(const struct setdesc *d, unsigned char **out, size_t *len, str
   *out = NULL;
   *len = 0;
   uint32_t version = d->version == 0 ? SETDESC_VERSION : d->version;
-  if (version != 1 && version != SETDESC_VERSION)
+  if (version < 1 || version > SETDESC_VERSION)
     return err_set(err, WEIGHTD_E_INVALID, "version %u cannot be written", version);
   if (d->nsets > UINT32_MAX || d->nleases > UINT32_MAX)
     return err_set(err, WEIGHTD_E_INVALID, "too many sets or leases to describe");
@@ -219,6 +227,8 @@ static bool fdname_ok(const char *s) {
   return true;
 }
 
+static int table_open(const struct setdesc_set *s, const char *where, struct wd_error *err);
+
 static void read_set(struct in *c, struct setdesc_set *s, size_t i) {
   snprintf(c->where, sizeof c->where, "set %zu", i);
   if ((s->id = take_str(c, SETDESC_ID_MAX, false, "id")) == NULL || !id_ok(c, s->id, 's', "id")) return;
@@ -279,6 +289,17 @@ static void read_set(struct in *c, struct setdesc_set *s, size_t i) {
     sh->size = take_u64(c, "shard size");
     sh->mtime_ns = (int64_t)take_u64(c, "shard mtime");
   }
+  if (c->version >= 3) {
+    if ((s->table_fdname = take_str(c, SETDESC_NAME_MAX, false, "table store name")) == NULL) return;
+    if (!fdname_ok(s->table_fdname)) {
+      c->rc = err_set(c->err, WEIGHTD_E_INVALID, "%s: table store name '%s' is not printable ASCII without ':'",
+                      c->where, s->table_fdname);
+      return;
+    }
+    s->table_len = (size_t)take_u64(c, "table size");
+    s->table_sum = take_u64(c, "table checksum");
+    return;
+  }
   uint64_t tlen = take_u64(c, "table size");
   size_t pad = (8 - c->at % 8) % 8;
   const unsigned char *zeros = c->buf + c->at;
@@ -296,15 +317,33 @@ static void read_set(struct in *c, struct setdesc_set *s, size_t i) {
   s->table = c->buf + c->at;
   s->table_len = (size_t)tlen;
   c->at += (size_t)tlen;
+  c->rc = table_open(s, c->where, c->err);
+}
+
+/* ttab_open on s's table, whose slab must be the set's. */
+static int table_open(const struct setdesc_set *s, const char *where, struct wd_error *err) {
   struct ttab t;
   struct wd_error terr = {0};
-  if (ttab_open(s->table, s->table_len, &t, &terr) != 0) {
-    c->rc = err_set(c->err, WEIGHTD_E_INVALID, "%s: tensor table: %s", c->where, terr.msg);
-    return;
-  }
+  if (ttab_open(s->table, s->table_len, &t, &terr) != 0)
+    return err_set(err, WEIGHTD_E_INVALID, "%s: tensor table: %s", where, terr.msg);
   if (t.slab_bytes != s->slab_bytes)
-    c->rc = err_set(c->err, WEIGHTD_E_INVALID, "%s: tensor table is for a slab of %llu bytes, the set's is %llu",
-                    c->where, (unsigned long long)t.slab_bytes, (unsigned long long)s->slab_bytes);
+    return err_set(err, WEIGHTD_E_INVALID, "%s: tensor table is for a slab of %llu bytes, the set's is %llu", where,
+                   (unsigned long long)t.slab_bytes, (unsigned long long)s->slab_bytes);
+  return 0;
+}
+
+int setdesc_table_check(struct setdesc_set *s, const unsigned char *table, size_t len, struct wd_error *err) {
+  if (len != s->table_len)
+    return err_set(err, WEIGHTD_E_INVALID, "its stored tensor table has %zu bytes, the description says %zu", len,
+                   s->table_len);
+  uint64_t sum = ttab_xxh64(table, len);
+  if (sum != s->table_sum)
+    return err_set(err, WEIGHTD_E_INVALID, "its stored tensor table's checksum is %016llx, the description says %016llx",
+                   (unsigned long long)sum, (unsigned long long)s->table_sum);
+  s->table = table;
+  int rc = table_open(s, "its stored tensor table", err);
+  if (rc != 0) s->table = NULL;
+  return rc;
 }
 
 static void read_lease(struct in *c, struct setdesc_lease *l, size_t i) {
@@ -324,7 +363,14 @@ static int check_refs(const struct setdesc *d, struct wd_error *err) {
         return err_set(err, WEIGHTD_E_INVALID, "set id %s is given twice", d->sets[i].id);
       if (strcmp(d->sets[i].fdname, d->sets[j].fdname) == 0)
         return err_set(err, WEIGHTD_E_INVALID, "store name %s is given twice", d->sets[i].fdname);
+      if (d->sets[i].table_fdname != NULL && d->sets[j].table_fdname != NULL &&
+          strcmp(d->sets[i].table_fdname, d->sets[j].table_fdname) == 0)
+        return err_set(err, WEIGHTD_E_INVALID, "table store name %s is given twice", d->sets[i].table_fdname);
     }
+  for (size_t i = 0; i < d->nsets; i++)
+    for (size_t j = 0; j < d->nsets; j++)
+      if (d->sets[i].table_fdname != NULL && strcmp(d->sets[i].table_fdname, d->sets[j].fdname) == 0)
+        return err_set(err, WEIGHTD_E_INVALID, "store name %s names both a table and a slab", d->sets[j].fdname);
   for (size_t i = 0; i < d->nleases; i++) {
     bool found = false;
     for (size_t j = 0; j < d->nsets && !found; j++) found = strcmp(d->leases[i].set_id, d->sets[j].id) == 0;
@@ -353,8 +399,8 @@ int setdesc_read(const void *buf, size_t len, struct setdesc *out, struct wd_err
   memcpy(&nsets, b + 32, 4);
   memcpy(&nleases, b + 36, 4);
   memcpy(&sum, b + 40, 8);
-  if (version != 1 && version != SETDESC_VERSION)
-    return err_set(err, WEIGHTD_E_INVALID, "version %u (this daemon reads versions 1 and %u)", version, SETDESC_VERSION);
+  if (version < 1 || version > SETDESC_VERSION)
+    return err_set(err, WEIGHTD_E_INVALID, "version %u (this daemon reads versions 1 to %u)", version, SETDESC_VERSION);
   if (hbytes != SETDESC_HEADER_BYTES)
     return err_set(err, WEIGHTD_E_INVALID, "header of %u bytes (version %u has %u)", hbytes, version,
                    SETDESC_HEADER_BYTES);
@@ -406,6 +452,7 @@ void setdesc_free(struct setdesc *d) {
     free(s->uuid);
     free(s->fdname);
     free(s->plan_key);
+    free(s->table_fdname);
     for (size_t k = 0; k < s->nshards; k++) free(s->shards[k].name);
     free(s->shards);
   }

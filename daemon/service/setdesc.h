@@ -5,8 +5,8 @@
  * daemon, whenever its sets or leases change) and one reader (the daemon at
  * start, and the fuzz target).
  *
- * Version 2, all integers little-endian (version 1 is the same without the
- * identity fields, and is still read: its sets carry no ids):
+ * Version 3, all integers little-endian (versions 1 and 2 are still read:
+ * 2 carries each set's tensor table inline, 1 also has no identity fields):
  *
  *   header   SETDESC_HEADER_BYTES: magic "WDSETDSC", u32 version, u32 header
  *            size, u64 total size, u64 generation, u32 sets, u32 leases, u64
@@ -17,15 +17,18 @@
  *            str plan key, 32 bytes layout id, u32 content id known (0 or
  *            1), 32 bytes content id (zeros when not known), u32 shard
  *            count, per shard (str name, u64 device,
- *            u64 inode, u64 size, i64 mtime ns), u64 table size, zeros to an
- *            8-byte boundary, the binary tensor table (tensor_table.h)
+ *            u64 inode, u64 size, i64 mtime ns), then the tensor table:
+ *            str store name of its sealed memfd, u64 its size, u64 its
+ *            XXH64 (version 2: u64 table size, zeros to an 8-byte
+ *            boundary, the binary tensor table itself, tensor_table.h)
  *   leases   per lease: str id, str set id, u32 uid, i32 pid, str client
  *
  * A str is a u32 length and that many bytes without a NUL. The reader
  * trusts nothing: every length is checked against what is left, every
  * string against its own limit, the checksum, the version, the handle kinds
- * (legacy IPC sets are never described), every tensor table with ttab_open,
- * unique ids and store names, leases naming described sets, and no byte may
+ * (legacy IPC sets are never described), every inline tensor table with
+ * ttab_open (a stored one is checked against its size and XXH64 by the
+ * daemon that maps it, setdesc_table_check), unique ids and store names, leases naming described sets, and no byte may
  * follow the last lease. Set ids are "s" and lease ids "l" followed by a
  * counter, and the generation is a counter (setdesc_counter_parse): the
  * daemon takes them over into counters of its own, which must never wrap
@@ -44,7 +47,7 @@
 #include "handles.h"
 
 #define SETDESC_MAGIC "WDSETDSC" /* 8 bytes, no NUL */
-#define SETDESC_VERSION 2u     /* what setdesc_write writes; 1 is read too */
+#define SETDESC_VERSION 3u     /* what setdesc_write writes; 1 and 2 are read too */
 #define SETDESC_ID_BYTES 32u    /* a layout or content id (checkpoint.h's CKPT_ID_BYTES) */
 #define SETDESC_HEADER_BYTES 48u
 #define SETDESC_MAX_BYTES (1ull << 30)
@@ -77,7 +80,11 @@ struct setdesc_set {
   unsigned char content_id[SETDESC_ID_BYTES];
   size_t nshards;
   struct setdesc_shard *shards;
-  const unsigned char *table; /* the binary tensor table: the writer's input; the reader's points into its buffer */
+  /* The binary tensor table: version 3 names its memfd (table NULL until the daemon maps it); version 2
+   * holds it inline (table points into the reader's buffer; table_fdname NULL). */
+  char *table_fdname;
+  uint64_t table_sum; /* version 3: its XXH64 */
+  const unsigned char *table;
   size_t table_len;
 };
 
@@ -120,6 +127,14 @@ int setdesc_read(const void *buf, size_t len, struct setdesc *out, struct wd_err
  * false for anything else.
  */
 bool setdesc_counter_parse(const char *digits, uint64_t *out);
+
+/*
+ * Checks a stored table (version 3) mapped at table, len bytes, against set
+ * s's description (size and XXH64), then with ttab_open (its slab size must
+ * be the set's), and points s->table at it. 0, or WEIGHTD_E_INVALID saying
+ * what differs.
+ */
+int setdesc_table_check(struct setdesc_set *s, const unsigned char *table, size_t len, struct wd_error *err);
 
 /* Frees what setdesc_read made (NULL-safe; *d is zeroed). */
 void setdesc_free(struct setdesc *d);

@@ -29,6 +29,7 @@
 #include "tensor_table.h"
 
 #define SLAB_PREFIX "wd-slab-"
+#define TABLE_PREFIX "wd-table-"
 #define DESC_PREFIX "wd-sets-"
 
 struct survive {
@@ -37,7 +38,10 @@ struct survive {
   uint64_t generation;
   bool frozen;
   bool adopting; /* re-adoption runs: publish once it is done */
+  bool pending;  /* a change that ends something waits for flush_timer (or the next change that publishes) */
   uv_timer_t grace_timer;
+  uv_timer_t flush_timer;
+  int open_timers; /* while closing */
   /* Re-adoption at start. */
   struct setdesc desc;
   const void *map;
@@ -58,6 +62,11 @@ struct readopt {
 
 static bool has_prefix(const char *s, const char *p) { return strncmp(s, p, strlen(p)) == 0; }
 
+/* Whether a store name is one this daemon stores (and so removes when unused). */
+static bool ours(const char *name) {
+  return has_prefix(name, SLAB_PREFIX) || has_prefix(name, TABLE_PREFIX) || has_prefix(name, DESC_PREFIX);
+}
+
 /* ---- storing ------------------------------------------------------------------------------ */
 
 /* Whether s goes into the store: READY, and memory that outlives the process. */
@@ -66,26 +75,39 @@ static bool storable(const struct res_set *s) {
          (s->load.slab->kind == WD_HANDLE_FD || s->load.slab->kind == WD_HANDLE_CUDA_VMM);
 }
 
-/* Fills one set's entry (its slab stored under its name first); table is a new buffer. */
+/*
+ * Fills one set's entry: its slab and its tensor table are stored under
+ * their names the first time (they never change), so that describing a set
+ * again costs only its names and identities.
+ */
 static int describe_set(struct survive *sv, struct res_set *s, struct setdesc_set *o, struct wd_error *err) {
   struct daemon *d = sv->d;
-  struct wd_handle h;
-  int rc = d->backend.ops->slab_export(d->backend.ctx, s->load.slab, &h, err);
-  if (rc != 0) return rc;
-  char name[64];
+  char name[64], tname[64];
   snprintf(name, sizeof name, SLAB_PREFIX "%s", s->id);
-  if (!fdstore_has(sv->fs, name)) rc = fdstore_put(sv->fs, name, h.fd, err);
-  close(h.fd);
-  if (rc != 0) return rc;
+  snprintf(tname, sizeof tname, TABLE_PREFIX "%s", s->id);
+  bool stored = fdstore_has(sv->fs, name);
+  int rc = 0;
+  if (!stored || s->store_alloc_bytes == 0) { /* once per set (a re-adopted one has them from its description) */
+    struct wd_handle h = {.fd = -1};
+    rc = d->backend.ops->slab_export(d->backend.ctx, s->load.slab, &h, err);
+    if (rc == 0 && !stored) rc = fdstore_put(sv->fs, name, h.fd, err);
+    if (h.fd >= 0) close(h.fd);
+    if (rc != 0) return rc;
+    s->store_alloc_bytes = h.bytes;
+    memcpy(s->store_alloc_id, h.alloc_id, sizeof s->store_alloc_id);
+  }
+  if ((rc = res_set_table_fd(s, err)) != 0) return rc;
+  if (!fdstore_has(sv->fs, tname) && (rc = fdstore_put(sv->fs, tname, s->table_fd, err)) != 0) return rc;
   const struct ckpt *c = s->ck->ck;
   o->id = s->id;
   o->path = s->ck->path;
   o->uuid = res_device(d->res, s->device)->info.uuid;
   o->handle_kind = (uint32_t)s->load.slab->kind;
   o->slab_bytes = s->plan->slab_bytes;
-  o->alloc_bytes = h.bytes > o->slab_bytes ? h.bytes : o->slab_bytes;
-  memcpy(o->alloc_id, h.alloc_id, sizeof o->alloc_id);
+  o->alloc_bytes = s->store_alloc_bytes > o->slab_bytes ? s->store_alloc_bytes : o->slab_bytes;
+  memcpy(o->alloc_id, s->store_alloc_id, sizeof o->alloc_id);
   o->fdname = strdup(name);
+  o->table_fdname = strdup(tname);
   o->plan_key = s->plan->key;
   o->has_ids = true;
   memcpy(o->layout_id, c->layout_id, sizeof o->layout_id);
@@ -93,18 +115,23 @@ static int describe_set(struct survive *sv, struct res_set *s, struct setdesc_se
   if (o->content_known) memcpy(o->content_id, s->ck->content_id, sizeof o->content_id);
   o->nshards = c->nshards;
   o->shards = calloc(c->nshards, sizeof *o->shards);
-  if (o->fdname == NULL || o->shards == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  if (o->fdname == NULL || o->table_fdname == NULL || o->shards == NULL)
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   for (size_t i = 0; i < c->nshards; i++)
     o->shards[i] = (struct setdesc_shard){.name = c->shards[i].rel, .dev = (uint64_t)c->shards[i].dev,
                                           .ino = (uint64_t)c->shards[i].ino, .size = c->shards[i].size,
                                           .mtime_ns = c->shards[i].mtime_ns};
-  unsigned char *table;
-  size_t len;
-  rc = ttab_write(s->plan->noutputs, plan_ttab_get, s->plan, s->plan->slab_bytes, &table, &len, err);
-  if (rc != 0) return rc;
-  o->table = table;
-  o->table_len = len;
+  o->table_len = (size_t)s->table_bytes;
+  o->table_sum = s->table_sum;
   return 0;
+}
+
+/* What describe_set allocated in o. */
+static void entry_free(struct setdesc_set *o) {
+  free(o->fdname);
+  free(o->table_fdname);
+  free(o->shards);
+  memset(o, 0, sizeof *o);
 }
 
 /* Removes every name of ours that the description `keep` (and its slabs) no longer uses. */
@@ -115,8 +142,9 @@ static void remove_stale(struct survive *sv, const char *keep, const struct setd
   for (size_t i = 0; gone != NULL && i < n; i++) {
     const char *name = fdstore_name(sv->fs, i);
     bool used = strcmp(name, keep) == 0;
-    for (size_t k = 0; !used && k < desc->nsets; k++) used = strcmp(name, desc->sets[k].fdname) == 0;
-    if (!used && (has_prefix(name, SLAB_PREFIX) || has_prefix(name, DESC_PREFIX))) gone[ngone++] = strdup(name);
+    for (size_t k = 0; !used && k < desc->nsets; k++)
+      used = strcmp(name, desc->sets[k].fdname) == 0 || strcmp(name, desc->sets[k].table_fdname) == 0;
+    if (!used && ours(name)) gone[ngone++] = strdup(name);
   }
   for (size_t i = 0; i < ngone; i++) {
     if (gone[i] != NULL) fdstore_remove(sv->fs, gone[i]);
@@ -127,6 +155,8 @@ static void remove_stale(struct survive *sv, const char *keep, const struct setd
 
 /* Stores a new generation of the description of every storable set, then removes stale names. */
 static void publish(struct survive *sv) {
+  sv->pending = false;
+  uv_timer_stop(&sv->flush_timer);
   if (!fdstore_enabled(sv->fs) || sv->frozen) return;
   if (sv->generation >= SETDESC_COUNTER_MAX) { /* only a description that said so brings it here */
     log_msg(LOG_WARN, "cannot store the set description: generation %llu is the last (restarts keep the previous "
@@ -148,10 +178,7 @@ static void publish(struct survive *sv) {
     struct setdesc_set *o = &desc.sets[desc.nsets++];
     if (describe_set(sv, s, o, &serr) != 0) {
       log_msg(LOG_WARN, "set %s will not survive a restart: %s", s->id, serr.msg);
-      free(o->fdname);
-      free(o->shards);
-      free((void *)o->table);
-      memset(o, 0, sizeof *o);
+      entry_free(o);
       desc.nsets--;
     }
   }
@@ -180,18 +207,31 @@ static void publish(struct survive *sv) {
   } else {
     log_msg(LOG_WARN, "cannot store the set description (restarts keep the previous one): %s", err.msg);
   }
-  for (size_t k = 0; k < desc.nsets; k++) {
-    free(desc.sets[k].fdname);
-    free(desc.sets[k].shards);
-    free((void *)desc.sets[k].table);
-  }
+  for (size_t k = 0; k < desc.nsets; k++) entry_free(&desc.sets[k]);
   free(desc.sets);
   free(desc.leases);
 }
 
-static void on_changed(void *arg) {
+static void on_flush(uv_timer_t *t) {
+  struct survive *sv = t->data;
+  if (sv->pending && !sv->adopting) publish(sv);
+}
+
+/*
+ * What a reply reports (a lease, a ready set) is stored before the reply is
+ * sent; what ends (a release, a set gone) is stored with the next change
+ * or at the loop's next turn, so that a connection closing with a thousand
+ * leases stores one description, not a thousand.
+ */
+static void on_changed(void *arg, bool now) {
   struct survive *sv = arg;
-  if (!sv->adopting) publish(sv);
+  if (sv->adopting) return;
+  if (now) {
+    publish(sv);
+  } else if (!sv->pending) {
+    sv->pending = true;
+    uv_timer_start(&sv->flush_timer, on_flush, 0, 0);
+  }
 }
 
 /* ---- re-adopting ---------------------------------------------------------------------------- */
@@ -259,8 +299,35 @@ static void identity_diff(const struct setdesc_set *s, const struct ckpt *c, cha
   }
 }
 
+/* A version 3 set's stored tensor table, mapped while its plan is read. */
+struct table_map {
+  int fd; /* the table's memfd, taken from the passed descriptors; -1 for an inline table */
+  const void *map;
+  size_t len;
+};
+
+/* Maps set s's stored table (version 3) and checks it against the description; an inline one needs nothing. */
+static int stored_table(struct setdesc_set *s, struct table_map *tm, struct wd_error *err) {
+  if (s->table_fdname == NULL) return 0;
+  struct service_fd *f = service_fd_find(s->table_fdname);
+  if (f == NULL || f->taken)
+    return err_set(err, WEIGHTD_E_NOT_FOUND, "its tensor table %s was not passed back", s->table_fdname);
+  int rc = sealed_memfd_map(f->fd, &tm->map, &tm->len, err);
+  if (rc == 0) rc = setdesc_table_check(s, tm->map, tm->len, err);
+  if (rc != 0) return err_prefix(err, "%s", s->table_fdname);
+  f->taken = true;
+  tm->fd = f->fd;
+  return 0;
+}
+
+static void table_unmap(struct setdesc_set *s, struct table_map *tm) {
+  if (tm->map != NULL) munmap((void *)tm->map, tm->len);
+  tm->map = NULL;
+  if (s->table_fdname != NULL) s->table = NULL;
+}
+
 /* Adopts set s of checkpoint ck (whose reference it takes): 0, or an error saying why not. */
-static int adopt(struct survive *sv, const struct setdesc_set *s, struct reg_ckpt *ck, struct wd_error *err) {
+static int adopt(struct survive *sv, struct setdesc_set *s, struct reg_ckpt *ck, struct wd_error *err) {
   struct daemon *d = sv->d;
   int device = -1;
   for (int i = 0; i < res_device_count(d->res); i++)
@@ -270,15 +337,22 @@ static int adopt(struct survive *sv, const struct setdesc_set *s, struct reg_ckp
   if (f == NULL) return err_set(err, WEIGHTD_E_NOT_FOUND, "its slab descriptor %s was not passed back", s->fdname);
   if (d->backend.ops->slab_adopt == NULL)
     return err_set(err, WEIGHTD_E_UNSUPPORTED, "the %s backend cannot adopt slabs", d->backend_name);
+  struct table_map tm = {.fd = -1};
   struct ttab t;
   struct plan *plan = NULL;
-  int rc = ttab_open(s->table, s->table_len, &t, err);
+  int rc = stored_table(s, &tm, err);
+  if (rc == 0) rc = ttab_open(s->table, s->table_len, &t, err);
   if (rc == 0) rc = plan_from_ttab(&t, s->plan_key, &plan, err);
-  if (rc != 0) return rc;
+  table_unmap(s, &tm);
+  if (rc != 0) {
+    if (tm.fd >= 0) close(tm.fd);
+    return rc;
+  }
   struct wd_slab *slab = NULL;
   rc = d->backend.ops->slab_adopt(d->backend.ctx, device, (enum wd_handle_kind)s->handle_kind, f->fd, s->slab_bytes,
                                   s->alloc_bytes, s->alloc_id, &slab, err);
   if (rc != 0) {
+    if (tm.fd >= 0) close(tm.fd);
     plan_free(plan);
     return rc;
   }
@@ -286,9 +360,21 @@ static int adopt(struct survive *sv, const struct setdesc_set *s, struct reg_ckp
   struct res_set *set = NULL;
   rc = res_set_adopt(d->res, ck, device, plan, slab, s->id, &set, err);
   if (rc != 0) {
+    if (tm.fd >= 0) close(tm.fd);
     d->backend.ops->slab_free(d->backend.ctx, slab);
     plan_free(plan);
     return rc;
+  }
+  set->store_alloc_bytes = s->alloc_bytes;
+  memcpy(set->store_alloc_id, s->alloc_id, sizeof set->store_alloc_id);
+  if (tm.fd >= 0) { /* the stored table is the set's: attaches send it, the next description names it again */
+    set->table_fd = tm.fd;
+    set->table_bytes = s->table_len;
+    set->table_sum = s->table_sum;
+  } else { /* an inline table (version 1 or 2): a stored one of that name is not known to be this set's */
+    char tname[64];
+    snprintf(tname, sizeof tname, TABLE_PREFIX "%s", s->id);
+    if (fdstore_has(sv->fs, tname)) fdstore_remove(sv->fs, tname);
   }
   sv->adopted++;
   sv->adopted_bytes += s->slab_bytes;
@@ -311,7 +397,7 @@ static int adopt(struct survive *sv, const struct setdesc_set *s, struct reg_ckp
 static void on_acquired(void *arg, struct reg_ckpt *ck, const struct wd_error *aerr) {
   struct readopt *ro = arg;
   struct survive *sv = ro->sv;
-  const struct setdesc_set *s = &sv->desc.sets[ro->idx];
+  struct setdesc_set *s = &sv->desc.sets[ro->idx];
   free(ro);
   char why[512];
   if (ck == NULL) {
@@ -336,7 +422,7 @@ static struct service_fd *newest_description(struct survive *sv) {
   for (size_t i = 0; i < service_fd_count(); i++) {
     struct service_fd *f = service_fd(i);
     if (f->taken) continue;
-    if (has_prefix(f->name, SLAB_PREFIX) || has_prefix(f->name, DESC_PREFIX)) fdstore_note(sv->fs, f->name);
+    if (ours(f->name)) fdstore_note(sv->fs, f->name);
     if (!has_prefix(f->name, DESC_PREFIX)) continue;
     uint64_t gen;
     if (!setdesc_counter_parse(f->name + strlen(DESC_PREFIX), &gen)) {
@@ -442,7 +528,8 @@ struct survive *survive_create(struct daemon *d) {
   }
   sv->d = d;
   uv_timer_init(d->loop, &sv->grace_timer);
-  sv->grace_timer.data = sv;
+  uv_timer_init(d->loop, &sv->flush_timer);
+  sv->grace_timer.data = sv->flush_timer.data = sv;
   if (on) res_on_change(d->res, on_changed, sv);
   return sv;
 }
@@ -451,12 +538,14 @@ void survive_freeze(struct survive *sv) {
   if (sv == NULL) return;
   sv->frozen = true;
   uv_timer_stop(&sv->grace_timer);
+  uv_timer_stop(&sv->flush_timer);
 }
 
 unsigned survive_adopted(const struct survive *sv) { return sv != NULL ? sv->adopted : 0; }
 
 static void timer_closed(uv_handle_t *h) {
   struct survive *sv = h->data;
+  if (--sv->open_timers > 0) return;
   fdstore_destroy(sv->fs);
   free(sv);
 }
@@ -467,5 +556,7 @@ void survive_destroy(struct survive *sv) {
   if (sv->d->res != NULL) res_on_change(sv->d->res, NULL, NULL);
   setdesc_free(&sv->desc);
   if (sv->map != NULL) munmap((void *)sv->map, sv->map_len);
+  sv->open_timers = 2;
   uv_close((uv_handle_t *)&sv->grace_timer, timer_closed);
+  uv_close((uv_handle_t *)&sv->flush_timer, timer_closed);
 }

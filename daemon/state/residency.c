@@ -25,9 +25,11 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "tensor_table.h"
 #include "base/log.h"
+#include "base/sealed_memfd.h"
 
-void res_on_change(struct residency *r, void (*fn)(void *arg), void *arg) {
+void res_on_change(struct residency *r, void (*fn)(void *arg, bool now), void *arg) {
   r->changed = fn;
   r->changed_arg = arg;
 }
@@ -231,7 +233,7 @@ void res_set_unlink(struct res_set *s) {
 void res_set_destroy(struct res_set *s, struct slab_list *keep) {
   struct residency *r = s->res;
   res_set_unlink(s);
-  if (s->state == SET_READY) res_changed(r);
+  if (s->state == SET_READY) res_changed(r, false);
   if (s->load.slab != NULL) {
     struct slab_list one = {0};
     slab_list_push(r, keep != NULL ? keep : &one, s->load.slab);
@@ -437,6 +439,23 @@ void res_set_link(struct residency *r, struct res_set *s) {
 
 /* ---- leases ------------------------------------------------------------------------------ */
 
+int res_set_table_fd(struct res_set *s, struct wd_error *err) {
+  if (s->table_fd >= 0) return 0;
+  unsigned char *buf;
+  size_t len;
+  int rc = ttab_write(s->plan->noutputs, plan_ttab_get, s->plan, s->plan->slab_bytes, &buf, &len, err);
+  if (rc != 0) return err_prefix(err, "set %s: its tensor table", s->id);
+  int fd = -1;
+  rc = sealed_memfd_create("weightd-table", buf, len, &fd, err);
+  uint64_t sum = ttab_xxh64(buf, len);
+  free(buf);
+  if (rc != 0) return rc;
+  s->table_fd = fd;
+  s->table_bytes = len;
+  s->table_sum = sum;
+  return 0;
+}
+
 int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,
                   struct wd_error *err) {
   if (s->state != SET_READY && !res_set_early_ok(s)) return err_set(err, WEIGHTD_E_BUSY, "set %s is not ready", s->id);
@@ -452,7 +471,7 @@ int res_lease_add(struct residency *r, struct res_set *s, const struct lease_hol
   s->last_used_ms = l->created_ms;
   if (s->state == SET_LOADING) atomic_store(&s->load.cancel, false); /* a leased load goes on */
   *out = l;
-  res_changed(r);
+  res_changed(r, true);
   return 0;
 }
 
@@ -465,7 +484,7 @@ void res_lease_drop(struct residency *r, struct lease *l) {
   s->leases--;
   s->last_used_ms = clock_ms();
   free(l);
-  res_changed(r);
+  res_changed(r, false);
   if (s->orphan && s->leases == 0) {
     log_msg(LOG_DEBUG, "set %s: its last early lease ended; freeing it", s->id);
     res_set_destroy(s, NULL);
@@ -544,7 +563,7 @@ int res_set_adopt(struct residency *r, struct reg_ckpt *ck, int device, struct p
   res_set_link(r, s);
   r->stats.adopted++;
   *out = s;
-  res_changed(r);
+  res_changed(r, true);
   return 0;
 }
 
@@ -563,7 +582,7 @@ int res_lease_restore(struct residency *r, struct res_set *s, const char *id, co
   l->next = r->leases;
   r->leases = l;
   s->leases++;
-  res_changed(r);
+  res_changed(r, true);
   return 0;
 }
 

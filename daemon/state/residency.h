@@ -64,8 +64,12 @@ struct res_set {
   double seconds;             /* the whole load job */
   struct res_waiter *waiters; /* waiting for SET_LOADING */
   char *table_cache;          /* the attach table as the op handlers serialise it, built once */
-  int table_fd;               /* the binary tensor table, a sealed memfd the op handlers build once; -1 */
+  int table_fd;               /* the binary tensor table, a sealed memfd built once (res_set_table_fd); -1 */
   uint64_t table_bytes;
+  uint64_t table_sum;         /* its XXH64 (the set description names the table by it) */
+  /* What the stored slab handle maps (restart survival: taken when first stored, or from the description). */
+  uint64_t store_alloc_bytes;
+  unsigned char store_alloc_id[WD_ALLOC_ID_BYTES];
   struct wd_progress_page *page; /* how far the load has come (NULL: the kernel cannot share one) */
   int page_fd;                   /* the page's sealed memfd, or -1 */
   atomic_bool allocated;         /* the load job has allocated load.slab (then readable on the loop) */
@@ -240,8 +244,19 @@ int res_evict(struct residency *r, const char *set_id, int device, bool (*may)(v
 
 /* ---- restarts ------------------------------------------------------------ */
 
-/* fn(arg) runs on the loop whenever a set becomes ready or goes, or a lease starts or ends. */
-void res_on_change(struct residency *r, void (*fn)(void *arg), void *arg);
+/*
+ * fn(arg, now) runs on the loop whenever a set becomes ready or goes, or a
+ * lease starts or ends: now is true for what a reply is about to report (a
+ * set ready, a lease granted or restored), false for what ends (a set gone,
+ * a lease released), which may be recorded with the next change.
+ */
+void res_on_change(struct residency *r, void (*fn)(void *arg, bool now), void *arg);
+
+/*
+ * The set's binary tensor table as a sealed memfd (s->table_fd, with
+ * table_bytes and table_sum), built on the first call; 0 or an error.
+ */
+int res_set_table_fd(struct res_set *s, struct wd_error *err);
 
 /*
  * Registers a set an earlier daemon loaded (re-adopted after a restart): READY

@@ -60,13 +60,13 @@ struct residency {
   struct room_req *room_queue;
   bool destroying; /* res_destroy runs: rooms asked for now are refused */
   bool replicas;
-  void (*changed)(void *arg); /* sets or leases changed (res_on_change) */
+  void (*changed)(void *arg, bool now); /* sets or leases changed (res_on_change) */
   void *changed_arg;
 };
 
-/* Tells the res_on_change callback that sets or leases changed. */
-static inline void res_changed(struct residency *r) {
-  if (r->changed != NULL) r->changed(r->changed_arg);
+/* Tells the res_on_change callback that sets or leases changed (now: see res_on_change). */
+static inline void res_changed(struct residency *r, bool now) {
+  if (r->changed != NULL) r->changed(r->changed_arg, now);
 }
 
 /* The set of that identity (path#generation|device|plan key) that has not failed, or NULL. */

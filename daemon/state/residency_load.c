@@ -208,7 +208,7 @@ static void load_done(struct job *j) {
   if (lj->rc == 0) {
     s->state = SET_READY;
     s->last_used_ms = clock_ms();
-    res_changed(r);
+    res_changed(r, true);
     double gibs = s->seconds > 0 ? (double)s->plan->payload_bytes / (double)(1ull << 30) / s->seconds : 0;
     log_msg(LOG_INFO,
             "loaded set %s: %s on %s, %zu tensors, %" PRIu64 " bytes in %.3f s (%.2f GiB/s, %s%s%s; slab allocation "

@@ -17,7 +17,7 @@ import pytest
 
 import fdstore_harness
 from conftest import REPO, SANITIZER_MARKS, SLOW, STOP_SECONDS, WEIGHTD, write_single, TINY_TENSORS, _failed
-from wdclient import Checkpoint, Conn, WDError, map_readonly, ranges_equal, verify_attached, wait_until, xxh64
+from wdclient import Checkpoint, Conn, WDError, map_readonly, ranges_equal, verify_attached, wait_until, write_safetensors, xxh64
 
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -225,21 +225,22 @@ def read_description(store):
         return os.pread(fd, 1 << 20, 0)
 
 
-def _sets_of(data):
-    """A version-2 set description cut at its sets: (header, [(fields before the ids, ids, the rest)], leases)."""
+def _sets_of(data, store):
+    """A version-3 set description cut at its sets: (header, [(fields before the ids, ids, shards, table)],
+    leases), each set's tensor table read from the memfd the description names in the store."""
     (nsets,) = struct.unpack_from("<I", data, 32)
     at, sets = 48, []
 
-    def skip_str(at):
+    def take_str(at):
         (n,) = struct.unpack_from("<I", data, at)
-        return at + 4 + n
+        return at + 4 + n, data[at + 4:at + 4 + n].decode()
 
     for _ in range(nsets):
         start = at
         for _ in range(3):
-            at = skip_str(at)  # id, path, uuid
+            at, _ = take_str(at)  # id, path, uuid
         at += 4 + 8 + 8 + 16  # handle kind, slab bytes, allocation bytes, allocation id
-        at = skip_str(skip_str(at))  # store name, plan key
+        at, _ = take_str(take_str(at)[0])  # store name, plan key
         ids = data[at:at + 68]
         at += 68
         head = data[start:at - 68]
@@ -247,22 +248,29 @@ def _sets_of(data):
         tail_start = at
         at += 4
         for _ in range(nshards):
-            at = skip_str(at) + 32
-        (tlen,) = struct.unpack_from("<Q", data, at)
-        at += 8
+            at = take_str(at)[0] + 32
         shards = data[tail_start:at]
-        at += (8 - at % 8) % 8
-        table = data[at:at + tlen]
-        at += tlen
+        at, tname = take_str(at)
+        tlen, tsum = struct.unpack_from("<QQ", data, at)
+        at += 16
+        table = stored_table(store, tname)
+        assert len(table) == tlen and xxh64(table) == tsum
         sets.append((head, ids, shards, table))
     return data[:48], sets, data[at:]
 
 
+def stored_table(store, name):
+    with store.lock:
+        (fd,) = [fd for n, fd in store.fds if n == name]
+        return os.pread(fd, os.fstat(fd).st_size, 0)
+
+
 def _describe(header, version, sets, leases):
-    """Writes a description of the given parts as `version` (1: without ids), with its size and checksum."""
+    """Writes a description of the given parts as `version` 1 (without ids) or 2 (tables inline), with its
+    size and checksum."""
     body = bytearray()
     for head, ids, shards, table in sets:
-        body += head + (ids if version >= 2 else b"") + shards
+        body += head + (ids if version >= 2 else b"") + shards + struct.pack("<Q", len(table))
         body += b"\0" * ((8 - (48 + len(body)) % 8) % 8) + table
     body += leases
     h = bytearray(header)
@@ -280,7 +288,7 @@ def _restart_with(s, tiny, rewrite):
     wait_until(lambda: s.status()["leases"] == [] and len(stored_slabs(s.store)) == 1
                and len(stored_descriptions(s.store)) == 1, what="the slab and one description in the store")
     s.kill()
-    header, sets, leases = _sets_of(read_description(s.store))
+    header, sets, leases = _sets_of(read_description(s.store), s.store)
     replace_description(s.store, rewrite(header, sets, leases))
     s.start()
     return att["set"]
@@ -294,10 +302,10 @@ def test_description_of_an_earlier_daemon_is_readopted(supervisor, tiny):
     assert f"re-adopted set {set_id}" in text and "described by an earlier weightd without content ids" in text, text
     st = s.status()
     assert [x["set"] for x in st["sets"]] == [set_id] and loads(st) == 0
-    with s.connect() as c:  # and the next description is version 2 again
+    with s.connect() as c:  # and the next description is version 3 again
         att, fd = c.attach(path=tiny["a"])
         os.close(fd)
-    wait_until(lambda: struct.unpack_from("<I", read_description(s.store), 8)[0] == 2, what="a version-2 description")
+    wait_until(lambda: struct.unpack_from("<I", read_description(s.store), 8)[0] == 3, what="a version-3 description")
     s.stop()
 
 
@@ -448,8 +456,60 @@ def test_descriptor_counts_stay_flat(supervisor, tiny):
         stores.append(len(s.store.names()))
     c.close()
     assert len(set(counts)) == 1, counts
-    assert stores == [3] * 20, stores
+    assert stores == [5] * 20, stores  # one description, and per set its slab and its tensor table
     s.stop()
+
+
+def stored_messages(store, prefix):
+    """How many descriptors named prefix... the daemon has stored so far."""
+    with store.lock:
+        return sum(1 for m in store.messages if m.get("FDSTORE") == "1" and m.get("FDNAME", "").startswith(prefix))
+
+
+def test_lease_changes_store_small_descriptions(supervisor, model_root):
+    """A set of 20,000 tensors: its tensor table is stored once, beside its slab, and a lease change stores a
+    description of a few hundred bytes (before: every change wrote every set's table again, about a megabyte
+    here); a connection that closes with 300 leases stores one or two descriptions (before: 300)."""
+    path = os.path.join(model_root, "many-tensors.safetensors")
+    write_safetensors(path, [(f"model.layers.{i}.w", "F32", [2]) for i in range(20000)])
+    try:
+        s = supervisor().start()
+        with s.connect() as c:
+            att, fd = c.attach(path=path)
+            os.close(fd)
+            wait_until(lambda: len(stored_slabs(s.store)) == 1 and len(stored_descriptions(s.store)) == 1,
+                       what="the slab and one description in the store")
+            table = stored_table(s.store, f"wd-table-{att['set']}")
+            assert len(table) > 20000 * 8, len(table)  # the table holds every tensor
+            before = stored_messages(s.store, "wd-table-")
+            c.call("release", lease=att["lease"])
+            a2, fd = c.attach(path=path)
+            os.close(fd)
+            wait_until(lambda: len(stored_descriptions(s.store)) == 1, what="one description")
+            assert len(read_description(s.store)) < 4096
+            assert stored_messages(s.store, "wd-table-") == before  # stored once
+            holder = s.connect()
+            for _ in range(300):
+                _, f = holder.attach(path=path)
+                os.close(f)
+            wait_until(lambda: len(s.status()["leases"]) == 301, what="301 leases")
+            wait_until(lambda: len(stored_descriptions(s.store)) == 1, what="one description")
+            n0 = stored_messages(s.store, "wd-sets-")
+            holder.close()
+            wait_until(lambda: [x["lease"] for x in s.status()["leases"]] == [a2["lease"]], what="one lease left")
+            wait_until(lambda: len(stored_descriptions(s.store)) == 1, what="one description")
+            assert stored_messages(s.store, "wd-sets-") - n0 <= 2
+        s.kill()
+        s.start()  # and what it stored re-adopts
+        st = s.status()
+        assert [x["set"] for x in st["sets"]] == [att["set"]] and loads(st) == 0
+        with s.connect() as c:
+            a3, fd = c.attach(path=path)
+            os.close(fd)
+            assert a3["set"] == att["set"] and len(a3["tensors"]) == 20000
+        s.stop()
+    finally:
+        os.unlink(path)
 
 
 # ---- the clients: libweightd through the Python binding ------------------------------------
