@@ -224,7 +224,7 @@ static void shard_identity(struct ckpt_shard *s, const struct stat *st) {
 
 /*
  * A shard as messages name it: the checkpoint's path when the checkpoint is
- * that one file, else the shard's name (which name_checkpoint puts after
+ * that one file, else the shard's name (which ckpt_err_name puts after
  * the checkpoint's path).
  */
 static const char *shard_label(const struct ckpt *c, const struct ckpt_shard *s, char *buf, size_t len) {

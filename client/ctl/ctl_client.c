@@ -1,8 +1,8 @@
 /* ctl_client.c - what weightctl's daemon commands share: connecting, requests, errors, output. */
 #include <errno.h>
-#include <stdbool.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
