@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "json_strict.h"
 #include "pathutil.h"
 #include "sha256.h"
 
@@ -123,6 +124,25 @@ static uint32_t file_of(const struct ckpt_index *ix, const char *path) {
   return UINT32_MAX;
 }
 
+/*
+ * Why the index's text is not a JSON object, with the position: cJSON says
+ * only that it failed, so the strict parser finds where ("at byte 15:
+ * unterminated object: the input ends at byte 37" for a truncated file).
+ */
+static int index_not_json(const char *text, size_t len, const cJSON *root, struct wd_error *err) {
+  if (root != NULL) return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: not a JSON object", CKPT_INDEX_NAME);
+  size_t bad = 0;
+  if (!sj_utf8_valid((const unsigned char *)text, len, &bad))
+    return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: not valid JSON: at byte %zu: not UTF-8", CKPT_INDEX_NAME, bad);
+  struct sj_doc doc = {0};
+  char why[320] = "";
+  int rc = sj_parse(text, len, SJ_DEFAULT_MAX_DEPTH, &doc, why, sizeof why);
+  sj_doc_free(&doc);
+  if (rc == -2) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  return err_set(err, WEIGHTD_E_BAD_INDEX, "%s: not valid JSON%s%s", CKPT_INDEX_NAME, rc != 0 ? ": " : "",
+                 rc != 0 ? why : "");
+}
+
 int ckpt_index_parse(const char *text, size_t len, struct ckpt_index **out, struct wd_error *err) {
   *out = NULL;
   char qn[160], qv[160];
@@ -132,7 +152,7 @@ int ckpt_index_parse(const char *text, size_t len, struct ckpt_index **out, stru
   cJSON *root = cJSON_ParseWithLength(text, len);
   ix->json = root;
   if (root == NULL || !cJSON_IsObject(root)) {
-    rc = err_set(err, WEIGHTD_E_BAD_INDEX, "%s: not a JSON object", CKPT_INDEX_NAME);
+    rc = index_not_json(text, len, root, err);
     goto fail;
   }
   const cJSON *map = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
@@ -203,14 +223,33 @@ static void shard_identity(struct ckpt_shard *s, const struct stat *st) {
 }
 
 /*
+ * A shard as messages name it: the checkpoint's path when the checkpoint is
+ * that one file, else the shard's name (which ckpt_err_name puts after
+ * the checkpoint's path).
+ */
+static const char *shard_label(const struct ckpt *c, const struct ckpt_shard *s, char *buf, size_t len) {
+  const char *name = c->layout == CKPT_FILE ? c->path : s->rel;
+  return err_quote(name, strlen(name), buf, len);
+}
+
+int ckpt_err_name(struct wd_error *err, const char *path) {
+  if (err == NULL) return WEIGHTD_E_INTERNAL;
+  char label[320];
+  err_quote(path, strlen(path), label, sizeof label);
+  size_t n = strlen(label);
+  if (strncmp(err->msg, label, n) == 0 && err->msg[n] == ':') return err->code;
+  return err_prefix(err, "%s", label);
+}
+
+/*
  * Opens one shard confined to the roots (path_open_confined: resolved and
  * checked first, never blocking, never through a swapped symlink), records
  * its identity and validates its header.
  */
 static int shard_open(struct ckpt *c, struct ckpt_shard *s, const struct path_roots *roots,
                       struct wd_error *err) {
-  char label[160];
-  err_quote(s->rel, strlen(s->rel), label, sizeof label);
+  char label[320];
+  shard_label(c, s, label, sizeof label);
   s->path = path_join(c->dir, s->rel);
   if (s->path == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   struct path_resolved r;
@@ -516,8 +555,8 @@ int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
     }
   }
   for (size_t i = 0; i < c->nshards; i++) {
-    char sl[160];
-    err_quote(c->shards[i].rel, strlen(c->shards[i].rel), sl, sizeof sl);
+    char sl[320];
+    shard_label(c, &c->shards[i], sl, sizeof sl);
     if ((rc = st_header_read_fd(c->shards[i].fd, sl, &c->shards[i].hdr, err)) != 0) goto fail;
   }
   if ((rc = ckpt_tables_build(c, ix, err)) != 0) {
@@ -535,6 +574,7 @@ int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
   *out = c;
   return 0;
 fail:
+  ckpt_err_name(err, path);
   ckpt_index_free(ix);
   free(top.real);
   ckpt_free(c);
@@ -542,16 +582,20 @@ fail:
 }
 
 int ckpt_check_unchanged(const struct ckpt *c, struct wd_error *err) {
+  char sl[320];
   for (size_t i = 0; i < c->nshards; i++) {
     const struct ckpt_shard *s = &c->shards[i];
     struct stat sb;
+    shard_label(c, s, sl, sizeof sl);
     if (stat(s->path, &sb) != 0)
-      return err_set(err, WEIGHTD_E_STALE, "%s: shard is gone since it was opened: %s", s->rel,
-                     strerror(errno));
-    if (sb.st_dev != s->dev || sb.st_ino != s->ino)
-      return err_set(err, WEIGHTD_E_STALE, "%s: shard was replaced since it was opened", s->rel);
-    if ((uint64_t)sb.st_size != s->size || mtime_ns(&sb) != s->mtime_ns)
-      return err_set(err, WEIGHTD_E_STALE, "%s: shard was rewritten since it was opened", s->rel);
+      err_set(err, WEIGHTD_E_STALE, "%s: shard is gone since it was opened: %s", sl, strerror(errno));
+    else if (sb.st_dev != s->dev || sb.st_ino != s->ino)
+      err_set(err, WEIGHTD_E_STALE, "%s: shard was replaced since it was opened", sl);
+    else if ((uint64_t)sb.st_size != s->size || mtime_ns(&sb) != s->mtime_ns)
+      err_set(err, WEIGHTD_E_STALE, "%s: shard was rewritten since it was opened", sl);
+    else
+      continue;
+    return err != NULL ? ckpt_err_name(err, c->path) : WEIGHTD_E_STALE;
   }
   return 0;
 }

@@ -79,8 +79,23 @@ struct ckpt {
   unsigned char layout_id[CKPT_ID_BYTES];
 };
 
+/*
+ * Opens and validates the checkpoint at path (see above). 0 with *out, or an
+ * error whose message starts with path and, for a shard, names the shard
+ * ("/models/x: model-00002-of-00003.safetensors: not a safetensors file
+ * ..."; a checkpoint that is one file is named once).
+ */
 int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
               struct wd_error *err);
+
+/*
+ * Makes err's message name the checkpoint at path ("/models/x:
+ * model-00002.safetensors: ..."), unless it starts with that path already:
+ * what ckpt_open and ckpt_check_unchanged do to their own errors, for
+ * callers whose later errors about the checkpoint should read the same.
+ * Returns err->code.
+ */
+int ckpt_err_name(struct wd_error *err, const char *path);
 
 /* ---- the index ----------------------------------------------------------- */
 

@@ -136,14 +136,14 @@ static int parse_string(struct parser *p, const char **out, size_t *out_len) {
   size_t end = p->pos;
   int has_escape = 0;
   for (;;) {
-    if (end >= p->len) return fail(p, start, "unterminated string");
+    if (end >= p->len) return fail(p, start, "unterminated string: the input ends at byte %zu", p->len);
     unsigned char c = (unsigned char)p->s[end];
     if (c == '"') break;
     if (c < 0x20) return fail(p, end, "control character U+%04X in string", c);
     if (c == '\\') {
       has_escape = 1;
       end++;
-      if (end >= p->len) return fail(p, start, "unterminated string");
+      if (end >= p->len) return fail(p, start, "unterminated string: the input ends at byte %zu", p->len);
     }
     end++;
   }
@@ -389,7 +389,8 @@ static int parse_container(struct parser *p, struct sj_node *n, int is_object) {
     tail = &c->next;
     n->count++;
     skip_ws(p);
-    if (p->pos >= p->len) return fail(p, start, "unterminated %s", is_object ? "object" : "array");
+    if (p->pos >= p->len)
+      return fail(p, start, "unterminated %s: the input ends at byte %zu", is_object ? "object" : "array", p->len);
     char d = p->s[p->pos];
     if (d == ',') {
       p->pos++;

@@ -44,7 +44,10 @@ struct sj_doc {
 /*
  * Parses text[0..len) as one JSON value, optionally surrounded by JSON
  * whitespace. Returns 0 and fills doc, or -1 with a message in why
- * ("at byte N: ...") and doc empty. Returns -2 when memory ran out.
+ * ("at byte N: ...") and doc empty. Returns -2 when memory ran out. A
+ * string, object or array the input ends inside (a truncated file) is
+ * reported at its start, with where the input ends ("at byte 15:
+ * unterminated object: the input ends at byte 37").
  */
 int sj_parse(const char *text, size_t len, unsigned max_depth, struct sj_doc *doc, char *why,
              size_t whylen);

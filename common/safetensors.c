@@ -333,10 +333,12 @@ static int check_prefix(const unsigned char *buf, size_t buflen, uint64_t file_l
                    (unsigned long long)file_len);
   uint64_t n = 0;
   for (int i = 7; i >= 0; i--) n = (n << 8) | buf[i];
+  /* Past the limit is what any other kind of file gives (text, a zip, GGUF): said so, without its bytes. */
   if (n > ST_MAX_HEADER_LEN)
     return err_set(err, WEIGHTD_E_BAD_HEADER,
-                   "%s: header length %llu exceeds the limit of %llu bytes", label,
-                   (unsigned long long)n, ST_MAX_HEADER_LEN);
+                   "%s: not a safetensors file (a safetensors file starts with the length of its JSON "
+                   "header, at most %llu bytes; this one's first 8 bytes are no such length)", label,
+                   ST_MAX_HEADER_LEN);
   if (n > file_len - ST_PREFIX_LEN)
     return err_set(err, WEIGHTD_E_BAD_HEADER,
                    "%s: header length %llu runs past the end of the %llu-byte file", label,

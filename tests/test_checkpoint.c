@@ -281,7 +281,9 @@ static void test_empty_dir_and_bad_index(void) {
   fx_write_text(d, "model.safetensors.index.json", "{\"weight_map\": [1, 2]}");
   expect_open_fails(d, NULL, WEIGHTD_E_BAD_INDEX, "'weight_map' must be an object");
   fx_write_text(d, "model.safetensors.index.json", "not json");
-  expect_open_fails(d, NULL, WEIGHTD_E_BAD_INDEX, "not a JSON object");
+  expect_open_fails(d, NULL, WEIGHTD_E_BAD_INDEX, "model.safetensors.index.json: not valid JSON: at byte 0: expected a value");
+  fx_write_text(d, "model.safetensors.index.json", "[1, 2]");
+  expect_open_fails(d, NULL, WEIGHTD_E_BAD_INDEX, "model.safetensors.index.json: not a JSON object");
   fx_write_text(d, "model.safetensors.index.json", "{\"weight_map\": {\"a\": 5}}");
   expect_open_fails(d, NULL, WEIGHTD_E_BAD_INDEX, "must be a file name");
   fx_write_text(d, "model.safetensors.index.json", "{\"weight_map\": {}}");
@@ -291,15 +293,82 @@ static void test_empty_dir_and_bad_index(void) {
   expect_open_fails("/nonexistent/weightd/ckpt", NULL, WEIGHTD_E_NOT_FOUND, "/nonexistent");
 }
 
+/*
+ * A truncated index (an interrupted download) says where: the construct the
+ * text ends inside and where it ends. Before, every one was "not a JSON
+ * object", with no position.
+ */
+static void test_truncated_index_says_where(void) {
+  char *d = fx_tmpdir("ck-truncated");
+  static const char whole[] = "{\"metadata\": {\"total_size\": 128},\n \"weight_map\": {\"a\": \"x.safetensors\", "
+                              "\"b\": \"y.safetensors\"}}";
+  static const struct {
+    size_t len;
+    const char *want;
+  } cuts[] = {
+      {70, "at byte 49: unterminated object: the input ends at byte 70"}, /* after "x.safetensors" */
+      {72, "at byte 72: unexpected end of input in object"},              /* after the comma */
+      {84, "at byte 77: unterminated string: the input ends at byte 84"}, /* inside "y.safe" */
+      {3, "at byte 1: unterminated string: the input ends at byte 3"},
+  };
+  for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; i++) {
+    char text[sizeof whole];
+    memcpy(text, whole, cuts[i].len);
+    text[cuts[i].len] = '\0';
+    fx_write_text(d, "model.safetensors.index.json", text);
+    char want[160];
+    snprintf(want, sizeof want, "model.safetensors.index.json: not valid JSON: %s", cuts[i].want);
+    expect_open_fails(d, NULL, WEIGHTD_E_BAD_INDEX, want);
+  }
+  fx_rmtree(d);
+  free(d);
+}
+
 static void test_bad_shard_named(void) {
   char *d = make_two_shard_dir("ck-badshard");
   char p[PATH_MAX];
   snprintf(p, sizeof p, "%s/model-00002-of-00002.safetensors", d);
   /* Cut the last byte off: the header no longer matches the file. */
   CHECK_EQ_INT(truncate(p, 8 + 0), 0);
-  expect_open_fails(d, NULL, WEIGHTD_E_BAD_HEADER, "model-00002-of-00002.safetensors");
+  char want[PATH_MAX + 64];
+  /* The message names the checkpoint, then the shard. */
+  snprintf(want, sizeof want, "%s: model-00002-of-00002.safetensors: ", d);
+  expect_open_fails(d, NULL, WEIGHTD_E_BAD_HEADER, want);
   fx_rmtree(d);
   free(d);
+}
+
+/*
+ * Every refusal names the checkpoint, not only the member at fault: the
+ * index, config.json, a non-safetensors shard. A checkpoint that is one file
+ * is named once, by the path it was given.
+ */
+static void test_errors_name_the_checkpoint(void) {
+  char *d = make_two_shard_dir("ck-named");
+  char p[PATH_MAX], want[PATH_MAX + 128];
+  struct ckpt *c = NULL;
+  struct wd_error err = {0};
+  snprintf(p, sizeof p, "%s/model-00001-of-00002.safetensors", d);
+  fx_write_text(d, "model-00001-of-00002.safetensors", "PK\x03\x04 a zip, not safetensors");
+  CHECK_EQ_INT(ckpt_open(d, NULL, &c, &err), WEIGHTD_E_BAD_HEADER);
+  snprintf(want, sizeof want, "%s: model-00001-of-00002.safetensors: not a safetensors file", d);
+  CHECK(strncmp(err.msg, want, strlen(want)) == 0);
+  if (strncmp(err.msg, want, strlen(want)) != 0) fprintf(stderr, "  got: %s\n", err.msg);
+  CHECK_EQ_INT(ckpt_open(p, NULL, &c, &err), WEIGHTD_E_BAD_HEADER);
+  snprintf(want, sizeof want, "%s: not a safetensors file", p);
+  CHECK(strncmp(err.msg, want, strlen(want)) == 0);
+  if (strncmp(err.msg, want, strlen(want)) != 0) fprintf(stderr, "  got: %s\n", err.msg);
+  fx_rmtree(d);
+  free(d);
+  d = make_two_shard_dir("ck-named-index");
+  fx_write_text(d, "model.safetensors.index.json", "{\"weight_map\": ");
+  CHECK_EQ_INT(ckpt_open(d, NULL, &c, &err), WEIGHTD_E_BAD_INDEX);
+  snprintf(want, sizeof want, "%s: model.safetensors.index.json: not valid JSON: at byte 15: ", d);
+  CHECK(strncmp(err.msg, want, strlen(want)) == 0);
+  if (strncmp(err.msg, want, strlen(want)) != 0) fprintf(stderr, "  got: %s\n", err.msg);
+  fx_rmtree(d);
+  free(d);
+  CHECK(c == NULL);
 }
 
 static void test_bad_config(void) {
@@ -332,7 +401,9 @@ static void test_replaced_shard_detected(void) {
   CHECK_EQ_INT(rename(tmp, p), 0); /* same content, new inode */
   if (c) {
     CHECK_EQ_INT(ckpt_check_unchanged(c, &err), WEIGHTD_E_STALE);
-    CHECK_STR_CONTAINS(err.msg, "model-00002-of-00002.safetensors: shard was replaced");
+    char want[PATH_MAX + 64];
+    snprintf(want, sizeof want, "%s: model-00002-of-00002.safetensors: shard was replaced", d);
+    CHECK_STR_CONTAINS(err.msg, want);
   }
   ckpt_free(c);
   c = NULL;
@@ -799,6 +870,8 @@ int main(void) {
   RUN(test_hf_cache_symlinks);
   RUN(test_single_and_bare_file);
   RUN(test_empty_dir_and_bad_index);
+  RUN(test_truncated_index_says_where);
+  RUN(test_errors_name_the_checkpoint);
   RUN(test_bad_shard_named);
   RUN(test_bad_config);
   RUN(test_replaced_shard_detected);

@@ -412,7 +412,10 @@ static void test_structure_errors(void) {
   CHECK_REFUSES("{1:2}", "expected a string key");
   CHECK_REFUSES("{a:2}", "expected a string key");
   CHECK_REFUSES("{'a':2}", "expected a string key");
-  CHECK_REFUSES("[1", "unterminated array");
+  CHECK_REFUSES("[1", "at byte 0: unterminated array: the input ends at byte 2");
+  CHECK_REFUSES("{\"a\":[1, {\"b\": 2}", "at byte 5: unterminated array: the input ends at byte 17");
+  CHECK_REFUSES("{\"a\":{\"b\": 2}", "at byte 0: unterminated object: the input ends at byte 13");
+  CHECK_REFUSES("[\"ab", "at byte 1: unterminated string: the input ends at byte 4");
   CHECK_REFUSES("[1,", "unexpected end of input");
   CHECK_REFUSES("{\"a\":1", "unterminated object");
   CHECK_REFUSES("{\"a\":", "unexpected end of input");

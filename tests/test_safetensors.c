@@ -692,13 +692,16 @@ static int parse_with_length(uint64_t n, size_t rest, struct st_header **h, stru
 static void test_hostile_lengths(void) {
   struct st_header *h;
   struct wd_error err;
+  /* Past the limit: not a safetensors file, said without the number the file's bytes make. */
   int rc = parse_with_length(UINT64_MAX, 64, &h, &err);
-  CHECK_REFUSED(rc, h, err, WEIGHTD_E_BAD_HEADER, "header length 18446744073709551615",
-                "exceeds the limit of 100000000 bytes");
+  CHECK_REFUSED(rc, h, err, WEIGHTD_E_BAD_HEADER, "not a safetensors file", "at most 100000000 bytes");
+  CHECK(strstr(err.msg, "18446744073709551615") == NULL);
   rc = parse_with_length(1ull << 63, 64, &h, &err);
-  CHECK_REFUSED(rc, h, err, WEIGHTD_E_BAD_HEADER, "header length 9223372036854775808", "exceeds");
+  CHECK_REFUSED(rc, h, err, WEIGHTD_E_BAD_HEADER, "not a safetensors file", "no such length");
+  CHECK(strstr(err.msg, "9223372036854775808") == NULL);
   rc = parse_with_length(ST_MAX_HEADER_LEN + 1, 64, &h, &err);
-  CHECK_REFUSED(rc, h, err, WEIGHTD_E_BAD_HEADER, "header length 100000001", "exceeds the limit");
+  CHECK_REFUSED(rc, h, err, WEIGHTD_E_BAD_HEADER, "not a safetensors file", "no such length");
+  CHECK(strstr(err.msg, "100000001") == NULL);
   rc = parse_with_length(ST_MAX_HEADER_LEN, 64, &h, &err);
   CHECK_REFUSED(rc, h, err, WEIGHTD_E_BAD_HEADER, "header length 100000000",
                 "runs past the end of the 72-byte file");
@@ -1298,7 +1301,7 @@ static void test_read_path_hostile_lengths(void) {
   int fd = mkstemp(path);
   REQUIRE(fd >= 0);
   static const uint64_t lens[] = {UINT64_MAX, ST_MAX_HEADER_LEN + 1, ST_MAX_HEADER_LEN, 3};
-  static const char *const rules[] = {"exceeds the limit", "exceeds the limit", "runs past the end",
+  static const char *const rules[] = {"not a safetensors file", "not a safetensors file", "runs past the end",
                                       "runs past the end"};
   for (size_t i = 0; i < 4; i++) {
     unsigned char pre[10] = {0};
@@ -1308,7 +1311,47 @@ static void test_read_path_hostile_lengths(void) {
     struct st_header *h = NULL;
     struct wd_error err;
     int rc = st_header_read_fd(fd, LABEL, &h, &err);
-    CHECK_REFUSED(rc, h, err, WEIGHTD_E_BAD_HEADER, "header length", rules[i]);
+    CHECK_REFUSED(rc, h, err, WEIGHTD_E_BAD_HEADER, i < 2 ? "not a safetensors file" : "header length", rules[i]);
+  }
+  close(fd);
+  unlink(path);
+}
+
+/*
+ * Files of other kinds (text, a PyTorch zip, GGUF, a pickle) are "not a
+ * safetensors file", and the message holds none of their bytes: not the
+ * number their first 8 bytes make, not the bytes themselves.
+ */
+static void test_other_files_are_not_safetensors(void) {
+  static const struct {
+    const char *what;
+    const char *bytes;
+    size_t len;
+  } files[] = {
+      {"text", "hello world, this is text\n", 26},
+      {"a zip (PyTorch .bin)", "PK\x03\x04\x14\x00\x00\x00\x08\x00", 10},
+      {"GGUF", "GGUF\x03\x00\x00\x00\x10\x00\x00\x00", 12},
+      {"a pickle", "\x80\x02\x63\x63\x6f\x6c\x6c\x65\x63\x74", 10},
+  };
+  char path[600];
+  snprintf(path, sizeof path, "%s/st_other_XXXXXX", tmp_base());
+  int fd = mkstemp(path);
+  REQUIRE(fd >= 0);
+  for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+    CHECK_EQ_INT(ftruncate(fd, 0), 0);
+    CHECK_EQ_INT(pwrite(fd, files[i].bytes, files[i].len, 0), (ssize_t)files[i].len);
+    struct st_header *h = NULL;
+    struct wd_error err;
+    int rc = st_header_read_fd(fd, LABEL, &h, &err);
+    CHECK_REFUSED(rc, h, err, WEIGHTD_E_BAD_HEADER, "not a safetensors file", "at most 100000000 bytes");
+    uint64_t n = 0;
+    for (int k = 7; k >= 0; k--) n = (n << 8) | (unsigned char)files[i].bytes[k];
+    char num[24];
+    snprintf(num, sizeof num, "%llu", (unsigned long long)n);
+    CHECK(strstr(err.msg, num) == NULL);
+    if (i < 2) CHECK(strstr(err.msg, i == 0 ? "hello" : "PK") == NULL);
+    if (i == 2) CHECK(strstr(err.msg, "GGUF") == NULL);
+    if (strstr(err.msg, "not a safetensors file") == NULL) fprintf(stderr, "  %s: %s\n", files[i].what, err.msg);
   }
   close(fd);
   unlink(path);
@@ -1379,6 +1422,7 @@ int main(void) {
   RUN(test_mutated_headers);
   RUN(test_read_path);
   RUN(test_read_path_hostile_lengths);
+  RUN(test_other_files_are_not_safetensors);
   RUN(test_read_path_not_a_file);
   return tu_finish();
 }

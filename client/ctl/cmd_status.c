@@ -23,6 +23,28 @@ static void print_client(const cJSON *x) {
   if (strcmp(name, "?") != 0 && name[0] != '\0') printf("  client '%s' (self-reported)", name);
 }
 
+/*
+ * How a set came to be, for its line: "loaded in 0.912 s" once a load made
+ * it ready, "re-adopted after a restart" for a set no load of this daemon
+ * made, "1.00 GiB of 7.49 GiB loaded" while it loads (the daemon gives a
+ * loading set no seconds), nothing for a failed one.
+ */
+static void set_progress(const cJSON *x, char *buf, size_t len) {
+  char a[32], b[32];
+  const cJSON *secs = cJSON_GetObjectItemCaseSensitive(x, "seconds");
+  if (strcmp(ctl_str(x, "method"), "adopted") == 0) {
+    snprintf(buf, len, "re-adopted after a restart  ");
+  } else if (cJSON_IsNumber(secs)) {
+    snprintf(buf, len, "loaded in %.3f s  ", secs->valuedouble);
+  } else if (cJSON_GetObjectItemCaseSensitive(x, "bytes_done") != NULL) {
+    ctl_human_bytes(ctl_u64(x, "bytes_done"), a, sizeof a);
+    ctl_human_bytes(ctl_u64(x, "bytes"), b, sizeof b);
+    snprintf(buf, len, "%s of %s loaded  ", a, b);
+  } else {
+    buf[0] = '\0';
+  }
+}
+
 /* A device's NUMA node and peers, when the daemon has several devices. */
 static void print_peers(const cJSON *dev) {
   const cJSON *peers = cJSON_GetObjectItemCaseSensitive(dev, "peers"), *p;
@@ -96,9 +118,11 @@ static void print_status(const cJSON *r) {
   cJSON_ArrayForEach(x, sets) {
     ctl_human_bytes(ctl_u64(x, "bytes"), a, sizeof a);
     char *plan = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(x, "plan"));
-    printf("  %-6s %-8s %10s  %" PRIu64 " lease%s  loaded in %.3f s  on %s\n         %s\n         plan %s\n",
-           ctl_str(x, "set"), ctl_str(x, "state"), a, ctl_u64(x, "leases"), ctl_u64(x, "leases") == 1 ? " " : "s",
-           ctl_num(x, "seconds"), ctl_str(x, "device"), ctl_str(x, "path"), plan ? plan : "?");
+    char progress[96];
+    set_progress(x, progress, sizeof progress);
+    printf("  %-6s %-8s %10s  %" PRIu64 " lease%s  %son %s\n         %s\n         plan %s\n", ctl_str(x, "set"),
+           ctl_str(x, "state"), a, ctl_u64(x, "leases"), ctl_u64(x, "leases") == 1 ? " " : "s", progress,
+           ctl_str(x, "device"), ctl_str(x, "path"), plan ? plan : "?");
     const cJSON *links = cJSON_GetObjectItemCaseSensitive(x, "links");
     if (cJSON_GetObjectItemCaseSensitive(x, "source") != NULL) {
       printf("         %s from %s", ctl_str(x, "method"), ctl_str(x, "source"));

@@ -2,6 +2,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,6 +50,12 @@ int ctl_exit_for(int rc) {
   return CTL_EXIT_FAIL;
 }
 
+/* True when msg already starts with "what: " (libweightd names the operation in its own messages). */
+static bool names_op(const char *msg, const char *what) {
+  size_t n = strlen(what);
+  return strncmp(msg, what, n) == 0 && msg[n] == ':' && msg[n + 1] == ' ';
+}
+
 int ctl_fail(weightd_client *c, int rc, const char *what) {
   enum ctl_guard_reason why = ctl_guard_reason();
   if (rc == WEIGHTD_E_CANCELED && why == CTL_GUARD_TIMEOUT) {
@@ -57,7 +64,10 @@ int ctl_fail(weightd_client *c, int rc, const char *what) {
     ctl_errorx("CANCELED", "%s: interrupted; canceled", what);
   } else {
     const char *msg = c ? weightd_last_error(c) : "";
-    ctl_errorx(weightd_err_name(rc), "%s: %s", what, msg[0] ? msg : weightd_strerror(rc));
+    if (msg[0] == '\0') msg = weightd_strerror(rc);
+    /* "load: the daemon is shutting down", not "load: load: ...". */
+    if (names_op(msg, what)) ctl_errorx(weightd_err_name(rc), "%s", msg);
+    else ctl_errorx(weightd_err_name(rc), "%s: %s", what, msg);
   }
   return ctl_exit_for(rc);
 }

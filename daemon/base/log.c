@@ -107,7 +107,7 @@ int log_open(bool foreground, const char *log_file, const char *syslog_socket, s
       snprintf(why, sizeof why, "syslog_socket is empty");
     else
       snprintf(why, sizeof why, "the syslog socket %s cannot be reached: %s", syslog_socket, strerror(-fd));
-    /* Once running detached, stderr is no longer the caller's: the target there is stays. */
+    /* Once the daemon runs detached, stderr is no longer the caller's: the current target stays. */
     if (opened) return err_set(err, WEIGHTD_E_IO, "%s", why);
     t = TARGET_STDERR;
     fd = -1;

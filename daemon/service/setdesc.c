@@ -214,9 +214,10 @@ bool setdesc_counter_parse(const char *digits, uint64_t *out) {
 /* An id is its kind's letter and a counter ("s12", "l13"); else c->rc says why. */
 static bool id_ok(struct in *c, const char *id, char letter, const char *what) {
   uint64_t n;
+  char q[100];
   if (id[0] == letter && setdesc_counter_parse(id + 1, &n)) return true;
   c->rc = err_set(c->err, WEIGHTD_E_INVALID, "%s: %s '%s' is not '%c' and a number from 1 to %llu", c->where, what,
-                  id, letter, SETDESC_COUNTER_MAX);
+                  err_quote(id, strlen(id), q, sizeof q), letter, SETDESC_COUNTER_MAX);
   return false;
 }
 

@@ -181,7 +181,7 @@ static void acquire_done(struct job *j) {
       return;
     }
     if (a->rc == WEIGHTD_E_STALE && !e->detached) {
-      log_msg(LOG_INFO, "%s: %s; reopening", e->path, a->err.msg);
+      log_msg(LOG_INFO, "%s; reopening", a->err.msg);
       reg_detach(e);
     }
     reg_unref(e);
@@ -200,7 +200,8 @@ static void acquire_done(struct job *j) {
       reg_pin_on_open(a->reg, e);
     } else {
       e->state = REG_FAILED;
-      log_msg(LOG_WARN, "cannot open %s: %s", e->path, a->err.msg);
+      ckpt_err_name(&a->err, e->path); /* the mmap source's errors name the checkpoint too */
+      log_msg(LOG_WARN, "cannot open %s", a->err.msg);
       reg_detach(e);
       notify_waiters(e, &a->err);
     }

@@ -108,6 +108,43 @@ def test_invalid_checkpoints_refused(daemon, bad_cases, op):
     assert not failures, "\n".join(failures)
 
 
+def error_message(c, op, **fields):
+    m, fds = c.request(op, **fields)
+    for fd in fds:
+        os.close(fd)
+    assert "error" in m, m
+    return m["error"]["code"], m["error"]["message"]
+
+
+def test_messages_name_the_checkpoint_and_say_what_is_wrong(daemon, bad_cases, model_root):
+    """What a user reads: a file of another kind is "not a safetensors file" (never the number its first
+    8 bytes make, nor its bytes); a truncated index says where; each names the checkpoint's directory
+    and the member at fault; outside the roots nothing is said about the file."""
+    d = os.path.join(model_root, "bad", "pytorch_zip")
+    single(d, b"PK\x03\x04\x14\x00\x00\x00\x08\x00" + b"\0" * 64)  # what a torch.save .bin starts with
+    cut = os.path.join(model_root, "bad", "index_cut")
+    index(cut, None, ["a.safetensors"], '{"metadata": {}, "weight_map": {"w": "a.safetensors", "b": "a.safet')
+    try:
+        with daemon.connect() as c:
+            for op in ("load", "open"):
+                code, msg = error_message(c, op, path=d)
+                real = os.path.realpath(d)
+                assert code == "BAD_HEADER" and msg.startswith(f"{real}: model.safetensors: not a safetensors file"), msg
+                assert str(struct.unpack("<Q", b"PK\x03\x04\x14\x00\x00\x00")[0]) not in msg and "PK" not in msg, msg
+                code, msg = error_message(c, op, path=cut)
+                assert code == "BAD_INDEX" and msg == (
+                    f"{os.path.realpath(cut)}: model.safetensors.index.json: not valid JSON: at byte 59: "
+                    "unterminated string: the input ends at byte 67"), msg
+            code, msg = error_message(c, "load", path=bad_cases["huge_header_length"][0])
+            assert "not a safetensors file" in msg and str(2 ** 63) not in msg, msg
+            code, msg = error_message(c, "load", path=bad_cases["index_shard_symlink_out"][0])
+            assert code == "PATH_DENIED" and "secret" not in msg, msg
+    finally:
+        shutil.rmtree(d)
+        shutil.rmtree(cut)
+    daemon.check_serving()
+
+
 def test_fixed_checkpoint_opens_after_failure(daemon, model_root):
     d = os.path.join(model_root, "fixme")
     single(d, header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, b"\0" * 8))

@@ -83,6 +83,70 @@ def test_load_source_flag(daemon, tiny):
     one_error_line(res, 1, "BAD_REQUEST", "field 'source'", "auto, mmap, direct")
 
 
+class LoadGate:
+    """The daemon's test_load_gate (a FIFO a load reads one byte from before each window): held shut
+    while this end is open, so a load stays in its state "loading" until open() is called."""
+
+    def __init__(self, directory):
+        self.path = os.path.join(directory, "gate")
+        os.mkfifo(self.path)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
+
+    def open(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@pytest.fixture
+def gated(start_daemon, tmp_path):
+    gate = LoadGate(str(tmp_path))
+    d = start_daemon({"test_load_gate": gate.path})
+    yield d, gate
+    gate.open()
+
+
+def set_line(text, set_id):
+    lines = [l for l in text.splitlines() if l.startswith(f"  {set_id} ")]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def test_status_of_a_loading_set(gated, ckpt_sharded):
+    """A set still loading has no "seconds" in the status JSON, and weightctl says how far it got,
+    never "loaded in 0.000 s" (which it printed before); once ready it says how long it took."""
+    d, gate = gated
+    with d.connect() as c:
+        rid = c.start("load", path=ckpt_sharded, device=0)
+        wait_until(lambda: [x for x in d.status()["sets"] if x["state"] == "loading"], timeout=30 * SLOW,
+                   what="the set listed as loading")
+        (x,) = json_out(ok(dctl(d, "--json", "status")))["sets"]
+        assert x["state"] == "loading" and "seconds" not in x and x["bytes_done"] < x["bytes"], x
+        line = set_line(ok(dctl(d, "status")).out, x["set"])
+        assert "loaded in" not in line and re.search(r" loading .* of [\d.]+ [KMG]iB loaded  on ", line), line
+        gate.open()
+        m, _ = c.wait(rid)
+        assert m.get("ok") is True, m
+    (x,) = json_out(ok(dctl(d, "--json", "status")))["sets"]
+    assert x["state"] == "ready" and x["seconds"] == pytest.approx(m["seconds"], abs=1e-3), x
+    assert re.search(r" ready .* loaded in \d+\.\d{3} s  on ", set_line(ok(dctl(d, "status")).out, x["set"]))
+
+
+def test_shutdown_during_a_load_is_said_once(gated, ckpt_sharded):
+    """weightctl prints its command's name once, also when the library's message starts with it
+    (before: "weightctl: load: load: the daemon is shutting down")."""
+    d, gate = gated
+    loader = subprocess.Popen([WEIGHTCTL, "--socket", d.socket, "load", ckpt_sharded], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    wait_until(lambda: request_of(d, loader.pid, "load"), timeout=30 * SLOW, what="the load to be listed")
+    d.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: "stopping: canceling loads" in d.log_text(), timeout=30 * SLOW, what="the stop to begin")
+    gate.open()
+    out, err = loader.communicate(timeout=60 * SLOW)
+    assert loader.returncode == 1 and out == "", (out, err)
+    assert err == "weightctl: load: the daemon is shutting down (SHUTDOWN)\n", err
+
+
 # ---- cancel ---------------------------------------------------------------------------------
 
 

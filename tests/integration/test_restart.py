@@ -225,6 +225,14 @@ def read_description(store):
         return os.pread(fd, 1 << 20, 0)
 
 
+def newest_description(store):
+    """The stored description of the highest generation: between storing one and removing the one before,
+    the daemon's store holds both."""
+    with store.lock:
+        gen, fd = max((int(name[len("wd-sets-"):]), fd) for name, fd in store.fds if name.startswith("wd-sets-"))
+        return os.pread(fd, 1 << 20, 0)
+
+
 def _sets_of(data, store):
     """A version-3 set description cut at its sets: (header, [(fields before the ids, ids, shards, table)],
     leases), each set's tensor table read from the memfd the description names in the store."""
@@ -305,7 +313,7 @@ def test_description_of_an_earlier_daemon_is_readopted(supervisor, tiny):
     with s.connect() as c:  # and the next description is version 3 again
         att, fd = c.attach(path=tiny["a"])
         os.close(fd)
-    wait_until(lambda: struct.unpack_from("<I", read_description(s.store), 8)[0] == 3, what="a version-3 description")
+    wait_until(lambda: struct.unpack_from("<I", newest_description(s.store), 8)[0] == 3, what="a version-3 description")
     s.stop()
 
 
