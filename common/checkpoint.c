@@ -212,6 +212,15 @@ fail:
   return rc;
 }
 
+/* ---- whose access ---------------------------------------------------------- */
+
+/* The client's check of a file or directory (nothing when the open is made for no client in particular). */
+static int access_check(const struct ckpt_opts *o, const char *path, unsigned want, const struct stat *st,
+                        struct wd_error *err) {
+  if (o == NULL || o->access == NULL) return 0;
+  return acc_check_path(o->access, path, want, st, err);
+}
+
 /* ---- shards ---------------------------------------------------------------- */
 
 static void shard_identity(struct ckpt_shard *s, const struct stat *st) {
@@ -243,11 +252,11 @@ int ckpt_err_name(struct wd_error *err, const char *path) {
 
 /*
  * Opens one shard confined to the roots (path_open_confined: resolved and
- * checked first, never blocking, never through a swapped symlink), records
- * its identity and validates its header.
+ * checked first, never blocking, never through a swapped symlink), checks
+ * that the client may read it, and records its identity.
  */
 static int shard_open(struct ckpt *c, struct ckpt_shard *s, const struct path_roots *roots,
-                      struct wd_error *err) {
+                      const struct ckpt_opts *opts, struct wd_error *err) {
   char label[320];
   shard_label(c, s, label, sizeof label);
   s->path = path_join(c->dir, s->rel);
@@ -257,7 +266,7 @@ static int shard_open(struct ckpt *c, struct ckpt_shard *s, const struct path_ro
   if (rc != 0) return rc;
   s->real = r.real;
   shard_identity(s, &r.st);
-  return 0;
+  return access_check(opts, s->path, ACC_READ, &r.st, err);
 }
 
 /* ---- the name table and the index check ------------------------------------ */
@@ -407,16 +416,26 @@ static void verdict_remember(struct ckpt_verdicts *v, const unsigned char *key, 
 /* ---- opening --------------------------------------------------------------- */
 
 /*
- * Opens dir/name confined to the roots when it is a regular file: 1 with *fd
- * and *res, 0 when there is none (missing, or not a regular file), or a
- * failure (outside the roots, changed while opened, unreadable).
+ * Opens dir/name confined to the roots when it is a regular file the client
+ * may read: 1 with *fd and *res, 0 when there is none (missing, or not a
+ * regular file), or a failure (outside the roots, changed while opened,
+ * unreadable, not the client's to read).
  */
-static int open_member(const char *dir, const char *name, const struct path_roots *roots, int *fd,
-                       struct path_resolved *res, struct wd_error *err) {
+static int open_member(const char *dir, const char *name, const struct path_roots *roots,
+                       const struct ckpt_opts *opts, int *fd, struct path_resolved *res, struct wd_error *err) {
   char *p = path_join(dir, name);
   if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   struct wd_error e;
   int rc = path_open_confined(p, roots, name, fd, res, &e);
+  if (rc == 0 && (rc = access_check(opts, p, ACC_READ, &res->st, &e)) != 0) {
+    close(*fd);
+    *fd = -1;
+    free(res->real);
+    res->real = NULL;
+    if (err != NULL) *err = e;
+    free(p);
+    return rc;
+  }
   free(p);
   if (rc == 0) return 1;
   if (rc == WEIGHTD_E_NOT_FOUND || rc == WEIGHTD_E_INVALID) return 0;
@@ -446,10 +465,11 @@ static int read_index(struct ckpt *c, int fd, struct ckpt_index **out, struct wd
   return 0;
 }
 
-static int read_config(struct ckpt *c, const struct path_roots *roots, struct wd_error *err) {
+static int read_config(struct ckpt *c, const struct path_roots *roots, const struct ckpt_opts *opts,
+                       struct wd_error *err) {
   int fd;
   struct path_resolved res;
-  int rc = open_member(c->dir, CKPT_CONFIG_NAME, roots, &fd, &res, err);
+  int rc = open_member(c->dir, CKPT_CONFIG_NAME, roots, opts, &fd, &res, err);
   if (rc <= 0) return rc;
   free(res.real);
   char *text = NULL;
@@ -465,11 +485,14 @@ static int read_config(struct ckpt *c, const struct path_roots *roots, struct wd
 }
 
 /* Lays out a directory: model.safetensors, else the index and its shards. */
-static int open_directory(struct ckpt *c, const struct path_roots *roots, struct ckpt_index **ix,
-                          struct stat *index_st, struct wd_error *err) {
+static int open_directory(struct ckpt *c, const struct path_roots *roots, const struct ckpt_opts *opts,
+                          struct ckpt_index **ix, struct stat *index_st, struct wd_error *err) {
   int fd;
   struct path_resolved res;
-  int rc = open_member(c->dir, CKPT_SINGLE_NAME, roots, &fd, &res, err);
+  /* The client may look names up in the directory before any is looked up for it. */
+  int rc = access_check(opts, c->dir, ACC_EXEC, NULL, err);
+  if (rc != 0) return rc;
+  rc = open_member(c->dir, CKPT_SINGLE_NAME, roots, opts, &fd, &res, err);
   if (rc < 0) return rc;
   if (rc == 1) {
     c->layout = CKPT_SINGLE;
@@ -487,7 +510,7 @@ static int open_directory(struct ckpt *c, const struct path_roots *roots, struct
       return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     return 0;
   }
-  rc = open_member(c->dir, CKPT_INDEX_NAME, roots, &fd, &res, err);
+  rc = open_member(c->dir, CKPT_INDEX_NAME, roots, opts, &fd, &res, err);
   if (rc < 0) return rc;
   if (rc == 0)
     return err_set(err, WEIGHTD_E_NOT_FOUND, "%s: no %s or %s in the directory", c->path, CKPT_SINGLE_NAME,
@@ -539,13 +562,13 @@ int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
   } else if (S_ISDIR(top.st.st_mode)) {
     c->dir = top.real;
     top.real = NULL;
-    if ((rc = open_directory(c, &roots, &ix, &index_st, err)) != 0) goto fail;
+    if ((rc = open_directory(c, &roots, opts, &ix, &index_st, err)) != 0) goto fail;
   } else {
     rc = err_set(err, WEIGHTD_E_INVALID, "%s: neither a file nor a directory", label);
     goto fail;
   }
   for (size_t i = 0; i < c->nshards; i++)
-    if (c->shards[i].fd < 0 && (rc = shard_open(c, &c->shards[i], &roots, err)) != 0) goto fail;
+    if (c->shards[i].fd < 0 && (rc = shard_open(c, &c->shards[i], &roots, opts, err)) != 0) goto fail;
   unsigned char key[SHA256_DIGEST_LEN] = {0};
   if (ix != NULL && verdicts != NULL) {
     verdict_key(&index_st, c, key);
@@ -564,7 +587,7 @@ int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
       verdict_remember(verdicts, key, err);
     goto fail;
   }
-  if (c->layout != CKPT_FILE && (rc = read_config(c, &roots, err)) != 0) goto fail;
+  if (c->layout != CKPT_FILE && (rc = read_config(c, &roots, opts, err)) != 0) goto fail;
   if (ckpt_layout_id(c, c->layout_id) != 0) {
     rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     goto fail;
@@ -598,4 +621,32 @@ int ckpt_check_unchanged(const struct ckpt *c, struct wd_error *err) {
     return err != NULL ? ckpt_err_name(err, c->path) : WEIGHTD_E_STALE;
   }
   return 0;
+}
+
+/* A file of the directory the open read (the index, config.json): readable by k's caller now. */
+static int member_access(const struct ckpt *c, const char *name, struct acc_check *k, bool same_files,
+                         struct wd_error *err) {
+  char *p = path_join(c->dir, name);
+  if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  int rc = acc_check_path(k, p, ACC_READ, NULL, err);
+  free(p);
+  if (rc == WEIGHTD_E_NOT_FOUND && same_files)
+    rc = err_set(err, WEIGHTD_E_STALE, "%s: %s is gone since it was opened", k->label, name);
+  return rc;
+}
+
+int ckpt_access_check(const struct ckpt *c, struct acc_check *k, bool same_files, struct wd_error *err) {
+  int rc = c->layout == CKPT_FILE ? 0 : acc_check_path(k, c->dir, ACC_EXEC, NULL, err);
+  if (rc == 0 && c->layout == CKPT_INDEX) rc = member_access(c, CKPT_INDEX_NAME, k, same_files, err);
+  for (size_t i = 0; rc == 0 && i < c->nshards; i++) {
+    const struct ckpt_shard *s = &c->shards[i];
+    struct stat was = {.st_dev = s->dev, .st_ino = s->ino};
+    rc = acc_check_path(k, s->path, ACC_READ, same_files ? &was : NULL, err);
+    char q[160];
+    if (rc == WEIGHTD_E_NOT_FOUND && same_files)
+      rc = err_set(err, WEIGHTD_E_STALE, "%s: shard %s is gone since it was opened", k->label,
+                   err_quote(s->rel, strlen(s->rel), q, sizeof q));
+  }
+  if (rc == 0 && c->config != NULL) rc = member_access(c, CKPT_CONFIG_NAME, k, same_files, err);
+  return rc;
 }

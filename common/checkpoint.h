@@ -15,6 +15,15 @@
  * (path_open_confined: never a FIFO or device, never through a symlink
  * swapped in after the check, never blocking); what a file outside the roots
  * holds, or whether it exists, never shows in a message.
+ *
+ * Whose access. The daemon reads with its own rights for clients of other
+ * uids, so an open made for one is given that client's check (ckpt_opts'
+ * access, access.h): the checkpoint directory must be searchable by the
+ * client before any name in it is looked up, and each file readable by it
+ * (walked as open(2) walks it) before a byte of it is read, so that a
+ * refusal is PERMISSION naming the part and never a message about what the
+ * file holds. ckpt_access_check makes the same check of a checkpoint opened
+ * earlier (for whoever).
  */
 #ifndef WD_CHECKPOINT_H
 #define WD_CHECKPOINT_H
@@ -24,6 +33,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "access.h"
 #include "error.h"
 #include "modelcfg.h"
 #include "safetensors.h"
@@ -59,6 +69,7 @@ struct ckpt_opts {
   size_t nroots;
   struct ckpt_verdicts *verdicts; /* remembered failures of the consistency check, or NULL */
   bool *remembered;               /* set to true when the open fails from a remembered verdict, or NULL */
+  struct acc_check *access;       /* the client's check, made of each file before it is read; NULL: none */
 };
 
 struct ckpt {
@@ -161,6 +172,18 @@ const struct ckpt_ref *ckpt_tensor_find(const struct ckpt *c, const char *name);
  * inode, size and mtime at its path. Fails with WEIGHTD_E_STALE naming the shard.
  */
 int ckpt_check_unchanged(const struct ckpt *c, struct wd_error *err);
+
+/*
+ * Checks that k's caller may read what c was opened from, as the files are
+ * at their paths now: search on the checkpoint's directory, read on the
+ * index, every shard and config.json (each walked as open(2) walks it),
+ * the directories shared by several files walked once. With same_files,
+ * each shard must still be the file that was opened and a file that is
+ * gone is WEIGHTD_E_STALE too (the checkpoint is to be reopened). Returns 0,
+ * WEIGHTD_E_PERMISSION naming what the caller may not search or read, or
+ * acc_check_path's other failures. A stat per directory and file; no byte is read.
+ */
+int ckpt_access_check(const struct ckpt *c, struct acc_check *k, bool same_files, struct wd_error *err);
 
 /*
  * The layout id of an opened checkpoint: SHA-256 over the canonical form of

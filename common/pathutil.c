@@ -75,6 +75,11 @@ static int rest_set(char **rest, const char *head, size_t hl, const char *tail) 
 
 int path_resolve(const char *path, const struct path_roots *roots, const char *label,
                  struct path_resolved *out, struct wd_error *err) {
+  return path_resolve_walk(path, roots, label, NULL, NULL, out, err);
+}
+
+int path_resolve_walk(const char *path, const struct path_roots *roots, const char *label, path_visit_fn visit,
+                      void *arg, struct path_resolved *out, struct wd_error *err) {
   out->real = NULL;
   if (path == NULL || path[0] == '\0') return err_set(err, WEIGHTD_E_NOT_FOUND, "%s: empty path", label);
   char cur[PATH_MAX], at[PATH_MAX];
@@ -100,6 +105,7 @@ int path_resolve(const char *path, const struct path_roots *roots, const char *l
     const char *name = rest + pos;
     pos += n;
     if (n == 1 && name[0] == '.') continue;
+    if (visit != NULL && (rc = visit(arg, cl ? cur : "/", err)) != 0) goto done;
     if (n == 2 && name[0] == '.' && name[1] == '.') {
       while (cl > 0 && cur[cl - 1] != '/') cl--;
       if (cl > 0) cl--;

@@ -47,6 +47,18 @@ int path_resolve(const char *path, const struct path_roots *roots, const char *l
                  struct path_resolved *out, struct wd_error *err);
 
 /*
+ * Called by path_resolve_walk before each name (".." included) is looked up
+ * in dir: "/" or a resolved directory (no symbolic link, "." or ".." in it),
+ * the directories open(2) needs search permission on. A nonzero return (a
+ * negative code, err filled) ends the walk with it.
+ */
+typedef int (*path_visit_fn)(void *arg, const char *dir, struct wd_error *err);
+
+/* path_resolve, calling visit (when not NULL) for every directory the walk looks a name up in, in order. */
+int path_resolve_walk(const char *path, const struct path_roots *roots, const char *label, path_visit_fn visit,
+                      void *arg, struct path_resolved *out, struct wd_error *err);
+
+/*
  * Opens a regular file confined to roots, so that the open cannot block and
  * cannot be redirected: resolves path (path_resolve), refuses anything but a
  * regular file before opening it, opens the resolved path with O_RDONLY |

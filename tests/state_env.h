@@ -253,7 +253,7 @@ static inline void acq_cb(void *arg, struct reg_ckpt *ck, const struct wd_error 
 /* Acquires path and runs the loop until the continuation fired. */
 static inline struct acq env_acquire(struct env *e, const char *path) {
   struct acq a = {0};
-  reg_acquire(e->reg, path, acq_cb, &a);
+  reg_acquire(e->reg, path, NULL, acq_cb, &a);
   CHECK(env_run_until(e, env_flag_set, &a.fired));
   return a;
 }

@@ -4,7 +4,8 @@
  * model roots and missing paths fail with their codes, a replaced shard
  * detaches the old entry and opens a new generation, closing respects
  * references, prefetch reports page-cache bytes (and a truncated shard),
- * resolve, and destroying the registry while an entry is still held.
+ * resolve, destroying the registry while an entry is still held, and a
+ * client's own access however its acquire meets another's.
  */
 #include <limits.h>
 #include <stdbool.h>
@@ -127,8 +128,8 @@ static void test_acquire_concurrent_share_one_open(void) {
   char ck[PATH_MAX];
   char *d = scratch_with_ckpt("reg-join", ck);
   struct acq a = {0}, b = {0};
-  reg_acquire(e.reg, ck, acq_cb, &a);
-  reg_acquire(e.reg, ck, acq_cb, &b);
+  reg_acquire(e.reg, ck, NULL, acq_cb, &a);
+  reg_acquire(e.reg, ck, NULL, acq_cb, &b);
   CHECK(env_run_until(&e, env_flag_set, &a.fired));
   CHECK(env_run_until(&e, env_flag_set, &b.fired));
   CHECK(a.ck != NULL);
@@ -140,6 +141,67 @@ static void test_acquire_concurrent_share_one_open(void) {
   CHECK_EQ_INT(count_entries(e.reg), 1);
   reg_unref(a.ck);
   reg_unref(b.ck);
+  env_stop(&e);
+  fx_rmtree(d);
+  free(d);
+}
+
+/* Whether every acquire of the batch has fired (the loop runs until then). */
+struct acq_batch {
+  struct acq *v;
+  size_t n;
+};
+
+static bool batch_done(void *arg) {
+  const struct acq_batch *b = arg;
+  for (size_t i = 0; i < b->n; i++)
+    if (!b->v[i].fired) return false;
+  return true;
+}
+
+/*
+ * A client's own access: a checkpoint only its owner may read (a 0700
+ * directory) is refused to another uid and served to its owner however
+ * their acquires meet: asked together (one may join the other's open, which
+ * the verdict of an open for other credentials must never answer), in
+ * either order, and again once it is open.
+ */
+static void test_acquire_for_other_credentials(void) {
+  struct env e;
+  struct env_opts o = {0};
+  if (env_start(&e, &o) != 0) {
+    CHECK(0);
+    return;
+  }
+  char *d = fx_tmpdir("reg-access");
+  CHECK_EQ_INT(chmod(d, 0755), 0); /* the walk to the checkpoint is open to all: its own directory is not */
+  const struct acc_cred other = {.uid = geteuid() == 65534 ? 65533 : 65534, .gid = 65534};
+  for (int round = 0; round < 8; round++) {
+    char p[PATH_MAX], ck[PATH_MAX];
+    snprintf(p, sizeof p, "%s/ck%d", d, round);
+    CHECK_EQ_INT(write_ckpt(p), 0);
+    CHECK_EQ_INT(chmod(p, 0700), 0);
+    CHECK(realpath(p, ck) != NULL);
+    struct acq v[4] = {{0}};
+    struct acq *mine = &v[round % 2]; /* first or second of three, the others for other */
+    for (int i = 0; i < 3; i++) reg_acquire(e.reg, ck, &v[i] == mine ? NULL : &other, acq_cb, &v[i]);
+    struct acq_batch b = {v, 3};
+    CHECK(env_run_until(&e, batch_done, &b));
+    CHECK(mine->ck != NULL && mine->err.code == 0);
+    for (int i = 0; i < 3; i++) {
+      if (&v[i] == mine) continue;
+      CHECK(v[i].ck == NULL);
+      CHECK_EQ_INT(v[i].err.code, WEIGHTD_E_PERMISSION);
+      CHECK_STR_CONTAINS(v[i].err.msg, "may not search");
+    }
+    /* Open now: checked on this request too. */
+    reg_acquire(e.reg, ck, &other, acq_cb, &v[3]);
+    CHECK(env_run_until(&e, env_flag_set, &v[3].fired));
+    CHECK(v[3].ck == NULL);
+    CHECK_EQ_INT(v[3].err.code, WEIGHTD_E_PERMISSION);
+    CHECK_EQ_INT(count_entries(e.reg), (size_t)round + 1);
+    reg_unref(mine->ck);
+  }
   env_stop(&e);
   fx_rmtree(d);
   free(d);
@@ -461,7 +523,7 @@ static void rs_cb(void *arg, const char *resolved, const struct wd_error *err) {
 
 static struct rs resolve(struct env *e, const char *path) {
   struct rs r = {0};
-  reg_resolve(e->reg, path, rs_cb, &r);
+  reg_resolve(e->reg, path, NULL, rs_cb, &r);
   CHECK(env_run_until(e, env_flag_set, &r.fired));
   return r;
 }
@@ -550,6 +612,7 @@ int main(void) {
   }
   RUN(test_acquire_opens_once);
   RUN(test_acquire_concurrent_share_one_open);
+  RUN(test_acquire_for_other_credentials);
   RUN(test_model_roots);
   RUN(test_missing_and_invalid);
   RUN(test_replaced_shard_reopens);

@@ -128,3 +128,12 @@ bool ops_is_admin(const struct conn *c) {
     if (conn_in_group(c, (gid_t)cfg->admin_gids[i])) return true;
   return false;
 }
+
+const struct acc_cred *ops_reader(const struct conn *c, struct acc_cred *buf) {
+  if (conn_is_privileged(c)) return NULL;
+  buf->uid = c->uid;
+  buf->gid = c->gid;
+  buf->ngroups = 0;
+  for (int i = 0; i < c->ngroups && buf->ngroups < ACC_MAX_GROUPS; i++) buf->groups[buf->ngroups++] = c->groups[i];
+  return buf;
+}

@@ -7,6 +7,7 @@
 
 #include <stdbool.h>
 
+#include "access.h"
 #include "msg.h"
 #include "ops.h"
 
@@ -27,6 +28,15 @@ void req_progress(struct request *r, uint64_t done, uint64_t total);
 
 /* Root, the daemon's own uid, or a member of admin_gids: may evict, release and cancel what others started. */
 bool ops_is_admin(const struct conn *c);
+
+/*
+ * Whose access the daemon checks what it reads for the connection against
+ * (access.h): NULL for root and the daemon's own uid, who could read the
+ * files themselves; else the peer's uid, primary gid and supplementary
+ * groups (SO_PEERGROUPS at accept; only the primary when the kernel did not
+ * say), written into buf.
+ */
+const struct acc_cred *ops_reader(const struct conn *c, struct acc_cred *buf);
 
 /* The daemon a request belongs to. */
 static inline struct daemon *req_daemon(const struct request *r) { return r->conn->d; }

@@ -447,7 +447,8 @@ void op_load_group(struct request *r) {
   g->job.work = group_plan_work;
   g->job.done = group_plan_done;
   r->group = g;
-  reg_acquire(req_daemon(r)->reg, path, group_ready, g);
+  struct acc_cred who;
+  reg_acquire(req_daemon(r)->reg, path, ops_reader(r->conn, &who), group_ready, g);
 }
 
 bool ops_group_cancel(struct request *t) {

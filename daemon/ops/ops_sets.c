@@ -30,29 +30,56 @@ static void open_ready(void *arg, struct reg_ckpt *ck, const struct wd_error *er
 }
 
 void op_open(struct request *r) {
+  struct acc_cred who;
   const char *path = ops_path_arg(r);
-  if (path != NULL) reg_acquire(req_daemon(r)->reg, path, open_ready, r);
+  if (path != NULL) reg_acquire(req_daemon(r)->reg, path, ops_reader(r->conn, &who), open_ready, r);
+}
+
+static void close_checked(void *arg, struct reg_ckpt *ck, const struct wd_error *err) {
+  struct request *r = arg;
+  struct wd_error e = {0};
+  if (ck == NULL) {
+    req_fail_err(r, err);
+    return;
+  }
+  char *path = strdup(ck->path);
+  reg_unref(ck); /* before reg_close, which counts who else holds it */
+  if (path == NULL) {
+    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+  } else if (reg_close(req_daemon(r)->reg, path, &e) != 0) {
+    req_fail_err(r, &e);
+  } else {
+    cJSON *rep = msg_reply_ok(r->id);
+    cJSON_AddBoolToObject(rep, "closed", 1);
+    msg_add_string(rep, "path", path);
+    req_reply(r, rep, NULL, 0);
+  }
+  free(path);
 }
 
 static void close_resolved(void *arg, const char *resolved, const struct wd_error *err) {
   struct request *r = arg;
   struct wd_error e = {0};
+  struct reg_ckpt *ck = resolved != NULL ? reg_find(req_daemon(r)->reg, resolved) : NULL;
+  struct acc_cred who;
+  char label[320];
   if (resolved == NULL) {
     req_fail_err(r, err);
-  } else if (reg_close(req_daemon(r)->reg, resolved, &e) != 0) {
+  } else if (ck == NULL) {
+    reg_close(req_daemon(r)->reg, resolved, &e); /* NOT_FOUND: it is not open */
     req_fail_err(r, &e);
   } else {
-    cJSON *rep = msg_reply_ok(r->id);
-    cJSON_AddBoolToObject(rep, "closed", 1);
-    msg_add_string(rep, "path", resolved);
-    req_reply(r, rep, NULL, 0);
+    /* Closing one that is open is for those who may read it, as opening it is. */
+    reg_check(req_daemon(r)->reg, ck, ops_reader(r->conn, &who), err_quote(resolved, strlen(resolved), label, sizeof label),
+              close_checked, r);
   }
 }
 
 /* close: resolved and checked against the model roots on a job thread (realpath touches the file system). */
 void op_close(struct request *r) {
+  struct acc_cred who;
   const char *path = ops_path_arg(r);
-  if (path != NULL) reg_resolve(req_daemon(r)->reg, path, close_resolved, r);
+  if (path != NULL) reg_resolve(req_daemon(r)->reg, path, ops_reader(r->conn, &who), close_resolved, r);
 }
 
 /*
@@ -222,8 +249,9 @@ void op_prefetch(struct request *r) {
     req_fail_err(r, &err);
     return;
   }
+  struct acc_cred who;
   const char *path = ops_path_arg(r);
-  if (path != NULL) reg_acquire(req_daemon(r)->reg, path, prefetch_ready, r);
+  if (path != NULL) reg_acquire(req_daemon(r)->reg, path, ops_reader(r->conn, &who), prefetch_ready, r);
 }
 
 /* ---- load and attach --------------------------------------------------------------------- */
@@ -539,7 +567,33 @@ void op_load(struct request *r) {
     req_fail_err(r, &err);
     return;
   }
-  reg_acquire(req_daemon(r)->reg, path, load_ready, r);
+  struct acc_cred who;
+  reg_acquire(req_daemon(r)->reg, path, ops_reader(r->conn, &who), load_ready, r);
+}
+
+/* An attach by set id once the requester's access to the set's files is checked. */
+static void attach_checked(void *arg, struct reg_ckpt *ck, const struct wd_error *err) {
+  struct request *r = arg;
+  struct daemon *d = req_daemon(r);
+  if (ck == NULL) {
+    req_fail_err(r, err);
+    return;
+  }
+  const cJSON *id = cJSON_GetObjectItemCaseSensitive(r->root, "set");
+  struct res_set *s = res_find_set(d->res, id->valuestring); /* it may have gone while the check ran */
+  bool checked = s != NULL && s->ck == ck;
+  reg_unref(ck);
+  if (r->canceled) {
+    req_fail(r, WEIGHTD_E_CANCELED, "canceled");
+  } else if (r->conn->closed) { /* nobody to attach for */
+    req_finish(r);
+  } else if (!checked) {
+    req_fail(r, WEIGHTD_E_NOT_FOUND, "no resident set '%.64s'", id->valuestring);
+  } else {
+    req_args_free(r); /* the set id is in the request: not used past here; a waiting attach keeps only its id */
+    wait_init(r);
+    res_wait(d->res, s, &r->wait); /* a loading set: wait like an identical load would */
+  }
 }
 
 void op_attach(struct request *r) {
@@ -561,9 +615,11 @@ void op_attach(struct request *r) {
     req_fail(r, WEIGHTD_E_NOT_FOUND, "no resident set '%.64s'", set_id);
     return;
   }
-  req_args_free(r); /* set_id points into the request: not used past here; a waiting attach keeps only its id */
-  wait_init(r);
-  res_wait(d->res, s, &r->wait); /* a loading set: wait like an identical load would */
+  /* The set holds what was read from its checkpoint's files: for those who may read them, as a load is. */
+  struct acc_cred who;
+  char label[96];
+  snprintf(label, sizeof label, "set %s", s->id);
+  reg_check(d->reg, s->ck, ops_reader(r->conn, &who), label, attach_checked, r);
 }
 
 /* ---- evict ---------------------------------------------------------------------------------- */

@@ -147,7 +147,7 @@ int startup_roots_apply(struct daemon *d, const struct wd_config *cfg, struct wd
     for (size_t i = 0; i < n; i++) log_msg(LOG_INFO, "model root %s", dirs[i]);
     for (size_t i = 0; i < ns; i++)
       log_msg(LOG_INFO, "checkpoints under %s read through source %s", sdirs[i], ld_source_choice_name(choices[i]));
-    if (n == 0) log_msg(LOG_WARN, "no model roots configured: any readable path may be loaded");
+    if (n == 0) log_msg(LOG_WARN, "no model roots configured: any path that both the daemon and the client can read may be loaded");
   }
   for (size_t i = 0; dirs != NULL && i < n; i++) free(dirs[i]);
   for (size_t i = 0; sdirs != NULL && i < ns; i++) free(sdirs[i]);

@@ -486,7 +486,7 @@ bool survive_start(struct survive *sv, void (*done)(void *arg), void *arg) {
     }
     ro->sv = sv;
     ro->idx = i;
-    reg_acquire(sv->d->reg, sv->desc.sets[i].path, on_acquired, ro);
+    reg_acquire(sv->d->reg, sv->desc.sets[i].path, NULL, on_acquired, ro); /* the daemon's own */
   }
   return true;
 }

@@ -13,8 +13,8 @@
  * entry nothing uses any more is handed whole to a release job, which
  * unregisters its pins and unmaps its shards), a
  * reference to the model roots it started with, the backend's const table,
- * the registry's atomic stop flag and its memory of failed index checks
- * (which has its own lock). Their done() callbacks update the registry on the
+ * the registry's atomic stop flag, its memory of failed index checks and
+ * its memory of access ACLs (each has its own lock). Their done() callbacks update the registry on the
  * loop thread and run the caller's continuation.
  */
 #include "registry_internal.h"
@@ -124,12 +124,14 @@ int reg_create(const struct reg_params *p, struct registry **out, struct wd_erro
   r->pin_budget = p->pin_budget;
   r->pin_mode = p->pin_mode;
   atomic_init(&r->stopping, false);
-  if ((r->verdicts = ckpt_verdicts_create(REG_VERDICTS)) == NULL) {
+  if ((r->verdicts = ckpt_verdicts_create(REG_VERDICTS)) == NULL || (r->acls = acc_cache_create()) == NULL) {
+    ckpt_verdicts_free(r->verdicts);
     free(r);
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
   if (reg_roots_set(r, NULL, 0, err) != 0) {
     ckpt_verdicts_free(r->verdicts);
+    acc_cache_free(r->acls);
     free(r);
     return err->code;
   }
@@ -163,6 +165,7 @@ static void registry_free(struct registry *r) {
   reg_roots_unref(r->roots);
   sources_free(r);
   ckpt_verdicts_free(r->verdicts);
+  acc_cache_free(r->acls);
   free(r);
 }
 

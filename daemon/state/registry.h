@@ -99,6 +99,7 @@ struct reg_ckpt {
   bool digesting; /* a whole prefetch is computing them */
   uint64_t last_used_ms;
   struct reg_waiter *waiters; /* acquirers waiting for REG_OPENING */
+  const struct acc_cred *open_for; /* REG_OPENING: whose access the open checks (NULL: nobody's); the open job's */
   struct reg_ckpt *next;
 };
 
@@ -167,13 +168,36 @@ typedef void (*reg_ready_fn)(void *arg, struct reg_ckpt *ck, const struct wd_err
  * open checkpoint: opening it, or checking an open one and reopening it if a
  * shard was replaced, on a job thread. cb may run before reg_acquire returns
  * (only when memory runs out).
+ *
+ * Whose access: who names the client the checkpoint is acquired for (NULL:
+ * root, the daemon's own uid or the daemon itself, who could read the files
+ * anyway). The client's own access is checked on the job thread before
+ * anything of the files reaches it (access.h): the directories on the way
+ * to the path as given, then, for an open, each file before it is read
+ * (ckpt_opts' access), and for an open checkpoint, every one of its files
+ * on every request, beside the check that they are unchanged. Refused, cb
+ * gets WEIGHTD_E_PERMISSION naming the path and what the client may not
+ * search or read, never an error about what a file holds. An open under way
+ * for other credentials is not joined: the request waits for it to end and
+ * then goes on as if it had just arrived (checked against the open
+ * checkpoint, or opening it itself when that open failed).
  */
-void reg_acquire(struct registry *r, const char *path, reg_ready_fn cb, void *arg);
+void reg_acquire(struct registry *r, const char *path, const struct acc_cred *who, reg_ready_fn cb, void *arg);
 
 /* Called on the loop thread with the resolved path (NULL, and err, on failure). */
 typedef void (*reg_resolved_fn)(void *arg, const char *resolved, const struct wd_error *err);
-/* Resolves path on a job thread and checks it against the model roots. */
-void reg_resolve(struct registry *r, const char *path, reg_resolved_fn cb, void *arg);
+/* Resolves path on a job thread and checks it against the model roots, and the directories on the way for who. */
+void reg_resolve(struct registry *r, const char *path, const struct acc_cred *who, reg_resolved_fn cb, void *arg);
+
+/*
+ * Checks on a job thread that who may read every file of the open
+ * checkpoint ck as they are at its paths now (ckpt_access_check), for a
+ * request that reaches ck another way than by its path (a set id): cb gets
+ * ck with a new reference, or NULL and WEIGHTD_E_PERMISSION prefixed with
+ * label. With who NULL, cb runs at once with ck.
+ */
+void reg_check(struct registry *r, struct reg_ckpt *ck, const struct acc_cred *who, const char *label,
+               reg_ready_fn cb, void *arg);
 
 void reg_ref(struct reg_ckpt *ck);
 void reg_unref(struct reg_ckpt *ck);

@@ -26,6 +26,7 @@ struct registry {
   enum ld_source_choice *source_choices;
   size_t nsources;
   struct ckpt_verdicts *verdicts; /* failed index checks, remembered by file identity */
+  struct acc_cache *acls;         /* access ACLs of checked files, by identity and ctime (thread-safe) */
   uint64_t pin_budget;   /* configured; 0: derived */
   enum reg_pin_mode pin_mode;
   uint64_t pinned_bytes; /* the pinned-resident tier's total, registrations under way included */

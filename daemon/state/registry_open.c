@@ -4,8 +4,9 @@
  * it; and closing (see registry.h).
  *
  * DESIGN: each stage runs on a control job that reads only its struct acquire
- * (the path, a reference to the roots it started with, the registry's
- * thread-safe verdicts, and an entry nobody else reads while OPENING); the
+ * (the path, a reference to the roots it started with, the client's access
+ * check, the registry's thread-safe verdicts and ACL memory, and an entry
+ * nobody else reads while OPENING or that is immutable once OPEN); the
  * done() callbacks update the registry on the loop thread (registry.c says
  * what the jobs share).
  */
@@ -21,15 +22,20 @@
 #include "base/log.h"
 #include "pathutil.h"
 
+struct acquire;
+
+/* An acquire waiting for an open: answered with its verdict, or (retry) acquiring again once it ends. */
 struct reg_waiter {
   reg_ready_fn cb;
   void *arg;
+  struct acquire *retry; /* a client with other credentials than the open's: the verdict is not its own */
   struct reg_waiter *next;
 };
 
 /* ---- acquiring: resolve, then verify or open ---------------------------------------- */
 
-enum acq_stage { ACQ_RESOLVE, ACQ_VERIFY, ACQ_OPEN };
+/* ACQ_CHECK: reg_check's one stage, the access check of an open checkpoint. */
+enum acq_stage { ACQ_RESOLVE, ACQ_VERIFY, ACQ_OPEN, ACQ_CHECK };
 
 struct acquire {
   struct job job;
@@ -42,16 +48,35 @@ struct acquire {
   void *arg;
   char *path;
   char *resolved;
-  struct reg_ckpt *entry; /* ACQ_VERIFY / ACQ_OPEN: referenced */
+  struct reg_ckpt *entry; /* ACQ_VERIFY / ACQ_OPEN / ACQ_CHECK: referenced */
+  bool checked;            /* for a client whose own access is checked (access) */
+  struct acc_check access;
   int rc;
   struct wd_error err;
 };
 
 static void acquire_free(struct acquire *a) {
+  acc_check_reset(&a->access);
   reg_roots_unref(a->roots);
   free(a->path);
   free(a->resolved);
   free(a);
+}
+
+/*
+ * The client's walk to the path it gave, after the confinement verdict
+ * (which never depends on anyone's access): a directory on the way it may
+ * not search refuses the request, whether the path resolved or not, so that
+ * nothing behind that directory shows (not even whether a name exists).
+ */
+static void walk_check(struct acquire *a) {
+  if (a->rc != 0 && a->rc != WEIGHTD_E_NOT_FOUND && a->rc != WEIGHTD_E_IO) return;
+  struct wd_error e;
+  if (acc_check_path(&a->access, a->path, 0, NULL, &e) != WEIGHTD_E_PERMISSION) return;
+  free(a->resolved);
+  a->resolved = NULL;
+  a->err = e;
+  a->rc = e.code;
 }
 
 static void acquire_work(struct job *j) {
@@ -66,14 +91,20 @@ static void acquire_work(struct job *j) {
     struct path_resolved res;
     a->rc = path_resolve(a->path, &roots, err_quote(a->path, strlen(a->path), label, sizeof label), &res, &a->err);
     if (a->rc == 0) a->resolved = res.real;
+    if (a->checked) walk_check(a);
     return;
   }
   case ACQ_VERIFY:
     a->rc = ckpt_check_unchanged(a->entry->ck, &a->err);
+    if (a->rc == 0 && a->checked) a->rc = ckpt_access_check(a->entry->ck, &a->access, true, &a->err);
+    return;
+  case ACQ_CHECK:
+    a->rc = ckpt_access_check(a->entry->ck, &a->access, false, &a->err);
     return;
   case ACQ_OPEN: {
     bool remembered = false;
-    struct ckpt_opts opts = {(const char *const *)rt->dirs, rt->n, a->verdicts, &remembered};
+    struct ckpt_opts opts = {(const char *const *)rt->dirs, rt->n, a->verdicts, &remembered,
+                             a->checked ? &a->access : NULL};
     struct ckpt *c = NULL;
     a->rc = ckpt_open(a->resolved, &opts, &c, &a->err);
     if (a->rc != 0) {
@@ -87,26 +118,39 @@ static void acquire_work(struct job *j) {
   }
 }
 
+static void acquire_resolved(struct acquire *a);
+
 static void notify_waiters(struct reg_ckpt *e, const struct wd_error *err) {
   struct reg_waiter *w = e->waiters;
   e->waiters = NULL;
   while (w != NULL) {
     struct reg_waiter *next = w->next;
-    if (err == NULL) reg_ref(e);
-    w->cb(w->arg, err == NULL ? e : NULL, err);
+    if (w->retry != NULL) {
+      acquire_resolved(w->retry);
+    } else {
+      if (err == NULL) reg_ref(e);
+      w->cb(w->arg, err == NULL ? e : NULL, err);
+    }
     free(w);
     w = next;
   }
 }
 
-static int add_waiter(struct reg_ckpt *e, reg_ready_fn cb, void *arg) {
+static int add_waiter(struct reg_ckpt *e, reg_ready_fn cb, void *arg, struct acquire *retry) {
   struct reg_waiter *w = calloc(1, sizeof *w);
   if (w == NULL) return -1;
   w->cb = cb;
   w->arg = arg;
+  w->retry = retry;
   w->next = e->waiters;
   e->waiters = w;
   return 0;
+}
+
+/* Whether a may take the verdict of e's open as its own: the open checks the same access, or none for both. */
+static bool shares_open(const struct acquire *a, const struct reg_ckpt *e) {
+  if (!a->checked || e->open_for == NULL) return !a->checked && e->open_for == NULL;
+  return acc_cred_equal(&a->access.cred, e->open_for);
 }
 
 static void fail_nomem(reg_ready_fn cb, void *arg) {
@@ -115,18 +159,34 @@ static void fail_nomem(reg_ready_fn cb, void *arg) {
   cb(arg, NULL, &err);
 }
 
-/* Starts opening a->resolved (or joins an open already under way). */
+/*
+ * Starts opening a->resolved, or joins an open already under way: as a
+ * waiter for its verdict when it checks the same access, else to acquire
+ * again once it ends.
+ */
 static void start_open(struct acquire *a) {
   struct registry *r = a->reg;
+  if (r->destroyed) {
+    struct wd_error err;
+    err_set(&err, WEIGHTD_E_SHUTDOWN, "the daemon is shutting down");
+    a->ready(a->arg, NULL, &err);
+    acquire_free(a);
+    return;
+  }
   for (struct reg_ckpt *e = r->ckpts; e != NULL; e = e->next) {
     if (e->state == REG_OPENING && strcmp(e->path, a->resolved) == 0) {
-      if (add_waiter(e, a->ready, a->arg) != 0) fail_nomem(a->ready, a->arg);
-      acquire_free(a);
+      bool shared = shares_open(a, e);
+      if (add_waiter(e, shared ? a->ready : NULL, shared ? a->arg : NULL, shared ? NULL : a) != 0) {
+        fail_nomem(a->ready, a->arg);
+        acquire_free(a);
+      } else if (shared) {
+        acquire_free(a);
+      }
       return;
     }
   }
   struct reg_ckpt *e = calloc(1, sizeof *e);
-  if (e == NULL || (e->path = strdup(a->resolved)) == NULL || add_waiter(e, a->ready, a->arg) != 0) {
+  if (e == NULL || (e->path = strdup(a->resolved)) == NULL || add_waiter(e, a->ready, a->arg, NULL) != 0) {
     if (e) free(e->path);
     free(e);
     fail_nomem(a->ready, a->arg);
@@ -138,12 +198,27 @@ static void start_open(struct acquire *a) {
   e->state = REG_OPENING;
   e->generation = ++r->next_generation;
   e->refs = 2; /* the registry's, and the open job's */
+  e->open_for = a->checked ? &a->access.cred : NULL;
   e->next = r->ckpts;
   r->ckpts = e;
   a->stage = ACQ_OPEN;
   a->entry = e;
   a->rc = 0;
   jobs_submit(r->control, &a->job);
+}
+
+/* The path is resolved: verifies the open checkpoint of that path, or opens it. */
+static void acquire_resolved(struct acquire *a) {
+  struct reg_ckpt *e = reg_find(a->reg, a->resolved);
+  if (e == NULL) {
+    start_open(a);
+    return;
+  }
+  reg_ref(e);
+  a->entry = e;
+  a->stage = ACQ_VERIFY;
+  a->rc = 0;
+  jobs_submit(a->reg->control, &a->job);
 }
 
 static void acquire_done(struct job *j) {
@@ -160,15 +235,19 @@ static void acquire_done(struct job *j) {
       acquire_free(a);
       return;
     }
-    struct reg_ckpt *e = reg_find(a->reg, a->resolved);
-    if (e == NULL) {
-      start_open(a);
-      return;
+    acquire_resolved(a);
+    return;
+  }
+  case ACQ_CHECK: {
+    struct reg_ckpt *e = a->entry;
+    a->entry = NULL;
+    if (a->rc == 0) {
+      a->ready(a->arg, e, NULL); /* passes our reference on */
+    } else {
+      reg_unref(e);
+      a->ready(a->arg, NULL, &a->err);
     }
-    reg_ref(e);
-    a->entry = e;
-    a->stage = ACQ_VERIFY;
-    jobs_submit(a->reg->control, &a->job);
+    acquire_free(a);
     return;
   }
   case ACQ_VERIFY: {
@@ -177,6 +256,12 @@ static void acquire_done(struct job *j) {
     if (a->rc == 0 && !e->detached) {
       e->last_used_ms = clock_ms();
       a->ready(a->arg, e, NULL); /* passes our reference on */
+      acquire_free(a);
+      return;
+    }
+    if (a->rc != 0 && a->rc != WEIGHTD_E_STALE) { /* not the client's to read (the entry stays for others) */
+      reg_unref(e);
+      a->ready(a->arg, NULL, &a->err);
       acquire_free(a);
       return;
     }
@@ -191,6 +276,7 @@ static void acquire_done(struct job *j) {
   }
   case ACQ_OPEN: {
     struct reg_ckpt *e = a->entry;
+    e->open_for = NULL; /* it points into a, freed below */
     if (a->rc == 0) {
       e->state = REG_OPEN;
       e->last_used_ms = clock_ms();
@@ -212,11 +298,17 @@ static void acquire_done(struct job *j) {
   }
 }
 
-static struct acquire *acquire_new(struct registry *r, const char *path) {
+static struct acquire *acquire_new(struct registry *r, const char *path, const struct acc_cred *who,
+                                   const char *label) {
   struct acquire *a = calloc(1, sizeof *a);
   if (a == NULL || (a->path = strdup(path)) == NULL) {
     free(a);
     return NULL;
+  }
+  if (who != NULL) {
+    char q[320];
+    acc_check_init(&a->access, who, r->acls, label ? label : err_quote(path, strlen(path), q, sizeof q));
+    a->checked = true;
   }
   a->job.work = acquire_work;
   a->job.done = acquire_done;
@@ -227,8 +319,8 @@ static struct acquire *acquire_new(struct registry *r, const char *path) {
   return a;
 }
 
-void reg_acquire(struct registry *r, const char *path, reg_ready_fn cb, void *arg) {
-  struct acquire *a = acquire_new(r, path);
+void reg_acquire(struct registry *r, const char *path, const struct acc_cred *who, reg_ready_fn cb, void *arg) {
+  struct acquire *a = acquire_new(r, path, who, NULL);
   if (a == NULL) {
     fail_nomem(cb, arg);
     return;
@@ -238,8 +330,8 @@ void reg_acquire(struct registry *r, const char *path, reg_ready_fn cb, void *ar
   jobs_submit(r->control, &a->job);
 }
 
-void reg_resolve(struct registry *r, const char *path, reg_resolved_fn cb, void *arg) {
-  struct acquire *a = acquire_new(r, path);
+void reg_resolve(struct registry *r, const char *path, const struct acc_cred *who, reg_resolved_fn cb, void *arg) {
+  struct acquire *a = acquire_new(r, path, who, NULL);
   if (a == NULL) {
     struct wd_error err;
     err_set(&err, WEIGHTD_E_NOMEM, "out of memory");
@@ -247,6 +339,26 @@ void reg_resolve(struct registry *r, const char *path, reg_resolved_fn cb, void 
     return;
   }
   a->resolved_cb = cb;
+  a->arg = arg;
+  jobs_submit(r->control, &a->job);
+}
+
+void reg_check(struct registry *r, struct reg_ckpt *ck, const struct acc_cred *who, const char *label,
+               reg_ready_fn cb, void *arg) {
+  if (who == NULL) {
+    reg_ref(ck);
+    cb(arg, ck, NULL);
+    return;
+  }
+  struct acquire *a = acquire_new(r, ck->path, who, label);
+  if (a == NULL) {
+    fail_nomem(cb, arg);
+    return;
+  }
+  reg_ref(ck);
+  a->entry = ck;
+  a->stage = ACQ_CHECK;
+  a->ready = cb;
   a->arg = arg;
   jobs_submit(r->control, &a->job);
 }
