@@ -1054,11 +1054,11 @@ def test_unread_replies_of_many_connections_stay_within_max_total_queued_output(
                 as_nobody_reader(d.socket, sid)
                 worst = max(worst, queued(obs.status()))
         assert worst <= budget, f"{worst} reply bytes queued, over max_total_queued_output ({budget})"
-        closed = [i for i, h in enumerate(hoarders) if hung_up(h)]
-        st = obs.status()
-        assert closed, "no connection was closed: the budget did not bind"
-        assert metric_value(st, "weightd_reply_disconnects_total", limit="total") == len(closed), st["metrics"].get(
-            "weightd_reply_disconnects_total")
+        obs.status()  # a status counts the closes made for the replies queued before its own
+        n = metric_value(obs.status(), "weightd_reply_disconnects_total", limit="total")
+        assert n > 0, "no connection was closed: the budget did not bind"
+        closed = wait_until(lambda: (lambda got: got if len(got) == n else None)(
+            [i for i, h in enumerate(hoarders) if hung_up(h)]), timeout=10 * SLOW, what=f"{n} hoarders to see EOF")
         log = d.log_text()
         for i in closed:
             assert f"uid 0 (client 'hoarder-{i}')" in log, log[-3000:]
