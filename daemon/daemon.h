@@ -36,6 +36,14 @@ struct server;
 /* Room for every error number of the table (WEIGHTD_ERRNO_MAP), indexed by -code. */
 #define DAEMON_ERROR_SLOTS 64
 
+/* The limit for which a connection was closed, its replies unread (daemon_stats.reply_disconnects). */
+enum daemon_reply_limit {
+  REPLY_LIMIT_CONNECTION, /* a LIMIT answer past twice max_queued_output */
+  REPLY_LIMIT_UID,        /* a LIMIT answer past twice its uid's share (max_uid_queued_output) */
+  REPLY_LIMIT_TOTAL,      /* room in max_total_queued_output, for a reply of another connection or its own */
+  REPLY_LIMIT_COUNT
+};
+
 /* Counters the server and the op handlers keep, for status and metrics. */
 struct daemon_stats {
   uint64_t requests;          /* started */
@@ -45,6 +53,7 @@ struct daemon_stats {
   uint64_t fds_queued;  /* descriptors waiting in replies not yet sent */
   uint64_t output_queued;  /* reply bytes waiting unsent, all connections */
   uint64_t events_dropped; /* progress events not sent to backlogged connections */
+  uint64_t reply_disconnects[REPLY_LIMIT_COUNT]; /* connections closed for their unread replies */
   uint64_t request_mem; /* request memory charged (see server_read.c) */
   uint64_t fd_limit;    /* RLIMIT_NOFILE's soft limit, raised to the hard one at start */
   bool listening;       /* the server accepts connections */

@@ -114,6 +114,14 @@ static const struct cfg_key keys[] = {
      "reply bytes queued for a client that does not read; past half of it the client's requests are not "
      "read and its progress events are dropped, a reply that would pass it is answered LIMIT, and a LIMIT "
      "answer that would pass twice it closes the connection", .reload = true},
+    {"max_total_queued_output", CFG_BYTES, OFF(max_total_queued_output), 0, 1 * MiB, 1024 * GiB, "1GiB",
+     "reply bytes queued for clients that do not read, all connections together; a reply that would pass it "
+     "closes the connections holding the most unread bytes first (only those holding more than its own); past "
+     "half of it, a connection whose replies wait unsent is not read", .reload = true},
+    {"max_uid_queued_output", CFG_BYTES, OFF(max_uid_queued_output), 0, 0, 1024 * GiB, "0",
+     "reply bytes queued for the connections of one uid together (0: a quarter of max_total_queued_output; "
+     "root and the daemon's uid are exempt): past half of it its connections whose replies wait unsent are "
+     "not read, a reply that would pass it is answered LIMIT", .reload = true},
     {"max_queued_fds", CFG_UINT, OFF(max_queued_fds), 0, 1, 65536, "64",
      "file descriptors queued in one connection's unread replies; an attach past it is answered LIMIT", .reload = true},
     {"max_request_bytes", CFG_BYTES, OFF(max_request_bytes), 0, 4096, 16 * MiB, "4MiB",

@@ -54,6 +54,8 @@ struct wd_config {
   uint64_t frame_timeout_ms;
   uint64_t max_connections;
   uint64_t max_queued_output; /* reply bytes queued for a client before its replies become LIMIT errors */
+  uint64_t max_total_queued_output; /* reply bytes queued for all clients together */
+  uint64_t max_uid_queued_output;   /* reply bytes queued for one uid's clients; 0 = a quarter of the total */
   uint64_t max_queued_fds;    /* descriptors queued in one connection's replies */
   uint64_t max_request_bytes; /* the largest request frame */
   uint64_t request_memory;    /* requests read and not finished, all connections (estimated) */

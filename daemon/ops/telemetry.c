@@ -426,6 +426,12 @@ static void collect_daemon(struct daemon *d, struct collection *c) {
   sample(c, f, (double)d->stats.requests_inflight, NULL);
   f = family(c, "weightd_reply_bytes_queued", "gauge", "Reply bytes queued for clients and not yet sent.");
   sample(c, f, (double)d->stats.output_queued, NULL);
+  f = family(c, "weightd_reply_disconnects_total", "counter",
+             "Connections closed for replies they left unread, by the limit: twice max_queued_output (connection), "
+             "twice max_uid_queued_output (uid), max_total_queued_output (total).");
+  static const char *const reply_limits[REPLY_LIMIT_COUNT] = {"connection", "uid", "total"};
+  for (int i = 0; i < REPLY_LIMIT_COUNT; i++)
+    sample(c, f, (double)d->stats.reply_disconnects[i], "limit", reply_limits[i], NULL);
   f = family(c, "weightd_progress_events_dropped_total", "counter",
              "Progress events not sent because their client did not read its replies.");
   sample(c, f, (double)d->stats.events_dropped, NULL);

@@ -26,6 +26,7 @@
 struct request;
 struct conn;
 struct ops_group;
+struct ob_uid;
 
 /*
  * The transport's side, which the server fills in for every connection, so
@@ -68,6 +69,7 @@ struct conn {
   uv_timer_t idle_timer;
   struct wire_reader reader;
   struct wire_writer writer;
+  struct ob_uid *out_uid;   /* the reply bytes queued for the peer's uid (transport/output_budget.h) */
   pid_t pid;
   uid_t uid;
   gid_t gid;

@@ -29,7 +29,11 @@
  *     read and its progress events are dropped (they can be); a final reply
  *     that would pass the limit is answered LIMIT instead (once per request,
  *     so at most one per request read); a LIMIT answer that would pass twice
- *     max_queued_output closes the connection;
+ *     max_queued_output closes the connection. The same holds for a uid's
+ *     connections together (max_uid_queued_output; root and the daemon's uid
+ *     are exempt), and the daemon's queued replies never pass
+ *     max_total_queued_output: room is made by closing the connections that
+ *     hold the most unread bytes, largest first (output_budget.h);
  *   - connections: max_connections, plus reserved_connections for root and the
  *     daemon's uid; connections and the descriptors queued in replies stay
  *     within RLIMIT_NOFILE less what the daemon keeps for its own work (a
@@ -58,6 +62,7 @@
 #include "base/log.h"
 #include "msg.h"
 #include "ops/ops.h"
+#include "output_budget.h"
 
 /* How long the listener pauses when the process is out of descriptors. */
 #define ACCEPT_PAUSE_MS 100
@@ -135,6 +140,7 @@ void conn_on_poll(uv_poll_t *p, int status, int events) {
   if (events & UV_WRITABLE) conn_flush(c);
   if (can_take(c) && c->held.json == NULL && (events & (UV_READABLE | UV_DISCONNECT))) do_read(c);
   else if (alive(c) && !c->closed && (events & UV_DISCONNECT)) conn_close(c);
+  else conn_update_poll(c); /* other connections' replies can stop this one being read: stop watching its input */
   conn_unref(c);
 }
 
@@ -168,9 +174,9 @@ static void conn_close(struct conn *c) {
   uv_timer_stop(&c->idle_timer);
   wire_frame_clear(&c->held);
   wire_reader_free(&c->reader);
-  srv->d->stats.fds_queued -= wire_writer_fds(&c->writer);
-  srv->d->stats.output_queued -= wire_writer_bytes(&c->writer);
-  wire_writer_free(&c->writer);
+  conn_drop_output(c);
+  ob_uid_unref(&srv->uids, c->out_uid);
+  c->out_uid = NULL;
   close(c->fd);
   c->fd = -1;
   uv_close((uv_handle_t *)&c->poll, conn_handle_closed);
@@ -294,11 +300,14 @@ static void on_accept(uv_poll_t *p, int status, int events) {
       continue;
     }
     struct conn *c = d->stopping || !may_accept(srv, uid_privileged(cred.uid)) ? NULL : calloc(1, sizeof *c);
-    if (c == NULL) {
-      if (!d->stopping) refuse(fd, "too many connections");
+    struct ob_uid *out_uid = c != NULL ? ob_uid_ref(&srv->uids, cred.uid) : NULL;
+    if (out_uid == NULL) {
+      if (!d->stopping) refuse(fd, c == NULL ? "too many connections" : "out of memory");
+      free(c);
       close(fd);
       continue;
     }
+    c->out_uid = out_uid;
     c->srv = srv;
     c->d = d;
     c->ops = &transport;
@@ -371,6 +380,11 @@ int server_config_check(const struct wd_config *cfg, struct wd_error *err) {
                    " (four connections' worth of its largest request, at %u bytes per byte)",
                    cfg->max_request_bytes, cfg->max_request_bytes * REQUEST_MEMORY_FACTOR * 4,
                    REQUEST_MEMORY_FACTOR);
+  if (cfg->max_uid_queued_output > cfg->max_total_queued_output)
+    return err_set(err, WEIGHTD_E_INVALID,
+                   "max_uid_queued_output (%" PRIu64 ") is one uid's share of max_total_queued_output (%" PRIu64
+                   ") and cannot be larger; 0 makes it a quarter",
+                   cfg->max_uid_queued_output, cfg->max_total_queued_output);
   return 0;
 }
 

@@ -13,8 +13,9 @@
 #include "error.h"
 
 /*
- * Whether cfg's request limits fit together: request_memory must hold four
- * connections' worth of the largest request at what parsing it can take.
+ * Whether cfg's connection limits fit together: request_memory must hold four
+ * connections' worth of the largest request at what parsing it can take, and
+ * a uid's share of queued replies must be within the daemon's budget.
  * Returns 0 or WEIGHTD_E_INVALID with the figures in err (start and reload).
  */
 int server_config_check(const struct wd_config *cfg, struct wd_error *err);

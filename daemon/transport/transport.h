@@ -7,6 +7,8 @@
  * server_read.c (frames, request memory, the request queue), which calls
  * server_send.c (replies and descriptors). The lower files reach the upper
  * ones only by handing libuv their callbacks (conn_on_poll, conn_on_resume, conn_on_kill).
+ * server_send.c applies the rules of output_budget.h (pure figures) to what
+ * connections leave unread.
  * Everything here runs on the loop thread.
  */
 #ifndef WD_TRANSPORT_H
@@ -51,6 +53,7 @@ struct server {
   uint64_t refused_emfile; /* connections refused in the current out-of-descriptors episode */
   struct conn *conns;
   size_t nconns;
+  struct ob_uid *uids;    /* one entry per uid with a connection open: its queued reply bytes */
   size_t nwaiting_memory; /* connections whose next frame waits for request memory */
   uint64_t last_serial;   /* the daemon-wide id of the latest request read */
 };
@@ -91,6 +94,10 @@ void conn_take_held(struct conn *c);
 
 /* ---- server_send.c: replies and descriptors ------------------------------------------ */
 
+/* Whether the connection's unsent replies (its own, its uid's, the daemon's) stop its requests being read. */
+bool conn_output_backlogged(const struct conn *c);
+/* Frees the connection's unsent replies and their descriptors, and uncounts them. */
+void conn_drop_output(struct conn *c);
 /* Watches the socket for what the connection can do now. */
 void conn_update_poll(struct conn *c);
 /* Closes the connection soon, from the loop, never from inside a send. */
@@ -114,11 +121,8 @@ static inline void conn_unref(struct conn *c) {
   if (c->handles_open == 0) free(c);
 }
 
-/* Replies pile up unread: stop reading this client's requests. */
-static inline bool backlogged(const struct conn *c) {
-  return wire_writer_bytes(&c->writer) > c->d->cfg.max_queued_output / 2 ||
-         wire_writer_fds(&c->writer) > c->d->cfg.max_queued_fds / 2;
-}
+/* Replies pile up unread: stop reading this client's requests (output_budget.h says when). */
+static inline bool backlogged(const struct conn *c) { return conn_output_backlogged(c); }
 
 static inline bool alive(const struct conn *c) { return !c->closed && !c->dead; }
 

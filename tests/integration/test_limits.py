@@ -8,6 +8,7 @@ measured as RssAnon (the daemon's heap: memfd slabs and mapped shards are not
 in it) and VmHWM (the peak, reset through /proc/PID/clear_refs); under ASan the
 allocator keeps freed memory in quarantine, so those checks are skipped there.
 """
+import json
 import os
 import signal
 import socket
@@ -861,3 +862,336 @@ def test_cancel_matches_integer_ids_exactly_in_queue(daemon, tiny):
         assert b.get("error", {}).get("code") == "CANCELED", b
         for i in range(16):
             assert c.wait(i)[0].get("ok") is True
+
+
+# ---- 10. unread replies across connections: the daemon's budget and one uid's share ------
+#
+# Replies queued for clients that never read were bounded per connection
+# (max_queued_output) and in nothing else: a uid could hold that much on every
+# connection it may open (~62 GiB with the defaults). The replies here are
+# attaches of a checkpoint of 9,000 tensors by set id, about 1 MB of JSON
+# tensor table each, several times what the kernel's socket buffer holds, so
+# most of each waits in the daemon's queue while its client does not read.
+
+WIDE_TENSORS = 9000
+NOBODY = 65534
+
+
+@pytest.fixture(scope="module")
+def public_wide():
+    """A model root other users can read, holding the wide checkpoint: {"root", "path"}."""
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="wdpub-")
+    os.chmod(root, 0o755)
+    path = os.path.join(root, "wide")
+    os.makedirs(path)
+    os.chmod(path, 0o755)
+    write_safetensors(os.path.join(path, "model.safetensors"),
+                      [(f"layers.{i}.mlp.experts.gate_up_proj.weight", "U8", [1]) for i in range(WIDE_TENSORS)],
+                      seed=21)
+    os.chmod(os.path.join(path, "model.safetensors"), 0o644)
+    yield {"root": root, "path": path}
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def metric_value(st, name, **labels):
+    """A sample of a metrics family in a status reply (0 when the family has no such sample)."""
+    for s in st["metrics"].get(name, {}).get("samples", []):
+        if all(s["labels"].get(k) == v for k, v in labels.items()):
+            return s["value"]
+    return 0
+
+
+def queued(st):
+    return metric_value(st, "weightd_reply_bytes_queued")
+
+
+def hung_up(conn):
+    """Whether the daemon closed its end of conn (seen without reading what is still buffered)."""
+    import select
+
+    p = select.poll()
+    p.register(conn.sock, select.POLLRDHUP)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP) for _, ev in p.poll(0))
+
+
+class Observer:
+    """A root connection that reads its replies, and counts the requests it sent since it started."""
+
+    def __init__(self, d):
+        self.c = d.connect()
+        self.reset()
+
+    def reset(self):
+        """Counts from now on."""
+        self.first = self.c.status()
+        self.calls = 1
+
+    def status(self):
+        self.calls += 1
+        return self.c.status()
+
+    def started_since(self, st):
+        """Requests started by everyone else since this observer began."""
+        return metric_value(st, "weightd_requests_total") - metric_value(self.first, "weightd_requests_total") - (
+            self.calls - 1)
+
+    def close(self):
+        self.c.close()
+
+
+def check_wide_attach(m, sid):
+    assert m.get("ok") is True, str(m)[:300]
+    assert m["set"] == sid and m["tensor_count"] == WIDE_TENSORS and len(m["tensors"]) == WIDE_TENSORS, str(m)[:300]
+
+
+class NobodyHoarders:
+    """n connections of uid nobody, in a forked child, each sending one attach of set sid and reading nothing
+    until finish(); finish() reads every connection to its reply or EOF and returns, per connection,
+    {"reply": the final reply or None, "eof": whether the daemon closed it}."""
+
+    def __init__(self, sock, n, sid):
+        self.r, w = os.pipe()
+        go_r, self.go_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns into pytest
+            code = 0
+            try:
+                os.close(self.r)
+                os.close(self.go_w)
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                conns = [Conn(sock, timeout=60, client=f"nobody-{i}") for i in range(n)]
+                for i, c in enumerate(conns):
+                    c.send({"op": "attach", "id": f"N{i}", "set": sid})
+                os.write(w, b"s")
+                os.read(go_r, 1)
+                out = []
+                for i, c in enumerate(conns):
+                    try:
+                        m, fds = c.wait(f"N{i}")
+                        for fd in fds:
+                            os.close(fd)
+                        if m.get("ok"):
+                            m = {"ok": True, "set": m["set"], "tensor_count": m["tensor_count"],
+                                 "tensors": len(m["tensors"])}
+                        out.append({"reply": m, "eof": False})
+                    except Closed:
+                        out.append({"reply": None, "eof": True})
+                os.write(w, json.dumps(out).encode())
+            except BaseException as e:  # report, never raise into the parent's test
+                os.write(w, json.dumps({"child_error": repr(e)}).encode())
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(w)
+        os.close(go_r)
+        assert os.read(self.r, 1) == b"s", "the nobody child failed before sending its attaches"
+
+    def finish(self):
+        os.write(self.go_w, b"g")
+        os.close(self.go_w)
+        data = b""
+        while True:
+            chunk = os.read(self.r, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        os.close(self.r)
+        _, status = os.waitpid(self.pid, 0)
+        got = json.loads(data)
+        assert status == 0 and isinstance(got, list), got
+        return got
+
+
+def as_nobody_reader(sock, sid):
+    """A client of uid nobody that reads its replies: hello, status, attach, status, all answered rightly."""
+    from test_peers import as_nobody
+
+    got = as_nobody(sock, [{"op": "hello", "id": 1, "protocol": 1}, {"op": "status", "id": 2},
+                           {"op": "attach", "id": 3, "set": sid}, {"op": "status", "id": 4}])
+    by_id = {m.get("id"): m for m in got}
+    assert not any(m.get("eof") for m in got), ("the reading client of another uid was closed", str(got)[:500])
+    assert by_id[1].get("ok") is True and by_id[2].get("ok") is True and by_id[4].get("ok") is True, str(got)[:500]
+    check_wide_attach(by_id[3], sid)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+
+
+@needs_root
+def test_unread_replies_of_many_connections_stay_within_max_total_queued_output(start_daemon, public_wide):
+    """Sixteen root connections each send an attach (a 1 MB reply) and never
+    read, under max_total_queued_output=4MiB: the daemon's queued replies stay
+    within it at every look, the connections holding the most are closed (their
+    sockets see EOF, counted in weightd_reply_disconnects_total{limit="total"}
+    and logged with pid, uid, client and bytes), and a client of another uid
+    (nobody) that reads its replies gets every answer right throughout, its
+    1 MB attach included.
+
+    Before: nothing bounded the total: sixteen connections queued about 13 MB
+    (each within its own max_queued_output) and none was closed."""
+    budget = 4 * MiB
+    d = start_daemon({"max_total_queued_output": "4MiB", "allowed_uids": str(NOBODY), "socket_mode": "0666"},
+                     public=True, roots=[public_wide["root"]])
+    obs = Observer(d)
+    hoarders = []
+    try:
+        sid = obs.c.call("load", path=public_wide["path"])["set"]
+        worst = 0
+        for i in range(16):
+            hoarders.append(Conn(d.socket, client=f"hoarder-{i}"))
+        obs.reset()
+        for i, h in enumerate(hoarders):
+            h.send({"op": "attach", "id": f"H{i}", "set": sid})
+            if i % 4 == 3:
+                st = wait_until(lambda: (lambda s: s if obs.started_since(s) >= i + 1 else None)(obs.status()),
+                                timeout=30 * SLOW, what="the hoarders' attaches to start")
+                worst = max(worst, queued(st))
+                as_nobody_reader(d.socket, sid)
+                worst = max(worst, queued(obs.status()))
+        assert worst <= budget, f"{worst} reply bytes queued, over max_total_queued_output ({budget})"
+        obs.status()  # a status counts the closes made for the replies queued before its own
+        n = metric_value(obs.status(), "weightd_reply_disconnects_total", limit="total")
+        assert n > 0, "no connection was closed: the budget did not bind"
+        closed = wait_until(lambda: (lambda got: got if len(got) == n else None)(
+            [i for i, h in enumerate(hoarders) if hung_up(h)]), timeout=10 * SLOW, what=f"{n} hoarders to see EOF")
+        log = d.log_text()
+        for i in closed:
+            assert f"uid 0 (client 'hoarder-{i}')" in log, log[-3000:]
+        for i, h in enumerate(hoarders):
+            if i in closed:
+                h.expect_closed(10 * SLOW)
+            else:
+                m, fds = h.wait(f"H{i}")
+                for fd in fds:
+                    os.close(fd)
+                check_wide_attach(m, sid)
+        assert queued(obs.status()) == 0
+        as_nobody_reader(d.socket, sid)
+    finally:
+        for h in hoarders:
+            h.close()
+        obs.close()
+
+
+def test_the_connections_holding_the_most_unread_replies_are_closed_first(start_daemon, workdir, public_wide):
+    """Four connections hold 1, 2, 3 and 4 unread attach replies (1 MB each);
+    then max_total_queued_output is lowered by reload, each time just under what
+    they hold, and a reply of a client that reads is queued: each time exactly
+    the connection holding the most is closed (4, then 3, then 2), the others
+    stay open, and the last one still gets its reply, whole; the closed
+    connections' leases, sockets and queued descriptors are all freed.
+
+    Before: no connection was ever closed for the total."""
+    config = os.path.join(workdir, "output-budget.json")
+
+    def reload(**keys):
+        with open(config + ".tmp", "w") as f:
+            json.dump(keys, f)
+        os.replace(config + ".tmp", config)
+        n = d.log_text().count("key(s) applied")
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: d.log_text().count("key(s) applied") > n, timeout=10 * SLOW, what="the reload")
+
+    with open(config, "w") as f:
+        json.dump({"max_total_queued_output": "1GiB"}, f)
+    d = start_daemon(config=config, roots=[public_wide["root"]])
+    obs = Observer(d)
+    hoarders = []
+    try:
+        sid = obs.c.call("load", path=public_wide["path"])["set"]
+        base_fds = d.fd_count()
+        for k in range(1, 5):
+            h = Conn(d.socket, client=f"hoarder-{k}")
+            h.send_raw(b"".join(frame({"op": "attach", "id": f"H{k}.{j}", "set": sid}) for j in range(k)))
+            hoarders.append(h)
+        wait_until(lambda: obs.status()["daemon"]["leases"] == 1 + 2 + 3 + 4, timeout=30 * SLOW,
+                   what="every attach to be answered")
+        for k in (4, 3, 2):
+            total = queued(obs.status())
+            reload(max_total_queued_output=int(total) - 1)
+            obs.status()  # its reply needs room
+            wait_until(lambda: hung_up(hoarders[k - 1]), timeout=10 * SLOW, what=f"hoarder-{k} to be closed")
+            assert [hung_up(h) for h in hoarders] == [j >= k for j in range(1, 5)], f"closing for hoarder-{k}"
+            assert queued(obs.status()) < total
+            line = [ln for ln in d.log_text().splitlines() if f"(client 'hoarder-{k}')" in ln]
+            assert len(line) == 1 and "uid 0" in line[0] and "max_total_queued_output" in line[0], line
+        st = obs.status()
+        assert metric_value(st, "weightd_reply_disconnects_total", limit="total") == 3
+        assert st["daemon"]["leases"] == 1  # the closed connections' leases are released
+        for h in hoarders[1:]:
+            h.expect_closed(10 * SLOW)
+        m, fds = hoarders[0].wait("H1.0")
+        for fd in fds:
+            os.close(fd)
+        check_wide_attach(m, sid)
+        hoarders[0].close()
+        # What the closed connections' replies held is freed: their sockets and the descriptors queued in them.
+        wait_until(lambda: d.fd_count() == base_fds, timeout=10 * SLOW, what="the descriptors to be back to the start")
+        assert queued(obs.status()) == 0
+    finally:
+        for h in hoarders:
+            h.close()
+        obs.close()
+
+
+@needs_root
+def test_one_uid_holds_at_most_its_share_of_queued_replies(start_daemon, public_wide):
+    """max_uid_queued_output=2MiB: six connections of uid nobody each send an
+    attach (a 1 MB reply) and never read. Their replies queue until the uid's
+    share would pass: the rest are answered LIMIT, naming the share, and hold no
+    lease. A root connection that never reads is exempt (it holds more than
+    the share), and a root client that reads is answered rightly.
+
+    Before: the uid had no share: all six replies queued (about 5 MB)."""
+    share = 2 * MiB
+    d = start_daemon({"max_uid_queued_output": "2MiB", "allowed_uids": str(NOBODY), "socket_mode": "0666"},
+                     public=True, roots=[public_wide["root"]])
+    obs = Observer(d)
+    root_hoarder = None
+    try:
+        sid = obs.c.call("load", path=public_wide["path"])["set"]
+        obs.reset()
+
+        def answered(n):
+            """A status once n requests of the others were started and every one was answered."""
+            st = obs.status()
+            done = obs.started_since(st) >= n and metric_value(st, "weightd_requests_in_flight") <= 1
+            return st if done else None
+
+        nobody = NobodyHoarders(d.socket, 6, sid)
+        st = wait_until(lambda: answered(6 + 6), timeout=30 * SLOW, what="the six attaches to be answered")
+        assert queued(st) <= share, f"uid nobody holds {queued(st)} reply bytes, over its share ({share})"
+        nobody_leases = st["daemon"]["leases"]
+        # Root is exempt from the share: three unread replies, all queued.
+        root_hoarder = Conn(d.socket, client="root-hoarder")
+        root_hoarder.send_raw(b"".join(frame({"op": "attach", "id": f"R{j}", "set": sid}) for j in range(3)))
+        st = wait_until(lambda: answered(12 + 1 + 3), timeout=30 * SLOW, what="root's attaches to be answered")
+        assert st["daemon"]["leases"] == nobody_leases + 3, "root's replies were limited by a share"
+        assert queued(st) > share
+        m, fds = obs.c.request("attach", set=sid)
+        for fd in fds:
+            os.close(fd)
+        check_wide_attach(m, sid)
+        got = nobody.finish()
+        assert not any(g["eof"] for g in got), got
+        ok = [g["reply"] for g in got if g["reply"].get("ok")]
+        limited = [g["reply"] for g in got if not g["reply"].get("ok")]
+        assert len(ok) == nobody_leases and ok and limited, got
+        for m in ok:
+            assert m["tensor_count"] == WIDE_TENSORS and m["tensors"] == WIDE_TENSORS, m
+        for m in limited:
+            assert m["error"]["code"] == "LIMIT" and "max_uid_queued_output" in m["error"]["message"], m
+        for j in range(3):
+            m, fds = root_hoarder.wait(f"R{j}")
+            for fd in fds:
+                os.close(fd)
+            check_wide_attach(m, sid)
+    finally:
+        if root_hoarder is not None:
+            root_hoarder.close()
+        obs.close()

@@ -58,6 +58,7 @@ FAMILIES = {
     "weightd_requests_total": ("counter", set()),
     "weightd_requests_in_flight": ("gauge", set()),
     "weightd_reply_bytes_queued": ("gauge", set()),
+    "weightd_reply_disconnects_total": ("counter", {"limit"}),
     "weightd_progress_events_dropped_total": ("counter", set()),
     "weightd_open_fds": ("gauge", set()),
     "weightd_max_fds": ("gauge", set()),
