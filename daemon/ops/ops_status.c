@@ -207,6 +207,15 @@ static void status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
   cJSON_AddItemToObject(r, "topology", ops_multi_topology_json(d));
 }
 
+/* Drops the references a reply held: status's are a measurement's (reg_observe), an open's the caller's. */
+static void release_cks(struct reg_ckpt **cks, size_t n, bool status) {
+  for (size_t i = 0; i < n; i++) {
+    if (status) reg_unobserve(cks[i]);
+    else reg_unref(cks[i]);
+  }
+  free(cks);
+}
+
 static void info_done(struct job *j) {
   struct info_job *ij = (struct info_job *)j;
   struct daemon *d = req_daemon(ij->req);
@@ -216,8 +225,7 @@ static void info_done(struct job *j) {
   if (ij->status) status_body(d, r, ij);
   else cJSON_AddItemToObject(r, "checkpoint", ops_checkpoint_json(d, ij->cks[0], ij->resident[0]));
   req_reply(ij->req, r, NULL, 0);
-  for (size_t i = 0; i < ij->n; i++) reg_unref(ij->cks[i]);
-  free(ij->cks);
+  release_cks(ij->cks, ij->n, ij->status);
   free(ij->resident);
   free(ij->devinfo);
   free(ij);
@@ -231,8 +239,7 @@ static void reply_info(struct request *req, struct reg_ckpt **cks, size_t n, boo
       (status && (ij->devinfo = calloc((size_t)d->ndevices, sizeof *ij->devinfo)) == NULL)) {
     if (ij) free(ij->resident);
     free(ij);
-    for (size_t i = 0; i < n; i++) reg_unref(cks[i]);
-    free(cks);
+    release_cks(cks, n, status);
     req_fail(req, WEIGHTD_E_NOMEM, "out of memory");
     return;
   }
@@ -270,7 +277,7 @@ void op_status(struct request *r) {
   size_t i = 0;
   for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next)
     if (c->state == REG_OPEN) {
-      reg_ref(c);
+      reg_observe(c); /* a measurement: close does not wait for it */
       cks[i++] = c;
     }
   reply_info(r, cks, n, true);

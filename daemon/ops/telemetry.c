@@ -95,10 +95,7 @@ static void resident_done(struct job *j) {
     t->resident_at_ms = clock_ms();
     t->resident_running = false;
   }
-  for (size_t i = 0; i < rj->n; i++) {
-    rj->cks[i]->observers--;
-    reg_unref(rj->cks[i]);
-  }
+  for (size_t i = 0; i < rj->n; i++) reg_unobserve(rj->cks[i]);
   free(rj->cks);
   free(rj->bytes);
   free(rj);
@@ -184,8 +181,7 @@ void telemetry_refresh(struct daemon *d) {
     }
     for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next)
       if (c->state == REG_OPEN) {
-        reg_ref(c);
-        c->observers++; /* a measurement: close does not wait for it */
+        reg_observe(c); /* a measurement: close does not wait for it */
         rj->cks[rj->n++] = c;
       }
     rj->job.work = resident_work;

@@ -227,6 +227,16 @@ void reg_unref(struct reg_ckpt *ck) {
   if (--ck->refs == 0) entry_free(ck);
 }
 
+void reg_observe(struct reg_ckpt *ck) {
+  reg_ref(ck);
+  ck->observers++;
+}
+
+void reg_unobserve(struct reg_ckpt *ck) {
+  ck->observers--;
+  reg_unref(ck);
+}
+
 void reg_detach(struct reg_ckpt *ck) {
   if (ck->detached) return;
   struct reg_ckpt **pp = &ck->reg->ckpts;

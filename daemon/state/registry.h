@@ -201,6 +201,12 @@ void reg_check(struct registry *r, struct reg_ckpt *ck, const struct acc_cred *w
 
 void reg_ref(struct reg_ckpt *ck);
 void reg_unref(struct reg_ckpt *ck);
+/*
+ * A reference for a measurement (status, telemetry; loop thread): it keeps
+ * ck alive but not open, so that close is not refused while one runs.
+ */
+void reg_observe(struct reg_ckpt *ck);
+void reg_unobserve(struct reg_ckpt *ck);
 /* An open checkpoint by resolved path (no I/O), or NULL. */
 struct reg_ckpt *reg_find(struct registry *r, const char *resolved);
 /* Removes a checkpoint nothing uses: 0, or WEIGHTD_E_BUSY / WEIGHTD_E_NOT_FOUND. */

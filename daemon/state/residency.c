@@ -332,7 +332,9 @@ static void answer_rooms(struct residency *r) {
     struct room_req *next = q->next;
     int rc;
     struct wd_error err = {0};
-    if (nobody_wants(q->set) || r->destroying)
+    if (r->stopping || r->destroying) /* evicting for a load that is about to be stopped helps nobody */
+      rc = err_set(&err, WEIGHTD_E_CANCELED, "load of %s canceled: the daemon is stopping", q->set->ck->path);
+    else if (nobody_wants(q->set))
       rc = err_set(&err, WEIGHTD_E_CANCELED, "load of %s canceled before it started", q->set->ck->path);
     else
       rc = make_room(r, q->set, &q->freed, &err);
@@ -589,6 +591,7 @@ int res_lease_restore(struct residency *r, struct res_set *s, const char *id, co
 /* ---- shutdown ----------------------------------------------------------------------------- */
 
 void res_cancel_all(struct residency *r) {
+  r->stopping = true;
   for (struct res_set *s = r->sets; s != NULL; s = s->next)
     if (s->state == SET_LOADING) atomic_store(&s->load.cancel, true);
 }

@@ -59,6 +59,7 @@ struct residency {
   pthread_cond_t room_cv;
   struct room_req *room_queue;
   bool destroying; /* res_destroy runs: rooms asked for now are refused */
+  bool stopping;   /* res_cancel_all ran (the daemon stops): a load asking for room is told to stop */
   bool replicas;
   void (*changed)(void *arg, bool now); /* sets or leases changed (res_on_change) */
   void *changed_arg;
