@@ -447,7 +447,7 @@ void op_load_group(struct request *r) {
   g->job.work = group_plan_work;
   g->job.done = group_plan_done;
   r->group = g;
-  reg_acquire(req_daemon(r)->reg, path, group_ready, g);
+  reg_acquire_as(req_daemon(r)->reg, path, r->conn->uid, group_ready, g);
 }
 
 bool ops_group_cancel(struct request *t) {

@@ -31,7 +31,7 @@ static void open_ready(void *arg, struct reg_ckpt *ck, const struct wd_error *er
 
 void op_open(struct request *r) {
   const char *path = ops_path_arg(r);
-  if (path != NULL) reg_acquire(req_daemon(r)->reg, path, open_ready, r);
+  if (path != NULL) reg_acquire_as(req_daemon(r)->reg, path, r->conn->uid, open_ready, r);
 }
 
 static void close_resolved(void *arg, const char *resolved, const struct wd_error *err) {
@@ -223,7 +223,7 @@ void op_prefetch(struct request *r) {
     return;
   }
   const char *path = ops_path_arg(r);
-  if (path != NULL) reg_acquire(req_daemon(r)->reg, path, prefetch_ready, r);
+  if (path != NULL) reg_acquire_as(req_daemon(r)->reg, path, r->conn->uid, prefetch_ready, r);
 }
 
 /* ---- load and attach --------------------------------------------------------------------- */
@@ -558,7 +558,7 @@ void op_load(struct request *r) {
     req_fail_err(r, &err);
     return;
   }
-  reg_acquire(req_daemon(r)->reg, path, load_ready, r);
+  reg_acquire_as(req_daemon(r)->reg, path, r->conn->uid, load_ready, r);
 }
 
 void op_attach(struct request *r) {

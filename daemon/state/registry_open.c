@@ -17,15 +17,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "clock.h"
 #include "base/log.h"
 #include "pathutil.h"
-
-struct reg_waiter {
-  reg_ready_fn cb;
-  void *arg;
-  struct reg_waiter *next;
-};
 
 /* ---- acquiring: resolve, then verify or open ---------------------------------------- */
 
@@ -40,6 +33,7 @@ struct acquire {
   reg_ready_fn ready;      /* acquire */
   reg_resolved_fn resolved_cb; /* resolve only */
   void *arg;
+  uid_t uid; /* whom the entry is charged to */
   char *path;
   char *resolved;
   struct reg_ckpt *entry; /* ACQ_VERIFY / ACQ_OPEN: referenced */
@@ -82,28 +76,43 @@ static void acquire_work(struct job *j) {
     }
     a->entry->ck = c; /* the entry is OPENING: nobody else reads it yet */
     a->rc = ld_source_mmap_open(c, &a->entry->src, &a->err);
+    a->entry->charge = reg_entry_charge(a->entry);
+    for (size_t i = 0; i < c->nshards; i++) a->entry->nmaps += c->shards[i].size > 0;
     return;
   }
   }
 }
 
-static void notify_waiters(struct reg_ckpt *e, const struct wd_error *err) {
+/*
+ * Tells every waiter; on success each is charged for first, and one its
+ * uid's shares cannot hold gets LIMIT. Returns how many got the entry.
+ */
+static size_t notify_waiters(struct reg_ckpt *e, const struct wd_error *err) {
   struct reg_waiter *w = e->waiters;
   e->waiters = NULL;
+  size_t given = 0;
   while (w != NULL) {
     struct reg_waiter *next = w->next;
-    if (err == NULL) reg_ref(e);
-    w->cb(w->arg, err == NULL ? e : NULL, err);
+    struct wd_error cerr = {0};
+    if (err == NULL && reg_bound_charge(e->reg, e, w->uid, &cerr) != 0) {
+      w->cb(w->arg, NULL, &cerr);
+    } else {
+      if (err == NULL) reg_ref(e);
+      given += err == NULL;
+      w->cb(w->arg, err == NULL ? e : NULL, err);
+    }
     free(w);
     w = next;
   }
+  return given;
 }
 
-static int add_waiter(struct reg_ckpt *e, reg_ready_fn cb, void *arg) {
+static int add_waiter(struct reg_ckpt *e, reg_ready_fn cb, void *arg, uid_t uid) {
   struct reg_waiter *w = calloc(1, sizeof *w);
   if (w == NULL) return -1;
   w->cb = cb;
   w->arg = arg;
+  w->uid = uid;
   w->next = e->waiters;
   e->waiters = w;
   return 0;
@@ -115,18 +124,24 @@ static void fail_nomem(reg_ready_fn cb, void *arg) {
   cb(arg, NULL, &err);
 }
 
-/* Starts opening a->resolved (or joins an open already under way). */
+/* Starts opening a->resolved (or joins an open already under way), if the bounds leave room for it. */
 static void start_open(struct acquire *a) {
   struct registry *r = a->reg;
   for (struct reg_ckpt *e = r->ckpts; e != NULL; e = e->next) {
     if (e->state == REG_OPENING && strcmp(e->path, a->resolved) == 0) {
-      if (add_waiter(e, a->ready, a->arg) != 0) fail_nomem(a->ready, a->arg);
+      if (add_waiter(e, a->ready, a->arg, a->uid) != 0) fail_nomem(a->ready, a->arg);
       acquire_free(a);
       return;
     }
   }
+  struct wd_error berr = {0};
+  if (reg_bound_admit(r, a->uid, a->resolved, &berr) != 0) {
+    a->ready(a->arg, NULL, &berr);
+    acquire_free(a);
+    return;
+  }
   struct reg_ckpt *e = calloc(1, sizeof *e);
-  if (e == NULL || (e->path = strdup(a->resolved)) == NULL || add_waiter(e, a->ready, a->arg) != 0) {
+  if (e == NULL || (e->path = strdup(a->resolved)) == NULL || add_waiter(e, a->ready, a->arg, a->uid) != 0) {
     if (e) free(e->path);
     free(e);
     fail_nomem(a->ready, a->arg);
@@ -140,6 +155,7 @@ static void start_open(struct acquire *a) {
   e->refs = 2; /* the registry's, and the open job's */
   e->next = r->ckpts;
   r->ckpts = e;
+  r->nlisted++;
   a->stage = ACQ_OPEN;
   a->entry = e;
   a->rc = 0;
@@ -174,8 +190,15 @@ static void acquire_done(struct job *j) {
   case ACQ_VERIFY: {
     struct reg_ckpt *e = a->entry;
     a->entry = NULL;
+    struct wd_error cerr = {0};
+    if (a->rc == 0 && !e->detached && reg_bound_charge(a->reg, e, a->uid, &cerr) != 0) {
+      reg_unref(e);
+      a->ready(a->arg, NULL, &cerr);
+      acquire_free(a);
+      return;
+    }
     if (a->rc == 0 && !e->detached) {
-      e->last_used_ms = clock_ms();
+      reg_touch(e);
       a->ready(a->arg, e, NULL); /* passes our reference on */
       acquire_free(a);
       return;
@@ -191,16 +214,21 @@ static void acquire_done(struct job *j) {
   }
   case ACQ_OPEN: {
     struct reg_ckpt *e = a->entry;
+    bool bounded = a->rc == 0 && (a->rc = reg_bound_open(a->reg, e, &a->err)) != 0;
     if (a->rc == 0) {
       e->state = REG_OPEN;
-      e->last_used_ms = clock_ms();
-      log_msg(LOG_INFO, "opened %s: %zu shards, %zu tensors, %llu bytes", e->path, e->ck->nshards,
-              e->ck->ntensors, (unsigned long long)e->ck->total_bytes);
-      notify_waiters(e, NULL);
-      reg_pin_on_open(a->reg, e);
+      reg_touch(e);
+      log_msg(LOG_INFO, "opened %s: %zu shards, %zu tensors, %llu bytes (%llu charged)", e->path, e->ck->nshards,
+              e->ck->ntensors, (unsigned long long)e->ck->total_bytes, (unsigned long long)e->charge);
+      if (notify_waiters(e, NULL) == 0 && !e->detached) {
+        log_msg(LOG_INFO, "closed %s: every request for it was refused by a bound", e->path);
+        reg_detach(e);
+      } else if (!e->detached) {
+        reg_pin_on_open(a->reg, e);
+      }
     } else {
       e->state = REG_FAILED;
-      log_msg(LOG_WARN, "cannot open %s: %s", e->path, a->err.msg);
+      if (!bounded) log_msg(LOG_WARN, "cannot open %s: %s", e->path, a->err.msg); /* a refusal logs itself */
       reg_detach(e);
       notify_waiters(e, &a->err);
     }
@@ -226,7 +254,7 @@ static struct acquire *acquire_new(struct registry *r, const char *path) {
   return a;
 }
 
-void reg_acquire(struct registry *r, const char *path, reg_ready_fn cb, void *arg) {
+void reg_acquire_as(struct registry *r, const char *path, uid_t uid, reg_ready_fn cb, void *arg) {
   struct acquire *a = acquire_new(r, path);
   if (a == NULL) {
     fail_nomem(cb, arg);
@@ -234,7 +262,12 @@ void reg_acquire(struct registry *r, const char *path, reg_ready_fn cb, void *ar
   }
   a->ready = cb;
   a->arg = arg;
+  a->uid = uid;
   jobs_submit(r->control, &a->job);
+}
+
+void reg_acquire(struct registry *r, const char *path, reg_ready_fn cb, void *arg) {
+  reg_acquire_as(r, path, REG_UID_DAEMON, cb, arg);
 }
 
 void reg_resolve(struct registry *r, const char *path, reg_resolved_fn cb, void *arg) {

@@ -242,6 +242,7 @@ void res_set_destroy(struct res_set *s, struct slab_list *keep) {
   free((void *)s->load.pins);
   s->load.pins = NULL;
   plan_free(s->plan);
+  reg_touch(s->ck); /* its checkpoint's idle time starts when its last set goes */
   reg_unref(s->ck);
   uv_timer_stop(&s->progress_timer);
   uv_close((uv_handle_t *)&s->progress_timer, timer_closed);
