@@ -437,6 +437,7 @@ static void status_daemon(struct daemon *d, cJSON *r) {
   json_u64_add(c, "closed_idle", rc.closed_idle);
   json_u64_add(c, "closed_for_room", rc.closed_room);
   json_u64_add(c, "refused", rc.refused);
+  json_u64_add(c, "plans_reused", rc.plans_reused);
 }
 
 /* The status reply's body; false when memory ran out. */

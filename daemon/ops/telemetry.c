@@ -423,6 +423,9 @@ static void collect_checkpoints(struct daemon *d, struct collection *c) {
   f = family(c, "weightd_checkpoint_opens_refused_total", "counter",
              "Opens answered LIMIT by a bound on open checkpoints (none of the holder's was idle).");
   sample(c, f, (double)rc.refused, NULL);
+  f = family(c, "weightd_plans_reused_total", "counter",
+             "Loads and attaches by path whose plan key a checkpoint remembered, so no plan was built.");
+  sample(c, f, (double)rc.plans_reused, NULL);
   f = family(c, "weightd_pinned_bytes", "gauge", "Checkpoint bytes registered for direct DMA (the pinned tier).");
   sample(c, f, (double)reg_pinned_bytes(d->reg), NULL);
   f = family(c, "weightd_pin_budget_bytes", "gauge", "The pinned tier's budget (host_pin_budget).");

@@ -199,6 +199,7 @@ static void entry_finish(struct reg_ckpt *ck) {
   struct registry *r = ck->reg;
   free(ck->pins);
   reg_digests_free(ck->digests);
+  reg_plan_memo_free(ck);
   free(ck->uids);
   ckpt_free(ck->ck);
   free(ck->path);

@@ -110,11 +110,12 @@ struct reg_ckpt {
   uint64_t use_seq;      /* the same moment in the registry's order of uses: least recently used first */
   struct reg_waiter *waiters; /* acquirers waiting for REG_OPENING */
   /* What the bounds count (registry_bound.c): set once open, or when charged to a uid. */
-  uint64_t charge;    /* bytes: parsed headers and tables, mappings (reg_entry_charge) */
+  uint64_t charge;    /* bytes: parsed headers and tables, mappings, the plan memo (reg_entry_charge) */
   size_t nmaps;       /* shard mappings */
   bool counted;       /* charge and nmaps are in the registry's totals */
   uid_t *uids;        /* the uids it is charged to, each once */
   size_t nuids;
+  struct reg_plan_memo *memo; /* plan keys by spec digest (reg_plan_key_find), REG_PLAN_MEMO of them; NULL: none yet */
   /* The page-cache bytes telemetry last measured (for metrics; status measures its own). */
   uint64_t page_cache_bytes;
   bool page_cache_known;
@@ -148,6 +149,7 @@ struct reg_counts {
   uint64_t closed_idle;  /* entries closed for being unused for the idle time */
   uint64_t closed_room;  /* idle entries closed to make room under a bound */
   uint64_t refused;      /* acquires refused with LIMIT by a bound */
+  uint64_t plans_reused; /* requests that found their set through a plan memo (reg_plan_reused) */
 };
 
 /* What the registry is given at creation; pointers must outlive it. */
@@ -278,6 +280,30 @@ bool reg_pin_wants_ranges(const struct registry *r);
  * fit. Takes the ranges (a malloc'd array) in every case.
  */
 void reg_pin_after_load(struct reg_ckpt *ck, struct plan_range *ranges, size_t n);
+
+/* ---- plans remembered ---------------------------------------------------------- */
+
+/*
+ * An entry remembers the plan keys its recent plans were built with, by the
+ * SHA-256 of their spec (the request's plan object, compactly printed), so
+ * that a request naming a resident set by path and plan finds it without
+ * building the plan again (an entry is immutable: the same spec gives the
+ * same plan). REG_PLAN_MEMO of them, the least recently used replaced.
+ */
+#define REG_PLAN_MEMO 8
+#define REG_SPEC_DIGEST 32
+struct reg_plan_memo {
+  unsigned char spec[REG_SPEC_DIGEST];
+  char *key; /* NULL: unused */
+  uint64_t used;
+};
+
+/* The key the spec with this digest gave ck's plan, or NULL. */
+const char *reg_plan_key_find(struct reg_ckpt *ck, const unsigned char spec[REG_SPEC_DIGEST]);
+/* Counts a request that found its set through ck's memo, building no plan (reg_counts.plans_reused). */
+void reg_plan_reused(struct reg_ckpt *ck);
+/* Remembers the key a spec gave ck's plan (nothing when memory runs out). */
+void reg_plan_key_remember(struct reg_ckpt *ck, const unsigned char spec[REG_SPEC_DIGEST], const char *key);
 
 /* ---- identity ------------------------------------------------------------------ */
 

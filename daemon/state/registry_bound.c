@@ -1,7 +1,7 @@
 /*
  * registry_bound.c - the bounds on open checkpoints (see registry.h, struct
  * reg_limits): what an entry is charged, who it is charged to, making room
- * by closing idle entries, the idle timer.
+ * by closing idle entries, the idle timer; and the plan memo of an entry.
  *
  * DESIGN: loop-owned, like the registry's list, with one exception:
  * reg_entry_charge runs on the job that opened the entry, and reads only that
@@ -17,6 +17,7 @@
 
 #include "base/log.h"
 #include "clock.h"
+#include "plan.h"
 
 /* ---- what an entry is charged ------------------------------------------------------- */
 
@@ -40,6 +41,7 @@ static uint64_t header_bytes(const struct st_header *h) {
 uint64_t reg_entry_charge(const struct reg_ckpt *ck) {
   const struct ckpt *c = ck->ck;
   uint64_t b = sizeof *ck + text_bytes(ck->path);
+  b += REG_PLAN_MEMO * (sizeof(struct reg_plan_memo) + PLAN_KEY_MAX + 1 + ALLOC_OVERHEAD);
   if (c == NULL) return b;
   b += sizeof *c + text_bytes(c->path) + text_bytes(c->dir);
   b += (uint64_t)c->ntensors * sizeof c->by_name[0] + ALLOC_OVERHEAD;
@@ -210,7 +212,8 @@ void reg_counts(const struct registry *r, struct reg_counts *out) {
                              .maps = r->nmaps,
                              .closed_idle = r->closed_idle,
                              .closed_room = r->closed_room,
-                             .refused = r->refused};
+                             .refused = r->refused,
+                             .plans_reused = r->plans_reused};
 }
 
 /* Closes every idle entry unused for the idle time. */
@@ -240,4 +243,41 @@ void reg_bound_timer(struct registry *r) {
   }
   uint64_t every = idle / 2 < 100 ? 100 : idle / 2 > 30000 ? 30000 : idle / 2;
   uv_timer_start(&r->idle_timer, on_idle_timer, every, every);
+}
+
+/* ---- plans remembered ------------------------------------------------------------------ */
+
+const char *reg_plan_key_find(struct reg_ckpt *ck, const unsigned char spec[REG_SPEC_DIGEST]) {
+  for (size_t i = 0; ck->memo != NULL && i < REG_PLAN_MEMO; i++) {
+    struct reg_plan_memo *m = &ck->memo[i];
+    if (m->key != NULL && memcmp(m->spec, spec, REG_SPEC_DIGEST) == 0) {
+      m->used = ++ck->reg->memo_clock;
+      return m->key;
+    }
+  }
+  return NULL;
+}
+
+void reg_plan_reused(struct reg_ckpt *ck) { ck->reg->plans_reused++; }
+
+void reg_plan_key_remember(struct reg_ckpt *ck, const unsigned char spec[REG_SPEC_DIGEST], const char *key) {
+  if (ck->memo == NULL && (ck->memo = calloc(REG_PLAN_MEMO, sizeof *ck->memo)) == NULL) return;
+  struct reg_plan_memo *slot = &ck->memo[0];
+  for (size_t i = 0; i < REG_PLAN_MEMO; i++) {
+    struct reg_plan_memo *m = &ck->memo[i];
+    if (m->key != NULL && memcmp(m->spec, spec, REG_SPEC_DIGEST) == 0) return; /* remembered already */
+    if (m->key == NULL || (slot->key != NULL && m->used < slot->used)) slot = m;
+  }
+  char *copy = strdup(key);
+  if (copy == NULL) return;
+  free(slot->key);
+  memcpy(slot->spec, spec, REG_SPEC_DIGEST);
+  slot->key = copy;
+  slot->used = ++ck->reg->memo_clock;
+}
+
+void reg_plan_memo_free(struct reg_ckpt *ck) {
+  for (size_t i = 0; ck->memo != NULL && i < REG_PLAN_MEMO; i++) free(ck->memo[i].key);
+  free(ck->memo);
+  ck->memo = NULL;
 }

@@ -39,7 +39,8 @@ struct registry {
   size_t nlisted;     /* entries in the list */
   uint64_t charged;   /* the charge of the open entries counted (reg_ckpt.counted) */
   size_t nmaps;       /* their mappings */
-  uint64_t closed_idle, closed_room, refused;
+  uint64_t closed_idle, closed_room, refused, plans_reused;
+  uint64_t memo_clock; /* orders plan memo uses */
   uint64_t use_clock;  /* orders entries' uses (reg_touch) */
   uv_loop_t *loop;
   uv_timer_t idle_timer; /* closes idle entries (when loop is set) */
@@ -95,6 +96,8 @@ int reg_bound_open(struct registry *r, struct reg_ckpt *ck, struct wd_error *err
 int reg_bound_charge(struct registry *r, struct reg_ckpt *ck, uid_t uid, struct wd_error *err);
 /* Starts, restarts or stops the idle timer for the limits in force. */
 void reg_bound_timer(struct registry *r);
+/* Frees ck's plan memo. */
+void reg_plan_memo_free(struct reg_ckpt *ck);
 
 /* ---- registry_pin.c ------------------------------------------------------------------- */
 

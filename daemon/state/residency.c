@@ -126,6 +126,12 @@ struct res_set *res_find_set(const struct residency *r, const char *id) {
   return NULL;
 }
 
+struct res_set *res_find_plan(const struct residency *r, const struct reg_ckpt *ck, int device, const char *plan_key) {
+  for (struct res_set *s = r->sets; s != NULL; s = s->next)
+    if (s->ck == ck && s->device == device && s->state != SET_FAILED && strcmp(s->plan->key, plan_key) == 0) return s;
+  return NULL;
+}
+
 struct res_set *res_find_by_key(const struct residency *r, const char *key) {
   for (struct res_set *s = r->sets; s != NULL; s = s->next)
     if (strcmp(s->key, key) == 0 && s->state != SET_FAILED) return s;

@@ -63,6 +63,7 @@ FAMILIES = {
     "weightd_checkpoint_mappings": ("gauge", set()),
     "weightd_checkpoints_closed_total": ("counter", {"reason"}),
     "weightd_checkpoint_opens_refused_total": ("counter", set()),
+    "weightd_plans_reused_total": ("counter", set()),
     "weightd_pinned_bytes": ("gauge", set()),
     "weightd_pin_budget_bytes": ("gauge", set()),
     "weightd_errors_total": ("counter", {"code"}),

@@ -18,6 +18,7 @@ import urllib.request
 
 import pytest
 
+import wdclient
 from conftest import TINY_TENSORS, WEIGHTCTL, native_env, write_single
 from wdclient import wait_until
 
@@ -302,3 +303,54 @@ def test_metrics_series_bounded(start_daemon, model_root):
         assert len(st["metrics"]["weightd_checkpoint_bytes"]["samples"]) == 32
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_attach_by_path_reuses_the_plan_and_sees_changed_files(start_daemon, model_root):
+    """A second attach by path finds the resident set through the plan memo; a rewritten file still reloads.
+
+    Before: every attach by path built the plan again over every tensor
+    (10-17 ms at 20,000 tensors against 3.4 ms by id), and status had no
+    plans_reused.
+    """
+    tensors = [(f"layers.{i}.w", "F16", [4, 4 + i % 3]) for i in range(300)]
+    ck = write_single(tempfile.mkdtemp(prefix="memo-", dir=model_root), tensors, 1)
+    try:
+        d = start_daemon()
+        with d.connect() as c:
+            def attach(**kw):
+                att, fd = c.attach(path=ck, device=0, **kw)
+                return att, fd
+
+            def reused():
+                return c.status()["daemon"]["checkpoints"]["plans_reused"]
+
+            a1, fd1 = attach()
+            assert reused() == 0
+            a2, fd2 = attach()
+            assert a2["set"] == a1["set"] and reused() == 1
+            a3, fd3 = attach(plan={"preset": "whole"})  # written otherwise: built once, then remembered
+            assert a3["set"] == a1["set"] and reused() == 1
+            a4, fd4 = attach(plan={"preset": "whole"})
+            assert a4["set"] == a1["set"] and reused() == 2
+            for a, fd in ((a1, fd1), (a2, fd2), (a3, fd3), (a4, fd4)):
+                os.close(fd)
+                c.call("release", lease=a["lease"])
+            # The file rewritten (other bytes, a new mtime): the next attach by path loads it again.
+            shard = os.path.join(ck, "model.safetensors")
+            st0 = os.stat(shard)
+            wdclient.write_safetensors(shard, tensors, seed=2)
+            os.utime(shard, ns=(st0.st_atime_ns, st0.st_mtime_ns + 10**9))
+            a5, fd5 = attach()
+            try:
+                assert a5["set"] != a1["set"]
+                tensor = next(t for t in a5["tensors"] if t["name"] == "layers.7.w")
+                got = os.pread(fd5, tensor["nbytes"], tensor["offset"])
+                sh = wdclient.Shard(shard)
+                b, e = sh.tensor_range("layers.7.w")
+                assert got == sh.map[b:e]
+                sh.close()
+            finally:
+                os.close(fd5)
+                c.call("release", lease=a5["lease"])
+    finally:
+        shutil.rmtree(ck, ignore_errors=True)
