@@ -4,8 +4,8 @@
  * model roots and missing paths fail with their codes, a replaced shard
  * detaches the old entry and opens a new generation, closing respects
  * references, prefetch reports page-cache bytes (and a truncated shard),
- * resolve, destroying the registry while an entry is still held, and a
- * client's own access however its acquire meets another's.
+ * resolve, the mapping bound, destroying the registry while an entry is
+ * still held, and a client's own access however its acquire meets another's.
  */
 #include <limits.h>
 #include <stdbool.h>
@@ -579,6 +579,72 @@ static void test_resolve(void) {
 /* ---- destroying ----------------------------------------------------------------- */
 
 /* registry.h: reg_destroy detaches every entry and frees the registry once none is left. */
+/* ---- bounds ---------------------------------------------------------------------- */
+
+/* Acquires path for uid and runs the loop until the continuation fired. */
+static struct acq acquire_as(struct env *e, const char *path, uid_t uid) {
+  struct acq a = {0};
+  reg_acquire_as(e->reg, path, uid, NULL, acq_cb, &a);
+  CHECK(env_run_until(e, env_flag_set, &a.fired));
+  return a;
+}
+
+/*
+ * The mapping bound (a quarter of vm.max_map_count in the daemon): an open
+ * whose shards would pass it closes an idle entry first, and is refused with
+ * LIMIT naming the bound when the entries are held; the daemon's own
+ * acquires (re-adoption) are never refused, and count.
+ */
+static void test_mapping_bound(void) {
+  struct env e;
+  struct env_opts o = {0};
+  if (env_start(&e, &o) != 0) {
+    CHECK(0);
+    return;
+  }
+  reg_limits_set(e.reg, &(struct reg_limits){.max_maps = 5});
+  char a[PATH_MAX], b[PATH_MAX], c[PATH_MAX];
+  char *da = scratch_with_ckpt("reg-maps-a", a), *db = scratch_with_ckpt("reg-maps-b", b),
+       *dc = scratch_with_ckpt("reg-maps-c", c);
+  struct acq x = acquire_as(&e, a, 1000), y = acquire_as(&e, b, 1000);
+  CHECK_EQ_INT(x.err.code, 0);
+  CHECK_EQ_INT(y.err.code, 0);
+  struct reg_counts n;
+  reg_counts(e.reg, &n);
+  CHECK_EQ_INT(n.maps, 4);
+  CHECK_EQ_INT(n.open, 2);
+  CHECK(n.charged > 0);
+  reg_unref(x.ck); /* a is idle now: it makes room for c */
+  struct acq z = acquire_as(&e, c, 1001);
+  CHECK_EQ_INT(z.err.code, 0);
+  CHECK(reg_find(e.reg, a) == NULL);
+  reg_counts(e.reg, &n);
+  CHECK_EQ_INT(n.maps, 4);
+  CHECK_EQ_INT(n.closed_room, 1);
+  /* b and c are held: a's open is refused, and nothing changes. */
+  struct acq w = acquire_as(&e, a, 1000);
+  CHECK_EQ_INT(w.err.code, WEIGHTD_E_LIMIT);
+  CHECK(strstr(w.err.msg, "vm.max_map_count") != NULL);
+  reg_counts(e.reg, &n);
+  CHECK_EQ_INT(n.open, 2);
+  CHECK_EQ_INT(n.refused, 1);
+  /* The daemon's own work is not refused. */
+  struct acq v = env_acquire(&e, a);
+  CHECK_EQ_INT(v.err.code, 0);
+  reg_counts(e.reg, &n);
+  CHECK_EQ_INT(n.maps, 6);
+  reg_unref(v.ck);
+  reg_unref(z.ck);
+  reg_unref(y.ck);
+  env_stop(&e);
+  fx_rmtree(da);
+  fx_rmtree(db);
+  fx_rmtree(dc);
+  free(da);
+  free(db);
+  free(dc);
+}
+
 static void test_destroy_while_entry_held(void) {
   struct env e;
   struct env_opts o = {0};
@@ -620,6 +686,7 @@ int main(void) {
   RUN(test_prefetch_reports_resident_bytes);
   RUN(test_prefetch_truncated_shard);
   RUN(test_resolve);
+  RUN(test_mapping_bound);
   RUN(test_destroy_while_entry_held);
   return tu_finish();
 }

@@ -30,11 +30,14 @@ static int looks_like_path(const char *arg) {
  * CTL_EXIT_FAIL after printing why.
  */
 static int set_origin(weightd_client *c, const char *set_id, char **path, cJSON **spec) {
-  char *text = NULL;
+  char *text = NULL, req[128];
   *path = NULL;
   *spec = NULL;
+  /* The one set numbered set_id's number: a status page of the sets after the next number, one item long. */
+  snprintf(req, sizeof req, "{\"op\":\"status\",\"limit\":1,\"after\":{\"sets\":%llu}}",
+           strtoull(set_id + (set_id[0] != '\0'), NULL, 10) + 1);
   ctl_guard_call_begin();
-  int rc = weightd_request(c, "{\"op\":\"status\"}", &text, NULL, NULL);
+  int rc = weightd_request(c, req, &text, NULL, NULL);
   ctl_guard_call_end();
   if (rc != 0) {
     weightd_free(text);

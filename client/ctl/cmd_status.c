@@ -1,7 +1,8 @@
 /*
- * cmd_status.c - `weightctl status`: the daemon, its devices, checkpoints,
- * resident sets, leases (who holds them) and requests in progress; and
- * `weightctl health`, the readiness probe.
+ * cmd_status.c - `weightctl status [--all]`: the daemon, its devices,
+ * checkpoints, resident sets, leases (who holds them) and requests in
+ * progress, a page of each (every page with --all); and `weightctl health`,
+ * the readiness probe.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -78,6 +79,16 @@ static void print_topology(const cJSON *r) {
   printf("\n");
 }
 
+/* "checkpoints (3)", or "checkpoints (256 of 5000; --all lists every one)" when the daemon left some out. */
+static void print_list_head(const cJSON *r, const char *name) {
+  int shown = cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(r, name));
+  const cJSON *total = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(r, "totals"), name);
+  if (cJSON_IsNumber(total) && total->valuedouble > shown)
+    printf("%s (%d of %.0f; --all lists every one)\n", name, shown, total->valuedouble);
+  else
+    printf("%s (%d)\n", name, shown);
+}
+
 static void print_status(const cJSON *r) {
   const cJSON *d = cJSON_GetObjectItemCaseSensitive(r, "daemon");
   printf("weightd %s, pid %" PRIu64 ", backend %s, up %.1f s, %" PRIu64 " connection%s\n  socket %s\n",
@@ -103,7 +114,7 @@ static void print_status(const cJSON *r) {
   print_topology(r);
 
   const cJSON *cks = cJSON_GetObjectItemCaseSensitive(r, "checkpoints");
-  printf("checkpoints (%d)\n", cJSON_GetArraySize(cks));
+  print_list_head(r, "checkpoints");
   cJSON_ArrayForEach(x, cks) {
     ctl_human_bytes(ctl_u64(x, "bytes"), a, sizeof a);
     ctl_human_bytes(ctl_u64(x, "resident_bytes"), b, sizeof b);
@@ -114,7 +125,7 @@ static void print_status(const cJSON *r) {
   }
 
   const cJSON *sets = cJSON_GetObjectItemCaseSensitive(r, "sets");
-  printf("sets (%d)\n", cJSON_GetArraySize(sets));
+  print_list_head(r, "sets");
   cJSON_ArrayForEach(x, sets) {
     ctl_human_bytes(ctl_u64(x, "bytes"), a, sizeof a);
     char *plan = cJSON_PrintUnformatted(cJSON_GetObjectItemCaseSensitive(x, "plan"));
@@ -133,7 +144,7 @@ static void print_status(const cJSON *r) {
   }
 
   const cJSON *leases = cJSON_GetObjectItemCaseSensitive(r, "leases");
-  printf("leases (%d)\n", cJSON_GetArraySize(leases));
+  print_list_head(r, "leases");
   cJSON_ArrayForEach(x, leases) {
     format_age(ctl_num(x, "age_s"), a, sizeof a);
     printf("  %-6s set %-6s pid %" PRIu64 "  uid %" PRIu64 "  held %s", ctl_str(x, "lease"), ctl_str(x, "set"),
@@ -143,7 +154,7 @@ static void print_status(const cJSON *r) {
   }
 
   const cJSON *reqs = cJSON_GetObjectItemCaseSensitive(r, "requests");
-  printf("requests (%d)\n", cJSON_GetArraySize(reqs));
+  print_list_head(r, "requests");
   cJSON_ArrayForEach(x, reqs) {
     format_age(ctl_num(x, "age_s"), a, sizeof a);
     printf("  %-6s %-8s %-7s pid %" PRIu64 "  uid %" PRIu64 "  for %s", ctl_str(x, "request"), ctl_str(x, "op"),
@@ -163,13 +174,52 @@ static void print_status(const cJSON *r) {
   }
 }
 
+static const char *const status_lists[] = {"checkpoints", "sets", "leases", "requests"};
+
+/*
+ * Asks for the pages after the first (whose reply is r) until no list is
+ * left out, appending each page's items to r's lists; r then lists everything
+ * and has no "next" or "left_out". 0, or the failed request's code.
+ */
+static int status_rest(weightd_client *c, cJSON *r) {
+  for (;;) {
+    cJSON *next = cJSON_DetachItemFromObjectCaseSensitive(r, "next");
+    cJSON_DeleteItemFromObjectCaseSensitive(r, "left_out");
+    if (next == NULL) return 0;
+    cJSON *req = ctl_request_new("status");
+    cJSON_AddItemToObject(req, "after", next);
+    cJSON *page;
+    int rc = ctl_request(c, req, NULL, NULL, &page);
+    if (rc != 0) return rc;
+    for (size_t i = 0; i < sizeof status_lists / sizeof status_lists[0]; i++) {
+      cJSON *items = cJSON_GetObjectItemCaseSensitive(page, status_lists[i]);
+      cJSON *into = cJSON_GetObjectItemCaseSensitive(r, status_lists[i]);
+      cJSON *x;
+      while (cJSON_IsArray(into) && (x = cJSON_DetachItemFromArray(items, 0)) != NULL) cJSON_AddItemToArray(into, x);
+    }
+    cJSON *more = cJSON_DetachItemFromObjectCaseSensitive(page, "next");
+    if (more != NULL) cJSON_AddItemToObject(r, "next", more);
+    cJSON_Delete(page);
+  }
+}
+
+static const struct optab_opt status_opts[] = {
+    {CTL_OPT_ALL, "all", 0, OPTAB_SWITCH, NULL,
+     "List every checkpoint, set, lease and request: ask for the daemon's pages after the first (each list "
+     "is a page of at most 256 items) until none is left out.",
+     0, NULL},
+};
+
 static int run_status(const struct ctl_args *a) {
-  (void)a;
   weightd_client *c;
   int rc = ctl_connect(&c);
   if (rc != 0) return rc;
   cJSON *reply;
   rc = ctl_request(c, ctl_request_new("status"), NULL, NULL, &reply);
+  if (rc == 0 && ctl_has(a, CTL_OPT_ALL) && (rc = status_rest(c, reply)) != 0) {
+    cJSON_Delete(reply);
+    reply = NULL;
+  }
   if (rc == 0 && ctl_opts.json) {
     ctl_json_print(reply);
   } else if (rc == 0) {
@@ -191,7 +241,11 @@ const struct ctl_cmd ctl_cmd_status = {
         "it was loaded and from where: the files, or a peer's copy), every lease "
         "(its id, set, the holder's pid and uid as the kernel reports them, the client name the holder gave, "
         "which is self-reported, and how long it has been held) and every request in progress or queued, by "
-        "its daemon-wide id (rN), which cancel takes.",
+        "its daemon-wide id (rN), which cancel takes.\n\nEach list is a page of the newest 256 items; a list "
+        "the daemon cut says how many it holds in all (\"checkpoints (256 of 5000; --all lists every one)\"), "
+        "and --all asks for the rest.",
+    .opts = status_opts,
+    .nopts = sizeof status_opts / sizeof status_opts[0],
     .flags = CTL_CMD_DAEMON,
     .run = run_status,
 };

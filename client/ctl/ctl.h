@@ -93,6 +93,7 @@ enum ctl_opt_id {
   CTL_OPT_SPARSE,
   CTL_OPT_DIR,
   CTL_OPT_KEEP,
+  CTL_OPT_ALL,
   CTL_OPT_COUNT
 };
 

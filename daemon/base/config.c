@@ -92,6 +92,26 @@ static const struct cfg_key keys[] = {
      "finished, when they fit host_pin_budget, so later loads of them copy straight from the page cache; "
      "on_open also registers a whole checkpoint that fits as soon as it is opened",
      pin_names, .reload = true},
+    {"max_open_checkpoints", CFG_UINT, OFF(max_open_checkpoints), 0, 1, 1000000, "4096",
+     "checkpoints open at once (validated and mapped), all users together; an open past it first closes idle "
+     "ones (no resident set, load, prefetch or pin), least recently used first, else is answered LIMIT",
+     .reload = true},
+    {"max_open_checkpoints_per_uid", CFG_UINT, OFF(max_open_checkpoints_per_uid), 0, 1, 1000000, "1024",
+     "checkpoints open for one uid (a checkpoint several uids opened counts for each); past it that uid's idle "
+     "ones are closed, least recently used first, else its open is answered LIMIT",
+     .reload = true},
+    {"checkpoint_memory", CFG_BYTES, OFF(checkpoint_memory), 0, 64 * 1024, UINT64_MAX, "1GiB",
+     "memory open checkpoints may hold, all together: their parsed headers and tensor tables and their "
+     "mappings' kernel structures (not the file bytes, which are page cache); past it idle ones are closed, "
+     "least recently used first, else the open is answered LIMIT",
+     .reload = true},
+    {"checkpoint_memory_per_uid", CFG_BYTES, OFF(checkpoint_memory_per_uid), 0, 64 * 1024, UINT64_MAX, "256MiB",
+     "checkpoint_memory of the checkpoints open for one uid (each counts for every uid that opened it)",
+     .reload = true},
+    {"checkpoint_idle_ms", CFG_UINT, OFF(checkpoint_idle_ms), 0, 0, 2592000000ull, "600000",
+     "an open checkpoint nothing uses (no resident set, load, prefetch or pin) is closed after this long "
+     "unused (0: never); the next request for it opens it again, reading its headers",
+     .reload = true},
     {"fill_threads", CFG_UINT, OFF(fill_threads), 0, 0, 1024, "0",
      "threads copying from the page cache (0 = one per online CPU)"},
     {"job_threads", CFG_UINT, OFF(job_threads), 0, 1, 256, "4",

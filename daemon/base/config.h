@@ -46,6 +46,11 @@ struct wd_config {
   uint64_t device_memory_budget; /* bytes per device for resident sets; 0 = no limit */
   uint64_t host_pin_budget;    /* bytes of checkpoints in the pinned-resident tier; 0 = derived (hostmem.h) */
   enum cfg_pin pin;            /* when checkpoints enter the pinned-resident tier by themselves */
+  uint64_t max_open_checkpoints;         /* open at once, all uids */
+  uint64_t max_open_checkpoints_per_uid; /* open for one uid */
+  uint64_t checkpoint_memory;            /* bytes open checkpoints are charged, all uids */
+  uint64_t checkpoint_memory_per_uid;    /* bytes for one uid */
+  uint64_t checkpoint_idle_ms;           /* an unused open checkpoint is closed after this; 0 = never */
   uint64_t fill_threads;       /* 0 = one per online CPU */
   uint64_t job_threads;      /* loads, prefetches, frees */
   uint64_t control_threads;  /* opens, checks, plans, status: never behind loads */

@@ -448,7 +448,7 @@ void op_load_group(struct request *r) {
   g->job.done = group_plan_done;
   r->group = g;
   struct acc_cred who;
-  reg_acquire(req_daemon(r)->reg, path, ops_reader(r->conn, &who), group_ready, g);
+  reg_acquire_as(req_daemon(r)->reg, path, r->conn->uid, ops_reader(r->conn, &who), group_ready, g);
 }
 
 bool ops_group_cancel(struct request *t) {

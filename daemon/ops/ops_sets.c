@@ -19,6 +19,7 @@
 #include "base/log.h"
 #include "ops_common.h"
 #include "base/sealed_memfd.h"
+#include "sha256.h"
 #include "tensor_table.h"
 
 /* ---- open, close, prefetch ------------------------------------------------------------- */
@@ -32,7 +33,7 @@ static void open_ready(void *arg, struct reg_ckpt *ck, const struct wd_error *er
 void op_open(struct request *r) {
   struct acc_cred who;
   const char *path = ops_path_arg(r);
-  if (path != NULL) reg_acquire(req_daemon(r)->reg, path, ops_reader(r->conn, &who), open_ready, r);
+  if (path != NULL) reg_acquire_as(req_daemon(r)->reg, path, r->conn->uid, ops_reader(r->conn, &who), open_ready, r);
 }
 
 static void close_checked(void *arg, struct reg_ckpt *ck, const struct wd_error *err) {
@@ -251,7 +252,7 @@ void op_prefetch(struct request *r) {
   }
   struct acc_cred who;
   const char *path = ops_path_arg(r);
-  if (path != NULL) reg_acquire(req_daemon(r)->reg, path, ops_reader(r->conn, &who), prefetch_ready, r);
+  if (path != NULL) reg_acquire_as(req_daemon(r)->reg, path, r->conn->uid, ops_reader(r->conn, &who), prefetch_ready, r);
 }
 
 /* ---- load and attach --------------------------------------------------------------------- */
@@ -469,12 +470,23 @@ bool ops_sets_cancel(struct request *t) {
   return true;
 }
 
-/* The plan is built on a job thread (big checkpoints take a while), then the set is found or loaded. */
+/*
+ * A load's plan, on job threads: first the spec's digest, which the loop
+ * looks up in the checkpoint's plan memo (a resident set of the same spec is
+ * then joined without building the plan: plan_reuse); else the plan is built
+ * (big checkpoints take a while), its key remembered under the digest, and
+ * the set found or loaded.
+ */
+enum plan_step { PLAN_DIGEST, PLAN_BUILD };
+
 struct plan_job {
   struct job job;
   struct request *req;
   struct reg_ckpt *ck;
   const cJSON *spec; /* in the request, which does not change */
+  enum plan_step stage;
+  unsigned char digest[REG_SPEC_DIGEST]; /* of spec (spec_digest) */
+  bool digested;
   int device;
   enum ld_source_choice source;
   struct plan *plan;
@@ -482,10 +494,25 @@ struct plan_job {
   struct wd_error err;
 };
 
+/* SHA-256 of the plan object as printed compactly ("null" when there is none); false when memory runs out. */
+static bool spec_digest(const cJSON *spec, unsigned char out[REG_SPEC_DIGEST]) {
+  char *text = spec != NULL ? cJSON_PrintUnformatted(spec) : NULL;
+  if (spec != NULL && text == NULL) return false;
+  struct sha256 h;
+  sha256_init(&h);
+  sha256_update(&h, text != NULL ? text : "null", text != NULL ? strlen(text) : 4);
+  sha256_final(&h, out);
+  free(text);
+  return true;
+}
+
 static void plan_work(struct job *j) {
   struct plan_job *pj = (struct plan_job *)j;
-  pj->rc = plan_build(pj->ck->ck, pj->spec, &pj->plan, &pj->err);
+  if (pj->stage == PLAN_DIGEST) pj->digested = spec_digest(pj->spec, pj->digest);
+  else pj->rc = plan_build(pj->ck->ck, pj->spec, &pj->plan, &pj->err);
 }
+
+static bool plan_reuse(struct request *r, struct plan_job *pj);
 
 static void plan_done(struct job *j) {
   struct plan_job *pj = (struct plan_job *)j;
@@ -505,12 +532,37 @@ static void plan_done(struct job *j) {
     plan_free(pj->plan);
     reg_unref(pj->ck);
     req_fail(r, WEIGHTD_E_SHUTDOWN, "the daemon is shutting down");
+  } else if (pj->stage == PLAN_DIGEST) {
+    pj->stage = PLAN_BUILD;
+    if (!plan_reuse(r, pj)) jobs_submit(req_daemon(r)->control_pool, &pj->job);
+    return;
   } else {
+    if (pj->digested) reg_plan_key_remember(pj->ck, pj->digest, pj->plan->key);
     req_args_free(r); /* a waiting load keeps only its id: joiners of a slow load hold no request text */
     wait_init(r);
     res_load(req_daemon(r)->res, pj->ck, pj->device, pj->plan, pj->source, &r->wait);
   }
   free(pj);
+}
+
+/*
+ * A set of ck on device whose plan key the memo gave for this spec, resident
+ * or loading: r waits for it as an identical load would, without the plan
+ * being built again (ck's files were checked unchanged by the acquire).
+ * False when there is none (then the plan is built).
+ */
+static bool plan_reuse(struct request *r, struct plan_job *pj) {
+  struct daemon *d = req_daemon(r);
+  const char *key = pj->digested ? reg_plan_key_find(pj->ck, pj->digest) : NULL;
+  struct res_set *s = key != NULL ? res_find_plan(d->res, pj->ck, pj->device, key) : NULL;
+  if (s == NULL) return false;
+  reg_plan_reused(pj->ck);
+  reg_unref(pj->ck); /* the set holds its own */
+  free(pj);
+  req_args_free(r);
+  wait_init(r);
+  res_wait(d->res, s, &r->wait);
+  return true;
 }
 
 static void load_ready(void *arg, struct reg_ckpt *ck, const struct wd_error *err) {
@@ -568,7 +620,7 @@ void op_load(struct request *r) {
     return;
   }
   struct acc_cred who;
-  reg_acquire(req_daemon(r)->reg, path, ops_reader(r->conn, &who), load_ready, r);
+  reg_acquire_as(req_daemon(r)->reg, path, r->conn->uid, ops_reader(r->conn, &who), load_ready, r);
 }
 
 /* An attach by set id once the requester's access to the set's files is checked. */

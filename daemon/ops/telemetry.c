@@ -25,15 +25,8 @@
 
 /* ---- the cache ---------------------------------------------------------------------- */
 
-struct resident_entry {
-  char *path;
-  uint64_t generation;
-  uint64_t bytes;
-};
-
 struct telemetry {
-  struct resident_entry *resident; /* measured page-cache bytes, by checkpoint */
-  size_t nresident;
+  /* The page-cache bytes measured are kept on each checkpoint (reg_ckpt.page_cache_bytes). */
   uint64_t resident_at_ms; /* when they were measured; 0: never */
   bool resident_running;
   bool healthy;            /* the backend answered the last probe */
@@ -51,18 +44,7 @@ int telemetry_create(struct daemon *d, struct telemetry **out, struct wd_error *
   return 0;
 }
 
-static void clear_resident(struct telemetry *t) {
-  for (size_t i = 0; i < t->nresident; i++) free(t->resident[i].path);
-  free(t->resident);
-  t->resident = NULL;
-  t->nresident = 0;
-}
-
-void telemetry_destroy(struct telemetry *t) {
-  if (t == NULL) return;
-  clear_resident(t);
-  free(t);
-}
+void telemetry_destroy(struct telemetry *t) { free(t); }
 
 /* ---- refresh jobs ---------------------------------------------------------------------- */
 
@@ -83,14 +65,9 @@ static void resident_done(struct job *j) {
   struct resident_job *rj = (struct resident_job *)j;
   struct telemetry *t = rj->d->tel;
   if (t != NULL) {
-    clear_resident(t);
-    t->resident = calloc(rj->n ? rj->n : 1, sizeof *t->resident);
-    for (size_t i = 0; t->resident != NULL && i < rj->n; i++) {
-      struct resident_entry *e = &t->resident[t->nresident]; /* a failed strdup leaves no hole */
-      e->path = strdup(rj->cks[i]->path);
-      e->generation = rj->cks[i]->generation;
-      e->bytes = rj->bytes[i];
-      if (e->path != NULL) t->nresident++;
+    for (size_t i = 0; i < rj->n; i++) {
+      rj->cks[i]->page_cache_bytes = rj->bytes[i];
+      rj->cks[i]->page_cache_known = true;
     }
     t->resident_at_ms = clock_ms();
     t->resident_running = false;
@@ -139,16 +116,10 @@ static void health_done(struct job *j) {
   free(hj);
 }
 
-/* Whether an open checkpoint has no measurement in the cache (opened since the last one). */
+/* Whether an open checkpoint has not been measured yet (opened since the last measurement). */
 static bool resident_missing(struct daemon *d) {
-  const struct telemetry *t = d->tel;
-  for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next) {
-    if (c->state != REG_OPEN) continue;
-    bool found = false;
-    for (size_t i = 0; i < t->nresident && !found; i++)
-      found = t->resident[i].generation == c->generation && strcmp(t->resident[i].path, c->path) == 0;
-    if (!found) return true;
-  }
+  for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next)
+    if (c->state == REG_OPEN && !c->page_cache_known) return true;
   return false;
 }
 
@@ -385,23 +356,88 @@ static void collect_devices(struct daemon *d, struct collection *c) {
   sample(c, f, (double)nleases, NULL);
 }
 
-static void collect_checkpoints(struct daemon *d, struct collection *c) {
-  size_t n = 0;
-  for (struct reg_ckpt *k = reg_first(d->reg); k != NULL; k = k->next) n += k->state == REG_OPEN;
-  struct family *f = family(c, "weightd_checkpoints_open", "gauge", "Checkpoints open (validated and mapped).");
-  sample(c, f, (double)n, NULL);
-  f = family(c, "weightd_checkpoint_bytes", "gauge", "Shard bytes of each open checkpoint.");
-  struct family *res = family(c, "weightd_checkpoint_page_cache_bytes", "gauge",
-                              "Shard bytes in the page cache, measured at most every 30 s.");
+/* Shard bytes of an open checkpoint. */
+static uint64_t checkpoint_size(const struct reg_ckpt *k) {
+  uint64_t size = 0;
+  for (size_t i = 0; i < k->ck->nshards; i++) size += k->ck->shards[i].size;
+  return size;
+}
+
+/*
+ * The TELEMETRY_CHECKPOINT_SERIES largest open checkpoints, largest first
+ * (the first opened first among equals), in top[0..*n): one walk, each
+ * checkpoint placed among at most that many.
+ */
+static void largest_checkpoints(struct daemon *d, struct reg_ckpt **top, uint64_t *sizes, size_t *n) {
+  *n = 0;
   for (struct reg_ckpt *k = reg_first(d->reg); k != NULL; k = k->next) {
     if (k->state != REG_OPEN) continue;
-    uint64_t size = 0;
-    for (size_t i = 0; i < k->ck->nshards; i++) size += k->ck->shards[i].size;
-    sample(c, f, (double)size, "path", k->path, NULL);
-    for (size_t i = 0; i < d->tel->nresident; i++)
-      if (d->tel->resident[i].generation == k->generation && strcmp(d->tel->resident[i].path, k->path) == 0)
-        sample(c, res, (double)d->tel->resident[i].bytes, "path", k->path, NULL);
+    uint64_t size = checkpoint_size(k);
+    size_t i = *n < TELEMETRY_CHECKPOINT_SERIES ? (*n)++ : TELEMETRY_CHECKPOINT_SERIES;
+    while (i > 0 && sizes[i - 1] <= size) {
+      if (i < TELEMETRY_CHECKPOINT_SERIES) top[i] = top[i - 1], sizes[i] = sizes[i - 1];
+      i--;
+    }
+    if (i < TELEMETRY_CHECKPOINT_SERIES) top[i] = k, sizes[i] = size;
   }
+}
+
+static void collect_checkpoints(struct daemon *d, struct collection *c) {
+  struct reg_counts rc;
+  reg_counts(d->reg, &rc);
+  size_t n = 0;
+  uint64_t all_bytes = 0, all_cached = 0;
+  for (struct reg_ckpt *k = reg_first(d->reg); k != NULL; k = k->next) {
+    if (k->state != REG_OPEN) continue;
+    n++;
+    all_bytes += checkpoint_size(k);
+    all_cached += k->page_cache_known ? k->page_cache_bytes : 0;
+  }
+  struct family *f = family(c, "weightd_checkpoints_open", "gauge", "Checkpoints open (validated and mapped).");
+  sample(c, f, (double)n, NULL);
+  struct reg_ckpt *top[TELEMETRY_CHECKPOINT_SERIES];
+  uint64_t sizes[TELEMETRY_CHECKPOINT_SERIES];
+  size_t ntop;
+  largest_checkpoints(d, top, sizes, &ntop);
+  f = family(c, "weightd_checkpoint_bytes", "gauge",
+             "Shard bytes of each open checkpoint (the largest " TELEMETRY_CHECKPOINT_SERIES_TEXT "; the rest in "
+             "weightd_checkpoints_unlisted_bytes).");
+  struct family *res = family(c, "weightd_checkpoint_page_cache_bytes", "gauge",
+                              "Shard bytes in the page cache, measured at most every 30 s (the checkpoints of "
+                              "weightd_checkpoint_bytes).");
+  uint64_t listed_bytes = 0, listed_cached = 0;
+  for (size_t i = 0; i < ntop; i++) {
+    sample(c, f, (double)sizes[i], "path", top[i]->path, NULL);
+    listed_bytes += sizes[i];
+    if (!top[i]->page_cache_known) continue;
+    sample(c, res, (double)top[i]->page_cache_bytes, "path", top[i]->path, NULL);
+    listed_cached += top[i]->page_cache_bytes;
+  }
+  f = family(c, "weightd_checkpoints_unlisted", "gauge",
+             "Open checkpoints without series of their own (beyond the largest " TELEMETRY_CHECKPOINT_SERIES_TEXT ").");
+  sample(c, f, (double)(n - ntop), NULL);
+  f = family(c, "weightd_checkpoints_unlisted_bytes", "gauge", "Shard bytes of the unlisted checkpoints, together.");
+  sample(c, f, (double)(all_bytes - listed_bytes), NULL);
+  f = family(c, "weightd_checkpoints_unlisted_page_cache_bytes", "gauge",
+             "Page-cache bytes last measured of the unlisted checkpoints, together.");
+  sample(c, f, (double)(all_cached - listed_cached), NULL);
+  f = family(c, "weightd_checkpoint_charged_bytes", "gauge",
+             "Memory open checkpoints are charged (parsed headers and tables, mappings), against checkpoint_memory.");
+  sample(c, f, (double)rc.charged, NULL);
+  f = family(c, "weightd_checkpoint_mappings", "gauge",
+             "Shard mappings of open checkpoints, against a quarter of vm.max_map_count.");
+  sample(c, f, (double)rc.maps, NULL);
+  f = family(c, "weightd_checkpoints_closed_total", "counter",
+             "Checkpoints the daemon closed by itself: unused for checkpoint_idle_ms (idle), or idle and least "
+             "recently used when an open needed room under a bound (room).");
+  sample(c, f, (double)rc.closed_idle, "reason", "idle", NULL);
+  sample(c, f, (double)rc.closed_room, "reason", "room", NULL);
+  f = family(c, "weightd_checkpoint_opens_refused_total", "counter",
+             "Opens answered LIMIT by a bound on open checkpoints (none of the holder's was idle).");
+  sample(c, f, (double)rc.refused, NULL);
+  f = family(c, "weightd_plans_reused_total", "counter",
+             "Loads and attaches by path whose plan key a checkpoint remembered, so no plan was built.");
+  sample(c, f, (double)rc.plans_reused, NULL);
   f = family(c, "weightd_pinned_bytes", "gauge", "Checkpoint bytes registered for direct DMA (the pinned tier).");
   sample(c, f, (double)reg_pinned_bytes(d->reg), NULL);
   f = family(c, "weightd_pin_budget_bytes", "gauge", "The pinned tier's budget (host_pin_budget).");

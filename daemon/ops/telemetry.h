@@ -4,7 +4,8 @@
  * "metrics" object of the status reply), so the two views always agree; and
  * readiness, shared by GET /readyz and the `health` op.
  *
- * Collection reads loop-owned state on the loop thread. What is slow to
+ * Collection reads loop-owned state on the loop thread, in one walk of each
+ * list (checkpoints, sets, leases). What is slow to
  * measure runs on a control job and is cached: page-cache residency per
  * checkpoint (mincore over every mapping), refreshed at most every
  * TELEMETRY_RESIDENCY_MS, and sooner only when a checkpoint was opened since
@@ -27,6 +28,13 @@
 
 #define TELEMETRY_RESIDENCY_MS 30000
 #define TELEMETRY_HEALTH_MS 5000
+/*
+ * Per-checkpoint series are the largest this many open checkpoints'; the
+ * others are summed in weightd_checkpoints_unlisted*, so a scrape's size does
+ * not grow with the number of checkpoints.
+ */
+#define TELEMETRY_CHECKPOINT_SERIES 32
+#define TELEMETRY_CHECKPOINT_SERIES_TEXT "32"
 
 int telemetry_create(struct daemon *d, struct telemetry **out, struct wd_error *err);
 /* Frees the cache. Jobs still out reach it through d->tel: clear d->tel first (their results are then dropped). */

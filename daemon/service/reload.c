@@ -58,6 +58,9 @@ int reload_apply(struct daemon *d, struct wd_config *next, struct wd_error *err)
     if (n > 0) log_msg(LOG_INFO, "reload: unpinning %zu checkpoint(s) to fit host_pin_budget", n);
   }
   if (changed(&df, "pin")) reg_pin_mode_set(d->reg, startup_pin_mode(&d->cfg));
+  struct reg_limits limits = *reg_limits(d->reg);
+  startup_reg_limits(&d->cfg, &limits);
+  reg_limits_set(d->reg, &limits);
   log_msg(LOG_INFO, "reload: %zu key(s) applied, %zu kept until a restart", df.n, df.kept);
   return 0;
 }

@@ -166,6 +166,30 @@ enum reg_pin_mode startup_pin_mode(const struct wd_config *cfg) {
   return REG_PIN_OFF;
 }
 
+void startup_reg_limits(const struct wd_config *cfg, struct reg_limits *out) {
+  out->max_open = (size_t)cfg->max_open_checkpoints;
+  out->max_open_per_uid = (size_t)cfg->max_open_checkpoints_per_uid;
+  out->memory = cfg->checkpoint_memory;
+  out->memory_per_uid = cfg->checkpoint_memory_per_uid;
+  out->idle_ms = cfg->checkpoint_idle_ms;
+}
+
+/*
+ * The mappings open checkpoints may hold: a quarter of vm.max_map_count (the
+ * kernel's default 65530 when it cannot be read), so that shards never take
+ * the mappings that slabs, staging memory, thread stacks and malloc need.
+ */
+static size_t checkpoint_maps(void) {
+  unsigned long long v = 0;
+  FILE *f = fopen("/proc/sys/vm/max_map_count", "re");
+  if (f != NULL) {
+    if (fscanf(f, "%llu", &v) != 1) v = 0;
+    fclose(f);
+  }
+  if (v == 0) v = 65530;
+  return (size_t)(v / 4);
+}
+
 /* staging_writes as the loader takes it: auto is what docs/benchmarks.md measured fastest (plain stores). */
 static const enum ld_writes writes_modes[] = {
     [CFG_WRITES_AUTO] = LD_WRITES_CACHED,
@@ -280,11 +304,21 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                           .bulk = d->job_pool,
                           .fill = d->fill,
                           .pin_budget = d->cfg.host_pin_budget,
-                          .pin_mode = startup_pin_mode(&d->cfg)};
+                          .pin_mode = startup_pin_mode(&d->cfg),
+                          .loop = d->loop,
+                          .limits = {.max_maps = checkpoint_maps()}};
+  startup_reg_limits(&d->cfg, &gp.limits);
   rc = nodes == NULL ? err_set(err, WEIGHTD_E_NOMEM, "out of memory") : 0;
   if (rc == 0) rc = ld_create(&lp, &d->ld, err);
   free(nodes);
   if (rc == 0) rc = reg_create(&gp, &d->reg, err);
+  if (rc == 0)
+    log_msg(LOG_INFO,
+            "checkpoints: at most %zu open (%zu per uid), %llu MiB charged (%llu MiB per uid), %zu shard mappings "
+            "(a quarter of vm.max_map_count); unused ones closed after %llu ms (0: never)",
+            gp.limits.max_open, gp.limits.max_open_per_uid, (unsigned long long)(gp.limits.memory >> 20),
+            (unsigned long long)(gp.limits.memory_per_uid >> 20), gp.limits.max_maps,
+            (unsigned long long)gp.limits.idle_ms);
   if (rc == 0 && d->backend.ops->host_register != NULL)
     log_msg(LOG_INFO, "pin %s; host_pin_budget %llu MiB now (from %s); staged_strided %s; staging_writes %s",
             config_enum_name(&d->cfg, "pin"), (unsigned long long)(reg_pin_budget(d->reg) >> 20),

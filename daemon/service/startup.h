@@ -40,6 +40,12 @@ int startup_roots_apply(struct daemon *d, const struct wd_config *cfg, struct wd
 enum reg_pin_mode startup_pin_mode(const struct wd_config *cfg);
 
 /*
+ * The registry's bounds from cfg's checkpoint settings; max_maps (read from
+ * /proc/sys/vm/max_map_count at start) is left as *out holds it.
+ */
+void startup_reg_limits(const struct wd_config *cfg, struct reg_limits *out);
+
+/*
  * Caps cfg's budgets at what the machine has: device_memory_budget at the
  * memory of the smallest of the n devices, host_pin_budget at physical
  * memory. Each cap is logged as a warning with both figures.

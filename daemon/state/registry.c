@@ -24,6 +24,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "clock.h"
+
 /*
  * Failed index checks remembered (ckpt_verdicts): 64 verdicts of about 1 KiB,
  * the oldest forgotten first, so a client that repeats the open of one bad
@@ -123,6 +125,8 @@ int reg_create(const struct reg_params *p, struct registry **out, struct wd_erro
   r->fill = p->fill;
   r->pin_budget = p->pin_budget;
   r->pin_mode = p->pin_mode;
+  r->limits = p->limits;
+  r->loop = p->loop;
   atomic_init(&r->stopping, false);
   if ((r->verdicts = ckpt_verdicts_create(REG_VERDICTS)) == NULL || (r->acls = acc_cache_create()) == NULL) {
     ckpt_verdicts_free(r->verdicts);
@@ -134,6 +138,12 @@ int reg_create(const struct reg_params *p, struct registry **out, struct wd_erro
     acc_cache_free(r->acls);
     free(r);
     return err->code;
+  }
+  if (r->loop != NULL) {
+    uv_timer_init(r->loop, &r->idle_timer);
+    r->idle_timer.data = r;
+    r->timer_open = true;
+    reg_bound_timer(r);
   }
   *out = r;
   return 0;
@@ -169,6 +179,16 @@ static void registry_free(struct registry *r) {
   free(r);
 }
 
+void reg_free_if_done(struct registry *r) {
+  if (r->destroyed && r->nentries == 0 && !r->timer_open) registry_free(r);
+}
+
+static void timer_closed(uv_handle_t *h) {
+  struct registry *r = h->data;
+  r->timer_open = false;
+  reg_free_if_done(r);
+}
+
 /* Unregisters an unused entry's pins and unmaps its shards: slow (tens of ms per GiB pinned), so on a job. */
 static void entry_release(struct reg_ckpt *ck) {
   const struct wd_backend *b = ck->reg->backend;
@@ -182,10 +202,13 @@ static void entry_finish(struct reg_ckpt *ck) {
   struct registry *r = ck->reg;
   free(ck->pins);
   reg_digests_free(ck->digests);
+  reg_plan_memo_free(ck);
+  free(ck->uids);
   ckpt_free(ck->ck);
   free(ck->path);
   free(ck);
-  if (--r->nentries == 0 && r->destroyed) registry_free(r);
+  r->nentries--;
+  reg_free_if_done(r);
 }
 
 struct release_job {
@@ -237,11 +260,25 @@ void reg_unobserve(struct reg_ckpt *ck) {
   reg_unref(ck);
 }
 
+void reg_touch(struct reg_ckpt *ck) {
+  ck->last_used_ms = clock_ms();
+  ck->use_seq = ++ck->reg->use_clock;
+}
+
 void reg_detach(struct reg_ckpt *ck) {
   if (ck->detached) return;
-  struct reg_ckpt **pp = &ck->reg->ckpts;
+  struct registry *r = ck->reg;
+  struct reg_ckpt **pp = &r->ckpts;
   while (*pp != NULL && *pp != ck) pp = &(*pp)->next;
-  if (*pp == ck) *pp = ck->next;
+  if (*pp == ck) {
+    *pp = ck->next;
+    r->nlisted--;
+  }
+  if (ck->counted) {
+    r->charged -= ck->charge;
+    r->nmaps -= ck->nmaps;
+    ck->counted = false;
+  }
   ck->detached = true;
   reg_unref(ck); /* the registry's reference */
 }
@@ -249,8 +286,12 @@ void reg_detach(struct reg_ckpt *ck) {
 void reg_destroy(struct registry *r) {
   if (r == NULL) return;
   while (r->ckpts != NULL) reg_detach(r->ckpts);
-  if (r->nentries == 0) registry_free(r);
-  else r->destroyed = true; /* the last entry to go frees it */
+  r->destroyed = true; /* the last entry to go, or the timer's close, frees it */
+  if (r->timer_open) {
+    uv_timer_stop(&r->idle_timer);
+    uv_close((uv_handle_t *)&r->idle_timer, timer_closed);
+  }
+  reg_free_if_done(r);
 }
 
 struct reg_ckpt *reg_find(struct registry *r, const char *resolved) {
@@ -260,7 +301,10 @@ struct reg_ckpt *reg_find(struct registry *r, const char *resolved) {
 }
 
 void reg_load_begin(struct reg_ckpt *ck) { ck->loads++; }
-void reg_load_end(struct reg_ckpt *ck) { ck->loads--; }
+void reg_load_end(struct reg_ckpt *ck) {
+  ck->loads--;
+  reg_touch(ck);
+}
 
 int reg_pins_copy(const struct reg_ckpt *ck, struct plan_range **out, size_t *n) {
   *out = NULL;

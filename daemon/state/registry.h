@@ -25,6 +25,14 @@
  * Registrations count against the pin budget; making room unpins whole
  * checkpoints, least recently used first. The pin policy (enum reg_pin_mode)
  * decides what enters the tier by itself; prefetch with pin asks for it.
+ *
+ * Bounds (struct reg_limits, registry_bound.c): open entries are counted and
+ * charged - their parsed headers and tables, their mappings - in total and
+ * for every uid that acquired them (an entry several uids use counts for
+ * each). An acquire past a bound first closes idle entries (nothing holds
+ * them: no set, job, waiter, prefetch or pin), least recently used first,
+ * and is refused with WEIGHTD_E_LIMIT naming the bound when none is left to
+ * close. Idle entries unused for the idle time are closed by a timer.
  */
 #ifndef WD_REGISTRY_H
 #define WD_REGISTRY_H
@@ -33,6 +41,8 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
 
 #include "backend/backend.h"
 #include "checkpoint.h"
@@ -97,10 +107,51 @@ struct reg_ckpt {
   unsigned char content_id[CKPT_ID_BYTES];
   struct reg_digests *digests;
   bool digesting; /* a whole prefetch is computing them */
-  uint64_t last_used_ms;
+  uint64_t last_used_ms; /* its last use (reg_touch) */
+  uint64_t use_seq;      /* the same moment in the registry's order of uses: least recently used first */
   struct reg_waiter *waiters; /* acquirers waiting for REG_OPENING */
   const struct acc_cred *open_for; /* REG_OPENING: whose access the open checks (NULL: nobody's); the open job's */
+  /* What the bounds count (registry_bound.c): set once open, or when charged to a uid. */
+  uint64_t charge;    /* bytes: parsed headers and tables, mappings, the plan memo (reg_entry_charge) */
+  size_t nmaps;       /* shard mappings */
+  bool counted;       /* charge and nmaps are in the registry's totals */
+  uid_t *uids;        /* the uids it is charged to, each once */
+  size_t nuids;
+  struct reg_plan_memo *memo; /* plan keys by spec digest (reg_plan_key_find), REG_PLAN_MEMO of them; NULL: none yet */
+  /* The page-cache bytes telemetry last measured (for metrics; status measures its own). */
+  uint64_t page_cache_bytes;
+  bool page_cache_known;
   struct reg_ckpt *next;
+};
+
+/*
+ * The bounds on open checkpoints; 0 is no bound. An acquire past one closes
+ * idle entries, least recently used first (those charged to the uid, for a
+ * per-uid bound), and is refused with WEIGHTD_E_LIMIT naming the bound when
+ * none is idle. The memory and mapping bounds are checked once an entry's
+ * headers are read (at most control_threads entries are read at once).
+ */
+struct reg_limits {
+  size_t max_open;         /* entries listed, those being opened included (max_open_checkpoints) */
+  size_t max_open_per_uid; /* entries charged to one uid (max_open_checkpoints_per_uid) */
+  uint64_t memory;         /* bytes charged to open entries (checkpoint_memory) */
+  uint64_t memory_per_uid; /* bytes of the entries charged to one uid (checkpoint_memory_per_uid) */
+  size_t max_maps;         /* shard mappings of open entries (a quarter of vm.max_map_count) */
+  uint64_t idle_ms;        /* an idle entry unused this long is closed (checkpoint_idle_ms) */
+};
+
+/* Who an acquire is for: the peer's uid, or this for the daemon's own work (re-adoption), which no bound refuses. */
+#define REG_UID_DAEMON ((uid_t)-1)
+
+/* What the registry counts, for status and metrics (loop thread). */
+struct reg_counts {
+  size_t open;           /* entries listed (being opened included) */
+  uint64_t charged;      /* bytes charged to open entries */
+  size_t maps;           /* their shard mappings */
+  uint64_t closed_idle;  /* entries closed for being unused for the idle time */
+  uint64_t closed_room;  /* idle entries closed to make room under a bound */
+  uint64_t refused;      /* acquires refused with LIMIT by a bound */
+  uint64_t plans_reused; /* requests that found their set through a plan memo (reg_plan_reused) */
 };
 
 /* What the registry is given at creation; pointers must outlive it. */
@@ -111,6 +162,8 @@ struct reg_params {
   struct ld_pool *fill;
   uint64_t pin_budget;  /* bytes of the pinned-resident tier; 0: derived (hostmem.h) */
   enum reg_pin_mode pin_mode;
+  uv_loop_t *loop;      /* runs the idle timer; NULL: idle entries are closed only to make room */
+  struct reg_limits limits;
 };
 
 int reg_create(const struct reg_params *p, struct registry **out, struct wd_error *err);
@@ -148,7 +201,15 @@ uint64_t reg_pinned_bytes(const struct registry *r);
 void reg_pin_mode_set(struct registry *r, enum reg_pin_mode mode);
 enum reg_pin_mode reg_pin_mode(const struct registry *r);
 
-/* The first entry of the registry's list (loop thread; follow ->next). */
+/* Replaces the bounds (a reload); entries over a lowered bound stay until they are closed. */
+void reg_limits_set(struct registry *r, const struct reg_limits *l);
+const struct reg_limits *reg_limits(const struct registry *r);
+void reg_counts(const struct registry *r, struct reg_counts *out);
+
+/*
+ * The first entry of the registry's list (loop thread; follow ->next). The
+ * list is newest first: generations strictly decrease along it.
+ */
 struct reg_ckpt *reg_first(const struct registry *r);
 
 /* Tells prefetches to stop early (shutdown): safe from any thread. */
@@ -183,6 +244,9 @@ typedef void (*reg_ready_fn)(void *arg, struct reg_ckpt *ck, const struct wd_err
  * checkpoint, or opening it itself when that open failed).
  */
 void reg_acquire(struct registry *r, const char *path, const struct acc_cred *who, reg_ready_fn cb, void *arg);
+/* reg_acquire for uid: the entry is charged to uid, within the bounds (struct reg_limits), or cb gets LIMIT. */
+void reg_acquire_as(struct registry *r, const char *path, uid_t uid, const struct acc_cred *who, reg_ready_fn cb,
+                    void *arg);
 
 /* Called on the loop thread with the resolved path (NULL, and err, on failure). */
 typedef void (*reg_resolved_fn)(void *arg, const char *resolved, const struct wd_error *err);
@@ -207,6 +271,12 @@ void reg_unref(struct reg_ckpt *ck);
  */
 void reg_observe(struct reg_ckpt *ck);
 void reg_unobserve(struct reg_ckpt *ck);
+/*
+ * Records a use of ck now: its idle time and its place in the least recently
+ * used order start again. Acquires, the end of a load or a prefetch and a set
+ * of it going away are uses; a status or a measurement is not.
+ */
+void reg_touch(struct reg_ckpt *ck);
 /* An open checkpoint by resolved path (no I/O), or NULL. */
 struct reg_ckpt *reg_find(struct registry *r, const char *resolved);
 /* Removes a checkpoint nothing uses: 0, or WEIGHTD_E_BUSY / WEIGHTD_E_NOT_FOUND. */
@@ -242,6 +312,30 @@ bool reg_pin_wants_ranges(const struct registry *r);
  * fit. Takes the ranges (a malloc'd array) in every case.
  */
 void reg_pin_after_load(struct reg_ckpt *ck, struct plan_range *ranges, size_t n);
+
+/* ---- plans remembered ---------------------------------------------------------- */
+
+/*
+ * An entry remembers the plan keys its recent plans were built with, by the
+ * SHA-256 of their spec (the request's plan object, compactly printed), so
+ * that a request naming a resident set by path and plan finds it without
+ * building the plan again (an entry is immutable: the same spec gives the
+ * same plan). REG_PLAN_MEMO of them, the least recently used replaced.
+ */
+#define REG_PLAN_MEMO 8
+#define REG_SPEC_DIGEST 32
+struct reg_plan_memo {
+  unsigned char spec[REG_SPEC_DIGEST];
+  char *key; /* NULL: unused */
+  uint64_t used;
+};
+
+/* The key the spec with this digest gave ck's plan, or NULL. */
+const char *reg_plan_key_find(struct reg_ckpt *ck, const unsigned char spec[REG_SPEC_DIGEST]);
+/* Counts a request that found its set through ck's memo, building no plan (reg_counts.plans_reused). */
+void reg_plan_reused(struct reg_ckpt *ck);
+/* Remembers the key a spec gave ck's plan (nothing when memory runs out). */
+void reg_plan_key_remember(struct reg_ckpt *ck, const unsigned char spec[REG_SPEC_DIGEST], const char *key);
 
 /* ---- identity ------------------------------------------------------------------ */
 

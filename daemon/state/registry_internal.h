@@ -1,9 +1,9 @@
 /*
- * registry_internal.h - what registry.c, registry_open.c and registry_pin.c
- * share and nothing else includes: the registry's struct and the few
- * functions one of them calls in another. Calls run one way: registry_open.c
- * uses registry_pin.c and registry.c, registry_pin.c uses registry.c, and
- * registry.c uses neither.
+ * registry_internal.h - what registry.c, registry_open.c, registry_pin.c and
+ * registry_bound.c share and nothing else includes: the registry's struct and
+ * the few functions one of them calls in another. Calls run one way:
+ * registry_open.c uses registry_bound.c, registry_pin.c and registry.c;
+ * registry_bound.c and registry_pin.c use registry.c; registry.c uses none.
  */
 #ifndef WD_REGISTRY_INTERNAL_H
 #define WD_REGISTRY_INTERNAL_H
@@ -35,6 +35,31 @@ struct registry {
   bool destroyed;
   size_t nentries; /* entries not yet freed, listed or detached */
   struct reg_ckpt *ckpts;
+  /* The bounds (registry_bound.c). */
+  struct reg_limits limits;
+  size_t nlisted;     /* entries in the list */
+  uint64_t charged;   /* the charge of the open entries counted (reg_ckpt.counted) */
+  size_t nmaps;       /* their mappings */
+  uint64_t closed_idle, closed_room, refused, plans_reused;
+  uint64_t memo_clock; /* orders plan memo uses */
+  uint64_t use_clock;  /* orders entries' uses (reg_touch) */
+  uv_loop_t *loop;
+  uv_timer_t idle_timer; /* closes idle entries (when loop is set) */
+  bool timer_open;       /* idle_timer is initialised and not closed yet */
+};
+
+struct acquire;
+
+/*
+ * An acquirer waiting for an entry to open, and the uid it is for:
+ * answered with the open's verdict, or (retry) acquiring again once it ends.
+ */
+struct reg_waiter {
+  reg_ready_fn cb;
+  void *arg;
+  uid_t uid;
+  struct acquire *retry; /* a client with other credentials than the open's: the verdict is not its own */
+  struct reg_waiter *next;
 };
 
 /* ---- registry.c ---------------------------------------------------------------------- */
@@ -48,8 +73,38 @@ bool reg_registers(const struct registry *r);
 /* Unregisters n ranges of ck's mappings (a job, or entry_free). */
 void reg_unregister_ranges(const struct wd_backend *b, const struct reg_ckpt *ck, const struct plan_range *v,
                            size_t n);
-/* Takes ck out of the registry's list and drops the registry's reference (loop thread). */
+/* Takes ck out of the registry's list and the bounds' totals, and drops the registry's reference (loop thread). */
 void reg_detach(struct reg_ckpt *ck);
+/* Frees the registry once it is destroyed, its last entry is gone and its timer closed. */
+void reg_free_if_done(struct registry *r);
+
+/* ---- registry_bound.c ----------------------------------------------------------------- */
+
+/* True when nothing but the registry holds ck: no set, job, waiter, prefetch, pin or load. */
+bool reg_idle(const struct reg_ckpt *ck);
+/* The bytes ck is charged once open (reads only ck: runs on the job that opened it). */
+uint64_t reg_entry_charge(const struct reg_ckpt *ck);
+/*
+ * Room for a new entry that uid opens (path, for messages): within
+ * max_open and uid's share of it, closing idle entries, least recently used
+ * first. 0, or WEIGHTD_E_LIMIT naming the bound.
+ */
+int reg_bound_admit(struct registry *r, uid_t uid, const char *path, struct wd_error *err);
+/*
+ * Counts a just-opened ck (charge and nmaps set, its waiters not yet told) in
+ * the totals, within memory and max_maps unless only the daemon waits for it; 0 or LIMIT.
+ */
+int reg_bound_open(struct registry *r, struct reg_ckpt *ck, struct wd_error *err);
+/*
+ * Charges ck to uid within uid's shares of max_open and memory (nothing for
+ * REG_UID_DAEMON or a uid it is charged to already), closing uid's idle
+ * entries, least recently used first, for room; 0, LIMIT or NOMEM.
+ */
+int reg_bound_charge(struct registry *r, struct reg_ckpt *ck, uid_t uid, struct wd_error *err);
+/* Starts, restarts or stops the idle timer for the limits in force. */
+void reg_bound_timer(struct registry *r);
+/* Frees ck's plan memo. */
+void reg_plan_memo_free(struct reg_ckpt *ck);
 
 /* ---- registry_pin.c ------------------------------------------------------------------- */
 

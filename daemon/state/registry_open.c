@@ -18,19 +18,10 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "clock.h"
 #include "base/log.h"
 #include "pathutil.h"
 
 struct acquire;
-
-/* An acquire waiting for an open: answered with its verdict, or (retry) acquiring again once it ends. */
-struct reg_waiter {
-  reg_ready_fn cb;
-  void *arg;
-  struct acquire *retry; /* a client with other credentials than the open's: the verdict is not its own */
-  struct reg_waiter *next;
-};
 
 /* ---- acquiring: resolve, then verify or open ---------------------------------------- */
 
@@ -46,6 +37,7 @@ struct acquire {
   reg_ready_fn ready;      /* acquire */
   reg_resolved_fn resolved_cb; /* resolve only */
   void *arg;
+  uid_t uid; /* whom the entry is charged to */
   char *path;
   char *resolved;
   struct reg_ckpt *entry; /* ACQ_VERIFY / ACQ_OPEN / ACQ_CHECK: referenced */
@@ -113,6 +105,8 @@ static void acquire_work(struct job *j) {
     }
     a->entry->ck = c; /* the entry is OPENING: nobody else reads it yet */
     a->rc = ld_source_mmap_open(c, &a->entry->src, &a->err);
+    a->entry->charge = reg_entry_charge(a->entry);
+    for (size_t i = 0; i < c->nshards; i++) a->entry->nmaps += c->shards[i].size > 0;
     return;
   }
   }
@@ -120,27 +114,39 @@ static void acquire_work(struct job *j) {
 
 static void acquire_resolved(struct acquire *a);
 
-static void notify_waiters(struct reg_ckpt *e, const struct wd_error *err) {
+/*
+ * Tells every waiter; on success each is charged for first, and one its
+ * uid's shares cannot hold gets LIMIT. A waiter with other credentials
+ * acquires again. Returns how many got the entry.
+ */
+static size_t notify_waiters(struct reg_ckpt *e, const struct wd_error *err) {
   struct reg_waiter *w = e->waiters;
   e->waiters = NULL;
+  size_t given = 0;
   while (w != NULL) {
     struct reg_waiter *next = w->next;
+    struct wd_error cerr = {0};
     if (w->retry != NULL) {
       acquire_resolved(w->retry);
+    } else if (err == NULL && reg_bound_charge(e->reg, e, w->uid, &cerr) != 0) {
+      w->cb(w->arg, NULL, &cerr);
     } else {
       if (err == NULL) reg_ref(e);
+      given += err == NULL;
       w->cb(w->arg, err == NULL ? e : NULL, err);
     }
     free(w);
     w = next;
   }
+  return given;
 }
 
-static int add_waiter(struct reg_ckpt *e, reg_ready_fn cb, void *arg, struct acquire *retry) {
+static int add_waiter(struct reg_ckpt *e, reg_ready_fn cb, void *arg, uid_t uid, struct acquire *retry) {
   struct reg_waiter *w = calloc(1, sizeof *w);
   if (w == NULL) return -1;
   w->cb = cb;
   w->arg = arg;
+  w->uid = uid;
   w->retry = retry;
   w->next = e->waiters;
   e->waiters = w;
@@ -160,9 +166,9 @@ static void fail_nomem(reg_ready_fn cb, void *arg) {
 }
 
 /*
- * Starts opening a->resolved, or joins an open already under way: as a
- * waiter for its verdict when it checks the same access, else to acquire
- * again once it ends.
+ * Starts opening a->resolved, if the bounds leave room for it, or joins an
+ * open already under way: as a waiter for its verdict when it checks the
+ * same access, else to acquire again once it ends.
  */
 static void start_open(struct acquire *a) {
   struct registry *r = a->reg;
@@ -176,7 +182,7 @@ static void start_open(struct acquire *a) {
   for (struct reg_ckpt *e = r->ckpts; e != NULL; e = e->next) {
     if (e->state == REG_OPENING && strcmp(e->path, a->resolved) == 0) {
       bool shared = shares_open(a, e);
-      if (add_waiter(e, shared ? a->ready : NULL, shared ? a->arg : NULL, shared ? NULL : a) != 0) {
+      if (add_waiter(e, shared ? a->ready : NULL, shared ? a->arg : NULL, a->uid, shared ? NULL : a) != 0) {
         fail_nomem(a->ready, a->arg);
         acquire_free(a);
       } else if (shared) {
@@ -185,8 +191,14 @@ static void start_open(struct acquire *a) {
       return;
     }
   }
+  struct wd_error berr = {0};
+  if (reg_bound_admit(r, a->uid, a->resolved, &berr) != 0) {
+    a->ready(a->arg, NULL, &berr);
+    acquire_free(a);
+    return;
+  }
   struct reg_ckpt *e = calloc(1, sizeof *e);
-  if (e == NULL || (e->path = strdup(a->resolved)) == NULL || add_waiter(e, a->ready, a->arg, NULL) != 0) {
+  if (e == NULL || (e->path = strdup(a->resolved)) == NULL || add_waiter(e, a->ready, a->arg, a->uid, NULL) != 0) {
     if (e) free(e->path);
     free(e);
     fail_nomem(a->ready, a->arg);
@@ -201,6 +213,7 @@ static void start_open(struct acquire *a) {
   e->open_for = a->checked ? &a->access.cred : NULL;
   e->next = r->ckpts;
   r->ckpts = e;
+  r->nlisted++;
   a->stage = ACQ_OPEN;
   a->entry = e;
   a->rc = 0;
@@ -253,8 +266,15 @@ static void acquire_done(struct job *j) {
   case ACQ_VERIFY: {
     struct reg_ckpt *e = a->entry;
     a->entry = NULL;
+    struct wd_error cerr = {0};
+    if (a->rc == 0 && !e->detached && reg_bound_charge(a->reg, e, a->uid, &cerr) != 0) {
+      reg_unref(e);
+      a->ready(a->arg, NULL, &cerr);
+      acquire_free(a);
+      return;
+    }
     if (a->rc == 0 && !e->detached) {
-      e->last_used_ms = clock_ms();
+      reg_touch(e);
       a->ready(a->arg, e, NULL); /* passes our reference on */
       acquire_free(a);
       return;
@@ -277,17 +297,22 @@ static void acquire_done(struct job *j) {
   case ACQ_OPEN: {
     struct reg_ckpt *e = a->entry;
     e->open_for = NULL; /* it points into a, freed below */
+    bool bounded = a->rc == 0 && (a->rc = reg_bound_open(a->reg, e, &a->err)) != 0;
     if (a->rc == 0) {
       e->state = REG_OPEN;
-      e->last_used_ms = clock_ms();
-      log_msg(LOG_INFO, "opened %s: %zu shards, %zu tensors, %llu bytes", e->path, e->ck->nshards,
-              e->ck->ntensors, (unsigned long long)e->ck->total_bytes);
-      notify_waiters(e, NULL);
-      reg_pin_on_open(a->reg, e);
+      reg_touch(e);
+      log_msg(LOG_INFO, "opened %s: %zu shards, %zu tensors, %llu bytes (%llu charged)", e->path, e->ck->nshards,
+              e->ck->ntensors, (unsigned long long)e->ck->total_bytes, (unsigned long long)e->charge);
+      if (notify_waiters(e, NULL) == 0 && !e->detached) {
+        log_msg(LOG_INFO, "closed %s: every request for it was refused by a bound", e->path);
+        reg_detach(e);
+      } else if (!e->detached) {
+        reg_pin_on_open(a->reg, e);
+      }
     } else {
       e->state = REG_FAILED;
       ckpt_err_name(&a->err, e->path); /* the mmap source's errors name the checkpoint too */
-      log_msg(LOG_WARN, "cannot open %s", a->err.msg);
+      if (!bounded) log_msg(LOG_WARN, "cannot open %s", a->err.msg); /* a refusal logs itself */
       reg_detach(e);
       notify_waiters(e, &a->err);
     }
@@ -316,10 +341,12 @@ static struct acquire *acquire_new(struct registry *r, const char *path, const s
   a->roots = reg_roots_ref(r->roots);
   a->verdicts = r->verdicts;
   a->stage = ACQ_RESOLVE;
+  a->uid = REG_UID_DAEMON; /* reg_acquire_as says whom else */
   return a;
 }
 
-void reg_acquire(struct registry *r, const char *path, const struct acc_cred *who, reg_ready_fn cb, void *arg) {
+void reg_acquire_as(struct registry *r, const char *path, uid_t uid, const struct acc_cred *who, reg_ready_fn cb,
+                    void *arg) {
   struct acquire *a = acquire_new(r, path, who, NULL);
   if (a == NULL) {
     fail_nomem(cb, arg);
@@ -327,7 +354,12 @@ void reg_acquire(struct registry *r, const char *path, const struct acc_cred *wh
   }
   a->ready = cb;
   a->arg = arg;
+  a->uid = uid;
   jobs_submit(r->control, &a->job);
+}
+
+void reg_acquire(struct registry *r, const char *path, const struct acc_cred *who, reg_ready_fn cb, void *arg) {
+  reg_acquire_as(r, path, REG_UID_DAEMON, who, cb, arg);
 }
 
 void reg_resolve(struct registry *r, const char *path, const struct acc_cred *who, reg_resolved_fn cb, void *arg) {

@@ -494,6 +494,7 @@ static void prefetch_done(struct job *j) {
   struct registry *r = p->reg;
   struct reg_ckpt *ck = p->ck;
   if (p->read) ck->prefetching = false;
+  reg_touch(ck);
   if (p->digests != NULL) {
     ck->digesting = false;
     if (!atomic_load(&p->failed) && !atomic_load(&p->skipped) && !p->stopped && !ck->content_known) {

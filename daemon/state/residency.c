@@ -128,6 +128,12 @@ struct res_set *res_find_set(const struct residency *r, const char *id) {
   return NULL;
 }
 
+struct res_set *res_find_plan(const struct residency *r, const struct reg_ckpt *ck, int device, const char *plan_key) {
+  for (struct res_set *s = r->sets; s != NULL; s = s->next)
+    if (s->ck == ck && s->device == device && s->state != SET_FAILED && strcmp(s->plan->key, plan_key) == 0) return s;
+  return NULL;
+}
+
 struct res_set *res_find_by_key(const struct residency *r, const char *key) {
   for (struct res_set *s = r->sets; s != NULL; s = s->next)
     if (strcmp(s->key, key) == 0 && s->state != SET_FAILED) return s;
@@ -244,6 +250,7 @@ void res_set_destroy(struct res_set *s, struct slab_list *keep) {
   free((void *)s->load.pins);
   s->load.pins = NULL;
   plan_free(s->plan);
+  reg_touch(s->ck); /* its checkpoint's idle time starts when its last set goes */
   reg_unref(s->ck);
   uv_timer_stop(&s->progress_timer);
   uv_close((uv_handle_t *)&s->progress_timer, timer_closed);

@@ -211,6 +211,8 @@ bool res_set_canceling(const struct res_set *s);
 bool res_set_early_ok(const struct res_set *s);
 
 struct res_set *res_find_set(const struct residency *r, const char *id);
+/* The set res_load would find for (ck, device, a plan with this key): loading or ready; NULL when none. */
+struct res_set *res_find_plan(const struct residency *r, const struct reg_ckpt *ck, int device, const char *plan_key);
 
 /* ---- leases --------------------------------------------------------------- */
 

@@ -500,7 +500,7 @@ def test_lease_changes_store_small_descriptions(supervisor, model_root):
             for _ in range(300):
                 _, f = holder.attach(path=path)
                 os.close(f)
-            wait_until(lambda: len(s.status()["leases"]) == 301, what="301 leases")
+            wait_until(lambda: s.status()["totals"]["leases"] == 301, what="301 leases")
             wait_until(lambda: len(stored_descriptions(s.store)) == 1, what="one description")
             n0 = stored_messages(s.store, "wd-sets-")
             holder.close()

@@ -289,3 +289,20 @@ def test_process_killed_while_attached(daemon, tiny):
     assert st["sets"][0]["leases"] == 0
     with daemon.connect() as raw:
         assert raw.call("evict", set=st["sets"][0]["set"])["evicted"]
+
+
+def test_status_pages(client, daemon, tiny):
+    """Client.status pages with limit and after; all_pages=True merges every page into one status."""
+    sids = [client.load(tiny[k]) for k in ("a", "b", "c", "many")]
+    first = client.status(limit=1)
+    assert len(first["checkpoints"]) == 1 and first["totals"]["checkpoints"] == 4
+    assert first["left_out"] == {"checkpoints": 3, "sets": 3}
+    second = client.status(limit=1, after=first["next"])
+    assert set(second) >= {"checkpoints", "sets"} and "leases" not in second
+    assert second["checkpoints"][0]["path"] != first["checkpoints"][0]["path"]
+    merged = client.status(limit=1, all_pages=True)
+    assert sorted(s["set"] for s in merged["sets"]) == sorted(sids)
+    assert len({c["path"] for c in merged["checkpoints"]}) == 4
+    assert "next" not in merged and "left_out" not in merged
+    with pytest.raises(weightd.BadRequestError, match="limit"):
+        client.status(limit=0)

@@ -380,9 +380,31 @@ class Client:
         conn.cancel_requested = True
         return True
 
-    def status(self) -> dict:
-        """The daemon's status: daemon, devices, checkpoints, sets (docs/protocol.md)."""
-        return self.request({"op": "status"})
+    _STATUS_LISTS = ("checkpoints", "sets", "leases", "requests")
+
+    def status(self, *, limit: Optional[int] = None, after: Optional[dict] = None, all_pages: bool = False) -> dict:
+        """The daemon's status: daemon, devices, checkpoints, sets, leases, requests (docs/protocol.md).
+
+        Each list is a page (the newest ``limit`` items, 256 by default);
+        ``totals`` counts every list, and a cut list has its cursor in
+        ``next``, which ``after`` takes for the next page. ``all_pages=True``
+        asks for every page and returns one status listing everything.
+        """
+        req: dict[str, Any] = {"op": "status"}
+        if limit is not None:
+            req["limit"] = limit
+        if after is not None:
+            req["after"] = after
+        reply = self.request(req)
+        while all_pages and reply.get("next"):
+            page = self.request({**req, "after": reply.pop("next")})
+            for name in self._STATUS_LISTS:
+                reply.setdefault(name, []).extend(page.get(name, []))
+            if page.get("next"):
+                reply["next"] = page["next"]
+        if all_pages:
+            reply.pop("left_out", None)
+        return reply
 
     def request(self, req: dict, *, progress: Progress = None) -> dict:
         """Sends one raw request (a dict with "op") and returns the reply; an error reply raises.
