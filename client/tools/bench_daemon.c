@@ -79,17 +79,30 @@ void bench_evict_all(int device) {
   for (int i = 0; i < bench_ndaemons; i++) bench_request_or_die(bench_daemons[i].c, req);
 }
 
-/* Closes the checkpoint in every daemon (which unpins it); its sets are evicted first. */
+/*
+ * Closes the checkpoint in every daemon (which unpins it); its sets are
+ * evicted first. A close answered BUSY is asked again for up to a minute:
+ * the pin policy's job that registers a load's ranges (pin after_load)
+ * holds the checkpoint until it ends.
+ */
 void bench_close_all(const char *abs, int device) {
   bench_evict_all(device);
   char req[PATH_MAX + 64];
   snprintf(req, sizeof req, "{\"op\":\"close\",\"path\":\"%s\"}", abs);
   for (int i = 0; i < bench_ndaemons; i++) {
-    int rc;
-    cJSON *r = bench_request_json(bench_daemons[i].c, req, &rc);
-    if (rc != 0 && rc != WEIGHTD_E_NOT_FOUND)
-      bench_die("close (is another client using the checkpoint?)", bench_jstr(r, "error"));
-    cJSON_Delete(r);
+    for (int tries = 0;; tries++) {
+      int rc;
+      cJSON *r = bench_request_json(bench_daemons[i].c, req, &rc);
+      if (rc == WEIGHTD_E_BUSY && tries < 600) {
+        cJSON_Delete(r);
+        usleep(100 * 1000);
+        continue;
+      }
+      if (rc != 0 && rc != WEIGHTD_E_NOT_FOUND)
+        bench_die("close (is another client using the checkpoint?)", bench_jstr(r, "error"));
+      cJSON_Delete(r);
+      break;
+    }
   }
 }
 

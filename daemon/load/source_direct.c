@@ -36,8 +36,14 @@
 
 /* Each bounce buffer's size: the largest aligned read that does not go straight into its destination. */
 #define DIRECT_BOUNCE (2u << 20)
-/* The length reads go fastest at (struct ld_source.read_min): fill tasks are at least this long. */
-#define DIRECT_READ_MIN (4u << 20)
+/*
+ * The length reads go fastest at (struct ld_source.read_min): fill tasks are
+ * at least this long, a whole 16 MiB staging window each, so that a load has
+ * as many 16 MiB reads in flight as it has slots. On the H100 host's disk a
+ * sweep measured 16 MiB reads from 4 threads at 2.10 GB/s against 1.76 GB/s
+ * for 4 MiB reads from 16 threads (docs/benchmarks.md, "Cold").
+ */
+#define DIRECT_READ_MIN (16u << 20)
 /* The alignment used when the kernel does not report one, and the least used. */
 #define DIRECT_ALIGN_MIN 4096u
 
