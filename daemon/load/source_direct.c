@@ -13,9 +13,9 @@
  * run of rows, then the rows copied out.
  *
  * Reads run on the fill threads, each a blocking pread of a fill task's part
- * (at least DIRECT_READ_MIN: read_min), so a load has as many reads in
- * flight as it has fill threads (docs/benchmarks.md, "Cold", says why a
- * thread pool and not io_uring).
+ * (at least DIRECT_READ_MIN: read_min, a whole window), so a load has as
+ * many reads in flight as it has staging slots (docs/benchmarks.md,
+ * "Sources", says why a thread pool and not io_uring).
  *
  * DESIGN (threads): the descriptors never change after open and pread has no
  * shared offset, so readers share them without locks. Bounce buffers are a
@@ -41,7 +41,7 @@
  * at least this long, a whole 16 MiB staging window each, so that a load has
  * as many 16 MiB reads in flight as it has slots. On the H100 host's disk a
  * sweep measured 16 MiB reads from 4 threads at 2.10 GB/s against 1.76 GB/s
- * for 4 MiB reads from 16 threads (docs/benchmarks.md, "Cold").
+ * for 4 MiB reads from 16 threads (docs/benchmarks.md, "Sources").
  */
 #define DIRECT_READ_MIN (16u << 20)
 /* The alignment used when the kernel does not report one, and the least used. */
