@@ -1,6 +1,6 @@
 /*
  * sha256.c - SHA-256 (FIPS 180-4, sections 4.1.2, 4.2.2, 5.1.1, 5.3.3 and
- * 6.2). See sha256.h.
+ * 6.2), and HMAC over it (RFC 2104). See sha256.h.
  */
 #include "sha256.h"
 
@@ -107,4 +107,32 @@ void sha256_hex(const unsigned char digest[SHA256_DIGEST_LEN], char hex[SHA256_H
     hex[2 * i + 1] = digits[digest[i] & 15];
   }
   hex[SHA256_HEX_LEN] = '\0';
+}
+
+/* RFC 2104, section 2: H(K ^ opad, H(K ^ ipad, text)), with B = 64 and K zero-padded to B. */
+void sha256_hmac(const void *key, size_t keylen, const void *msg, size_t msglen,
+                 unsigned char mac[SHA256_DIGEST_LEN]) {
+  unsigned char kb[64] = {0}, pad[64], inner[SHA256_DIGEST_LEN];
+  struct sha256 s;
+  if (keylen > sizeof kb) {
+    sha256_init(&s);
+    sha256_update(&s, key, keylen);
+    sha256_final(&s, kb);
+  } else if (keylen > 0) {
+    memcpy(kb, key, keylen);
+  }
+  for (size_t i = 0; i < sizeof pad; i++) pad[i] = kb[i] ^ 0x36;
+  sha256_init(&s);
+  sha256_update(&s, pad, sizeof pad);
+  sha256_update(&s, msg, msglen);
+  sha256_final(&s, inner);
+  for (size_t i = 0; i < sizeof pad; i++) pad[i] = kb[i] ^ 0x5c;
+  sha256_init(&s);
+  sha256_update(&s, pad, sizeof pad);
+  sha256_update(&s, inner, sizeof inner);
+  sha256_final(&s, mac);
+  explicit_bzero(kb, sizeof kb);
+  explicit_bzero(pad, sizeof pad);
+  explicit_bzero(inner, sizeof inner);
+  explicit_bzero(&s, sizeof s);
 }

@@ -5,6 +5,9 @@
  *
  * Streaming: sha256_init, sha256_update any number of times with any split
  * of the message, sha256_final. Messages up to 2^61 - 1 bytes.
+ *
+ * HMAC-SHA256 (RFC 2104 with SHA-256, the construction RFC 4231 gives test
+ * vectors for) signs requests to object stores (daemon/remote/sigv4.c).
  */
 #ifndef WD_SHA256_H
 #define WD_SHA256_H
@@ -30,5 +33,13 @@ void sha256_final(struct sha256 *s, unsigned char digest[SHA256_DIGEST_LEN]);
 
 /* Writes digest as SHA256_HEX_LEN lowercase hex digits and a NUL. */
 void sha256_hex(const unsigned char digest[SHA256_DIGEST_LEN], char hex[SHA256_HEX_LEN + 1]);
+
+/*
+ * Writes HMAC-SHA256(key, msg) to mac. Keys of any length (longer than the
+ * 64-byte block are hashed first, as RFC 2104 says). The key's padded
+ * copies are wiped before it returns: keys here are secrets.
+ */
+void sha256_hmac(const void *key, size_t keylen, const void *msg, size_t msglen,
+                 unsigned char mac[SHA256_DIGEST_LEN]);
 
 #endif
