@@ -240,6 +240,10 @@ static const struct cfg_key keys[] = {
      "\"Restarts\"). auto: on when NOTIFY_SOCKET is set and the manager announces a store ($FDSTORE, systemd 254+) "
      "or passed a set description at start; on: whenever NOTIFY_SOCKET is set (systemd 252 announces nothing: "
      "set on there, with FileDescriptorStoreMax= in the unit); off: never", fd_store_names},
+    {"fd_store_max", CFG_UINT, OFF(fd_store_max), 0, 0, 65536, "0",
+     "descriptors the service manager's fd store holds (FileDescriptorStoreMax= in the unit): sets that would "
+     "pass it are not stored (logged) and the description and every set stored keep working; 0 = what the "
+     "manager announces ($FDSTORE, systemd 254+), else 512 (the shipped unit's)"},
     {"restart_grace_ms", CFG_UINT, OFF(restart_grace_ms), 0, 0, 86400000, "30000",
      "after a restart, how long a re-adopted lease waits for its holder (same uid and pid) to reclaim it before "
      "it ends (read at start)"},

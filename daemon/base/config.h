@@ -89,6 +89,7 @@ struct wd_config {
   uint64_t host_devices;     /* host backend: devices it presents */
   char *host_peers;          /* host backend: pairs with "peer access" */
   enum cfg_fd_store fd_store; /* keep sets in the service manager's fd store across restarts */
+  uint64_t fd_store_max;      /* descriptors the fd store holds (0: $FDSTORE, else 512) */
   uint64_t restart_grace_ms;  /* how long recovered leases wait for their holders to reclaim them */
 };
 

@@ -42,6 +42,7 @@ struct survive {
   uv_timer_t grace_timer;
   uv_timer_t flush_timer;
   int open_timers; /* while closing */
+  size_t max_fds;  /* what the store holds (fd_store_max, $FDSTORE, or the shipped unit's 512) */
   /* Re-adoption at start. */
   struct setdesc desc;
   const void *map;
@@ -86,6 +87,13 @@ static int describe_set(struct survive *sv, struct res_set *s, struct setdesc_se
   snprintf(name, sizeof name, SLAB_PREFIX "%s", s->id);
   snprintf(tname, sizeof tname, TABLE_PREFIX "%s", s->id);
   bool stored = fdstore_has(sv->fs, name);
+  size_t need = !stored + !fdstore_has(sv->fs, tname);
+  /* One place stays free for the next description, stored before the one it replaces goes. */
+  if (need > 0 && fdstore_count(sv->fs) + need + 1 > sv->max_fds)
+    return err_set(err, WEIGHTD_E_LIMIT,
+                   "the fd store is full (%zu of %zu descriptors; a set takes two: fd_store_max, "
+                   "FileDescriptorStoreMax= in the unit)",
+                   fdstore_count(sv->fs), sv->max_fds);
   int rc = 0;
   if (!stored || s->store_alloc_bytes == 0) { /* once per set (a re-adopted one has them from its description) */
     struct wd_handle h = {.fd = -1};
@@ -177,7 +185,9 @@ static void publish(struct survive *sv) {
     struct wd_error serr = {0};
     struct setdesc_set *o = &desc.sets[desc.nsets++];
     if (describe_set(sv, s, o, &serr) != 0) {
-      log_msg(LOG_WARN, "set %s will not survive a restart: %s", s->id, serr.msg);
+      if (!s->store_refused) /* once per set: this runs at every change */
+        log_msg(LOG_WARN, "set %s will not survive a restart: %s", s->id, serr.msg);
+      s->store_refused = true;
       entry_free(o);
       desc.nsets--;
     }
@@ -527,6 +537,11 @@ struct survive *survive_create(struct daemon *d) {
     return NULL;
   }
   sv->d = d;
+  sv->max_fds = d->cfg.fd_store_max ? (size_t)d->cfg.fd_store_max : max > 0 ? (size_t)max : 512;
+  if (on)
+    log_msg(LOG_INFO, "restart survival: the store holds %zu descriptors (%s): %zu sets, two each, beside the "
+            "description", sv->max_fds, d->cfg.fd_store_max ? "fd_store_max" : max > 0 ? "$FDSTORE" : "the shipped "
+            "unit's FileDescriptorStoreMax=", sv->max_fds > 2 ? (sv->max_fds - 2) / 2 : 0);
   uv_timer_init(d->loop, &sv->grace_timer);
   uv_timer_init(d->loop, &sv->flush_timer);
   sv->grace_timer.data = sv->flush_timer.data = sv;

@@ -468,9 +468,11 @@ int res_set_table_fd(struct res_set *s, struct wd_error *err) {
 int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,
                   struct wd_error *err) {
   if (s->state != SET_READY && !res_set_early_ok(s)) return err_set(err, WEIGHTD_E_BUSY, "set %s is not ready", s->id);
+  uint64_t n = res_next_id(r);
+  if (n == 0) return err_set(err, WEIGHTD_E_LIMIT, "no lease id is left (the last, l%llu, was given)", RES_ID_MAX);
   struct lease *l = calloc(1, sizeof *l);
   if (l == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  snprintf(l->id, sizeof l->id, "l%" PRIu64, ++r->next_id);
+  snprintf(l->id, sizeof l->id, "l%" PRIu64, n);
   l->set = s;
   l->holder = *holder;
   l->created_ms = clock_ms();

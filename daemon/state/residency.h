@@ -68,6 +68,7 @@ struct res_set {
   uint64_t table_bytes;
   uint64_t table_sum;         /* its XXH64 (the set description names the table by it) */
   /* What the stored slab handle maps (restart survival: taken when first stored, or from the description). */
+  bool store_refused; /* the fd store had no room for it (logged once) */
   uint64_t store_alloc_bytes;
   unsigned char store_alloc_id[WD_ALLOC_ID_BYTES];
   struct wd_progress_page *page; /* how far the load has come (NULL: the kernel cannot share one) */

@@ -49,7 +49,7 @@ struct residency {
   int ndevices;
   struct res_device *devices;
   uint64_t device_budget;
-  uint64_t next_id;
+  uint64_t next_id; /* the last set or lease id number given; never past RES_ID_MAX */
   struct res_set *sets;
   struct res_set *orphans; /* failed or canceled while leased: freed with their last lease */
   struct lease *leases;
@@ -64,6 +64,12 @@ struct residency {
   void (*changed)(void *arg, bool now); /* sets or leases changed (res_on_change) */
   void *changed_arg;
 };
+
+/* The largest set or lease id number (2^63 - 1, what a set description accepts): none is given past it. */
+#define RES_ID_MAX 9223372036854775807ull
+
+/* The next id number, or 0 when they are used up (only a description that took over the last one does that). */
+static inline uint64_t res_next_id(struct residency *r) { return r->next_id < RES_ID_MAX ? ++r->next_id : 0; }
 
 /* Tells the res_on_change callback that sets or leases changed (now: see res_on_change). */
 static inline void res_changed(struct residency *r, bool now) {

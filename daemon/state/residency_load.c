@@ -301,14 +301,17 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
     res_wait(r, s, w);
     return;
   }
+  uint64_t id = r->next_id < RES_ID_MAX ? r->next_id + 1 : 0; /* taken below, once the set is made */
   s = calloc(1, sizeof *s);
   struct load_job *lj = calloc(1, sizeof *lj);
-  if (s == NULL || lj == NULL || !res_room_possible(r, device, plan->slab_bytes)) {
+  if (s == NULL || lj == NULL || id == 0 || !res_room_possible(r, device, plan->slab_bytes)) {
     bool nomem = s == NULL || lj == NULL;
     free(s);
     free(lj);
     free(key);
-    if (nomem)
+    if (id == 0)
+      fail_waiter(w, WEIGHTD_E_LIMIT, "no set id is left (the last, s%llu, was given)", RES_ID_MAX);
+    else if (nomem)
       fail_waiter(w, WEIGHTD_E_NOMEM, "out of memory");
     else
       fail_waiter(w, WEIGHTD_E_DEVICE_NOMEM,
@@ -320,7 +323,8 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
     return;
   }
   s->res = r;
-  snprintf(s->id, sizeof s->id, "s%" PRIu64, ++r->next_id);
+  r->next_id = id;
+  snprintf(s->id, sizeof s->id, "s%" PRIu64, id);
   s->key = key;
   s->ck = ck; /* takes the caller's reference */
   s->device = device;

@@ -52,8 +52,12 @@ def wait_until(pred, timeout=10.0, interval=0.02, what="condition"):
 class FdStore:
     """systemd's notify socket with its file descriptor store."""
 
-    def __init__(self, path):
+    def __init__(self, path, max_fds=None):
+        """max_fds: FileDescriptorStoreMax=; a descriptor past it is closed and its name recorded in refused,
+        as systemd refuses it (EXFULL)."""
         self.path = path
+        self.max_fds = max_fds
+        self.refused = []
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(path)
         self.lock = threading.Condition()
@@ -89,6 +93,9 @@ class FdStore:
                 if fields.get("FDSTORE") == "1":
                     for fd in got:
                         if self._same_file(fd):
+                            os.close(fd)
+                        elif self.max_fds is not None and len(self.fds) >= self.max_fds:
+                            self.refused.append(fields.get("FDNAME", "stored"))
                             os.close(fd)
                         else:
                             self.fds.append([fields.get("FDNAME", "stored"), fd])
@@ -146,7 +153,7 @@ class Supervisor:
     """Starts and restarts one weightd the way systemd would, keeping its store."""
 
     def __init__(self, weightd, model_root, config=None, activate=True, backend="host", timeout=60.0,
-                 stop_seconds=60.0):
+                 stop_seconds=60.0, fdstore_max=64):
         """activate: pass a listening socket (socket activation); else the daemon binds its own."""
         self.weightd = weightd
         self.backend = backend
@@ -160,7 +167,8 @@ class Supervisor:
             self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.listener.bind(self.socket)
             self.listener.listen(64)
-        self.store = FdStore(os.path.join(self.dir, "notify"))
+        self.fdstore_max = fdstore_max  # announced with FDSTORE= and enforced, as FileDescriptorStoreMax=
+        self.store = FdStore(os.path.join(self.dir, "notify"), fdstore_max)
         self.log_path = os.path.join(self.dir, "stderr.log")
         self.config = dict(config or {})
         self.proc = None
@@ -178,7 +186,7 @@ class Supervisor:
             args += ["--set", f"{k}={v}"]
         e = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "LISTEN_FDS", "LISTEN_PID",
                                                                "LISTEN_FDNAMES", "FDSTORE")}
-        e.update({"NOTIFY_SOCKET": self.store.path, "FDSTORE": "64", "LISTEN_FDS": str(len(fds)),
+        e.update({"NOTIFY_SOCKET": self.store.path, "FDSTORE": str(self.fdstore_max), "LISTEN_FDS": str(len(fds)),
                   "LISTEN_FDNAMES": ":".join(names)})
         e.update(extra_env or {})
         start = len(self.store.messages)

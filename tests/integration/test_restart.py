@@ -287,8 +287,9 @@ def _describe(header, version, sets, leases):
     return bytes(h) + bytes(body)
 
 
-def _restart_with(s, tiny, rewrite):
-    """A set loaded and its lease released, the daemon killed, its description rewritten, the daemon started."""
+def _restart_with(s, tiny, rewrite, before_start=None):
+    """A set loaded and its lease released, the daemon killed, its description rewritten (and before_start
+    run), the daemon started."""
     with s.connect() as c:
         att, fd = c.attach(path=tiny["a"])
         os.close(fd)
@@ -298,6 +299,8 @@ def _restart_with(s, tiny, rewrite):
     s.kill()
     header, sets, leases = _sets_of(read_description(s.store), s.store)
     replace_description(s.store, rewrite(header, sets, leases))
+    if before_start is not None:
+        before_start()
     s.start()
     return att["set"]
 
@@ -354,6 +357,50 @@ def test_description_with_an_id_past_the_counter_is_rejected(supervisor, tiny):
     assert st["sets"] == [] and st["daemon"]["sets_readopted"] == 0
     with s.connect() as c:
         assert c.call("load", path=tiny["a"])["set"] == "s1"
+    s.stop()
+
+
+def test_an_id_at_the_counter_max_is_the_last_given(supervisor, tiny):
+    """A description whose set id is the largest (s9223372036854775807) is re-adopted; no id past it is given
+    (a new set or lease is LIMIT), so the next description stays readable and the set survives a second
+    restart. Before: the next set was s9223372036854775808, and the following restart rejected the whole
+    description, losing every set."""
+    s = supervisor().start()
+    top = b"s9223372036854775807"
+
+    def rename(h, sets, leases):
+        """The set's id, and its slab's store name with it (as the daemon names them), become the last."""
+        head, ids, shards, table = sets[0]
+        strs, at = [], 0
+        for _ in range(3):  # id, path, uuid
+            (n,) = struct.unpack_from("<I", head, at)
+            strs.append(head[at + 4:at + 4 + n])
+            at += 4 + n
+        fixed = head[at:at + 36]  # handle kind, slab bytes, allocation bytes, allocation id
+        at += 36
+        (n,) = struct.unpack_from("<I", head, at)
+        rest = head[at + 4 + n:]  # the plan key
+        enc = lambda b: struct.pack("<I", len(b)) + b
+        head = enc(top) + enc(strs[1]) + enc(strs[2]) + fixed + enc(b"wd-slab-" + top) + rest
+        return _describe(h, 2, [(head, ids, shards, table)] + sets[1:], leases)
+
+    def renamed_store():
+        with s.store.lock:
+            for e in s.store.fds:
+                if e[0] == "wd-slab-s1":
+                    e[0] = "wd-slab-" + top.decode()
+
+    set_id = _restart_with(s, tiny, rename, before_start=renamed_store)
+    assert set_id == "s1"
+    assert [x["set"] for x in s.status()["sets"]] == [top.decode()]
+    with s.connect() as c:
+        err = c.error("load", path=tiny["b"])
+        assert err == "LIMIT", err
+        m, _ = c.request("attach", path=tiny["a"])  # the re-adopted set: a lease would need an id too
+        assert m.get("error", {}).get("code") == "LIMIT" and "no lease id is left" in m["error"]["message"], m
+    s.kill()
+    s.start()
+    assert [x["set"] for x in s.status()["sets"]] == [top.decode()]
     s.stop()
 
 
@@ -466,6 +513,44 @@ def test_descriptor_counts_stay_flat(supervisor, tiny):
     assert len(set(counts)) == 1, counts
     assert stores == [5] * 20, stores  # one description, and per set its slab and its tensor table
     s.stop()
+
+
+def test_sets_past_the_store_limit_are_not_stored_and_the_rest_survive(supervisor, model_root):
+    """A store of 8 descriptors (FileDescriptorStoreMax=8, announced as FDSTORE=8) holds the description and
+    three sets (a slab and a table each) with one place free for the next description: a fourth set is not
+    stored (logged once), and a restart re-adopts the three and their leases. Before: the fourth set's
+    descriptors and the new description were refused by the manager, the old description was removed, and
+    the restart re-adopted nothing."""
+    s = supervisor(fdstore_max=8).start()
+    cks = []
+    for i in range(4):
+        d = os.path.join(model_root, f"store-cap-{i}")
+        write_single(d, TINY_TENSORS, seed=40 + i)
+        cks.append(d)
+    try:
+        c = s.connect()
+        leases = []
+        for d in cks[:3]:
+            att, fd = c.attach(path=d)
+            os.close(fd)
+            leases.append(att)
+        fourth = c.call("load", path=cks[3])["set"]  # a prewarm: resident, no lease
+        c.status()
+        s.store.drain()
+        wait_until(lambda: len(stored_descriptions(s.store)) == 1, what="one description")
+        assert s.store.refused == [], s.store.refused  # the daemon never offered more than the store holds
+        text = s.log_text()
+        assert f"set {fourth} will not survive a restart: the fd store is full (7 of 8 descriptors" in text, text
+        assert text.count(f"set {fourth} will not survive a restart") == 1
+        s.kill()
+        s.start()
+        st = s.status()
+        assert sorted(x["set"] for x in st["sets"]) == sorted(a["set"] for a in leases) and loads(st) == 0
+        assert sorted(x["lease"] for x in st["leases"]) == sorted(a["lease"] for a in leases)
+        s.stop()
+    finally:
+        for d in cks:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def stored_messages(store, prefix):
