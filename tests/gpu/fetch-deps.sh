@@ -14,7 +14,8 @@
 # packages; the binaries built there find the libraries through
 # LD_LIBRARY_PATH, so source it in every shell that runs them.
 set -euo pipefail
-DEPS=(libuv1 libuv1-dev libcjson1 libcjson-dev libmicrohttpd12 libmicrohttpd-dev libxxhash0 libxxhash-dev liburing2 liburing-dev)
+DEPS=(libuv1 libuv1-dev libcjson1 libcjson-dev libmicrohttpd12 libmicrohttpd-dev libxxhash0 libxxhash-dev liburing2 liburing-dev
+      libcurl4 libcurl4-openssl-dev libnghttp2-14)
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=$root/.devdeps
 mkdir -p "$out"
