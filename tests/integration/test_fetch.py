@@ -142,6 +142,15 @@ def test_tls_verifies_the_server(s3):
     assert s3.url(BUCKET, KEY, tls=True) in r["msg"] and "certificate" in r["msg"], r["msg"]
 
 
+def test_stat_where_head_is_refused_reads_content_range(s3):
+    with proxy_for(s3, [Rule("status", method="HEAD", status=405, code="MethodNotAllowed", times=None)]) as p:
+        r = fetch("stat", p.url + f"/{BUCKET}/{KEY}")
+        assert r["rc"] == "OK", r
+        assert r["size"] == SIZE and r["etag"] == s3.etag, r
+        gets = [e for e in p.log() if e["method"] == "GET"]
+        assert len(gets) == 1 and gets[0]["headers"]["range"] == "bytes=0-0" and gets[0]["status"] == 206
+
+
 # ---- errors that name the object ----------------------------------------------------
 
 
@@ -276,6 +285,23 @@ def test_whole_object_for_a_range_is_stale(s3, tmp_path):
         r = fetch("read", p.url + f"/{BUCKET}/{KEY}", ranges=[(100, 1000)], tmp=tmp_path)
         assert r["rc"] == "STALE", r
         assert "HTTP 200" in r["msg"] and "the whole object instead of the range" in r["msg"], r["msg"]
+        assert p.count("GET") == 1
+
+
+def test_other_bytes_than_asked_are_refused(s3, tmp_path):
+    with proxy_for(s3, [Rule("set_request_headers", method="GET", headers={"Range": "bytes=0-9"}, times=None)]) as p:
+        r = fetch("read", p.url + f"/{BUCKET}/{KEY}", ranges=[(100, 1000)], tmp=tmp_path)
+        assert r["rc"] == "IO", r
+        assert "GET bytes 100-1099" in r["msg"] and "Content-Range 'bytes 0-9/" in r["msg"], r["msg"]
+        assert p.count("GET") == 1
+
+
+def test_more_body_than_asked_is_refused(s3, tmp_path):
+    """A body longer than its Content-Range is never written past the part (and is not retried)."""
+    with proxy_for(s3, [Rule("pad_body", method="GET", extra=100, times=None)]) as p:
+        r = fetch("read", p.url + f"/{BUCKET}/{KEY}", ranges=[(100, 1000)], tmp=tmp_path)
+        assert r["rc"] == "IO", r
+        assert "sent more than the 1000 bytes asked" in r["msg"], r["msg"]
         assert p.count("GET") == 1
 
 

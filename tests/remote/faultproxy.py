@@ -18,6 +18,8 @@ connections on both sides. Rules (Rule) change what happens to the requests they
     Rule("redirect", status=307, location=URL)   answer a redirect to URL
     Rule("strip_response_headers", names=[...])  relay, removing these response headers
     Rule("drop_request_headers", names=[...])    relay without these request headers
+    Rule("set_request_headers", headers={...})   relay with these request headers set (replaced)
+    Rule("pad_body", extra=N)                    relay with N more body bytes than the server sent
 
 Each rule matches a method and a substring of the path (None: any), lets the first `skip` matching
 requests pass untouched, then applies to the next `times` (None: all) of them. The first rule in
@@ -42,7 +44,8 @@ S3_CODES = {403: "AccessDenied", 404: "NoSuchKey", 412: "PreconditionFailed", 42
 
 
 class Rule:
-    ACTIONS = ("drop", "status", "stall", "replace", "redirect", "strip_response_headers", "drop_request_headers")
+    ACTIONS = ("drop", "status", "stall", "replace", "redirect", "strip_response_headers", "drop_request_headers",
+               "set_request_headers", "pad_body")
 
     def __init__(self, kind, path=None, method=None, skip=0, times=1, **params):
         if kind not in self.ACTIONS:
@@ -237,11 +240,16 @@ class FaultProxy:
         if kind == "drop_request_headers":
             drop = {n.lower() for n in p["names"]}
             headers = [(k, v) for k, v in headers if k.lower() not in drop]
+        if kind == "set_request_headers":
+            names = {n.lower() for n in p["headers"]}
+            headers = [(k, v) for k, v in headers if k.lower() not in names] + list(p["headers"].items())
         if kind == "stall" and p.get("after_bytes") is None:
             if self._stop.wait(p["seconds"]):
                 raise _Closed()
         upstream, status, reason, rheaders, body = self._relay(upstream, req, headers)
         self._record(req, status, rule)
+        if kind == "pad_body":
+            body += b"\0" * p["extra"]
         if kind == "strip_response_headers":
             strip = {n.lower() for n in p["names"]}
             rheaders = [(k, v) for k, v in rheaders if k.lower() not in strip]

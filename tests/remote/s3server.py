@@ -64,11 +64,14 @@ def boto3_module():
 
 
 def _port_free(port):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
+    """Whether port can be bound on 127.0.0.1 and on every interface (IPv4 and IPv6), as weed checks it."""
+    for family, addr in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((addr, port))
+            except OSError:
+                return False
     return True
 
 
@@ -78,7 +81,8 @@ def free_port_pair(taken):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             p = s.getsockname()[1]
-        if p + 10000 < 65536 and p not in taken and p + 10000 not in taken and _port_free(p + 10000):
+        if (p + 10000 < 65536 and p not in taken and p + 10000 not in taken and _port_free(p)
+                and _port_free(p + 10000)):
             taken.update((p, p + 10000))
             return p
     raise RuntimeError("no free pair of loopback ports")
@@ -140,20 +144,31 @@ class SeaweedS3:
         return cmd
 
     def start(self):
+        """Starts weed mini and waits for its S3 gateway. Ports are chosen free a moment before weed
+        checks them; when another process takes one in between (weed then exits at once saying
+        so), it starts again on other ports, up to three times."""
         weed = weed_binary()
         boto3_module()
+        for attempt in range(3):
+            if self._start_once(weed):
+                return self
+            if "Port allocation failed" not in self.log_tail() or attempt == 2:
+                raise RuntimeError(f"weed mini exited with {self.proc.returncode}:\n{self.log_tail()}")
+        raise AssertionError("unreachable")
+
+    def _start_once(self, weed):
+        """One start on fresh ports; True when the gateway answers, False when weed exited."""
         os.makedirs(os.path.join(self.workdir, "data"), exist_ok=True)
         cmd = self._command(weed)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed mini exited with {self.proc.returncode}:\n{self.log_tail()}")
+                return False
             if self._answers():
-                return self
+                return True
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"weed mini's S3 gateway did not answer within {self.start_timeout} s:\n{self.log_tail()}")
