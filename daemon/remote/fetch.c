@@ -715,18 +715,12 @@ static bool read_next_part(struct run *r, struct slot *s) {
 
 static void read_done(struct run *r, struct slot *s, enum verdict v, const char *why) {
   s->part_done += s->x.written; /* bytes of the same version (If-Match), checked against the range */
-  if (v == V_DONE && s->part_done < s->part_len) {
-    char what[96];
-    what_text(s, what, sizeof what);
-    char shortwhy[160];
-    snprintf(shortwhy, sizeof shortwhy, "short body: %llu of %llu bytes", (unsigned long long)s->x.written,
+  if (v == V_DONE && s->part_done < s->part_len) { /* a 2xx that ended early (no length to hold it to) */
+    char short_body[160];
+    snprintf(short_body, sizeof short_body, "short body: %llu of %llu bytes", (unsigned long long)s->x.written,
              (unsigned long long)s->x.want_len);
-    v = V_RETRY;
-    why = shortwhy;
-    slot_retry(r, s, why);
-    return;
-  }
-  if (v == V_RETRY) {
+    slot_retry(r, s, short_body);
+  } else if (v == V_RETRY) {
     slot_retry(r, s, why);
   } else if (v == V_REDIRECT) {
     if (slot_redirect(r, s) == 0) slot_start(r, s);
