@@ -160,8 +160,8 @@ static const struct cfg_key keys[] = {
      "HOST:PORT serving GET /metrics (Prometheus), /healthz and /readyz; [v6]:PORT for IPv6; \"\" turns "
      "them off", .reload = true},
     {"metrics_connections", CFG_UINT, OFF(metrics_connections), 0, 1, 4096, "64",
-     "HTTP connections served at once (32 at most from one address); a newer connection past either "
-     "limit closes the one whose request has waited longest", .reload = true},
+     "HTTP connections served at once (32 at most from one address); past either limit the ones waiting "
+     "longest for a whole request are closed first, never one on its first answer", .reload = true},
     {"metrics_request_timeout_ms", CFG_UINT, OFF(metrics_request_timeout_ms), 0, 1000, 600000, "10000",
      "an HTTP request must arrive and be answered within this time, counted from its connection's accept "
      "or its previous answer; the connection is closed otherwise", .reload = true},

@@ -6,6 +6,8 @@
 #include <inttypes.h>
 #include <microhttpd.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,17 +24,23 @@
 #define HTTP_PER_IP 32             /* connections from one address */
 #define HTTP_ACCEPT_BATCH 16       /* connections accepted before the library reads their requests */
 #define HTTP_ACCEPT_PAUSE_MS 100   /* out of descriptors: accepting waits this long */
+#define HTTP_DEFER_ACCEPT_S 1      /* a peer is accepted once its first bytes came, or after this long */
 
 /*
  * One connection the library holds, as the accept path sees it. A
  * connection is closed here by shutting its socket down: the library then
- * reads the end of the stream and closes it on its next run.
+ * reads the end of the stream and closes it on its next run. It is either
+ * waiting for a whole request (from its accept or its previous answer on)
+ * or answering: from the moment a response is queued for its request until
+ * the library has handed the last byte of it to the kernel.
  */
 struct http_conn {
   struct http_conn *prev, *next;
   int fd;
   struct sockaddr_storage peer;
   uint64_t since_ms; /* when its current request began: accepted, or its last answer sent */
+  unsigned answered; /* answers written on it before its current request */
+  bool answering;    /* a response is queued for its request and not yet all written */
   bool closing;      /* shut down here; gone when the library closes it */
 };
 
@@ -53,7 +61,16 @@ struct http {
 
 static void on_timer(uv_timer_t *t);
 
-/* Queues a response; an owned body (malloc'd) passes to the library, any other is copied. */
+/* The record of the library's connection, or NULL when it has none (it ran out of memory). */
+static struct http_conn *conn_of(struct MHD_Connection *conn) {
+  const union MHD_ConnectionInfo *info = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+  return info != NULL ? info->socket_context : NULL;
+}
+
+/*
+ * Queues a response, which makes its connection one that is answering; an
+ * owned body (malloc'd) passes to the library, any other is copied.
+ */
 static enum MHD_Result respond(struct MHD_Connection *conn, unsigned status, const char *type, const char *body,
                                bool owned) {
   struct MHD_Response *r = MHD_create_response_from_buffer(strlen(body), (void *)body,
@@ -66,6 +83,8 @@ static enum MHD_Result respond(struct MHD_Connection *conn, unsigned status, con
   MHD_add_response_header(r, "Cache-Control", "no-store");
   enum MHD_Result ok = MHD_queue_response(conn, status, r);
   MHD_destroy_response(r);
+  struct http_conn *c = conn_of(conn);
+  if (ok == MHD_YES && c != NULL) c->answering = true;
   return ok;
 }
 
@@ -156,14 +175,16 @@ static void on_connection(void *cls, struct MHD_Connection *conn, void **socket_
   *socket_context = c;
 }
 
-/* A request is over (answered, or its connection closed): the next one's deadline starts now. */
+/* A request is over (answered, or its connection closed): the connection waits for its next one from now. */
 static void on_completed(void *cls, struct MHD_Connection *conn, void **state, enum MHD_RequestTerminationCode toe) {
   (void)cls;
   (void)state;
   (void)toe;
-  const union MHD_ConnectionInfo *info = MHD_get_connection_info(conn, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
-  struct http_conn *c = info != NULL ? info->socket_context : NULL;
-  if (c != NULL) c->since_ms = clock_ms();
+  struct http_conn *c = conn_of(conn);
+  if (c == NULL) return;
+  c->since_ms = clock_ms();
+  c->answering = false;
+  c->answered++;
 }
 
 /* Closes every connection whose request has passed its deadline. */
@@ -173,27 +194,71 @@ static void close_expired(struct http *h, uint64_t now) {
       conn_close(c, "its request passed metrics_request_timeout_ms");
 }
 
+/* Whether a connection's client is not reading its answer: the socket takes no more bytes. */
+static bool answer_stalled(const struct http_conn *c) {
+  struct pollfd p = {.fd = c->fd, .events = POLLOUT};
+  return poll(&p, 1, 0) >= 0 && (p.revents & POLLOUT) == 0;
+}
+
 /*
- * Makes room for a connection from peer: at the per-address limit the
- * address's connection whose request has waited longest goes, else at the
- * total limit the longest-waiting of all. A newcomer is never refused, so no
- * number of hostile connections keeps a probe out; a connection goes only
- * when as many have come after it as the limit allows.
+ * Whether a connection may be closed to make room, in the order tried: 1,
+ * it has not sent a whole request; 2, its answer is to a later request on
+ * a kept-alive connection (what pipelining without end looks like), or its
+ * client is not reading it; 0, never: the first answer on a connection
+ * while its client reads (a probe's, which the pass that read its request
+ * writes whole).
  */
-static void make_room(struct http *h, const struct sockaddr_storage *peer) {
-  struct http_conn *oldest = NULL, *oldest_here = NULL;
-  unsigned total = 0, here = 0;
+static int closable(const struct http_conn *c) {
+  if (!c->answering) return 1;
+  return c->answered > 0 || answer_stalled(c) ? 2 : 0;
+}
+
+/* Whether c counts toward peer's limit (NULL: toward the total). */
+static bool counts(const struct http_conn *c, const struct sockaddr_storage *peer) {
+  return !c->closing && (peer == NULL || same_address(&c->peer, peer));
+}
+
+static unsigned count(const struct http *h, const struct sockaddr_storage *peer) {
+  unsigned n = 0;
+  for (const struct http_conn *c = h->conns; c != NULL; c = c->next) n += counts(c, peer);
+  return n;
+}
+
+/* The connection of peer's (NULL: of all) to close first: by the order above, then oldest first; NULL if none. */
+static struct http_conn *victim(struct http *h, const struct sockaddr_storage *peer) {
+  struct http_conn *best = NULL;
+  int best_rank = 0;
   for (struct http_conn *c = h->conns; c != NULL; c = c->next) {
-    if (c->closing) continue;
-    total++;
-    if (oldest == NULL || c->since_ms <= oldest->since_ms) oldest = c;
-    if (same_address(&c->peer, peer)) {
-      here++;
-      if (oldest_here == NULL || c->since_ms <= oldest_here->since_ms) oldest_here = c;
+    if (!counts(c, peer) || (best_rank == 1 && c->answering)) continue; /* rank 1 found: skip the poll */
+    int rank = closable(c);
+    if (rank != 0 && (best == NULL || rank < best_rank || (rank == best_rank && c->since_ms <= best->since_ms))) {
+      best = c;
+      best_rank = rank;
     }
   }
-  if (here >= HTTP_PER_IP) conn_close(oldest_here, "a newer connection from its address came past 32");
-  else if (total >= h->max_connections) conn_close(oldest, "a newer connection came past metrics_connections");
+  return best;
+}
+
+/* Closes victims of peer's (NULL: of all) until at most limit remain or none is left; how many it closed. */
+static unsigned trim(struct http *h, const struct sockaddr_storage *peer, unsigned limit, const char *why) {
+  struct http_conn *v;
+  unsigned closed = 0;
+  for (unsigned n = count(h, peer); n > limit && (v = victim(h, peer)) != NULL; n--, closed++) conn_close(v, why);
+  return closed;
+}
+
+/*
+ * Brings the connections back within the limits once the library has read
+ * what the newcomers from peers[0..n) sent: past 32 from one of those
+ * addresses, or past metrics_connections in all, victims go until it is
+ * within, or none is left (every connection is on its first answer). The
+ * newcomers themselves are victims like the others, so when every older
+ * connection is being answered it is the newcomers still waiting for their
+ * requests that are closed.
+ */
+static void make_room(struct http *h, const struct sockaddr_storage *peers, int n) {
+  for (int i = 0; i < n; i++) trim(h, &peers[i], HTTP_PER_IP, "a newer connection from its address came past 32");
+  trim(h, NULL, h->max_connections, "a newer connection came past metrics_connections");
 }
 
 /* ---- driving the library ----------------------------------------------------------------- */
@@ -242,15 +307,25 @@ static void accept_pause(struct http *h, int err) {
   uv_timer_start(&h->accept_pause, on_accept_resume, HTTP_ACCEPT_PAUSE_MS, 0);
 }
 
-/* Accepts a batch of connections and hands them to the library, which then reads their requests. */
+/*
+ * Accepts a batch of connections and hands them to the library, which reads
+ * their requests and answers those that came whole; only then are the
+ * limits applied (so what had arrived counts), and the library runs again
+ * to close the connections that made room. Before the batch, connections
+ * that became closable since the last one (an answer not read) go, so that
+ * the library's table (the limit and a batch) has room for it.
+ */
 static void on_accept(uv_poll_t *p, int status, int events) {
   struct http *h = p->data;
   (void)status;
   (void)events;
-  for (int n = 0; n < HTTP_ACCEPT_BATCH; n++) {
-    struct sockaddr_storage peer;
-    socklen_t len = sizeof peer;
-    int fd = accept4(h->listen_fd, (struct sockaddr *)&peer, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+  if (trim(h, NULL, h->max_connections, "a batch of newcomers came past metrics_connections") > 0) MHD_run(h->mhd);
+  struct sockaddr_storage peers[HTTP_ACCEPT_BATCH];
+  int n = 0;
+  while (n < HTTP_ACCEPT_BATCH) {
+    struct sockaddr_storage *peer = &peers[n];
+    socklen_t len = sizeof *peer;
+    int fd = accept4(h->listen_fd, (struct sockaddr *)peer, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) accept_pause(h, errno);
       else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
@@ -262,10 +337,12 @@ static void on_accept(uv_poll_t *p, int status, int events) {
               h->refused_emfile);
       h->refused_emfile = 0;
     }
-    make_room(h, &peer);
-    if (MHD_add_connection(h->mhd, fd, (struct sockaddr *)&peer, len) != MHD_YES) /* it closed fd */
+    n++;
+    if (MHD_add_connection(h->mhd, fd, (struct sockaddr *)peer, len) != MHD_YES) /* it closed fd */
       log_msg(LOG_DEBUG, "http: connection not taken: %s", strerror(errno));
   }
+  MHD_run(h->mhd);
+  make_room(h, peers, n);
   run(h);
 }
 
@@ -306,13 +383,20 @@ static void log_mhd(void *cls, const char *fmt, va_list ap) {
   log_msg(LOG_DEBUG, "http: %s", line);
 }
 
-/* A listening socket on ss, nonblocking; -errno when it cannot be made or bound. */
+/*
+ * A listening socket on ss, nonblocking; -errno when it cannot be made or
+ * bound. The kernel hands a connection over once its first bytes came (or
+ * HTTP_DEFER_ACCEPT_S after its handshake): a client that sends its request
+ * as it connects, as probes and scrapers do, has it read before the limits
+ * are applied to it.
+ */
 static int listen_on(const struct sockaddr_storage *ss) {
   int fd = socket(ss->ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (fd < 0) return -errno;
-  int one = 1;
+  int one = 1, defer = HTTP_DEFER_ACCEPT_S;
   socklen_t len = ss->ss_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
   if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+      setsockopt(fd, IPPROTO_TCP, TCP_DEFER_ACCEPT, &defer, sizeof defer) != 0 ||
       (ss->ss_family == AF_INET6 && setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one) != 0) ||
       bind(fd, (const struct sockaddr *)ss, len) != 0 || listen(fd, SOMAXCONN) != 0) {
     int e = errno;

@@ -12,11 +12,15 @@
  * The listening socket is ours, not the library's: the accept path hands
  * each connection to the library (MHD_add_connection), so accepting never
  * depends on the library's state (it stops polling a listening socket of its
- * own when its table is full and may never poll it again). At the limits a
- * newcomer is taken and the connection whose request has waited longest
- * goes, so connections that hold on, however many, cannot keep a probe out;
- * and every request has a total deadline, not only an idle timeout, so a
- * client dripping a byte at a time is closed all the same.
+ * own when its table is full and may never poll it again). The kernel
+ * hands a connection over once its first bytes came (TCP_DEFER_ACCEPT), and
+ * a batch of newcomers is read and answered before the limits are applied:
+ * then the connections waiting longest for a whole request go first, then
+ * those pipelining or not reading their answers, never one on its first
+ * answer while its client reads. So a probe, which sends its request as it
+ * connects, is answered in the pass that reads it, whatever others do; and
+ * every request has a total deadline, not only an idle timeout, so a client
+ * dripping a byte at a time is closed all the same.
  */
 #ifndef WD_HTTP_H
 #define WD_HTTP_H
