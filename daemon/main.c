@@ -277,6 +277,14 @@ static void on_stop_tick(uv_timer_t *t) {
   telemetry_destroy(tel);
   uv_close((uv_handle_t *)&sigterm_handle, handle_closed);
   uv_close((uv_handle_t *)&sigint_handle, handle_closed);
+  /*
+   * The stop is under way and ends with status 0: a second SIGTERM or SIGINT
+   * (a supervisor that asks twice) must not kill the process on its way out.
+   * Closing the loop's handlers (synchronously) gave the signals back their
+   * default action, so they are ignored from here on.
+   */
+  signal(SIGTERM, SIG_IGN);
+  signal(SIGINT, SIG_IGN);
   uv_close((uv_handle_t *)&sighup_handle, handle_closed);
   uv_close((uv_handle_t *)&watchdog_timer, handle_closed);
   uv_close((uv_handle_t *)&status_timer, handle_closed);

@@ -16,6 +16,7 @@
 #include <stdbool.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "testutil.h"
 
@@ -41,14 +42,17 @@ struct fix {
   bool up;
 };
 
-static bool fix_start(struct fix *f, const char *tag) {
+/* An env whose loads read a byte from the FIFO gate (when given) before each window they fill. */
+static bool fix_start_gated(struct fix *f, const char *tag, const char *gate) {
   memset(f, 0, sizeof *f);
-  struct env_opts o = {.bulk_threads = 1, .residency = true, .device_budget = BUDGET};
+  struct env_opts o = {.bulk_threads = 1, .residency = true, .device_budget = BUDGET, .load_gate = gate};
   f->scratch = fx_tmpdir(tag);
   f->up = f->scratch != NULL && env_start(&f->e, &o) == 0;
   CHECK(f->up);
   return f->up;
 }
+
+static bool fix_start(struct fix *f, const char *tag) { return fix_start_gated(f, tag, NULL); }
 
 static void fix_stop(struct fix *f) {
   if (f->up) env_stop(&f->e);
@@ -696,17 +700,27 @@ static void test_canceled_load_evicts_nothing(void) {
 /*
  * A cancel that comes while the load's last bytes move (the job has copied
  * everything, its completion not handled yet): its requester was told
- * CANCELED, so the set is not kept. The loop runs until the slab exists (the
- * room for it is the loop's to make), then stops: the job copies everything
- * and its completion waits for the loop, which the test runs again only after
- * the cancel.
+ * CANCELED, so the set is not kept. The load waits at the gate (a FIFO it
+ * reads a byte from before its window) once its slab exists, so the loop is
+ * run until then and no further; the gate is opened with the loop stopped:
+ * the job copies everything and its completion waits for the loop, which
+ * the test runs again only after the cancel.
  */
 static bool slab_allocated(void *arg) { return atomic_load(&((const struct res_set *)arg)->allocated); }
 
 static void test_cancel_as_the_load_completes(void) {
   struct fix f;
-  if (!fix_start(&f, "res-cancel-late")) {
+  char gate[PATH_MAX];
+  char *tmp = fx_tmpdir("res-gate");
+  snprintf(gate, sizeof gate, "%s/gate", tmp);
+  CHECK_EQ_INT(mkfifo(gate, 0600), 0);
+  int gw = open(gate, O_RDWR | O_NONBLOCK); /* a writer from the start: the gate stays shut until a byte comes */
+  CHECK(gw >= 0);
+  if (!fix_start_gated(&f, "res-cancel-late", gate)) {
     fix_stop(&f);
+    if (gw >= 0) close(gw);
+    fx_rmtree(tmp);
+    free(tmp);
     return;
   }
   char file[PATH_MAX];
@@ -719,7 +733,8 @@ static void test_cancel_as_the_load_completes(void) {
   }
   CHECK(s != NULL);
   if (s != NULL) {
-    CHECK(env_run_until(&f.e, slab_allocated, s));
+    CHECK(env_run_until(&f.e, slab_allocated, s)); /* the job now waits at the gate */
+    CHECK_EQ_INT(write(gw, "x", 1), 1);           /* its one window goes; the loop does not run meanwhile */
     for (int i = 0; i < 60000 && atomic_load(&s->load.ready_bytes) < s->plan->slab_bytes; i++) usleep(1000);
     CHECK_EQ_INT(atomic_load(&s->load.ready_bytes), s->plan->slab_bytes); /* every byte in place */
     CHECK_EQ_INT(s->state, SET_LOADING);                                   /* its completion not handled */
@@ -733,6 +748,9 @@ static void test_cancel_as_the_load_completes(void) {
   }
   if (ck != NULL) reg_unref(ck);
   fix_stop(&f);
+  if (gw >= 0) close(gw);
+  fx_rmtree(tmp);
+  free(tmp);
 }
 
 /* One of two waiters leaves: the load goes on for the other. A canceled load asked for again goes on too. */

@@ -140,8 +140,16 @@ void ctl_progress_end(void) {
   bool watching = pg.watching;
   pg.stop = true;
   pg.watching = false;
+  void (*get)(void *, uint64_t *, uint64_t *) = pg.get;
+  void *garg = pg.arg;
   pthread_mutex_unlock(&mu);
-  if (watching) pthread_join(pg.thread, NULL);
+  if (watching) {
+    pthread_join(pg.thread, NULL);
+    /* The counter's last value: a write shorter than one poll still shows its line, once, at 100%. */
+    uint64_t done = 0, total = 0;
+    get(garg, &done, &total);
+    ctl_progress_update(done, total);
+  }
   pthread_mutex_lock(&mu);
   if (pg.drawn) {
     fputs("\r\033[K", stderr);
