@@ -1,5 +1,6 @@
 /* checkpoint.c - checkpoint directories: index, shards, config (see checkpoint.h). */
 #include "checkpoint.h"
+#include "manifest.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -46,6 +47,7 @@ void ckpt_free(struct ckpt *c) {
   free(c->path);
   free(c->dir);
   mcfg_free(c->config);
+  mf_free(c->manifest);
   free(c);
 }
 
@@ -484,6 +486,26 @@ static int read_config(struct ckpt *c, const struct path_roots *roots, const str
   return rc;
 }
 
+/* The manifest beside the index, when there is one (manifest.h): read and checked against c's headers. */
+static int read_manifest(struct ckpt *c, const struct path_roots *roots, const struct ckpt_opts *opts,
+                         struct wd_error *err) {
+  int fd;
+  struct path_resolved res;
+  int rc = open_member(c->dir, MF_FILE_NAME, roots, opts, &fd, &res, err);
+  if (rc <= 0) return rc;
+  free(res.real);
+  char *text = NULL;
+  size_t len;
+  int r = path_read_fd(fd, MF_MAX_BYTES, &text, &len);
+  close(fd);
+  if (r != 0)
+    return err_set(err, r == -EFBIG ? WEIGHTD_E_BAD_CHECKSUM : WEIGHTD_E_IO, "%s: cannot read: %s", MF_FILE_NAME,
+                   r == -EFBIG ? "larger than 256 MiB" : strerror(-r));
+  rc = mf_parse(text, len, c, MF_FILE_NAME, &c->manifest, err);
+  free(text);
+  return rc;
+}
+
 /* Lays out a directory: model.safetensors, else the index and its shards. */
 static int open_directory(struct ckpt *c, const struct path_roots *roots, const struct ckpt_opts *opts,
                           struct ckpt_index **ix, struct stat *index_st, struct wd_error *err) {
@@ -592,6 +614,8 @@ int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
     rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
     goto fail;
   }
+  if (c->layout != CKPT_FILE && opts != NULL && opts->manifest && (rc = read_manifest(c, &roots, opts, err)) != 0)
+    goto fail;
   ckpt_index_free(ix);
   free(top.real);
   *out = c;

@@ -63,6 +63,7 @@ struct ckpt_ref {
 };
 
 struct ckpt_verdicts;
+struct mf_manifest;
 
 struct ckpt_opts {
   const char *const *model_roots; /* resolved directories; none means no confinement */
@@ -70,6 +71,7 @@ struct ckpt_opts {
   struct ckpt_verdicts *verdicts; /* remembered failures of the consistency check, or NULL */
   bool *remembered;               /* set to true when the open fails from a remembered verdict, or NULL */
   struct acc_check *access;       /* the client's check, made of each file before it is read; NULL: none */
+  bool manifest;                  /* read the manifest beside the index (manifest.h) into ckpt's manifest */
 };
 
 struct ckpt {
@@ -82,6 +84,8 @@ struct ckpt {
   struct ckpt_ref *by_name; /* sorted by tensor name */
   uint64_t total_bytes;     /* payload: the sum of all tensors' bytes */
   struct mcfg *config;      /* config.json, or NULL when there is none */
+  /* The manifest beside the index (ckpt_opts' manifest), checked against the headers; NULL when there is none. */
+  struct mf_manifest *manifest;
   /*
    * The layout id (ckpt_layout_id), computed at open from the headers and
    * the index alone: it names the layout, not the bytes (fine-tunes of one

@@ -37,7 +37,7 @@ _Static_assert(sizeof(enum cfg_backend) == sizeof(int) && sizeof(enum log_level)
                    sizeof(enum cfg_strided) == sizeof(int) && sizeof(enum cfg_pin) == sizeof(int) &&
                    sizeof(enum cfg_switch) == sizeof(int) && sizeof(enum cfg_fd_store) == sizeof(int) &&
                    sizeof(enum cfg_writes) == sizeof(int) && sizeof(enum cfg_source) == sizeof(int) &&
-                   sizeof(enum cfg_onoff) == sizeof(int),
+                   sizeof(enum cfg_onoff) == sizeof(int) && sizeof(enum cfg_verify) == sizeof(int),
                "enumerated config keys are stored as int");
 
 static const char *const backend_names[] = {"auto", "cuda", "host", NULL};
@@ -52,6 +52,7 @@ static const char *const switch_names[] = {"auto", "off", NULL};
 static const char *const fd_store_names[] = {"auto", "on", "off", NULL};
 static const char *const source_names[] = {"auto", "mmap", "direct", NULL};
 static const char *const onoff_names[] = {"off", "on", NULL};
+static const char *const verify_names[] = {"off", "on_load", NULL};
 
 #define OFF(f) offsetof(struct wd_config, f)
 #define GiB (1ull << 30)
@@ -183,6 +184,13 @@ static const struct cfg_key keys[] = {
      "source auto: a plan of more payload bytes than this is read with O_DIRECT (warm ranges from the page "
      "cache); 0 (the default): more than half of the host memory the daemon may use (MemTotal or its cgroup's "
      "limit, read at each load)"},
+    {"verify", CFG_ENUM, OFF(verify), 0, 0, 0, "off",
+     "off | on_load: with on_load, a load of a checkpoint that has a manifest (weightd.manifest.json beside its "
+     "index, written by `weightctl manifest`) checks every 4 MiB chunk of the files it reads against the "
+     "manifest before its set is ready, and fails with BAD_CHECKSUM naming the file and the bytes that differ; "
+     "a manifest that does not describe the files fails every open of the checkpoint, whatever this setting "
+     "(read at start)",
+     verify_names},
     {"load_method", CFG_ENUM, OFF(load_method), 0, 0, 0, "auto",
      "auto | staged: staged sends every load through the pinned staging slots, also on the host "
      "backend and for pinned checkpoints (for tests and comparisons)",

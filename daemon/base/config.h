@@ -26,6 +26,7 @@ enum cfg_fd_store { CFG_FD_STORE_AUTO, CFG_FD_STORE_ON, CFG_FD_STORE_OFF };
 /* In the order of enum ld_source_choice (load/source.h). */
 enum cfg_source { CFG_SOURCE_AUTO, CFG_SOURCE_MMAP, CFG_SOURCE_DIRECT };
 enum cfg_onoff { CFG_OFF, CFG_ON };
+enum cfg_verify { CFG_VERIFY_OFF, CFG_VERIFY_ON_LOAD };
 
 struct wd_config {
   char *socket;         /* "" = the default for this uid */
@@ -74,6 +75,7 @@ struct wd_config {
   uint64_t metrics_request_timeout_ms; /* an HTTP request's deadline, from accept or the last answer */
   enum cfg_source source;           /* where loads read bytes from (load/source.h) */
   uint64_t auto_direct_bytes;       /* source auto: larger plans read O_DIRECT; 0 = half of host memory */
+  enum cfg_verify verify;           /* on_load: loads check the bytes they read against the manifest */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
   enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */

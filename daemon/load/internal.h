@@ -61,6 +61,7 @@ struct loader {
   uint64_t stripe_min_bytes;
   bool refuse_odirect;
   uint64_t auto_direct_bytes; /* 0: LD_AUTO_DIRECT_PERCENT of host memory */
+  bool verify;                /* ld_params' verify */
   char *gate;     /* test_load_gate, or NULL */
   int *nodes;     /* per device, its NUMA node (-1: none) */
   void (*place)(void *arg, int device);
@@ -114,6 +115,17 @@ int ld_fault_error(const struct ld_target *t, uint64_t off, struct wd_error *err
 
 /* Adds a fill task's per-kind read counts to the target's. */
 void ld_count_reads(struct ld_target *t, const uint64_t *counts);
+
+/* ---- verify.c ------------------------------------------------------------------------ */
+
+/*
+ * Checks every manifest chunk of the files that t's plan reads from, read
+ * through src, against t->ck->manifest (not NULL): 0, or BAD_CHECKSUM naming
+ * the file and the bytes of the first chunk found to differ (each one is
+ * logged), CANCELED, or a read's error. Sets t's verified_chunks and
+ * verify_mismatches.
+ */
+int ld_verify(struct loader *ld, struct ld_target *t, const struct ld_source *src, struct wd_error *err);
 
 /* ---- pipeline.c --------------------------------------------------------------------- */
 

@@ -316,6 +316,12 @@ static void collect_loads(struct daemon *d, struct collection *c) {
   for (int k = 0; k < LD_SOURCE_KINDS; k++)
     if (k != LD_SOURCE_ROUTE) /* a route reads through its members, which count */
       sample(c, f, (double)st->source_bytes[k], "source", ld_source_kind_name((enum ld_source_kind)k), NULL);
+  f = family(c, "weightd_verified_chunks_total", "counter",
+             "Manifest chunks (4 MiB of a shard file) that loads checked against the manifest (verify on_load).");
+  sample(c, f, (double)st->verified_chunks, NULL);
+  f = family(c, "weightd_verify_mismatches_total", "counter",
+             "Of those, chunks whose bytes differed from the manifest (each failed its load with BAD_CHECKSUM).");
+  sample(c, f, (double)st->verify_mismatches, NULL);
   f = family(c, "weightd_last_load_gib_per_second", "gauge", "Rate of the last successful load (payload GiB/s).");
   sample(c, f, st->last_gib_per_s, NULL);
   f = family(c, "weightd_sets_readopted_total", "counter",

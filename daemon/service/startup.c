@@ -292,6 +292,7 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                          .test_load_gate = d->cfg.test_load_gate,
                          .test_refuse_odirect = d->cfg.test_refuse_odirect == CFG_ON,
                          .auto_direct_bytes = d->cfg.auto_direct_bytes,
+                         .verify = d->cfg.verify == CFG_VERIFY_ON_LOAD,
                          .topo = d->topo,
                          .replicas = d->cfg.replicas == CFG_SWITCH_AUTO,
                          .striping = d->cfg.striping == CFG_SWITCH_AUTO,

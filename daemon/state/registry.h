@@ -47,6 +47,7 @@
 #include "backend/backend.h"
 #include "checkpoint.h"
 #include "error.h"
+#include "manifest.h"
 #include "load/pool.h"
 #include "base/jobs.h"
 #include "plan.h"
@@ -66,17 +67,14 @@ enum reg_pin_mode {
 
 struct prefetch;
 
-/* The payload digests of an open checkpoint, taken while a whole prefetch read it (the in-memory manifest). */
-#define REG_DIGEST_CHUNK (4ull << 20) /* bytes per chunk digest, from file offset 0 */
-#define REG_DIGEST_BYTES 16           /* XXH3-128, canonical (big-endian) */
-struct reg_file_digest {
-  uint64_t nchunks;
-  unsigned char (*chunks)[REG_DIGEST_BYTES]; /* per chunk: XXH3-128 of its bytes */
-  unsigned char file[REG_DIGEST_BYTES];      /* XXH3-128 of the chunk digests in order */
-};
+/*
+ * The payload digests of an open checkpoint, taken while a whole prefetch read
+ * it (the in-memory manifest): each file's chunk digests and file digest
+ * (manifest.h; no tensor digests: ntensors 0).
+ */
 struct reg_digests {
   size_t nshards;
-  struct reg_file_digest *files;
+  struct mf_file *files;
 };
 
 struct reg_ckpt {
@@ -99,7 +97,7 @@ struct reg_ckpt {
   unsigned loads;     /* loads from it now running (reg_load_begin/end): never unpinned under them */
   /*
    * The content id: SHA-256 of the layout id and every shard's payload
-   * digest (reg_content_id). Known once a whole prefetch digested every
+   * digest (mf_content_id, manifest.h). Known once a whole prefetch digested every
    * file (digests then holds what it computed), or when a set description
    * of the same files carried it over a restart (digests NULL).
    */
@@ -338,14 +336,6 @@ void reg_plan_reused(struct reg_ckpt *ck);
 void reg_plan_key_remember(struct reg_ckpt *ck, const unsigned char spec[REG_SPEC_DIGEST], const char *key);
 
 /* ---- identity ------------------------------------------------------------------ */
-
-/*
- * The content id of a checkpoint with layout id `layout` whose shards have
- * payload digests files[0..n): SHA-256 of "weightd-content-v1", the layout
- * id, the shard count and each file digest in shard order.
- */
-void reg_content_id(const unsigned char layout[CKPT_ID_BYTES], const struct reg_file_digest *files, size_t n,
-                    unsigned char out[CKPT_ID_BYTES]);
 
 /* Records a content id carried over a restart for ck (whose files the carrier checked unchanged). */
 void reg_content_adopt(struct reg_ckpt *ck, const unsigned char id[CKPT_ID_BYTES]);

@@ -96,7 +96,7 @@ static void acquire_work(struct job *j) {
   case ACQ_OPEN: {
     bool remembered = false;
     struct ckpt_opts opts = {(const char *const *)rt->dirs, rt->n, a->verdicts, &remembered,
-                             a->checked ? &a->access : NULL};
+                             a->checked ? &a->access : NULL, true};
     struct ckpt *c = NULL;
     a->rc = ckpt_open(a->resolved, &opts, &c, &a->err);
     if (a->rc != 0) {

@@ -274,7 +274,8 @@ static struct reg_digests *digests_new(const struct ckpt *c) {
   }
   d->nshards = c->nshards;
   for (size_t i = 0; i < c->nshards; i++) {
-    uint64_t n = (c->shards[i].size + REG_DIGEST_CHUNK - 1) / REG_DIGEST_CHUNK;
+    uint64_t n = (c->shards[i].size + MF_CHUNK_BYTES - 1) / MF_CHUNK_BYTES;
+    d->files[i].size = c->shards[i].size;
     d->files[i].nchunks = n;
     if ((d->files[i].chunks = calloc(n ? n : 1, sizeof *d->files[i].chunks)) == NULL) {
       reg_digests_free(d);
@@ -286,29 +287,6 @@ static struct reg_digests *digests_new(const struct ckpt *c) {
 
 /* The prefetch's seen callback: the bytes of one chunk, in order. */
 static void digest_seen(void *arg, const unsigned char *p, size_t n) { XXH3_128bits_update(arg, p, n); }
-
-/* Each file's digest: XXH3-128 of its chunk digests, in order. */
-static void digests_finish(struct reg_digests *d) {
-  for (size_t i = 0; i < d->nshards; i++) {
-    XXH128_canonical_t c;
-    XXH128_canonicalFromHash(&c, XXH3_128bits(d->files[i].chunks, (size_t)d->files[i].nchunks * REG_DIGEST_BYTES));
-    memcpy(d->files[i].file, c.digest, REG_DIGEST_BYTES);
-  }
-}
-
-void reg_content_id(const unsigned char layout[CKPT_ID_BYTES], const struct reg_file_digest *files, size_t n,
-                    unsigned char out[CKPT_ID_BYTES]) {
-  static const char tag[] = "weightd-content-v1";
-  struct sha256 h;
-  sha256_init(&h);
-  sha256_update(&h, tag, sizeof tag - 1);
-  sha256_update(&h, layout, CKPT_ID_BYTES);
-  unsigned char b[8];
-  for (int i = 0; i < 8; i++) b[i] = (unsigned char)((uint64_t)n >> (8 * i));
-  sha256_update(&h, b, sizeof b);
-  for (size_t i = 0; i < n; i++) sha256_update(&h, files[i].file, REG_DIGEST_BYTES);
-  sha256_final(&h, out);
-}
 
 void reg_content_adopt(struct reg_ckpt *ck, const unsigned char id[CKPT_ID_BYTES]) {
   if (ck->content_known) return;
@@ -398,11 +376,11 @@ static void prefetch_chunk(void *arg, size_t i) {
   struct wd_error err = {0};
   if (p->digests == NULL) {
     if (ld_source_prefetch(p->ck->src, g->shard, off, end - off, NULL, NULL, &err) != 0) atomic_store(&p->failed, 1);
-  } else { /* whole files from offset 0: every REG_DIGEST_CHUNK digested as it is read */
+  } else { /* whole files from offset 0: every MF_CHUNK_BYTES digested as it is read */
     XXH3_state_t *st = XXH3_createState();
     if (st == NULL) atomic_store(&p->failed, 1);
-    for (uint64_t a = off; st != NULL && a < end; a += REG_DIGEST_CHUNK) {
-      uint64_t n = end - a < REG_DIGEST_CHUNK ? end - a : REG_DIGEST_CHUNK;
+    for (uint64_t a = off; st != NULL && a < end; a += MF_CHUNK_BYTES) {
+      uint64_t n = end - a < MF_CHUNK_BYTES ? end - a : MF_CHUNK_BYTES;
       XXH3_128bits_reset(st);
       if (ld_source_prefetch(p->ck->src, g->shard, a, n, digest_seen, st, &err) != 0) {
         atomic_store(&p->failed, 1);
@@ -410,7 +388,7 @@ static void prefetch_chunk(void *arg, size_t i) {
       }
       XXH128_canonical_t c;
       XXH128_canonicalFromHash(&c, XXH3_128bits_digest(st));
-      memcpy(p->digests->files[g->shard].chunks[a / REG_DIGEST_CHUNK], c.digest, REG_DIGEST_BYTES);
+      memcpy(p->digests->files[g->shard].chunks[a / MF_CHUNK_BYTES], c.digest, MF_DIGEST_BYTES);
     }
     XXH3_freeState(st);
   }
@@ -498,8 +476,8 @@ static void prefetch_done(struct job *j) {
   if (p->digests != NULL) {
     ck->digesting = false;
     if (!atomic_load(&p->failed) && !atomic_load(&p->skipped) && !p->stopped && !ck->content_known) {
-      digests_finish(p->digests);
-      reg_content_id(ck->ck->layout_id, p->digests->files, p->digests->nshards, ck->content_id);
+      for (size_t i = 0; i < p->digests->nshards; i++) mf_file_finish(&p->digests->files[i]);
+      mf_content_id(ck->ck->layout_id, p->digests->files, p->digests->nshards, ck->content_id);
       ck->content_known = true;
       reg_digests_free(ck->digests);
       ck->digests = p->digests;

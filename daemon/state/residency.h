@@ -135,6 +135,8 @@ enum res_evict_reason { RES_EVICT_BUDGET, RES_EVICT_DEVICE_FULL, RES_EVICT_REQUE
 struct res_stats {
   uint64_t loads[RES_RESULT_COUNT][LD_METHOD_COUNT]; /* finished load jobs */
   uint64_t source_bytes[LD_SOURCE_KINDS];           /* file bytes successful loads read, by the source that read them */
+  uint64_t verified_chunks;   /* verify on_load: manifest chunks loads checked */
+  uint64_t verify_mismatches; /* of them, those that differed from the manifest */
   uint64_t bytes_loaded;                              /* payload bytes of successful loads */
   double last_gib_per_s;                              /* of the last successful load */
   uint64_t duration_le[RES_DURATION_BUCKETS];         /* successful loads, per bucket (not cumulative) */

@@ -30,6 +30,8 @@ static void count_load(struct residency *r, const struct res_set *s, int rc) {
   enum res_result res = rc == 0 ? RES_RESULT_OK : rc == WEIGHTD_E_CANCELED ? RES_RESULT_CANCELED : RES_RESULT_FAILED;
   struct res_stats *st = &r->stats;
   st->loads[res][m]++;
+  st->verified_chunks += s->load.verified_chunks;
+  st->verify_mismatches += s->load.verify_mismatches;
   if (rc != 0) return;
   st->bytes_loaded += s->plan->payload_bytes;
   for (int k = 0; k < LD_SOURCE_KINDS; k++) st->source_bytes[k] += atomic_load(&s->load.source_bytes[k]);
