@@ -40,6 +40,8 @@ FAMILIES = {
     "weightd_loaded_bytes_total": ("counter", set()),
     "weightd_read_bytes_total": ("counter", {"source"}),
     "weightd_last_load_gib_per_second": ("gauge", set()),
+    "weightd_verified_chunks_total": ("counter", set()),
+    "weightd_verify_mismatches_total": ("counter", set()),
     "weightd_evictions_total": ("counter", {"reason"}),
     "weightd_sets_readopted_total": ("counter", set()),
     "weightd_resident_sets": ("gauge", {"device", "state"}),
