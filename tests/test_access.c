@@ -20,9 +20,7 @@
 
 /* Credentials: uid, primary gid and supplementary groups. */
 static struct acc_cred cred(uid_t uid, gid_t gid, const gid_t *groups, size_t n) {
-  struct acc_cred c = {.uid = uid, .gid = gid, .ngroups = n};
-  for (size_t i = 0; i < n; i++) c.groups[i] = groups[i];
-  return c;
+  return (struct acc_cred){.uid = uid, .gid = gid, .ngroups = n, .groups = groups};
 }
 
 static bool may(const struct acc_cred *c, uid_t owner, gid_t group, mode_t mode, const struct acc_acl_entry *acl,
@@ -241,7 +239,7 @@ static void test_walks(void) {
   acc_check_init(&k, &self, NULL, "'ckpt'");
   CHECK_EQ_INT(acc_check_path(&k, secret, ACC_READ, NULL, &err), 0);
   CHECK_EQ_INT(acc_check_path(&k, link, ACC_READ, NULL, &err), 0);
-  acc_check_reset(&k);
+  acc_check_fini(&k);
 
   /* An ACL on disk: user:<other>:r-- on the 0600 file lets other read it (twice: the cache does not change it). */
   unsigned char buf[4 + 8 * 8];
@@ -256,7 +254,7 @@ static void test_walks(void) {
     for (int round = 0; round < 2; round++) {
       acc_check_init(&k, &other, cache, "'ckpt'");
       CHECK_EQ_INT(acc_check_path(&k, secret, ACC_READ, NULL, &err), 0);
-      acc_check_reset(&k);
+      acc_check_fini(&k);
     }
     /* A changed ACL changes the ctime: the cache is not consulted for it. */
     const struct acc_acl_entry none[] = {{ACC_ACL_USER_OBJ, 6, U}, {ACC_ACL_USER, 4, (uint32_t)other.uid},
@@ -265,7 +263,7 @@ static void test_walks(void) {
     CHECK_EQ_INT(setxattr(secret, "system.posix_acl_access", buf, len, 0), 0);
     acc_check_init(&k, &other, cache, "'ckpt'");
     CHECK_EQ_INT(acc_check_path(&k, secret, ACC_READ, NULL, &err), WEIGHTD_E_PERMISSION);
-    acc_check_reset(&k);
+    acc_check_fini(&k);
     acc_cache_free(cache);
   }
   fx_rmtree(d);

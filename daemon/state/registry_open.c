@@ -48,7 +48,7 @@ struct acquire {
 };
 
 static void acquire_free(struct acquire *a) {
-  acc_check_reset(&a->access);
+  acc_check_fini(&a->access);
   reg_roots_unref(a->roots);
   free(a->path);
   free(a->resolved);
