@@ -72,6 +72,13 @@ struct ckpt_opts {
   struct acc_check *access;       /* the client's check, made of each file before it is read; NULL: none */
 };
 
+/* The identity of a file of the directory the open read besides the shards (the index, config.json). */
+struct ckpt_member_id {
+  bool present; /* the open read it */
+  dev_t dev;
+  ino_t ino;
+};
+
 struct ckpt {
   char *path; /* as given */
   char *dir;  /* the resolved directory holding the shards */
@@ -82,6 +89,7 @@ struct ckpt {
   struct ckpt_ref *by_name; /* sorted by tensor name */
   uint64_t total_bytes;     /* payload: the sum of all tensors' bytes */
   struct mcfg *config;      /* config.json, or NULL when there is none */
+  struct ckpt_member_id index_id, config_id; /* the files the index and config came from */
   /*
    * The layout id (ckpt_layout_id), computed at open from the headers and
    * the index alone: it names the layout, not the bytes (fine-tunes of one
@@ -178,8 +186,11 @@ int ckpt_check_unchanged(const struct ckpt *c, struct wd_error *err);
  * at their paths now: search on the checkpoint's directory, read on the
  * index, every shard and config.json (each walked as open(2) walks it),
  * the directories shared by several files walked once. With same_files,
- * each shard must still be the file that was opened and a file that is
- * gone is WEIGHTD_E_STALE too (the checkpoint is to be reopened). Returns 0,
+ * each file the open read (every shard, the index and config.json: all that
+ * a client's bytes come from) must still be the file that was opened, and
+ * a file that is gone is WEIGHTD_E_STALE too (the checkpoint is to be
+ * reopened, or, for a set that outlives its files, the access cannot be
+ * shown). Returns 0,
  * WEIGHTD_E_PERMISSION naming what the caller may not search or read, or
  * acc_check_path's other failures. A stat per directory and file; no byte is read.
  */

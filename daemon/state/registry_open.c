@@ -41,6 +41,7 @@ struct acquire {
   char *path;
   char *resolved;
   struct reg_ckpt *entry; /* ACQ_VERIFY / ACQ_OPEN / ACQ_CHECK: referenced */
+  enum reg_check_mode mode; /* ACQ_CHECK */
   bool checked;            /* for a client whose own access is checked (access) */
   struct acc_check access;
   int rc;
@@ -56,19 +57,42 @@ static void acquire_free(struct acquire *a) {
 }
 
 /*
- * The client's walk to the path it gave, after the confinement verdict
- * (which never depends on anyone's access): a directory on the way it may
- * not search refuses the request, whether the path resolved or not, so that
+ * The client's walk to the path it gave, decided before any answer of the
+ * daemon's own resolution (which uses the daemon's rights): a directory on
+ * the way it may not search refuses the request, whether the path resolved,
+ * was missing, led outside the model roots or failed otherwise, so that
  * nothing behind that directory shows (not even whether a name exists).
+ * Only what the walk reaches through directories the client may search
+ * shows, which the client could learn itself.
  */
 static void walk_check(struct acquire *a) {
-  if (a->rc != 0 && a->rc != WEIGHTD_E_NOT_FOUND && a->rc != WEIGHTD_E_IO) return;
+  if (a->rc != 0) {
+    a->rc = acc_check_failure(&a->access, a->path, a->rc, &a->err);
+    return;
+  }
   struct wd_error e;
   if (acc_check_path(&a->access, a->path, 0, NULL, &e) != WEIGHTD_E_PERMISSION) return;
   free(a->resolved);
   a->resolved = NULL;
   a->err = e;
   a->rc = e.code;
+}
+
+/*
+ * reg_check's verdict on files that are not the ones opened (gone, or
+ * replaced): for a caller who could use what was read anyway, a pass; else
+ * PERMISSION, since its access to what was read cannot be shown.
+ */
+static void check_same(struct acquire *a) {
+  if (a->mode == REG_CHECK_PATHS || (a->rc != WEIGHTD_E_STALE && a->rc != WEIGHTD_E_NOT_FOUND)) return;
+  if (a->mode == REG_CHECK_SAME_OR_GONE) {
+    a->rc = 0;
+    return;
+  }
+  a->rc = err_set(&a->err, WEIGHTD_E_PERMISSION,
+                  "%s: the files it was read from are gone from their paths or replaced, so uid %u's access to "
+                  "them cannot be shown (weightd reads for a client only what the client may read itself)",
+                  a->access.label, (unsigned)a->access.cred.uid);
 }
 
 static void acquire_work(struct job *j) {
@@ -91,7 +115,8 @@ static void acquire_work(struct job *j) {
     if (a->rc == 0 && a->checked) a->rc = ckpt_access_check(a->entry->ck, &a->access, true, &a->err);
     return;
   case ACQ_CHECK:
-    a->rc = ckpt_access_check(a->entry->ck, &a->access, false, &a->err);
+    a->rc = ckpt_access_check(a->entry->ck, &a->access, a->mode != REG_CHECK_PATHS, &a->err);
+    check_same(a);
     return;
   case ACQ_OPEN: {
     bool remembered = false;
@@ -376,7 +401,7 @@ void reg_resolve(struct registry *r, const char *path, const struct acc_cred *wh
 }
 
 void reg_check(struct registry *r, struct reg_ckpt *ck, const struct acc_cred *who, const char *label,
-               reg_ready_fn cb, void *arg) {
+               enum reg_check_mode mode, reg_ready_fn cb, void *arg) {
   if (who == NULL) {
     reg_ref(ck);
     cb(arg, ck, NULL);
@@ -389,6 +414,7 @@ void reg_check(struct registry *r, struct reg_ckpt *ck, const struct acc_cred *w
   }
   reg_ref(ck);
   a->entry = ck;
+  a->mode = mode;
   a->stage = ACQ_CHECK;
   a->ready = cb;
   a->arg = arg;

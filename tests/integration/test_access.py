@@ -38,8 +38,8 @@ READING_OPS = [
 ]
 
 
-def as_client(sock, reqs, groups=(), read=()):
-    """Runs in a forked child under uid and gid nobody with supplementary groups `groups`.
+def as_client(sock, reqs, groups=(), read=(), uid=NOBODY):
+    """Runs in a forked child under uid `uid` (gid nobody) with supplementary groups `groups`.
 
     First it tries to read each path of `read` itself ({path: "ok" | errno name}),
     then sends reqs on a fresh connection. Returns (what it read, {id: final reply}).
@@ -52,7 +52,7 @@ def as_client(sock, reqs, groups=(), read=()):
             os.close(r)
             os.setgroups(list(groups))
             os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            os.setuid(uid)
             direct = {}
             for p in read:
                 try:
@@ -324,3 +324,123 @@ def test_access_through_an_acl(start_daemon, tree):
     direct, got = as_client(d.socket, reading_requests(ck, 20), read=[shard])
     assert direct[shard] == "Permission denied"
     assert_refused(got, ck, f"may not read {shard}", first_id=20)
+
+
+OTHER_UID = 65533  # a second client uid, for what one client may do with another's set
+
+
+def test_config_swapped_after_the_open_is_read_again(start_daemon, tree):
+    """Root opened a checkpoint whose config.json only root may read; then a readable config.json is renamed over
+    it. The open entry still holds the old file's values: the files' identity covers config.json, so nobody's
+    request reopens it and sees the new values, never the old ones."""
+    ck = write_single(os.path.join(tree, "swapcfg"), TINY_TENSORS, 21)
+    cfg = os.path.join(ck, "config.json")
+    with open(cfg, "w") as f:
+        json.dump({"model_type": "SECRETMODELTYPE"}, f)
+    os.chmod(cfg, 0o600)
+    d = start_daemon(SETTINGS, roots=[tree], public=True)
+    with d.connect() as root:
+        root.call("open", path=ck)
+    new = cfg + ".new"
+    with open(new, "w") as f:
+        json.dump({"model_type": "PUBLICMODELTYPE"}, f)
+    os.chmod(new, 0o644)
+    os.rename(new, cfg)
+    direct, got = as_client(d.socket, [{"op": "load", "id": 10, "path": ck, "device": 0, "plan": {"preset": "auto"}}],
+                            read=[cfg])
+    assert direct[cfg] == "ok"
+    text = json.dumps(got[10])
+    assert "SECRETMODELTYPE" not in text and "PUBLICMODELTYPE" in text, got[10]
+    d.assert_alive()
+
+
+def test_group_past_the_64th(start_daemon, tree):
+    """A client in 100 supplementary groups, `last` the highest (the kernel sorts them, so it comes last): a 0604
+    shard of group `last` is refused to it (the group class decides, and denies), a 0640 one is served, as the
+    kernel says; a list cut short would say the reverse."""
+    last = 64000
+    groups = [50000 + i for i in range(99)] + [last]
+    denied = write_single(os.path.join(tree, "denied"), TINY_TENSORS, 22)
+    granted = write_single(os.path.join(tree, "granted"), TINY_TENSORS, 23)
+    ds, gs = os.path.join(denied, "model.safetensors"), os.path.join(granted, "model.safetensors")
+    for p, mode in ((ds, 0o604), (gs, 0o640)):
+        os.chown(p, 0, last)
+        os.chmod(p, mode)
+    d = start_daemon(SETTINGS, roots=[tree], public=True)
+    direct, got = as_client(d.socket, reading_requests(denied) + reading_requests(granted, 20), groups=groups,
+                            read=[ds, gs])
+    assert direct == {ds: "Permission denied", gs: "ok"}
+    assert_refused(got, denied, f"may not read {ds}")
+    assert_served(got, first_id=20)
+
+
+def test_no_oracle_behind_a_directory_nobody_may_search(start_daemon, tree):
+    """Whether a name exists behind a 0700 directory, leads outside the roots or is no checkpoint, is not learnt:
+    every answer is PERMISSION naming that directory, as the kernel answers the client itself. Also through
+    links from readable checkpoints into it (model.safetensors, a shard an index names)."""
+    priv = os.path.join(tree, "priv")
+    write_single(os.path.join(priv, "exists"), TINY_TENSORS, 24)
+    os.makedirs(os.path.join(priv, "empty"))
+    os.symlink("/etc", os.path.join(priv, "out"))
+    os.chmod(priv, 0o700)
+    links = {}
+    for name, target in (("to_missing", "../priv/missing.safetensors"), ("to_outside", "../priv/out/passwd"),
+                         ("to_dir", "../priv/empty"), ("to_exists", "../priv/exists/model.safetensors")):
+        os.makedirs(os.path.join(tree, name))
+        os.symlink(target, os.path.join(tree, name, "model.safetensors"))
+        links[name] = os.path.join(tree, name)
+    ix = os.path.join(tree, "index_to_missing")
+    os.makedirs(ix)
+    os.symlink("../priv/missing.safetensors", os.path.join(ix, "a.safetensors"))
+    with open(os.path.join(ix, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {"w": "a.safetensors"}}, f)
+    d = start_daemon(SETTINGS, roots=[tree], public=True)
+    behind = [os.path.join(priv, n) for n in ("missing", "out", "out/passwd", "exists", "empty", "exists/nothing")]
+    reqs = []
+    for i, p in enumerate(behind):
+        reqs += [{"op": "open", "id": 100 + 2 * i, "path": p}, {"op": "close", "id": 101 + 2 * i, "path": p}]
+    for i, p in enumerate(list(links.values()) + [ix]):
+        reqs.append({"op": "open", "id": 200 + i, "path": p})
+    _, got = as_client(d.socket, reqs)
+    for q in reqs:
+        m = got[q["id"]]
+        err = m.get("error", {})
+        assert err.get("code") == "PERMISSION" and f"may not search {priv}" in err["message"], (q, m)
+    d.assert_alive()
+
+
+def test_attach_by_set_id_once_the_files_are_gone_or_replaced(start_daemon, tree):
+    """A set outlives its files: once they are deleted or replaced, an attach by its id cannot show the client's
+    access to what was read, so it is PERMISSION, but for the set's own loader (and root)."""
+    own = write_single(os.path.join(tree, "own"), TINY_TENSORS, 25)
+    gone = write_single(os.path.join(tree, "gone"), TINY_TENSORS, 26)
+    priv = private_checkpoint(tree, "replaced")
+    d = start_daemon({"allowed_gids": str(NOBODY), "socket_mode": "0666"}, roots=[tree], public=True)
+    _, got = as_client(d.socket, [{"op": "load", "id": 10, "path": own, "device": 0}])
+    own_sid = got[10]["set"]
+    with d.connect() as root:
+        gone_sid = root.call("load", path=gone)["set"]
+        priv_sid = root.call("load", path=priv)["set"]
+        shutil.rmtree(own)
+        shutil.rmtree(gone)
+        # The root-only shard replaced by a readable file of other bytes, in a directory now open to all.
+        new = os.path.join(priv, "new.safetensors")
+        write_safetensors(new, TINY_TENSORS, seed=27)
+        os.rename(new, os.path.join(priv, "model.safetensors"))
+        os.chmod(priv, 0o755)
+        attach = [{"op": "attach", "id": 10 + i, "set": s} for i, s in enumerate((own_sid, gone_sid, priv_sid))]
+        _, got = as_client(d.socket, attach)
+        assert got[10].get("ok") is True and got[10]["set"] == own_sid, got[10]
+        for i, sid in ((11, gone_sid), (12, priv_sid)):
+            err = got[i].get("error", {})
+            assert err.get("code") == "PERMISSION" and sid in err["message"] and "cannot be shown" in err["message"], got[i]
+        _, got = as_client(d.socket, [{"op": "attach", "id": 10, "set": own_sid}], uid=OTHER_UID)
+        err = got[10].get("error", {})
+        assert err.get("code") == "PERMISSION" and "cannot be shown" in err["message"], got[10]
+        for sid in (own_sid, gone_sid, priv_sid):  # root is served all three
+            m, fds = root.request("attach", set=sid)
+            for fd in fds:
+                os.close(fd)
+            assert m.get("ok") is True, m
+        assert sorted(s["leases"] for s in root.status()["sets"]) == [1, 1, 1]
+    d.assert_alive()
