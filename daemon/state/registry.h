@@ -272,6 +272,22 @@ enum reg_check_mode {
 void reg_check(struct registry *r, struct reg_ckpt *ck, const struct acc_cred *who, const char *label,
                enum reg_check_mode mode, reg_ready_fn cb, void *arg);
 
+/* Called on the loop thread with readable[i] for each checkpoint asked about (readable NULL: out of memory). */
+typedef void (*reg_readable_fn)(void *arg, const bool *readable);
+
+/*
+ * Decides on a job thread, for each of the n open checkpoints cks (kept
+ * alive by the caller until cb), whether who may read the very files it was
+ * opened from (ckpt_access_check with same_files: one gone or replaced is
+ * not readable, since the access cannot be shown): for a listing that shows
+ * a client only what it may read (status). Each checkpoint's walk starts
+ * afresh (the directories of one checkpoint's files are shared, not those
+ * of all), so the work is linear in the files; ACLs come from the
+ * registry's memory. The answers go to cb, owned by the registry.
+ */
+void reg_readable(struct registry *r, struct reg_ckpt *const *cks, size_t n, const struct acc_cred *who,
+                  reg_readable_fn cb, void *arg);
+
 void reg_ref(struct reg_ckpt *ck);
 void reg_unref(struct reg_ckpt *ck);
 /*

@@ -421,6 +421,56 @@ void reg_check(struct registry *r, struct reg_ckpt *ck, const struct acc_cred *w
   jobs_submit(r->control, &a->job);
 }
 
+/* ---- readable: which of many open checkpoints a client may read ------------------------------ */
+
+struct readable {
+  struct job job;
+  struct reg_ckpt **cks; /* the caller's (alive until cb) */
+  size_t n;
+  bool *readable;
+  struct acc_check access;
+  reg_readable_fn cb;
+  void *arg;
+};
+
+static void readable_work(struct job *j) {
+  struct readable *q = (struct readable *)j;
+  for (size_t i = 0; i < q->n; i++) {
+    struct wd_error err;
+    acc_check_reset(&q->access); /* a checkpoint's directories are shared by its files, not by every checkpoint */
+    q->readable[i] = ckpt_access_check(q->cks[i]->ck, &q->access, true, &err) == 0;
+  }
+}
+
+static void readable_done(struct job *j) {
+  struct readable *q = (struct readable *)j;
+  q->cb(q->arg, q->readable);
+  acc_check_fini(&q->access);
+  free(q->readable);
+  free(q->cks);
+  free(q);
+}
+
+void reg_readable(struct registry *r, struct reg_ckpt *const *cks, size_t n, const struct acc_cred *who,
+                  reg_readable_fn cb, void *arg) {
+  struct readable *q = calloc(1, sizeof *q);
+  if (q == NULL || (q->readable = calloc(n ? n : 1, sizeof *q->readable)) == NULL ||
+      (q->cks = malloc((n ? n : 1) * sizeof *q->cks)) == NULL) {
+    if (q != NULL) free(q->readable);
+    free(q);
+    cb(arg, NULL);
+    return;
+  }
+  memcpy(q->cks, cks, n * sizeof *cks);
+  q->n = n;
+  acc_check_init(&q->access, who, r->acls, "status");
+  q->cb = cb;
+  q->arg = arg;
+  q->job.work = readable_work;
+  q->job.done = readable_done;
+  jobs_submit(r->control, &q->job);
+}
+
 int reg_close(struct registry *r, const char *resolved, struct wd_error *err) {
   struct reg_ckpt *e = reg_find(r, resolved);
   if (e == NULL) return err_set(err, WEIGHTD_E_NOT_FOUND, "%s is not open", resolved);

@@ -444,3 +444,47 @@ def test_attach_by_set_id_once_the_files_are_gone_or_replaced(start_daemon, tree
             assert m.get("ok") is True, m
         assert sorted(s["leases"] for s in root.status()["sets"]) == [1, 1, 1]
     d.assert_alive()
+
+
+def test_status_shows_only_what_the_client_may_read(start_daemon, tree):
+    """status for a client that is no admin lists only the checkpoints it may read, their sets and leases, and
+    counts what it hid; no path of the rest shows anywhere (metrics labels included). Root and a member of
+    admin_gids see everything; weightctl status prints the counts."""
+    from cliutil import ctl
+
+    priv = private_checkpoint(tree, "SECRETNAME")
+    pub = write_single(os.path.join(tree, "pub"), TINY_TENSORS, 28)
+    d = start_daemon({"allowed_gids": str(NOBODY), "socket_mode": "0666", "admin_gids": str(GROUP)}, roots=[tree],
+                     public=True)
+    with d.connect() as root:
+        root.call("load", path=priv)
+        _, fd = root.attach(path=priv, device=0)  # a lease of the hidden set
+        os.close(fd)
+        root.call("load", path=pub)
+        _, got = as_client(d.socket, [{"op": "status", "id": 10}])
+        st = got[10]
+        assert st.get("ok") is True, st
+        assert [c["path"] for c in st["checkpoints"]] == [pub]
+        assert [s["path"] for s in st["sets"]] == [pub]
+        assert st["leases"] == []
+        assert (st["checkpoints_hidden"], st["sets_hidden"], st["leases_hidden"]) == (1, 1, 1)
+        assert st["totals"]["checkpoints"] == 1 and st["totals"]["sets"] == 1
+        assert "SECRETNAME" not in json.dumps(st), st
+        # A member of admin_gids, and root, see all of it.
+        _, got = as_client(d.socket, [{"op": "status", "id": 10}], groups=(GROUP,))
+        for st in (got[10], root.status()):
+            assert sorted(c["path"] for c in st["checkpoints"]) == sorted([priv, pub]), st
+            assert len(st["sets"]) == 2 and len(st["leases"]) == 1
+            assert (st["checkpoints_hidden"], st["sets_hidden"], st["leases_hidden"]) == (0, 0, 0)
+            assert any(s["labels"].get("path") == priv for s in st["metrics"]["weightd_checkpoint_bytes"]["samples"])
+        # Once nobody may read the private one, it shows there too (the verdict is not kept past its files' state).
+        os.chmod(priv, 0o755)
+        os.chmod(os.path.join(priv, "model.safetensors"), 0o644)
+        _, got = as_client(d.socket, [{"op": "status", "id": 10}])
+        assert sorted(c["path"] for c in got[10]["checkpoints"]) == sorted([priv, pub]), got[10]
+        os.chmod(priv, 0o700)
+        res = ctl("--socket", d.socket, "status", user=NOBODY)
+        assert res.code == 0, res.describe()
+        assert "checkpoints (1), 1 more hidden" in res.out and "sets (1), 1 more hidden" in res.out, res.out
+        assert "SECRETNAME" not in res.out + res.err, res.out
+    d.assert_alive()
