@@ -488,3 +488,36 @@ def test_status_shows_only_what_the_client_may_read(start_daemon, tree):
         assert "checkpoints (1), 1 more hidden" in res.out and "sets (1), 1 more hidden" in res.out, res.out
         assert "SECRETNAME" not in res.out + res.err, res.out
     d.assert_alive()
+
+
+def test_status_hides_the_paths_of_other_clients_requests(start_daemon, tree):
+    """A load root started (held at the test load gate) is listed to nobody as a request of uid 0, without the
+    path or set it works on; nobody's own requests keep theirs."""
+    priv = private_checkpoint(tree, "SECRETNAME")
+    gate = os.path.join(tree, "gate")
+    os.mkfifo(gate)
+    held = os.open(gate, os.O_RDWR | os.O_NONBLOCK)  # shut while open: the load waits at its first window
+    try:
+        d = start_daemon({"allowed_gids": str(NOBODY), "socket_mode": "0666", "test_load_gate": gate},
+                         roots=[tree], public=True)
+        with d.connect() as root:
+            rid = root.start("load", path=priv, device=0)
+            for _ in range(3000):
+                if any(x["op"] == "load" for x in root.status()["requests"]):
+                    break
+            (mine,) = [x for x in root.status()["requests"] if x["op"] == "load"]
+            assert mine["path"] == priv, mine  # root sees it whole
+            _, got = as_client(d.socket, [{"op": "status", "id": 10}])
+            st = got[10]
+            (theirs,) = [x for x in st["requests"] if x["op"] == "load"]
+            assert theirs["uid"] == 0 and "path" not in theirs and "set" not in theirs, theirs
+            assert "SECRETNAME" not in json.dumps(st), st
+            assert st["sets_hidden"] == 1 and st["sets"] == [], st
+            os.close(held)
+            held = -1
+            m, _ = root.wait(rid)
+            assert m.get("ok") is True, m
+        d.assert_alive()
+    finally:
+        if held >= 0:
+            os.close(held)
