@@ -36,9 +36,27 @@ void op_open(struct request *r) {
   if (path != NULL) reg_acquire_as(req_daemon(r)->reg, path, r->conn->uid, ops_reader(r->conn, &who), open_ready, r);
 }
 
+/*
+ * The answer to a client whose access is checked (ops_reader) when the
+ * checkpoint is not open, and when it is open but the client may not read
+ * its files: the same, so that close never tells whether a checkpoint the
+ * client may not read is open (status hides those from it too).
+ */
+static void fail_not_open(struct request *r) {
+  char q[320];
+  const char *path = ops_path_arg(r); /* op_close checked it */
+  req_fail(r, WEIGHTD_E_NOT_FOUND, "%s is not open, or not readable by uid %u",
+           path != NULL ? err_quote(path, strlen(path), q, sizeof q) : "the path", (unsigned)r->conn->uid);
+}
+
 static void close_checked(void *arg, struct reg_ckpt *ck, const struct wd_error *err) {
   struct request *r = arg;
   struct wd_error e = {0};
+  struct acc_cred who;
+  if (ck == NULL && err->code != WEIGHTD_E_NOMEM && ops_reader(r->conn, &who) != NULL) {
+    fail_not_open(r);
+    return;
+  }
   if (ck == NULL) {
     req_fail_err(r, err);
     return;
@@ -66,6 +84,8 @@ static void close_resolved(void *arg, const char *resolved, const struct wd_erro
   char label[320];
   if (resolved == NULL) {
     req_fail_err(r, err);
+  } else if (ck == NULL && ops_reader(r->conn, &who) != NULL) {
+    fail_not_open(r);
   } else if (ck == NULL) {
     reg_close(req_daemon(r)->reg, resolved, &e); /* NOT_FOUND: it is not open */
     req_fail_err(r, &e);

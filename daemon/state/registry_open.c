@@ -62,16 +62,20 @@ static void acquire_free(struct acquire *a) {
  * the way it may not search refuses the request, whether the path resolved,
  * was missing, led outside the model roots or failed otherwise, so that
  * nothing behind that directory shows (not even whether a name exists).
- * Only what the walk reaches through directories the client may search
- * shows, which the client could learn itself.
+ * Where it resolved, the client must also be able to search the directory
+ * (or read the file) it ends on, as any use of the checkpoint needs. Only
+ * what the walk reaches through directories the client may search shows,
+ * which the client could learn itself.
  */
-static void walk_check(struct acquire *a) {
+static void walk_check(struct acquire *a, const struct stat *st) {
   if (a->rc != 0) {
     a->rc = acc_check_failure(&a->access, a->path, a->rc, &a->err);
     return;
   }
   struct wd_error e;
-  if (acc_check_path(&a->access, a->path, 0, NULL, &e) != WEIGHTD_E_PERMISSION) return;
+  if (acc_check_path(&a->access, a->path, S_ISDIR(st->st_mode) ? ACC_EXEC : ACC_READ, NULL, &e) !=
+      WEIGHTD_E_PERMISSION)
+    return;
   free(a->resolved);
   a->resolved = NULL;
   a->err = e;
@@ -107,7 +111,7 @@ static void acquire_work(struct job *j) {
     struct path_resolved res;
     a->rc = path_resolve(a->path, &roots, err_quote(a->path, strlen(a->path), label, sizeof label), &res, &a->err);
     if (a->rc == 0) a->resolved = res.real;
-    if (a->checked) walk_check(a);
+    if (a->checked) walk_check(a, &res.st);
     return;
   }
   case ACQ_VERIFY:

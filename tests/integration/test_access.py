@@ -521,3 +521,30 @@ def test_status_hides_the_paths_of_other_clients_requests(start_daemon, tree):
     finally:
         if held >= 0:
             os.close(held)
+
+
+def test_close_does_not_tell_whether_an_unreadable_checkpoint_is_open(start_daemon, tree):
+    """Two checkpoints in directories nobody may search, of files it may not read, one open (by root), one not:
+    nobody's close gets the same answer for both; a readable one it opened itself it closes."""
+    answers = {}
+    d = start_daemon(SETTINGS, roots=[tree], public=True)
+    paths = {}
+    for name in ("opened", "notopen"):
+        ck = write_single(os.path.join(tree, name), TINY_TENSORS, 29)
+        os.chmod(os.path.join(ck, "model.safetensors"), 0o600)
+        paths[name] = ck
+    pub = write_single(os.path.join(tree, "pub"), TINY_TENSORS, 30)
+    with d.connect() as root:
+        root.call("open", path=paths["opened"])
+        _, got = as_client(d.socket, [{"op": "close", "id": 10, "path": paths["opened"]},
+                                      {"op": "close", "id": 11, "path": paths["notopen"]},
+                                      {"op": "open", "id": 12, "path": pub}, {"op": "close", "id": 13, "path": pub}])
+        for i, name in ((10, "opened"), (11, "notopen")):
+            err = got[i].get("error", {})
+            answers[name] = (err.get("code"), err.get("message", "").replace(paths[name], "CK"))
+        assert answers["opened"] == answers["notopen"] and answers["opened"][0] == "NOT_FOUND", answers
+        assert got[13].get("closed") is True, got[13]
+        assert [c["path"] for c in root.status()["checkpoints"]] == [paths["opened"]]  # still open for root
+        assert root.error("close", path=paths["notopen"]) == "NOT_FOUND"
+        assert root.call("close", path=paths["opened"])["closed"] is True
+    d.assert_alive()
