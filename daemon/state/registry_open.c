@@ -102,6 +102,9 @@ static void check_same(struct acquire *a) {
 static void acquire_work(struct job *j) {
   struct acquire *a = (struct acquire *)j;
   const struct reg_roots *rt = a->roots;
+  /* A stage may run long after the one before (a waiter retries once another open ends): what an earlier
+   * stage found searchable is checked afresh, the ACL memory keeping that cheap. */
+  acc_check_reset(&a->access);
   switch (a->stage) {
   case ACQ_RESOLVE: {
     /* Resolved with lstat and readlink only, and judged against the roots without
