@@ -548,3 +548,21 @@ def test_close_does_not_tell_whether_an_unreadable_checkpoint_is_open(start_daem
         assert root.error("close", path=paths["notopen"]) == "NOT_FOUND"
         assert root.call("close", path=paths["opened"])["closed"] is True
     d.assert_alive()
+
+
+def test_admin_group_past_the_64th(start_daemon, tree):
+    """admin_gids counts every supplementary group: a client whose admin group is its 100th (the highest, so the
+    kernel lists it last) sees root's checkpoints in status and may evict root's set."""
+    last = 64000
+    groups = [50000 + i for i in range(99)] + [last]
+    priv = private_checkpoint(tree)
+    d = start_daemon({"allowed_gids": str(NOBODY), "socket_mode": "0666", "admin_gids": str(last)}, roots=[tree],
+                     public=True)
+    with d.connect() as root:
+        sid = root.call("load", path=priv)["set"]
+        _, got = as_client(d.socket, [{"op": "status", "id": 10}, {"op": "evict", "id": 11, "set": sid}],
+                           groups=groups)
+        assert got[11].get("evicted") == [sid], got[11]
+        assert [c["path"] for c in got[10]["checkpoints"]] == [priv] and got[10]["checkpoints_hidden"] == 0, got[10]
+        assert root.status()["sets"] == []
+    d.assert_alive()
