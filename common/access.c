@@ -373,15 +373,15 @@ static int walk_fail(const struct walk *w, int e, struct wd_error *err) {
   return err_set(err, WEIGHTD_E_IO, "%s: cannot resolve: %s", label, strerror(e));
 }
 
-/* Replaces what is left by head + "/" + tail: a link's target, then what followed the link. */
+/* Replaces what is left by head, then "/" + tail when tail is not empty: a link's target, then what followed it. */
 static int rest_set(struct walk *w, const char *head, size_t hl, const char *tail) {
-  size_t tl = strlen(tail);
-  if (hl + 1 + tl >= 2 * PATH_MAX) return ENAMETOOLONG;
-  char *n = malloc(hl + 1 + tl + 1);
+  size_t tl = strlen(tail), sep = tl > 0;
+  if (hl + sep + tl >= 2 * PATH_MAX) return ENAMETOOLONG;
+  char *n = malloc(hl + sep + tl + 1);
   if (n == NULL) return ENOMEM;
   memcpy(n, head, hl);
-  n[hl] = '/';
-  memcpy(n + hl + 1, tail, tl + 1);
+  if (sep) n[hl] = '/';
+  memcpy(n + hl + sep, tail, tl + 1);
   free(w->rest);
   w->rest = n;
   w->pos = 0;
@@ -470,6 +470,7 @@ int acc_check_path(struct acc_check *k, const char *path, unsigned want, const s
   if (path == NULL || path[0] == '\0') return err_set(err, WEIGHTD_E_NOT_FOUND, "%s: empty path", k->label);
   struct walk w = {.k = k, .fd = -1};
   int end = -1, rc = 0, e; /* end: the object the walk ends on, when it is no directory */
+  bool slash = false;       /* a '/' follows the name end was found by (then it had to be a directory) */
   struct stat end_st;
   char at[PATH_MAX];
   unsigned links = 0;
@@ -542,6 +543,7 @@ int acc_check_path(struct acc_check *k, const char *path, unsigned want, const s
     }
     end = fd;
     end_st = st;
+    slash = w.rest[w.pos] == '/';
     memcpy(w.cur, at, w.cl + 1 + n + 1); /* the walk's text now names the object it ends on */
     w.cl += 1 + n;
     break;
@@ -549,7 +551,7 @@ int acc_check_path(struct acc_check *k, const char *path, unsigned want, const s
   if (end < 0 && w.cl == 0) w.cur[0] = '/', w.cur[1] = '\0';
   const struct stat *st = end >= 0 ? &end_st : &w.st;
   char q[320];
-  if (end >= 0 && path[strlen(path) - 1] == '/') {
+  if (end >= 0 && slash) {
     rc = walk_fail(&w, ENOTDIR, err);
   } else if (expect != NULL && (st->st_dev != expect->st_dev || st->st_ino != expect->st_ino)) {
     rc = err_set(err, WEIGHTD_E_STALE, "%s: %s changed while it was checked", k->label,

@@ -9,6 +9,7 @@
  * private directory, the shared directories walked once, an ACL on disk,
  * and a file that is not the one expected.
  */
+#include <fcntl.h>
 #include <limits.h>
 #include <stdbool.h>
 #include <sys/stat.h>
@@ -433,6 +434,14 @@ static void test_dotdot_and_failures(void) {
   CHECK_EQ_INT(acc_check_path(&k, p, ACC_READ, NULL, &err), 0);
   snprintf(p, sizeof p, "%s/open/a/", root);
   CHECK_EQ_INT(acc_check_path(&k, p, ACC_READ, NULL, &err), WEIGHTD_E_IO); /* a file with a trailing slash */
+  /* The same through a link whose target ends in a slash, as open(2) says (ENOTDIR). */
+  char link[PATH_MAX];
+  snprintf(link, sizeof link, "%s/slashed", open_dir);
+  CHECK_EQ_INT(symlink("a/", link), 0);
+  int fd = open(link, O_RDONLY);
+  CHECK(fd < 0 && errno == ENOTDIR);
+  if (fd >= 0) close(fd);
+  CHECK_EQ_INT(acc_check_path(&k, link, ACC_READ, NULL, &err), WEIGHTD_E_IO);
   /* The daemon's NOT_FOUND (or PATH_DENIED) below the private directory: the caller learns only that it may not search it. */
   struct wd_error mine;
   snprintf(p, sizeof p, "%s/nothing-here", priv);
