@@ -22,8 +22,11 @@
  * client before any name in it is looked up, and each file readable by it
  * (walked as open(2) walks it) before a byte of it is read, so that a
  * refusal is PERMISSION naming the part and never a message about what the
- * file holds. ckpt_access_check makes the same check of a checkpoint opened
- * earlier (for whoever).
+ * file holds; a failure of the daemon's own resolution of a file (missing,
+ * outside the roots, not a regular file) below a directory the client may
+ * not search is that directory's refusal (acc_check_failure), so nothing
+ * behind it shows. ckpt_access_check makes the same check of a checkpoint
+ * opened earlier (for whoever).
  */
 #ifndef WD_CHECKPOINT_H
 #define WD_CHECKPOINT_H
