@@ -16,7 +16,8 @@
  * Who sees what. Root, the daemon's uid and members of admin_gids see
  * everything. Any other client sees only the checkpoints it may read (its
  * access to the very files each was opened from, checked as for an open, on
- * a job first: reg_readable), the sets and leases of those, its own
+ * a job first: reg_readable), the sets and leases of those and of the sets
+ * its uid loaded, its own
  * requests' paths and set ids (others' requests without them), and the
  * metrics without their path-labelled samples; the reply counts what was
  * left out ("checkpoints_hidden", "sets_hidden", "leases_hidden"). The check
@@ -145,6 +146,11 @@ static bool view_shows(const struct status_view *v, const struct reg_ckpt *ck) {
   if (v == NULL) return true;
   const struct reg_ckpt **hit = bsearch(&ck, v->cand, v->n, sizeof *v->cand, by_ptr);
   return hit != NULL && v->readable[(struct reg_ckpt *const *)hit - v->cand];
+}
+
+/* Whether v shows set s: its loader sees it (the set is its own to attach), anyone else as its checkpoint. */
+static bool view_shows_set(const struct status_view *v, const struct res_set *s) {
+  return v == NULL || s->loader_uid == v->uid || view_shows(v, s->ck);
 }
 
 static void view_free(struct status_view *v) {
@@ -411,7 +417,7 @@ static bool pick_list(struct daemon *d, const struct info_job *ij, enum status_l
   struct status_view *v = ij->view;
   if (l == SL_SETS) {
     for (const struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) {
-      if (!view_shows(v, s->ck)) {
+      if (!view_shows_set(v, s)) {
         v->hidden[l]++;
         continue;
       }
@@ -420,7 +426,7 @@ static bool pick_list(struct daemon *d, const struct info_job *ij, enum status_l
     }
   } else if (l == SL_LEASES) {
     for (const struct lease *x = res_first_lease(d->res); x != NULL; x = x->next) {
-      if (!view_shows(v, x->set->ck)) {
+      if (!view_shows_set(v, x->set)) {
         v->hidden[l]++;
         continue;
       }

@@ -429,7 +429,10 @@ def test_attach_by_set_id_once_the_files_are_gone_or_replaced(start_daemon, tree
         os.rename(new, os.path.join(priv, "model.safetensors"))
         os.chmod(priv, 0o755)
         attach = [{"op": "attach", "id": 10 + i, "set": s} for i, s in enumerate((own_sid, gone_sid, priv_sid))]
-        _, got = as_client(d.socket, attach)
+        _, got = as_client(d.socket, attach + [{"op": "status", "id": 20}])
+        st = got[20]  # its own set shows to its loader; the others' files cannot be shown to be its to read
+        assert [s["set"] for s in st["sets"]] == [own_sid] and st["sets_hidden"] == 2, st
+        assert st["checkpoints"] == [] and st["checkpoints_hidden"] == 3, st
         assert got[10].get("ok") is True and got[10]["set"] == own_sid, got[10]
         for i, sid in ((11, gone_sid), (12, priv_sid)):
             err = got[i].get("error", {})
