@@ -527,10 +527,10 @@ def test_status_hides_the_paths_of_other_clients_requests(start_daemon, tree):
 
 
 def test_close_does_not_tell_whether_an_unreadable_checkpoint_is_open(start_daemon, tree):
-    """Two checkpoints in directories nobody may search, of files it may not read, one open (by root), one not:
-    nobody's close gets the same answer for both; a readable one it opened itself it closes."""
+    """Two checkpoints of files nobody may read (in directories it may search), one open (by root), one not:
+    nobody's close gets the same answer for both; a readable one it opened itself it closes; an admin is told."""
     answers = {}
-    d = start_daemon(SETTINGS, roots=[tree], public=True)
+    d = start_daemon(dict(SETTINGS, admin_gids=str(GROUP)), roots=[tree], public=True)
     paths = {}
     for name in ("opened", "notopen"):
         ck = write_single(os.path.join(tree, name), TINY_TENSORS, 29)
@@ -547,6 +547,10 @@ def test_close_does_not_tell_whether_an_unreadable_checkpoint_is_open(start_daem
             answers[name] = (err.get("code"), err.get("message", "").replace(paths[name], "CK"))
         assert answers["opened"] == answers["notopen"] and answers["opened"][0] == "NOT_FOUND", answers
         assert got[13].get("closed") is True, got[13]
+        # A member of admin_gids, who sees it in status anyway, is told why it may not close it.
+        _, got = as_client(d.socket, [{"op": "close", "id": 10, "path": paths["opened"]}], groups=(GROUP,))
+        err = got[10].get("error", {})
+        assert err.get("code") == "PERMISSION" and "may not read" in err["message"], got[10]
         assert [c["path"] for c in root.status()["checkpoints"]] == [paths["opened"]]  # still open for root
         assert root.error("close", path=paths["notopen"]) == "NOT_FOUND"
         assert root.call("close", path=paths["opened"])["closed"] is True
