@@ -44,18 +44,21 @@
 #define ACC_WRITE 2u
 #define ACC_READ 4u
 
-/* Supplementary groups a credential keeps (the daemon reads at most this many of a peer's). */
-#define ACC_MAX_GROUPS 64
-
-/* Whose access is checked: a plain value, copied into the jobs that check it. */
+/*
+ * Whose access is checked. A view: groups points at the caller's list, which
+ * acc_check_init copies (a check owns its credentials; the list may then go).
+ * groups_unknown: the daemon could not read the peer's supplementary groups,
+ * so nothing is granted (acc_check_path refuses).
+ */
 struct acc_cred {
   uid_t uid;
-  gid_t gid;                      /* primary */
-  size_t ngroups;                 /* supplementary groups in groups[] */
-  gid_t groups[ACC_MAX_GROUPS];
+  gid_t gid;            /* primary */
+  size_t ngroups;       /* supplementary groups in groups[], all of them */
+  const gid_t *groups;  /* NULL when ngroups is 0 */
+  bool groups_unknown;
 };
 
-/* True when two credentials grant the same (same uid, gid and groups, in order). */
+/* True when two credentials grant the same (same uid, gid and groups, in order; both known). */
 bool acc_cred_equal(const struct acc_cred *a, const struct acc_cred *b);
 
 /* ---- the rules (pure) ------------------------------------------------------------ */
@@ -119,23 +122,43 @@ struct acc_cache;
 struct acc_cache *acc_cache_create(void);
 void acc_cache_free(struct acc_cache *c);
 
+/* A directory one check found the caller may search: the object (device, inode), its path, a descriptor. */
+struct acc_dir {
+  dev_t dev;
+  ino_t ino;
+  char *path; /* resolved text, for starting a later walk below it */
+  int fd;     /* O_PATH, or -1 past ACC_DIR_FDS (then it is only known, not a starting point) */
+};
+
+/* Descriptors one check keeps open on directories it may start later walks from. */
+#define ACC_DIR_FDS 16
+
 /*
  * One check made for one request: whose, what it is about (the name the
  * request gave, for messages), and the directories it has already found the
  * caller may search, so that the shards of one checkpoint share the walk of
- * their common directories.
+ * their common directories (a later walk starts from the descriptor of the
+ * deepest one its path begins with, and skips the check of any directory
+ * object it meets again).
  */
 struct acc_check {
-  struct acc_cred cred;
+  struct acc_cred cred;    /* groups: the check's own copy */
   struct acc_cache *cache; /* or NULL */
   char label[320];         /* quoted: "what the request named" */
-  char **dirs;             /* found searchable, during this check */
-  size_t ndirs, cap;
+  struct acc_dir *dirs;    /* found searchable, during this check */
+  size_t ndirs, cap, nfds;
+  /* Tests only (NULL in the daemon): called with an object's path once the walk stands on it and has its
+   * mode, before its ACL is read, so that a test can swap what the path names in between. */
+  void (*between)(void *arg, const char *path);
+  void *between_arg;
 };
 
+/* Starts a check for cred (copied, groups too; an allocation that fails makes the groups unknown). */
 void acc_check_init(struct acc_check *k, const struct acc_cred *cred, struct acc_cache *cache, const char *label);
-/* Frees and forgets the directories found searchable (a later walk checks them afresh). */
+/* Closes and forgets the directories found searchable (a later walk checks them afresh). */
 void acc_check_reset(struct acc_check *k);
+/* Frees all the check holds (acc_check_reset, and its credentials' groups). */
+void acc_check_fini(struct acc_check *k);
 
 /*
  * Whether the caller may resolve path and have `want` (ACC_* bits; 0: only
@@ -146,9 +169,20 @@ void acc_check_reset(struct acc_check *k);
  * directory it may not search or the file it may not read (names only,
  * never a byte of a file; the first refusal from the root down, so nothing
  * behind a directory it may not search shows); or the walk's own failures
- * (WEIGHTD_E_NOT_FOUND, WEIGHTD_E_IO, WEIGHTD_E_NOMEM).
+ * (WEIGHTD_E_NOT_FOUND, WEIGHTD_E_IO, WEIGHTD_E_NOMEM), each of which the
+ * caller could learn itself (they come only from directories it may search).
  */
 int acc_check_path(struct acc_check *k, const char *path, unsigned want, const struct stat *expect,
                    struct wd_error *err);
+
+/*
+ * For a failure rc (err filled) of the daemon's own resolution or open of
+ * path made for k's caller: when the caller's walk to path is refused first
+ * (a directory on the way it may not search), that refusal replaces the
+ * failure, so that NOT_FOUND, PATH_DENIED, INVALID and the like never tell
+ * what lies behind a directory the caller may not search. Returns the code
+ * err now holds (rc when it stands; NOMEM and SHUTDOWN always stand).
+ */
+int acc_check_failure(struct acc_check *k, const char *path, int rc, struct wd_error *err);
 
 #endif

@@ -265,7 +265,7 @@ static int shard_open(struct ckpt *c, struct ckpt_shard *s, const struct path_ro
   if (s->path == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   struct path_resolved r;
   int rc = path_open_confined(s->path, roots, label, &s->fd, &r, err);
-  if (rc != 0) return rc;
+  if (rc != 0) return opts != NULL && opts->access != NULL ? acc_check_failure(opts->access, s->path, rc, err) : rc;
   s->real = r.real;
   shard_identity(s, &r.st);
   return access_check(opts, s->path, ACC_READ, &r.st, err);
@@ -429,6 +429,8 @@ static int open_member(const char *dir, const char *name, const struct path_root
   if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   struct wd_error e;
   int rc = path_open_confined(p, roots, name, fd, res, &e);
+  /* What the daemon's own resolution met behind a directory the client may not search is that refusal. */
+  if (rc != 0 && opts != NULL && opts->access != NULL) rc = acc_check_failure(opts->access, p, rc, &e);
   if (rc == 0 && (rc = access_check(opts, p, ACC_READ, &res->st, &e)) != 0) {
     close(*fd);
     *fd = -1;
@@ -474,6 +476,7 @@ static int read_config(struct ckpt *c, const struct path_roots *roots, const str
   int rc = open_member(c->dir, CKPT_CONFIG_NAME, roots, opts, &fd, &res, err);
   if (rc <= 0) return rc;
   free(res.real);
+  c->config_id = (struct ckpt_member_id){true, res.st.st_dev, res.st.st_ino};
   char *text = NULL;
   size_t len;
   int r = path_read_fd(fd, CKPT_CONFIG_MAX_BYTES, &text, &len);
@@ -494,6 +497,7 @@ static int read_manifest(struct ckpt *c, const struct path_roots *roots, const s
   int rc = open_member(c->dir, MF_FILE_NAME, roots, opts, &fd, &res, err);
   if (rc <= 0) return rc;
   free(res.real);
+  c->manifest_id = (struct ckpt_member_id){true, res.st.st_dev, res.st.st_ino};
   char *text = NULL;
   size_t len;
   int r = path_read_fd(fd, MF_MAX_BYTES, &text, &len);
@@ -540,6 +544,7 @@ static int open_directory(struct ckpt *c, const struct path_roots *roots, const 
   c->layout = CKPT_INDEX;
   free(res.real);
   *index_st = res.st;
+  c->index_id = (struct ckpt_member_id){true, res.st.st_dev, res.st.st_ino};
   rc = read_index(c, fd, ix, err);
   close(fd);
   return rc;
@@ -647,12 +652,16 @@ int ckpt_check_unchanged(const struct ckpt *c, struct wd_error *err) {
   return 0;
 }
 
-/* A file of the directory the open read (the index, config.json): readable by k's caller now. */
-static int member_access(const struct ckpt *c, const char *name, struct acc_check *k, bool same_files,
-                         struct wd_error *err) {
+/*
+ * A file of the directory the open read (the index, config.json, the manifest): readable
+ * by k's caller now and, with same_files, still the file read (id).
+ */
+static int member_access(const struct ckpt *c, const char *name, const struct ckpt_member_id *id,
+                         struct acc_check *k, bool same_files, struct wd_error *err) {
   char *p = path_join(c->dir, name);
   if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  int rc = acc_check_path(k, p, ACC_READ, NULL, err);
+  struct stat was = {.st_dev = id->dev, .st_ino = id->ino};
+  int rc = acc_check_path(k, p, ACC_READ, same_files ? &was : NULL, err);
   free(p);
   if (rc == WEIGHTD_E_NOT_FOUND && same_files)
     rc = err_set(err, WEIGHTD_E_STALE, "%s: %s is gone since it was opened", k->label, name);
@@ -661,7 +670,7 @@ static int member_access(const struct ckpt *c, const char *name, struct acc_chec
 
 int ckpt_access_check(const struct ckpt *c, struct acc_check *k, bool same_files, struct wd_error *err) {
   int rc = c->layout == CKPT_FILE ? 0 : acc_check_path(k, c->dir, ACC_EXEC, NULL, err);
-  if (rc == 0 && c->layout == CKPT_INDEX) rc = member_access(c, CKPT_INDEX_NAME, k, same_files, err);
+  if (rc == 0 && c->layout == CKPT_INDEX) rc = member_access(c, CKPT_INDEX_NAME, &c->index_id, k, same_files, err);
   for (size_t i = 0; rc == 0 && i < c->nshards; i++) {
     const struct ckpt_shard *s = &c->shards[i];
     struct stat was = {.st_dev = s->dev, .st_ino = s->ino};
@@ -671,6 +680,7 @@ int ckpt_access_check(const struct ckpt *c, struct acc_check *k, bool same_files
       rc = err_set(err, WEIGHTD_E_STALE, "%s: shard %s is gone since it was opened", k->label,
                    err_quote(s->rel, strlen(s->rel), q, sizeof q));
   }
-  if (rc == 0 && c->config != NULL) rc = member_access(c, CKPT_CONFIG_NAME, k, same_files, err);
+  if (rc == 0 && c->config != NULL) rc = member_access(c, CKPT_CONFIG_NAME, &c->config_id, k, same_files, err);
+  if (rc == 0 && c->manifest != NULL) rc = member_access(c, MF_FILE_NAME, &c->manifest_id, k, same_files, err);
   return rc;
 }

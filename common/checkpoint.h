@@ -22,8 +22,11 @@
  * client before any name in it is looked up, and each file readable by it
  * (walked as open(2) walks it) before a byte of it is read, so that a
  * refusal is PERMISSION naming the part and never a message about what the
- * file holds. ckpt_access_check makes the same check of a checkpoint opened
- * earlier (for whoever).
+ * file holds; a failure of the daemon's own resolution of a file (missing,
+ * outside the roots, not a regular file) below a directory the client may
+ * not search is that directory's refusal (acc_check_failure), so nothing
+ * behind it shows. ckpt_access_check makes the same check of a checkpoint
+ * opened earlier (for whoever).
  */
 #ifndef WD_CHECKPOINT_H
 #define WD_CHECKPOINT_H
@@ -74,6 +77,13 @@ struct ckpt_opts {
   bool manifest;                  /* read the manifest beside the index (manifest.h) into ckpt's manifest */
 };
 
+/* The identity of a file of the directory the open read besides the shards (the index, config.json, the manifest). */
+struct ckpt_member_id {
+  bool present; /* the open read it */
+  dev_t dev;
+  ino_t ino;
+};
+
 struct ckpt {
   char *path; /* as given */
   char *dir;  /* the resolved directory holding the shards */
@@ -86,6 +96,7 @@ struct ckpt {
   struct mcfg *config;      /* config.json, or NULL when there is none */
   /* The manifest beside the index (ckpt_opts' manifest), checked against the headers; NULL when there is none. */
   struct mf_manifest *manifest;
+  struct ckpt_member_id index_id, config_id, manifest_id; /* the files the index, config and manifest came from */
   /*
    * The layout id (ckpt_layout_id), computed at open from the headers and
    * the index alone: it names the layout, not the bytes (fine-tunes of one
@@ -182,8 +193,11 @@ int ckpt_check_unchanged(const struct ckpt *c, struct wd_error *err);
  * at their paths now: search on the checkpoint's directory, read on the
  * index, every shard and config.json (each walked as open(2) walks it),
  * the directories shared by several files walked once. With same_files,
- * each shard must still be the file that was opened and a file that is
- * gone is WEIGHTD_E_STALE too (the checkpoint is to be reopened). Returns 0,
+ * each file the open read (every shard, the index and config.json: all that
+ * a client's bytes come from) must still be the file that was opened, and
+ * a file that is gone is WEIGHTD_E_STALE too (the checkpoint is to be
+ * reopened, or, for a set that outlives its files, the access cannot be
+ * shown). Returns 0,
  * WEIGHTD_E_PERMISSION naming what the caller may not search or read, or
  * acc_check_path's other failures. A stat per directory and file; no byte is read.
  */

@@ -9,6 +9,7 @@
  * private directory, the shared directories walked once, an ACL on disk,
  * and a file that is not the one expected.
  */
+#include <fcntl.h>
 #include <limits.h>
 #include <stdbool.h>
 #include <sys/stat.h>
@@ -20,9 +21,7 @@
 
 /* Credentials: uid, primary gid and supplementary groups. */
 static struct acc_cred cred(uid_t uid, gid_t gid, const gid_t *groups, size_t n) {
-  struct acc_cred c = {.uid = uid, .gid = gid, .ngroups = n};
-  for (size_t i = 0; i < n; i++) c.groups[i] = groups[i];
-  return c;
+  return (struct acc_cred){.uid = uid, .gid = gid, .ngroups = n, .groups = groups};
 }
 
 static bool may(const struct acc_cred *c, uid_t owner, gid_t group, mode_t mode, const struct acc_acl_entry *acl,
@@ -241,7 +240,7 @@ static void test_walks(void) {
   acc_check_init(&k, &self, NULL, "'ckpt'");
   CHECK_EQ_INT(acc_check_path(&k, secret, ACC_READ, NULL, &err), 0);
   CHECK_EQ_INT(acc_check_path(&k, link, ACC_READ, NULL, &err), 0);
-  acc_check_reset(&k);
+  acc_check_fini(&k);
 
   /* An ACL on disk: user:<other>:r-- on the 0600 file lets other read it (twice: the cache does not change it). */
   unsigned char buf[4 + 8 * 8];
@@ -256,7 +255,7 @@ static void test_walks(void) {
     for (int round = 0; round < 2; round++) {
       acc_check_init(&k, &other, cache, "'ckpt'");
       CHECK_EQ_INT(acc_check_path(&k, secret, ACC_READ, NULL, &err), 0);
-      acc_check_reset(&k);
+      acc_check_fini(&k);
     }
     /* A changed ACL changes the ctime: the cache is not consulted for it. */
     const struct acc_acl_entry none[] = {{ACC_ACL_USER_OBJ, 6, U}, {ACC_ACL_USER, 4, (uint32_t)other.uid},
@@ -265,9 +264,197 @@ static void test_walks(void) {
     CHECK_EQ_INT(setxattr(secret, "system.posix_acl_access", buf, len, 0), 0);
     acc_check_init(&k, &other, cache, "'ckpt'");
     CHECK_EQ_INT(acc_check_path(&k, secret, ACC_READ, NULL, &err), WEIGHTD_E_PERMISSION);
-    acc_check_reset(&k);
+    acc_check_fini(&k);
     acc_cache_free(cache);
   }
+  fx_rmtree(d);
+  free(d);
+}
+
+/* ---- swaps, groups and refusals that stand first --------------------------------------------- */
+
+/* A swap a test makes once the walk stands on `at` and has its mode, before the ACL is read. */
+struct swap {
+  const char *at;
+  const char *from, *to, *aside; /* rename to -> aside (when set), then from -> to */
+  int done;
+};
+
+static void swap_now(void *arg, const char *path) {
+  struct swap *w = arg;
+  if (w->done || strcmp(path, w->at) != 0) return;
+  w->done = 1;
+  if (w->aside != NULL) CHECK_EQ_INT(rename(w->to, w->aside), 0);
+  CHECK_EQ_INT(rename(w->from, w->to), 0);
+}
+
+/* Sets user:<uid>:<perm> (mask <perm>) as the access ACL of path: the test fails where ACLs cannot be set. */
+static void grant_acl(const char *path, uint32_t uid, unsigned perm) {
+  unsigned char buf[4 + 8 * 8];
+  const struct acc_acl_entry acl[] = {{ACC_ACL_USER_OBJ, 7, U}, {ACC_ACL_USER, (uint16_t)perm, uid},
+                                      {ACC_ACL_GROUP_OBJ, 0, U}, {ACC_ACL_MASK, (uint16_t)perm, U},
+                                      {ACC_ACL_OTHER, 0, U}};
+  size_t len = acl_bytes(acl, 5, ACC_ACL_XATTR_VERSION, buf);
+  int rc = setxattr(path, "system.posix_acl_access", buf, len, 0);
+  if (rc != 0) fprintf(stderr, "setxattr %s: %s (the test needs POSIX ACLs)\n", path, strerror(errno));
+  CHECK_EQ_INT(rc, 0);
+}
+
+/*
+ * The mode, owner and ACL come from the object the walk stands on: a file or
+ * directory renamed over the one being checked, between the walk's fstat and
+ * the reading of the ACL, does not lend it its ACL.
+ */
+static void test_swaps(void) {
+  char *d = fx_tmpdir("access-swap");
+  char root[PATH_MAX], file[PATH_MAX], granted[PATH_MAX], dir[PATH_MAX], gdir[PATH_MAX], aside[PATH_MAX],
+      inner[PATH_MAX];
+  CHECK(d != NULL && realpath(d, root) != NULL);
+  CHECK_EQ_INT(chmod(root, 0755), 0);
+  CHECK(searchable_by_all(root));
+  uid_t me = geteuid();
+  const struct acc_cred other = cred(me == 65534 ? 65533 : 65534, 65534, NULL, 0);
+  struct acc_check k;
+  struct wd_error err = {0};
+
+  /* A 0600 file, and a 0600 file with user:other:r: the second is renamed over the first mid-check. */
+  snprintf(file, sizeof file, "%s/file", root);
+  snprintf(granted, sizeof granted, "%s/granted", root);
+  write_file(file, 0600);
+  write_file(granted, 0600);
+  grant_acl(granted, (uint32_t)other.uid, ACC_READ);
+  acc_check_init(&k, &other, NULL, "'ckpt'");
+  struct swap w = {.at = file, .from = granted, .to = file};
+  k.between = swap_now;
+  k.between_arg = &w;
+  CHECK_EQ_INT(acc_check_path(&k, file, ACC_READ, NULL, &err), WEIGHTD_E_PERMISSION);
+  CHECK(w.done);
+  CHECK_STR_CONTAINS(err.msg, "may not read ");
+  acc_check_fini(&k);
+  /* Without a swap the granting file is readable: the refusal above was about the object, not the ACL's absence. */
+  acc_check_init(&k, &other, NULL, "'ckpt'");
+  CHECK_EQ_INT(acc_check_path(&k, file, ACC_READ, NULL, &err), 0);
+  acc_check_fini(&k);
+
+  /* A 0700 directory on the way, and one with user:other:x put in its place mid-check. */
+  snprintf(dir, sizeof dir, "%s/dir", root);
+  snprintf(gdir, sizeof gdir, "%s/gdir", root);
+  snprintf(aside, sizeof aside, "%s/dir.old", root);
+  CHECK_EQ_INT(mkdir(dir, 0700), 0);
+  CHECK_EQ_INT(mkdir(gdir, 0700), 0);
+  grant_acl(gdir, (uint32_t)other.uid, ACC_EXEC);
+  snprintf(inner, sizeof inner, "%s/gdir/x", root);
+  write_file(inner, 0644);
+  snprintf(inner, sizeof inner, "%s/dir/x", root);
+  write_file(inner, 0644);
+  acc_check_init(&k, &other, NULL, "'ckpt'");
+  struct swap wd = {.at = dir, .from = gdir, .to = dir, .aside = aside};
+  k.between = swap_now;
+  k.between_arg = &wd;
+  CHECK_EQ_INT(acc_check_path(&k, inner, ACC_READ, NULL, &err), WEIGHTD_E_PERMISSION);
+  CHECK(wd.done);
+  CHECK_STR_CONTAINS(err.msg, "may not search ");
+  acc_check_fini(&k);
+  acc_check_init(&k, &other, NULL, "'ckpt'");
+  CHECK_EQ_INT(acc_check_path(&k, inner, ACC_READ, NULL, &err), 0); /* the granting one, walked for itself */
+  acc_check_fini(&k);
+  fx_rmtree(d);
+  free(d);
+}
+
+/* Every supplementary group counts (a group that denies, past the 64th, still denies); unknown groups refuse. */
+static void test_many_groups(void) {
+  char *d = fx_tmpdir("access-groups");
+  char root[PATH_MAX], denied[PATH_MAX], granted[PATH_MAX];
+  CHECK(d != NULL && realpath(d, root) != NULL);
+  CHECK_EQ_INT(chmod(root, 0755), 0);
+  CHECK(searchable_by_all(root));
+  enum { N = 200 };
+  gid_t groups[N];
+  snprintf(denied, sizeof denied, "%s/denied", root);
+  snprintf(granted, sizeof granted, "%s/granted", root);
+  write_file(denied, 0604); /* the group class, which the caller is in, may not read; others may */
+  write_file(granted, 0640);
+  struct stat sd, sg;
+  CHECK(stat(denied, &sd) == 0 && stat(granted, &sg) == 0 && sd.st_gid == sg.st_gid);
+  const gid_t last = sd.st_gid; /* the files' group, without chown: the caller's 200th group */
+  for (int i = 0; i < N - 1; i++) groups[i] = (gid_t)(50000 + i);
+  groups[N - 1] = last;
+  uid_t me = geteuid();
+  const gid_t primary = last == 65534 ? 65533 : 65534;
+  struct acc_cred many = cred(me == 65534 ? 65533 : 65534, primary, groups, N);
+  struct acc_check k;
+  struct wd_error err = {0};
+  acc_check_init(&k, &many, NULL, "'ckpt'");
+  groups[N - 1] = 1; /* the check holds its own copy */
+  CHECK_EQ_INT(acc_check_path(&k, denied, ACC_READ, NULL, &err), WEIGHTD_E_PERMISSION);
+  CHECK_EQ_INT(acc_check_path(&k, granted, ACC_READ, NULL, &err), 0);
+  acc_check_fini(&k);
+  groups[N - 1] = last;
+  /* Credentials whose groups the daemon could not read: nothing is decided, not even what "other" may read. */
+  struct acc_cred unknown = cred(many.uid, primary, NULL, 0);
+  unknown.groups_unknown = true;
+  acc_check_init(&k, &unknown, NULL, "'ckpt'");
+  CHECK_EQ_INT(acc_check_path(&k, denied, ACC_READ, NULL, &err), WEIGHTD_E_PERMISSION);
+  CHECK_STR_CONTAINS(err.msg, "supplementary groups");
+  acc_check_fini(&k);
+  CHECK(!acc_cred_equal(&unknown, &unknown));
+  fx_rmtree(d);
+  free(d);
+}
+
+/*
+ * Walks with ".." and refusals that stand before the daemon's own failures:
+ * ".." is looked up in a directory, which needs search on it; a failure of
+ * the daemon's resolution below a directory the caller may not search is
+ * that directory's refusal, one in a directory it may search stands.
+ */
+static void test_dotdot_and_failures(void) {
+  char *d = fx_tmpdir("access-dotdot");
+  char root[PATH_MAX], priv[PATH_MAX], open_dir[PATH_MAX], p[PATH_MAX];
+  CHECK(d != NULL && realpath(d, root) != NULL);
+  CHECK_EQ_INT(chmod(root, 0755), 0);
+  CHECK(searchable_by_all(root));
+  snprintf(priv, sizeof priv, "%s/private", root);
+  snprintf(open_dir, sizeof open_dir, "%s/open", root);
+  CHECK_EQ_INT(mkdir(priv, 0700), 0);
+  CHECK_EQ_INT(mkdir(open_dir, 0755), 0);
+  snprintf(p, sizeof p, "%s/a", open_dir);
+  write_file(p, 0644);
+  uid_t me = geteuid();
+  const struct acc_cred other = cred(me == 65534 ? 65533 : 65534, 65534, NULL, 0);
+  struct acc_check k;
+  struct wd_error err = {0};
+  acc_check_init(&k, &other, NULL, "'ckpt'");
+  snprintf(p, sizeof p, "%s/private/../open/a", root);
+  CHECK_EQ_INT(acc_check_path(&k, p, ACC_READ, NULL, &err), WEIGHTD_E_PERMISSION);
+  CHECK_STR_CONTAINS(err.msg, "may not search ");
+  CHECK_STR_CONTAINS(err.msg, priv);
+  snprintf(p, sizeof p, "%s/open/../open/./a", root);
+  CHECK_EQ_INT(acc_check_path(&k, p, ACC_READ, NULL, &err), 0);
+  snprintf(p, sizeof p, "%s/open/a/", root);
+  CHECK_EQ_INT(acc_check_path(&k, p, ACC_READ, NULL, &err), WEIGHTD_E_IO); /* a file with a trailing slash */
+  /* The same through a link whose target ends in a slash, as open(2) says (ENOTDIR). */
+  char link[PATH_MAX];
+  snprintf(link, sizeof link, "%s/slashed", open_dir);
+  CHECK_EQ_INT(symlink("a/", link), 0);
+  int fd = open(link, O_RDONLY);
+  CHECK(fd < 0 && errno == ENOTDIR);
+  if (fd >= 0) close(fd);
+  CHECK_EQ_INT(acc_check_path(&k, link, ACC_READ, NULL, &err), WEIGHTD_E_IO);
+  /* The daemon's NOT_FOUND (or PATH_DENIED) below the private directory: the caller learns only that it may not search it. */
+  struct wd_error mine;
+  snprintf(p, sizeof p, "%s/nothing-here", priv);
+  err_set(&mine, WEIGHTD_E_NOT_FOUND, "'ckpt': No such file or directory");
+  CHECK_EQ_INT(acc_check_failure(&k, p, WEIGHTD_E_NOT_FOUND, &mine), WEIGHTD_E_PERMISSION);
+  CHECK_STR_CONTAINS(mine.msg, priv);
+  err_set(&mine, WEIGHTD_E_PATH_DENIED, "'ckpt': leads outside the model roots");
+  CHECK_EQ_INT(acc_check_failure(&k, p, WEIGHTD_E_PATH_DENIED, &mine), WEIGHTD_E_PERMISSION);
+  snprintf(p, sizeof p, "%s/nothing-here", open_dir);
+  err_set(&mine, WEIGHTD_E_NOT_FOUND, "'ckpt': No such file or directory");
+  CHECK_EQ_INT(acc_check_failure(&k, p, WEIGHTD_E_NOT_FOUND, &mine), WEIGHTD_E_NOT_FOUND);
+  CHECK_STR_CONTAINS(mine.msg, "No such file");
+  acc_check_fini(&k);
   fx_rmtree(d);
   free(d);
 }
@@ -277,5 +464,8 @@ int main(void) {
   RUN(test_acl_rules);
   RUN(test_acl_format);
   RUN(test_walks);
+  RUN(test_swaps);
+  RUN(test_many_groups);
+  RUN(test_dotdot_and_failures);
   return tu_finish();
 }

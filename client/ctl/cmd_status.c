@@ -79,14 +79,24 @@ static void print_topology(const cJSON *r) {
   printf("\n");
 }
 
-/* "checkpoints (3)", or "checkpoints (256 of 5000; --all lists every one)" when the daemon left some out. */
+/*
+ * "checkpoints (3)", or "checkpoints (256 of 5000; --all lists every one)"
+ * when the daemon left some out; then how many the daemon hid from this
+ * user (a client that is no admin sees only what it may read).
+ */
 static void print_list_head(const cJSON *r, const char *name) {
   int shown = cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(r, name));
   const cJSON *total = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(r, "totals"), name);
+  char key[32];
+  snprintf(key, sizeof key, "%s_hidden", name);
+  const cJSON *hidden = cJSON_GetObjectItemCaseSensitive(r, key);
   if (cJSON_IsNumber(total) && total->valuedouble > shown)
-    printf("%s (%d of %.0f; --all lists every one)\n", name, shown, total->valuedouble);
+    printf("%s (%d of %.0f; --all lists every one)", name, shown, total->valuedouble);
   else
-    printf("%s (%d)\n", name, shown);
+    printf("%s (%d)", name, shown);
+  if (cJSON_IsNumber(hidden) && hidden->valuedouble > 0)
+    printf(", %.0f more hidden: of checkpoints you may not read", hidden->valuedouble);
+  printf("\n");
 }
 
 static void print_status(const cJSON *r) {

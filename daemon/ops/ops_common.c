@@ -131,9 +131,10 @@ bool ops_is_admin(const struct conn *c) {
 
 const struct acc_cred *ops_reader(const struct conn *c, struct acc_cred *buf) {
   if (conn_is_privileged(c)) return NULL;
-  buf->uid = c->uid;
-  buf->gid = c->gid;
-  buf->ngroups = 0;
-  for (int i = 0; i < c->ngroups && buf->ngroups < ACC_MAX_GROUPS; i++) buf->groups[buf->ngroups++] = c->groups[i];
+  *buf = (struct acc_cred){.uid = c->uid,
+                           .gid = c->gid,
+                           .ngroups = c->ngroups > 0 ? (size_t)c->ngroups : 0,
+                           .groups = c->ngroups > 0 ? c->groups : NULL,
+                           .groups_unknown = c->ngroups < 0};
   return buf;
 }

@@ -32,9 +32,10 @@ bool ops_is_admin(const struct conn *c);
 /*
  * Whose access the daemon checks what it reads for the connection against
  * (access.h): NULL for root and the daemon's own uid, who could read the
- * files themselves; else the peer's uid, primary gid and supplementary
- * groups (SO_PEERGROUPS at accept; only the primary when the kernel did not
- * say), written into buf.
+ * files themselves; else the peer's uid, primary gid and every
+ * supplementary group (SO_PEERGROUPS at accept; marked unknown when the
+ * kernel did not say, which refuses every check), written into buf: a view
+ * of the connection's list, which the check copies.
  */
 const struct acc_cred *ops_reader(const struct conn *c, struct acc_cred *buf);
 

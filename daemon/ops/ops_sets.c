@@ -36,9 +36,27 @@ void op_open(struct request *r) {
   if (path != NULL) reg_acquire_as(req_daemon(r)->reg, path, r->conn->uid, ops_reader(r->conn, &who), open_ready, r);
 }
 
+/*
+ * The answer to a client that is no admin when the checkpoint is not open,
+ * and when it is open but the client may not read its files: the same, so
+ * that close never tells whether a checkpoint the client may not read is
+ * open (status hides those from it too; admins see them there).
+ */
+static void fail_not_open(struct request *r) {
+  char q[320];
+  const char *path = ops_path_arg(r); /* op_close checked it */
+  req_fail(r, WEIGHTD_E_NOT_FOUND, "%s is not open, or not readable by uid %u",
+           path != NULL ? err_quote(path, strlen(path), q, sizeof q) : "the path", (unsigned)r->conn->uid);
+}
+
 static void close_checked(void *arg, struct reg_ckpt *ck, const struct wd_error *err) {
   struct request *r = arg;
   struct wd_error e = {0};
+  struct acc_cred who;
+  if (ck == NULL && err->code != WEIGHTD_E_NOMEM && ops_reader(r->conn, &who) != NULL && !ops_is_admin(r->conn)) {
+    fail_not_open(r);
+    return;
+  }
   if (ck == NULL) {
     req_fail_err(r, err);
     return;
@@ -66,13 +84,15 @@ static void close_resolved(void *arg, const char *resolved, const struct wd_erro
   char label[320];
   if (resolved == NULL) {
     req_fail_err(r, err);
+  } else if (ck == NULL && ops_reader(r->conn, &who) != NULL && !ops_is_admin(r->conn)) {
+    fail_not_open(r);
   } else if (ck == NULL) {
     reg_close(req_daemon(r)->reg, resolved, &e); /* NOT_FOUND: it is not open */
     req_fail_err(r, &e);
   } else {
     /* Closing one that is open is for those who may read it, as opening it is. */
     reg_check(req_daemon(r)->reg, ck, ops_reader(r->conn, &who), err_quote(resolved, strlen(resolved), label, sizeof label),
-              close_checked, r);
+              REG_CHECK_PATHS, close_checked, r);
   }
 }
 
@@ -667,11 +687,17 @@ void op_attach(struct request *r) {
     req_fail(r, WEIGHTD_E_NOT_FOUND, "no resident set '%.64s'", set_id);
     return;
   }
-  /* The set holds what was read from its checkpoint's files: for those who may read them, as a load is. */
+  /*
+   * The set holds what was read from its checkpoint's files: for those who may read those very files, as a
+   * load is. Once they are gone or replaced, only the set's loader and admins may attach (no one else's access
+   * to what was read can be shown).
+   */
   struct acc_cred who;
   char label[96];
   snprintf(label, sizeof label, "set %s", s->id);
-  reg_check(d->reg, s->ck, ops_reader(r->conn, &who), label, attach_checked, r);
+  bool vouched = s->loader_uid == r->conn->uid || ops_is_admin(r->conn);
+  reg_check(d->reg, s->ck, ops_reader(r->conn, &who), label, vouched ? REG_CHECK_SAME_OR_GONE : REG_CHECK_SAME_FILES,
+            attach_checked, r);
 }
 
 /* ---- evict ---------------------------------------------------------------------------------- */

@@ -12,6 +12,17 @@
  * ("next", which a client passes back as "after"). Choosing a page costs one
  * walk of each list and a heap of `limit` items; only the page's
  * checkpoints are measured.
+ *
+ * Who sees what. Root, the daemon's uid and members of admin_gids see
+ * everything. Any other client sees only the checkpoints it may read (its
+ * access to the very files each was opened from, checked as for an open, on
+ * a job first: reg_readable), the sets and leases of those and of the sets
+ * its uid loaded, its own
+ * requests' paths and set ids (others' requests without them), and the
+ * metrics without their path-labelled samples; the reply counts what was
+ * left out ("checkpoints_hidden", "sets_hidden", "leases_hidden"). The check
+ * is one per distinct checkpoint, whatever the number of its sets, so a
+ * status stays linear in what is open.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -112,6 +123,44 @@ static cJSON *lease_json(const struct lease *l, uint64_t now) {
   return o;
 }
 
+/* ---- who sees what ---------------------------------------------------------------------------- */
+
+enum status_list { SL_CHECKPOINTS, SL_SETS, SL_LEASES, SL_REQUESTS, SL_COUNT };
+
+/* What a status shows a client that is no admin (NULL for admins: everything). */
+struct status_view {
+  struct reg_ckpt **cand; /* observed, sorted by address: every open checkpoint and every set's, once */
+  bool *readable;         /* of each candidate */
+  size_t n;
+  uid_t uid;              /* requests of other uids show no path or set id */
+  uint64_t hidden[SL_COUNT];
+};
+
+static int by_ptr(const void *a, const void *b) {
+  uintptr_t x = (uintptr_t) * (void *const *)a, y = (uintptr_t) * (void *const *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Whether v shows ck: one the check was not asked about (opened since) is not shown. */
+static bool view_shows(const struct status_view *v, const struct reg_ckpt *ck) {
+  if (v == NULL) return true;
+  const struct reg_ckpt **hit = bsearch(&ck, v->cand, v->n, sizeof *v->cand, by_ptr);
+  return hit != NULL && v->readable[(struct reg_ckpt *const *)hit - v->cand];
+}
+
+/* Whether v shows set s: its loader sees it (the set is its own to attach), anyone else as its checkpoint. */
+static bool view_shows_set(const struct status_view *v, const struct res_set *s) {
+  return v == NULL || s->loader_uid == v->uid || view_shows(v, s->ck);
+}
+
+static void view_free(struct status_view *v) {
+  if (v == NULL) return;
+  for (size_t i = 0; i < v->n; i++) reg_unobserve(v->cand[i]);
+  free(v->cand);
+  free(v->readable);
+  free(v);
+}
+
 /* The most bytes of a request's path or set that status shows (a longer one names nothing). */
 #define STATUS_PATH_MAX 4096u
 
@@ -130,17 +179,23 @@ static char *clip_path(const char *s) {
   return c;
 }
 
-/* A request in progress or queued, by its daemon-wide id: what it works on, who sent it, how far it got. */
-static cJSON *request_json(const struct daemon *d, const struct request *t, uint64_t now) {
+/*
+ * A request in progress or queued, by its daemon-wide id: what it works on,
+ * who sent it, how far it got; what it works on only when the view shows
+ * the requests of its uid.
+ */
+static cJSON *request_json(const struct daemon *d, const struct request *t, uint64_t now,
+                           const struct status_view *view) {
   char id[24];
   snprintf(id, sizeof id, "r%llu", (unsigned long long)t->serial);
   cJSON *o = cJSON_CreateObject();
   msg_add_string(o, "request", id);
   msg_add_string(o, "op", msg_op_name(t->op) ? msg_op_name(t->op) : "?");
   msg_add_string(o, "state", t->started ? "running" : "queued");
-  const cJSON *path = t->root ? cJSON_GetObjectItemCaseSensitive(t->root, "path") : NULL;
-  const cJSON *set = t->root ? cJSON_GetObjectItemCaseSensitive(t->root, "set") : NULL;
-  const struct res_set *s = t->wait.set;
+  bool named = view == NULL || t->conn->uid == view->uid;
+  const cJSON *path = t->root && named ? cJSON_GetObjectItemCaseSensitive(t->root, "path") : NULL;
+  const cJSON *set = t->root && named ? cJSON_GetObjectItemCaseSensitive(t->root, "set") : NULL;
+  const struct res_set *s = named ? t->wait.set : NULL;
   char *clipped = cJSON_IsString(path) ? clip_path(path->valuestring) : NULL;
   if (clipped != NULL) msg_add_string(o, "path", clipped);
   else if (s != NULL) msg_add_string(o, "path", s->ck->path);
@@ -176,7 +231,6 @@ static cJSON *request_json(const struct daemon *d, const struct request *t, uint
 /* A list's share of a reply, as estimated below: four lists stay well under the 16 MiB reply limit. */
 #define STATUS_LIST_BYTES (2u << 20)
 
-enum status_list { SL_CHECKPOINTS, SL_SETS, SL_LEASES, SL_REQUESTS, SL_COUNT };
 static const char *const list_names[SL_COUNT] = {"checkpoints", "sets", "leases", "requests"};
 
 /* What a status asks for: each list's cursor (items numbered below it; UINT64_MAX: from the newest). */
@@ -310,6 +364,7 @@ struct info_job {
   bool status; /* reply with the whole status, not one checkpoint */
   struct status_ask ask;
   struct page ckpage; /* the checkpoints' page (its items are cks, in order) */
+  struct status_view *view; /* owned; NULL: an admin's, which shows everything */
   int ndevices;
   struct wd_device_info *devinfo;
 };
@@ -320,11 +375,6 @@ static void info_work(struct job *j) {
   for (size_t i = 0; i < ij->n; i++) ij->resident[i] = reg_resident_bytes(ij->cks[i]);
   for (int i = 0; ij->devinfo != NULL && i < ij->ndevices; i++)
     if (b->ops->device_info(b->ctx, i, &ij->devinfo[i], NULL) != 0) ij->devinfo[i].index = -1;
-}
-
-static int by_ptr(const void *a, const void *b) {
-  uintptr_t x = (uintptr_t) * (void *const *)a, y = (uintptr_t) * (void *const *)b;
-  return x < y ? -1 : x > y;
 }
 
 /* The number of sets of each of the page's checkpoints, in one walk of the sets. */
@@ -364,12 +414,25 @@ static bool pick_list(struct daemon *d, const struct info_job *ij, enum status_l
   struct picker k;
   if (!picker_init(&k, ij->ask.limit)) return false;
   uint64_t after = ij->ask.after[l], total = 0;
+  struct status_view *v = ij->view;
   if (l == SL_SETS) {
-    for (const struct res_set *s = res_first_set(d->res); s != NULL; s = s->next, total++)
+    for (const struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) {
+      if (!view_shows_set(v, s)) {
+        v->hidden[l]++;
+        continue;
+      }
+      total++;
       if (id_number(s->id) < after) offer(&k, id_number(s->id), s, 1024 + text_cost(s->ck->path));
+    }
   } else if (l == SL_LEASES) {
-    for (const struct lease *x = res_first_lease(d->res); x != NULL; x = x->next, total++)
+    for (const struct lease *x = res_first_lease(d->res); x != NULL; x = x->next) {
+      if (!view_shows_set(v, x->set)) {
+        v->hidden[l]++;
+        continue;
+      }
+      total++;
       if (id_number(x->id) < after) offer(&k, id_number(x->id), x, 320 + text_cost(x->holder.client));
+    }
   } else {
     const struct conn *self = ij->req->conn;
     for (const struct conn *c = self->ops->first(self); c != NULL; c = c->next)
@@ -466,15 +529,19 @@ static bool status_body(struct daemon *d, cJSON *r, const struct info_job *ij) {
     for (size_t i = 0; i < pg.n; i++)
       cJSON_AddItemToArray(items, l == SL_SETS     ? ops_set_json(d, pg.v[i].p)
                                   : l == SL_LEASES ? lease_json(pg.v[i].p, now)
-                                                   : request_json(d, pg.v[i].p, now));
+                                                   : request_json(d, pg.v[i].p, now, ij->view));
     free(pg.v);
     add_page(r, (enum status_list)l, &pg, items);
   }
+  /* What this reader was not shown, counted over the whole lists (0 for an admin). */
+  static const char *const hidden_names[SL_COUNT] = {"checkpoints_hidden", "sets_hidden", "leases_hidden", NULL};
+  for (int l = SL_CHECKPOINTS; l < SL_REQUESTS; l++)
+    if (ij->ask.listed[l]) json_u64_add(r, hidden_names[l], ij->view != NULL ? ij->view->hidden[l] : 0);
   if (cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(r, "next")) == 0) {
     cJSON_DeleteItemFromObject(r, "next");
     cJSON_DeleteItemFromObject(r, "left_out");
   }
-  cJSON_AddItemToObject(r, "metrics", telemetry_json(d));
+  cJSON_AddItemToObject(r, "metrics", telemetry_json(d, ij->view == NULL));
   cJSON_AddItemToObject(r, "topology", ops_multi_topology_json(d));
   return true;
 }
@@ -504,14 +571,18 @@ static void info_done(struct job *j) {
     req_fail(ij->req, WEIGHTD_E_NOMEM, "out of memory");
   }
   release_cks(ij->cks, ij->n, ij->status);
+  view_free(ij->view);
   free(ij->resident);
   free(ij->devinfo);
   free(ij);
 }
 
-/* Measures cks (references taken over) on a job, then replies: with the status ask gives (NULL: one checkpoint). */
+/*
+ * Measures cks (references taken over) on a job, then replies: with the
+ * status ask gives (NULL: one checkpoint), as view shows it (taken over).
+ */
 static void reply_info(struct request *req, struct reg_ckpt **cks, size_t n, const struct status_ask *ask,
-                       const struct page *ckpage) {
+                       const struct page *ckpage, struct status_view *view) {
   struct daemon *d = req_daemon(req);
   struct info_job *ij = calloc(1, sizeof *ij);
   if (ij == NULL || (ij->resident = calloc(n ? n : 1, sizeof *ij->resident)) == NULL ||
@@ -519,9 +590,11 @@ static void reply_info(struct request *req, struct reg_ckpt **cks, size_t n, con
     if (ij) free(ij->resident);
     free(ij);
     release_cks(cks, n, ask != NULL);
+    view_free(view);
     req_fail(req, WEIGHTD_E_NOMEM, "out of memory");
     return;
   }
+  ij->view = view;
   ij->job.work = info_work;
   ij->job.done = info_done;
   ij->req = req;
@@ -545,11 +618,15 @@ void ops_reply_checkpoint(struct request *r, struct reg_ckpt *ck) {
     return;
   }
   cks[0] = ck; /* the caller's reference moves to the job */
-  reply_info(r, cks, 1, NULL, NULL);
+  reply_info(r, cks, 1, NULL, NULL, NULL);
 }
 
-/* The page of open checkpoints, chosen now so that only they are measured; their references go to *out. */
-static int pick_checkpoints(struct daemon *d, const struct status_ask *ask, struct reg_ckpt ***out, struct page *pg) {
+/*
+ * The page of open checkpoints view shows, chosen now so that only they are
+ * measured; their references go to *out.
+ */
+static int pick_checkpoints(struct daemon *d, const struct status_ask *ask, struct status_view *view,
+                            struct reg_ckpt ***out, struct page *pg) {
   struct picker k;
   *out = NULL;
   memset(pg, 0, sizeof *pg);
@@ -558,6 +635,10 @@ static int pick_checkpoints(struct daemon *d, const struct status_ask *ask, stru
   uint64_t total = 0;
   for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next) {
     if (c->state != REG_OPEN) continue;
+    if (!view_shows(view, c)) {
+      view->hidden[SL_CHECKPOINTS]++;
+      continue;
+    }
     total++;
     if (c->generation < ask->after[SL_CHECKPOINTS]) offer(&k, c->generation, c, 600 + text_cost(c->path));
   }
@@ -577,6 +658,63 @@ static int pick_checkpoints(struct daemon *d, const struct status_ask *ask, stru
   return 0;
 }
 
+/* Picks the checkpoints' page as view shows it and measures it (view taken over; NULL: everything). */
+static void status_pick(struct request *r, const struct status_ask *ask, struct status_view *view) {
+  struct reg_ckpt **cks;
+  struct page pg;
+  if (pick_checkpoints(req_daemon(r), ask, view, &cks, &pg) != 0) {
+    view_free(view);
+    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+    return;
+  }
+  reply_info(r, cks, pg.n, ask, &pg, view);
+}
+
+/* A status for a client that is no admin, while reg_readable decides what it may see. */
+struct status_wait {
+  struct request *req;
+  struct status_ask ask;
+  struct status_view *view;
+};
+
+static void status_readable(void *arg, const bool *readable) {
+  struct status_wait *w = arg;
+  struct request *r = w->req;
+  struct status_view *v = w->view;
+  struct status_ask ask = w->ask;
+  free(w);
+  if (readable == NULL) {
+    view_free(v);
+    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+  } else if (r->conn->closed) { /* nobody to answer */
+    view_free(v);
+    req_finish(r);
+  } else {
+    memcpy(v->readable, readable, v->n * sizeof *readable);
+    status_pick(r, &ask, v);
+  }
+}
+
+/* Every open checkpoint and every set's, once each, observed and sorted by address; false: out of memory. */
+static bool view_gather(struct daemon *d, struct status_view *v) {
+  size_t n = 0, cap = 0;
+  for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next) cap += c->state == REG_OPEN;
+  for (const struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) cap++;
+  v->cand = malloc((cap ? cap : 1) * sizeof *v->cand);
+  v->readable = calloc(cap ? cap : 1, sizeof *v->readable);
+  if (v->cand == NULL || v->readable == NULL) return false;
+  for (struct reg_ckpt *c = reg_first(d->reg); c != NULL; c = c->next)
+    if (c->state == REG_OPEN) v->cand[n++] = c;
+  for (const struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) v->cand[n++] = s->ck;
+  qsort(v->cand, n, sizeof *v->cand, by_ptr);
+  size_t u = 0;
+  for (size_t i = 0; i < n; i++)
+    if (u == 0 || v->cand[u - 1] != v->cand[i]) v->cand[u++] = v->cand[i];
+  for (size_t i = 0; i < u; i++) reg_observe(v->cand[i]);
+  v->n = u;
+  return true;
+}
+
 void op_status(struct request *r) {
   struct daemon *d = req_daemon(r);
   struct status_ask ask;
@@ -585,11 +723,21 @@ void op_status(struct request *r) {
     req_fail_err(r, &err);
     return;
   }
-  struct reg_ckpt **cks;
-  struct page pg;
-  if (pick_checkpoints(d, &ask, &cks, &pg) != 0) {
+  if (ops_is_admin(r->conn)) {
+    status_pick(r, &ask, NULL);
+    return;
+  }
+  struct status_view *v = calloc(1, sizeof *v);
+  struct status_wait *w = v != NULL && view_gather(d, v) ? calloc(1, sizeof *w) : NULL;
+  if (w == NULL) {
+    view_free(v);
     req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
     return;
   }
-  reply_info(r, cks, pg.n, &ask, &pg);
+  v->uid = r->conn->uid;
+  w->req = r;
+  w->ask = ask;
+  w->view = v;
+  struct acc_cred who;
+  reg_readable(d->reg, v->cand, v->n, ops_reader(r->conn, &who), status_readable, w);
 }

@@ -192,7 +192,8 @@ struct family {
 struct collection {
   struct family *f;
   size_t n, cap;
-  bool failed; /* out of memory: render what there is */
+  bool failed;   /* out of memory: render what there is */
+  bool no_paths; /* samples labelled with a checkpoint's path are left out (a reader who may not see them all) */
 };
 
 static struct family *family(struct collection *c, const char *name, const char *type, const char *help) {
@@ -239,6 +240,17 @@ static void sample_free(struct sample *s) {
 /* Adds a sample; labels as NULL-terminated pairs of name (a static string), value. */
 static void sample(struct collection *c, struct family *f, double value, ...) {
   if (f == NULL) return;
+  if (c->no_paths) {
+    va_list lp;
+    va_start(lp, value);
+    bool path = false;
+    for (const char *k = va_arg(lp, const char *); k != NULL && !path; k = va_arg(lp, const char *)) {
+      path = strcmp(k, "path") == 0;
+      (void)va_arg(lp, const char *);
+    }
+    va_end(lp);
+    if (path) return;
+  }
   if (f->n == f->cap) {
     size_t cap = f->cap ? 2 * f->cap : 8;
     struct sample *nv = realloc(f->v, cap * sizeof *nv);
@@ -588,8 +600,8 @@ static cJSON *labels_json(const struct sample *s) {
   return o;
 }
 
-cJSON *telemetry_json(struct daemon *d) {
-  struct collection c = {0};
+cJSON *telemetry_json(struct daemon *d, bool paths) {
+  struct collection c = {.no_paths = !paths};
   collect(d, &c);
   cJSON *out = cJSON_CreateObject();
   cJSON *fam = NULL;

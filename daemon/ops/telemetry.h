@@ -46,8 +46,12 @@ void telemetry_refresh(struct daemon *d);
 /* The Prometheus text exposition (version 0.0.4) of every figure: a new string. */
 char *telemetry_prometheus(struct daemon *d);
 
-/* The same figures as JSON: {"family": {"type", "help", "samples": [{"labels": {...}, "value": v}]}}. */
-cJSON *telemetry_json(struct daemon *d);
+/*
+ * The same figures as JSON: {"family": {"type", "help", "samples": [{"labels": {...}, "value": v}]}}.
+ * Without paths, the samples labelled with a checkpoint's path are left out (status for a client who is
+ * not an admin, which may see only the checkpoints it may read; their sums stay).
+ */
+cJSON *telemetry_json(struct daemon *d, bool paths);
 
 /*
  * Ready to serve: listening, not stopping, and the backend answered its last

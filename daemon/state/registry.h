@@ -251,15 +251,40 @@ typedef void (*reg_resolved_fn)(void *arg, const char *resolved, const struct wd
 /* Resolves path on a job thread and checks it against the model roots, and the directories on the way for who. */
 void reg_resolve(struct registry *r, const char *path, const struct acc_cred *who, reg_resolved_fn cb, void *arg);
 
+/* What reg_check asks of an open checkpoint's files besides the caller's read access. */
+enum reg_check_mode {
+  REG_CHECK_PATHS,      /* the files at its paths now, whichever they are (close) */
+  REG_CHECK_SAME_FILES, /* the very files it was opened from: one gone or replaced is PERMISSION, since the
+                           caller's access to what was read cannot be shown (attach by set id) */
+  REG_CHECK_SAME_OR_GONE, /* the same, but files gone or replaced pass: the caller may use what was read from
+                             them anyway (the set's own loader, a member of admin_gids) */
+};
+
 /*
  * Checks on a job thread that who may read every file of the open
- * checkpoint ck as they are at its paths now (ckpt_access_check), for a
- * request that reaches ck another way than by its path (a set id): cb gets
- * ck with a new reference, or NULL and WEIGHTD_E_PERMISSION prefixed with
- * label. With who NULL, cb runs at once with ck.
+ * checkpoint ck as they are at its paths now (ckpt_access_check), as mode
+ * asks, for a request that reaches ck another way than by its path (a set
+ * id): cb gets ck with a new reference, or NULL and WEIGHTD_E_PERMISSION
+ * prefixed with label. With who NULL, cb runs at once with ck.
  */
 void reg_check(struct registry *r, struct reg_ckpt *ck, const struct acc_cred *who, const char *label,
-               reg_ready_fn cb, void *arg);
+               enum reg_check_mode mode, reg_ready_fn cb, void *arg);
+
+/* Called on the loop thread with readable[i] for each checkpoint asked about (readable NULL: out of memory). */
+typedef void (*reg_readable_fn)(void *arg, const bool *readable);
+
+/*
+ * Decides on a job thread, for each of the n open checkpoints cks (kept
+ * alive by the caller until cb), whether who may read the very files it was
+ * opened from (ckpt_access_check with same_files: one gone or replaced is
+ * not readable, since the access cannot be shown): for a listing that shows
+ * a client only what it may read (status). Each checkpoint's walk starts
+ * afresh (the directories of one checkpoint's files are shared, not those
+ * of all), so the work is linear in the files; ACLs come from the
+ * registry's memory. The answers go to cb, owned by the registry.
+ */
+void reg_readable(struct registry *r, struct reg_ckpt *const *cks, size_t n, const struct acc_cred *who,
+                  reg_readable_fn cb, void *arg);
 
 void reg_ref(struct reg_ckpt *ck);
 void reg_unref(struct reg_ckpt *ck);

@@ -41,6 +41,7 @@ struct acquire {
   char *path;
   char *resolved;
   struct reg_ckpt *entry; /* ACQ_VERIFY / ACQ_OPEN / ACQ_CHECK: referenced */
+  enum reg_check_mode mode; /* ACQ_CHECK */
   bool checked;            /* for a client whose own access is checked (access) */
   struct acc_check access;
   int rc;
@@ -48,7 +49,7 @@ struct acquire {
 };
 
 static void acquire_free(struct acquire *a) {
-  acc_check_reset(&a->access);
+  acc_check_fini(&a->access);
   reg_roots_unref(a->roots);
   free(a->path);
   free(a->resolved);
@@ -56,24 +57,54 @@ static void acquire_free(struct acquire *a) {
 }
 
 /*
- * The client's walk to the path it gave, after the confinement verdict
- * (which never depends on anyone's access): a directory on the way it may
- * not search refuses the request, whether the path resolved or not, so that
+ * The client's walk to the path it gave, decided before any answer of the
+ * daemon's own resolution (which uses the daemon's rights): a directory on
+ * the way it may not search refuses the request, whether the path resolved,
+ * was missing, led outside the model roots or failed otherwise, so that
  * nothing behind that directory shows (not even whether a name exists).
+ * Where it resolved, the client must also be able to search the directory
+ * (or read the file) it ends on, as any use of the checkpoint needs. Only
+ * what the walk reaches through directories the client may search shows,
+ * which the client could learn itself.
  */
-static void walk_check(struct acquire *a) {
-  if (a->rc != 0 && a->rc != WEIGHTD_E_NOT_FOUND && a->rc != WEIGHTD_E_IO) return;
+static void walk_check(struct acquire *a, const struct stat *st) {
+  if (a->rc != 0) {
+    a->rc = acc_check_failure(&a->access, a->path, a->rc, &a->err);
+    return;
+  }
   struct wd_error e;
-  if (acc_check_path(&a->access, a->path, 0, NULL, &e) != WEIGHTD_E_PERMISSION) return;
+  if (acc_check_path(&a->access, a->path, S_ISDIR(st->st_mode) ? ACC_EXEC : ACC_READ, NULL, &e) !=
+      WEIGHTD_E_PERMISSION)
+    return;
   free(a->resolved);
   a->resolved = NULL;
   a->err = e;
   a->rc = e.code;
 }
 
+/*
+ * reg_check's verdict on files that are not the ones opened (gone, or
+ * replaced): for a caller who could use what was read anyway, a pass; else
+ * PERMISSION, since its access to what was read cannot be shown.
+ */
+static void check_same(struct acquire *a) {
+  if (a->mode == REG_CHECK_PATHS || (a->rc != WEIGHTD_E_STALE && a->rc != WEIGHTD_E_NOT_FOUND)) return;
+  if (a->mode == REG_CHECK_SAME_OR_GONE) {
+    a->rc = 0;
+    return;
+  }
+  a->rc = err_set(&a->err, WEIGHTD_E_PERMISSION,
+                  "%s: the files it was read from are gone from their paths or replaced, so uid %u's access to "
+                  "them cannot be shown (weightd reads for a client only what the client may read itself)",
+                  a->access.label, (unsigned)a->access.cred.uid);
+}
+
 static void acquire_work(struct job *j) {
   struct acquire *a = (struct acquire *)j;
   const struct reg_roots *rt = a->roots;
+  /* A stage may run long after the one before (a waiter retries once another open ends): what an earlier
+   * stage found searchable is checked afresh, the ACL memory keeping that cheap. */
+  acc_check_reset(&a->access);
   switch (a->stage) {
   case ACQ_RESOLVE: {
     /* Resolved with lstat and readlink only, and judged against the roots without
@@ -83,7 +114,7 @@ static void acquire_work(struct job *j) {
     struct path_resolved res;
     a->rc = path_resolve(a->path, &roots, err_quote(a->path, strlen(a->path), label, sizeof label), &res, &a->err);
     if (a->rc == 0) a->resolved = res.real;
-    if (a->checked) walk_check(a);
+    if (a->checked) walk_check(a, &res.st);
     return;
   }
   case ACQ_VERIFY:
@@ -91,7 +122,8 @@ static void acquire_work(struct job *j) {
     if (a->rc == 0 && a->checked) a->rc = ckpt_access_check(a->entry->ck, &a->access, true, &a->err);
     return;
   case ACQ_CHECK:
-    a->rc = ckpt_access_check(a->entry->ck, &a->access, false, &a->err);
+    a->rc = ckpt_access_check(a->entry->ck, &a->access, a->mode != REG_CHECK_PATHS, &a->err);
+    check_same(a);
     return;
   case ACQ_OPEN: {
     bool remembered = false;
@@ -376,7 +408,7 @@ void reg_resolve(struct registry *r, const char *path, const struct acc_cred *wh
 }
 
 void reg_check(struct registry *r, struct reg_ckpt *ck, const struct acc_cred *who, const char *label,
-               reg_ready_fn cb, void *arg) {
+               enum reg_check_mode mode, reg_ready_fn cb, void *arg) {
   if (who == NULL) {
     reg_ref(ck);
     cb(arg, ck, NULL);
@@ -389,10 +421,61 @@ void reg_check(struct registry *r, struct reg_ckpt *ck, const struct acc_cred *w
   }
   reg_ref(ck);
   a->entry = ck;
+  a->mode = mode;
   a->stage = ACQ_CHECK;
   a->ready = cb;
   a->arg = arg;
   jobs_submit(r->control, &a->job);
+}
+
+/* ---- readable: which of many open checkpoints a client may read ------------------------------ */
+
+struct readable {
+  struct job job;
+  struct reg_ckpt **cks; /* the caller's (alive until cb) */
+  size_t n;
+  bool *readable;
+  struct acc_check access;
+  reg_readable_fn cb;
+  void *arg;
+};
+
+static void readable_work(struct job *j) {
+  struct readable *q = (struct readable *)j;
+  for (size_t i = 0; i < q->n; i++) {
+    struct wd_error err;
+    acc_check_reset(&q->access); /* a checkpoint's directories are shared by its files, not by every checkpoint */
+    q->readable[i] = ckpt_access_check(q->cks[i]->ck, &q->access, true, &err) == 0;
+  }
+}
+
+static void readable_done(struct job *j) {
+  struct readable *q = (struct readable *)j;
+  q->cb(q->arg, q->readable);
+  acc_check_fini(&q->access);
+  free(q->readable);
+  free(q->cks);
+  free(q);
+}
+
+void reg_readable(struct registry *r, struct reg_ckpt *const *cks, size_t n, const struct acc_cred *who,
+                  reg_readable_fn cb, void *arg) {
+  struct readable *q = calloc(1, sizeof *q);
+  if (q == NULL || (q->readable = calloc(n ? n : 1, sizeof *q->readable)) == NULL ||
+      (q->cks = malloc((n ? n : 1) * sizeof *q->cks)) == NULL) {
+    if (q != NULL) free(q->readable);
+    free(q);
+    cb(arg, NULL);
+    return;
+  }
+  memcpy(q->cks, cks, n * sizeof *cks);
+  q->n = n;
+  acc_check_init(&q->access, who, r->acls, "status");
+  q->cb = cb;
+  q->arg = arg;
+  q->job.work = readable_work;
+  q->job.done = readable_done;
+  jobs_submit(r->control, &q->job);
 }
 
 int reg_close(struct registry *r, const char *resolved, struct wd_error *err) {

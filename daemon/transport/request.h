@@ -56,9 +56,6 @@ struct conn_ops {
   void (*drop_args)(struct request *r);
 };
 
-/* Supplementary groups kept per connection (a peer in more is judged by its first ones). */
-#define CONN_MAX_GROUPS 64
-
 struct conn {
   const struct conn_ops *ops;
   struct server *srv;
@@ -73,8 +70,8 @@ struct conn {
   pid_t pid;
   uid_t uid;
   gid_t gid;
-  gid_t groups[CONN_MAX_GROUPS]; /* supplementary groups at connect (SO_PEERGROUPS), at most CONN_MAX_GROUPS */
-  int ngroups;                    /* -1: the kernel did not say */
+  gid_t *groups;  /* every supplementary group at connect (SO_PEERGROUPS), malloc'd; freed with the conn */
+  int ngroups;    /* -1: the kernel did not say (access checks then refuse; admin_gids see the primary only) */
   char client[64]; /* the name the client gave in hello ("" when none) */
   unsigned accepts; /* the handle kinds the client can open (WD_HANDLE_BIT), from hello */
   bool accepts_listed; /* hello listed them ("handles"); else accepts is WD_HANDLES_DEFAULT */

@@ -48,6 +48,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,7 +87,7 @@ static const struct conn_ops transport = {
 
 static void conn_handle_closed(uv_handle_t *h) {
   struct conn *c = h->data;
-  if (--c->handles_open == 0 && c->refs == 0) free(c);
+  if (--c->handles_open == 0 && c->refs == 0) conn_free(c);
 }
 
 void conn_on_kill(uv_timer_t *t) { conn_close(t->data); }
@@ -189,19 +190,41 @@ static void conn_close(struct conn *c) {
 
 static bool uid_privileged(uid_t uid) { return uid == 0 || uid == geteuid(); }
 
-/* The peer's supplementary groups (SO_PEERGROUPS, Linux 4.13), at most max of them: how many, or -1. */
-static int peer_groups(int fd, gid_t *out, int max) {
-  socklen_t len = (socklen_t)((size_t)max * sizeof(gid_t));
-  if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, out, &len) == 0) return (int)(len / sizeof(gid_t));
-  if (errno != ERANGE || len == 0) return -1;
-  gid_t *all = malloc(len); /* more than max: keep the first ones */
-  int n = -1;
-  if (all != NULL && getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, all, &len) == 0) {
-    n = (int)(len / sizeof(gid_t)) < max ? (int)(len / sizeof(gid_t)) : max;
-    memcpy(out, all, (size_t)n * sizeof(gid_t));
+/* The groups read first; a peer in more gets a buffer of the size the kernel asks for. */
+#define PEER_GROUPS_FIRST 64
+
+/*
+ * Every one of the peer's supplementary groups (SO_PEERGROUPS, Linux 4.13),
+ * into *out (malloc'd; NULL when none): how many, or -1 when the kernel did
+ * not say or memory ran out (nothing is then decided on a partial list).
+ * ERANGE reports the size needed; the list is fixed at connect, so the
+ * second call fits, but a larger list is asked for again, up to NGROUPS_MAX.
+ */
+static int peer_groups(int fd, gid_t **out) {
+  socklen_t len = PEER_GROUPS_FIRST * sizeof(gid_t);
+  *out = NULL;
+  for (int tries = 0; tries < 4; tries++) {
+    gid_t *g = malloc(len ? len : sizeof(gid_t));
+    if (g == NULL) return -1;
+    socklen_t got = len;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, g, &got) == 0) {
+      if (got == 0) {
+        free(g);
+        return 0;
+      }
+      *out = g;
+      return (int)(got / sizeof(gid_t));
+    }
+    free(g);
+    if (errno != ERANGE || got <= len || got > (socklen_t)(NGROUPS_MAX * sizeof(gid_t))) return -1;
+    len = got;
   }
-  free(all);
-  return n;
+  return -1;
+}
+
+void conn_free(struct conn *c) {
+  free(c->groups);
+  free(c);
 }
 
 /*
@@ -315,7 +338,7 @@ static void on_accept(uv_poll_t *p, int status, int events) {
     c->pid = cred.pid;
     c->uid = cred.uid;
     c->gid = cred.gid;
-    c->ngroups = peer_groups(fd, c->groups, CONN_MAX_GROUPS);
+    c->ngroups = peer_groups(fd, &c->groups);
     c->refs = 1;
     c->queued_tail = &c->queued;
     wire_reader_init(&c->reader);

@@ -116,9 +116,12 @@ void conn_fail(struct conn *c, const cJSON *id, int code, const char *msg);
 /* ---- references and state ------------------------------------------------------ */
 
 /* Drops a reference; the connection is freed once none is left and its handles are closed. */
+/* Frees a connection nothing refers to and whose handles are closed, with what it owns. */
+void conn_free(struct conn *c);
+
 static inline void conn_unref(struct conn *c) {
   if (--c->refs > 0) return;
-  if (c->handles_open == 0) free(c);
+  if (c->handles_open == 0) conn_free(c);
 }
 
 /* Replies pile up unread: stop reading this client's requests (output_budget.h says when). */
