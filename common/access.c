@@ -398,9 +398,8 @@ static void stand(struct walk *w, int fd, const struct stat *st, const char *p, 
   w->cur[pl] = '\0';
 }
 
-/* Stands the walk on "/" (with an empty text). errno on failure. */
-static int stand_root(struct walk *w) {
-  int fd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+/* Stands the walk on fd (just opened, or -1 with errno set), whose text is p[0..pl). errno on failure. */
+static int stand_fd(struct walk *w, int fd, const char *p, size_t pl) {
   struct stat st;
   if (fd < 0) return errno;
   if (fstat(fd, &st) != 0) {
@@ -408,9 +407,12 @@ static int stand_root(struct walk *w) {
     close(fd);
     return e;
   }
-  stand(w, fd, &st, "", 0);
+  stand(w, fd, &st, p, pl);
   return 0;
 }
+
+/* Stands the walk on "/" (with an empty text). errno on failure. */
+static int stand_root(struct walk *w) { return stand_fd(w, open("/", O_PATH | O_DIRECTORY | O_CLOEXEC), "", 0); }
 
 /*
  * Where a walk of path starts: below the deepest directory this check
@@ -432,32 +434,11 @@ static int walk_start(struct walk *w, const char *path) {
   const char *tail = path + bl;
   int e = rest_set(w, tail, strlen(tail), "");
   if (e != 0) return e;
-  if (best != NULL) {
-    int fd = fcntl(best->fd, F_DUPFD_CLOEXEC, 0);
-    struct stat st;
-    if (fd < 0) return errno;
-    if (fstat(fd, &st) != 0) {
-      e = errno;
-      close(fd);
-      return e;
-    }
-    stand(w, fd, &st, best->path, bl);
-    return 0;
-  }
+  if (best != NULL) return stand_fd(w, fcntl(best->fd, F_DUPFD_CLOEXEC, 0), best->path, bl);
   if (path[0] == '/') return stand_root(w);
   char cwd[PATH_MAX];
   if (getcwd(cwd, sizeof cwd) == NULL) return errno;
-  int fd = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
-  struct stat st;
-  if (fd < 0) return errno;
-  if (fstat(fd, &st) != 0) {
-    e = errno;
-    close(fd);
-    return e;
-  }
-  size_t n = strcmp(cwd, "/") == 0 ? 0 : strlen(cwd);
-  stand(w, fd, &st, cwd, n);
-  return 0;
+  return stand_fd(w, open(".", O_PATH | O_DIRECTORY | O_CLOEXEC), cwd, strcmp(cwd, "/") == 0 ? 0 : strlen(cwd));
 }
 
 int acc_check_path(struct acc_check *k, const char *path, unsigned want, const struct stat *expect,

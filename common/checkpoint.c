@@ -469,21 +469,36 @@ static int read_index(struct ckpt *c, int fd, struct ckpt_index **out, struct wd
   return 0;
 }
 
-static int read_config(struct ckpt *c, const struct path_roots *roots, const struct ckpt_opts *opts,
-                       struct wd_error *err) {
+/*
+ * Reads dir/name, a small file of the directory beside the shards, when it is
+ * there: 1 with *text (malloc'd) and *len and its identity in *id, 0 when
+ * there is none, or a failure (too_big: the code for one over max bytes,
+ * named as max_text).
+ */
+static int read_member(const struct ckpt *c, const char *name, size_t max, int too_big, const char *max_text,
+                       const struct path_roots *roots, const struct ckpt_opts *opts, struct ckpt_member_id *id,
+                       char **text, size_t *len, struct wd_error *err) {
   int fd;
   struct path_resolved res;
-  int rc = open_member(c->dir, CKPT_CONFIG_NAME, roots, opts, &fd, &res, err);
+  int rc = open_member(c->dir, name, roots, opts, &fd, &res, err);
   if (rc <= 0) return rc;
   free(res.real);
-  c->config_id = (struct ckpt_member_id){true, res.st.st_dev, res.st.st_ino};
-  char *text = NULL;
-  size_t len;
-  int r = path_read_fd(fd, CKPT_CONFIG_MAX_BYTES, &text, &len);
+  *id = (struct ckpt_member_id){true, res.st.st_dev, res.st.st_ino};
+  int r = path_read_fd(fd, max, text, len);
   close(fd);
   if (r != 0)
-    return err_set(err, r == -EFBIG ? WEIGHTD_E_BAD_CONFIG : WEIGHTD_E_IO, "%s: cannot read: %s", CKPT_CONFIG_NAME,
-                   r == -EFBIG ? "larger than 16 MiB" : strerror(-r));
+    return err_set(err, r == -EFBIG ? too_big : WEIGHTD_E_IO, "%s: cannot read: %s", name,
+                   r == -EFBIG ? max_text : strerror(-r));
+  return 1;
+}
+
+static int read_config(struct ckpt *c, const struct path_roots *roots, const struct ckpt_opts *opts,
+                       struct wd_error *err) {
+  char *text = NULL;
+  size_t len;
+  int rc = read_member(c, CKPT_CONFIG_NAME, CKPT_CONFIG_MAX_BYTES, WEIGHTD_E_BAD_CONFIG, "larger than 16 MiB", roots,
+                       opts, &c->config_id, &text, &len, err);
+  if (rc <= 0) return rc;
   rc = mcfg_parse(text, len, CKPT_CONFIG_NAME, &c->config, err);
   free(text);
   return rc;
@@ -492,19 +507,11 @@ static int read_config(struct ckpt *c, const struct path_roots *roots, const str
 /* The manifest beside the index, when there is one (manifest.h): read and checked against c's headers. */
 static int read_manifest(struct ckpt *c, const struct path_roots *roots, const struct ckpt_opts *opts,
                          struct wd_error *err) {
-  int fd;
-  struct path_resolved res;
-  int rc = open_member(c->dir, MF_FILE_NAME, roots, opts, &fd, &res, err);
-  if (rc <= 0) return rc;
-  free(res.real);
-  c->manifest_id = (struct ckpt_member_id){true, res.st.st_dev, res.st.st_ino};
   char *text = NULL;
   size_t len;
-  int r = path_read_fd(fd, MF_MAX_BYTES, &text, &len);
-  close(fd);
-  if (r != 0)
-    return err_set(err, r == -EFBIG ? WEIGHTD_E_BAD_CHECKSUM : WEIGHTD_E_IO, "%s: cannot read: %s", MF_FILE_NAME,
-                   r == -EFBIG ? "larger than 256 MiB" : strerror(-r));
+  int rc = read_member(c, MF_FILE_NAME, MF_MAX_BYTES, WEIGHTD_E_BAD_CHECKSUM, "larger than 256 MiB", roots, opts,
+                       &c->manifest_id, &text, &len, err);
+  if (rc <= 0) return rc;
   rc = mf_parse(text, len, c, MF_FILE_NAME, &c->manifest, err);
   free(text);
   return rc;
