@@ -246,10 +246,12 @@ char *mf_write(const struct mf_manifest *m, const struct ckpt *c, size_t *len) {
     snprintf(size, sizeof size, "%llu", (unsigned long long)f->size);
     ok = cJSON_AddStringToObject(o, "name", c->shards[i].rel) != NULL &&
          cJSON_AddItemToObject(o, "size", cJSON_CreateRaw(size)) && add_hex(o, "digest", f->digest, MF_DIGEST_BYTES);
-    ok = ok && (a = hex_array((const unsigned char(*)[MF_DIGEST_BYTES])f->chunks, f->nchunks)) != NULL &&
-         cJSON_AddItemToObject(o, "chunks", a);
-    ok = ok && (a = hex_array((const unsigned char(*)[MF_DIGEST_BYTES])f->tensors, f->ntensors)) != NULL &&
-         cJSON_AddItemToObject(o, "tensors", a);
+    for (int k = 0; ok && k < 2; k++) {
+      a = k == 0 ? hex_array((const unsigned char(*)[MF_DIGEST_BYTES])f->chunks, f->nchunks)
+                 : hex_array((const unsigned char(*)[MF_DIGEST_BYTES])f->tensors, f->ntensors);
+      ok = a != NULL && cJSON_AddItemToObject(o, k == 0 ? "chunks" : "tensors", a);
+      if (!ok) cJSON_Delete(a);
+    }
   }
   char *text = ok ? cJSON_PrintUnformatted(root) : NULL;
   cJSON_Delete(root);
@@ -296,11 +298,24 @@ static int hex_list(const struct sj_node *a, unsigned char (*d)[MF_DIGEST_BYTES]
   return 0;
 }
 
+/*
+ * The first member of o whose key another member repeats, or NULL: a
+ * manifest says each thing once. Its objects have a handful of keys; one of
+ * more than 16 is refused as o itself (returned), before the quadratic look.
+ */
+static const struct sj_node *repeated_key(const struct sj_node *o) {
+  if (o->count > 16) return o;
+  for (const struct sj_node *a = o->child; a != NULL; a = a->next)
+    for (const struct sj_node *b = a->next; b != NULL; b = b->next)
+      if (a->key_len == b->key_len && memcmp(a->key, b->key, a->key_len) == 0) return a;
+  return NULL;
+}
+
 static int check_file(const struct sj_node *o, const struct ckpt *c, size_t i, struct mf_file *f, const char *label,
                       struct wd_error *err) {
   const struct ckpt_shard *s = &c->shards[i];
-  if (o->type != SJ_OBJECT)
-    return err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: files[%zu] is not an object", label, i);
+  if (o->type != SJ_OBJECT || repeated_key(o) != NULL)
+    return err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: files[%zu] is not an object with each key once", label, i);
   if (!is_str(member(o, "name"), s->rel))
     return err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: files[%zu] does not name %s (the checkpoint's shard %zu)", label,
                    i, s->rel, i);
@@ -327,9 +342,29 @@ static int check_file(const struct sj_node *o, const struct ckpt *c, size_t i, s
   return 0;
 }
 
+/*
+ * The longest text a manifest of c can be: its fixed fields, and per file its
+ * name (escaped, at worst 6 bytes a byte), size and digest, and 35 bytes per
+ * chunk and tensor digest; all of it twice over, for whitespace. A longer
+ * text is refused before it is parsed, whose tree costs some 40 bytes per
+ * input byte.
+ */
+static uint64_t longest_text(const struct ckpt *c) {
+  uint64_t n = 1024;
+  for (size_t i = 0; i < c->nshards; i++) {
+    uint64_t nchunks = (c->shards[i].size + MF_CHUNK_BYTES - 1) / MF_CHUNK_BYTES;
+    n += 6 * (uint64_t)strlen(c->shards[i].rel) + 256 + 35 * (nchunks + c->shards[i].hdr->ntensors);
+  }
+  return 2 * n;
+}
+
 int mf_parse(const char *text, size_t len, const struct ckpt *c, const char *label, struct mf_manifest **out,
              struct wd_error *err) {
   *out = NULL;
+  uint64_t longest = longest_text(c);
+  if (len > longest)
+    return err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: %zu bytes, more than a manifest of these files can be (%llu)",
+                   label, len, (unsigned long long)longest);
   if (!sj_utf8_valid((const unsigned char *)text, len, NULL))
     return err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: not UTF-8 text", label);
   struct sj_doc doc = {0};
@@ -346,13 +381,22 @@ int mf_parse(const char *text, size_t len, const struct ckpt *c, const char *lab
     rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   } else if (root->type != SJ_OBJECT || !is_str(member(root, "format"), "weightd-manifest")) {
     rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: not a weightd manifest (no \"format\": \"weightd-manifest\")", label);
+  } else if ((v = repeated_key(root)) != NULL) {
+    char q[64];
+    rc = v == root ? err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: more keys than a manifest has", label)
+                   : err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: \"%s\" is given twice", label,
+                             err_quote(v->key, v->key_len, q, sizeof q));
   } else if ((v = member(root, "version")) == NULL || v->type != SJ_NUMBER || !sj_u64(v, &u) || u != 1) {
-    rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: version is not 1 (the only one this daemon reads)", label);
+    rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: version is %.*s, not 1 (the only one this reader knows)", label,
+                 v != NULL && v->type == SJ_NUMBER ? (int)(v->len > 20 ? 20 : v->len) : 7,
+                 v != NULL && v->type == SJ_NUMBER ? v->str : "missing");
   } else if (!is_str(member(root, "hash"), "xxh3-128")) {
     rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: hash is not \"xxh3-128\"", label);
   } else if ((v = member(root, "chunk_bytes")) == NULL || v->type != SJ_NUMBER || !sj_u64(v, &u) ||
              u != MF_CHUNK_BYTES) {
-    rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: chunk_bytes is not %llu", label, (unsigned long long)MF_CHUNK_BYTES);
+    rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: chunk_bytes is %.*s, not %llu", label,
+                 v != NULL && v->type == SJ_NUMBER ? (int)(v->len > 20 ? 20 : v->len) : 7,
+                 v != NULL && v->type == SJ_NUMBER ? v->str : "missing", (unsigned long long)MF_CHUNK_BYTES);
   } else if (hex_member(root, "layout_id", id, sizeof id) != 0) {
     rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: no layout_id", label);
   } else if (memcmp(id, c->layout_id, CKPT_ID_BYTES) != 0) {

@@ -176,14 +176,20 @@ static void test_written_parses_back_and_differences_are_named(void) {
     snprintf(lother, sizeof lother, "%s", lid);
     lother[0] = lother[0] == 'a' ? 'b' : 'a';
     expect_refused(&f, text, lid, lother, "the content_id does not follow");
-    expect_refused(&f, text, "\"version\":1", "\"version\":2", "version is not 1");
+    expect_refused(&f, text, "\"version\":1", "\"version\":2", "version is 2, not 1");
     expect_refused(&f, text, "xxh3-128", "xxh3-064", "hash is not");
-    expect_refused(&f, text, "\"chunk_bytes\":4194304", "\"chunk_bytes\":4194305", "chunk_bytes is not");
+    expect_refused(&f, text, "\"chunk_bytes\":4194304", "\"chunk_bytes\":4194305", "chunk_bytes is 4194305, not 4194304");
     expect_refused(&f, text, "\"name\":\"model", "\"name\":\"xodel", "does not name model.safetensors");
     char size[40], osize[40];
     snprintf(size, sizeof size, "\"size\":%zu", f.len);
     snprintf(osize, sizeof osize, "\"size\":%zu", f.len + 1);
     if (strlen(size) == strlen(osize)) expect_refused(&f, text, size, osize, "model.safetensors: size ");
+    expect_refused(&f, text, "\"files\":[{", "\"filez\":[{", "\"files\" is not an array of the checkpoint's 1 shard");
+    /* A digest with a digit that is not hex (the first chunk's): the chunk list is refused. */
+    mf_hex(m->files[0].chunks[0], MF_DIGEST_BYTES, hex);
+    snprintf(other, sizeof other, "%s", hex);
+    other[3] = 'g';
+    expect_refused(&f, text, hex, other, "\"chunks\" is not");
     expect_refused(&f, "[1]", NULL, NULL, "not a weightd manifest");
     expect_refused(&f, "{\"format\":", NULL, NULL, "M: not JSON");
     expect_refused(&f, "\xff\xfe", NULL, NULL, "not UTF-8");

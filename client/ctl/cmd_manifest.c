@@ -184,8 +184,12 @@ static int run_manifest(const struct ctl_args *a) {
   struct mf_manifest *m = NULL;
   char *text = NULL;
   size_t len = 0;
+  if (out == NULL && c->layout == CKPT_FILE) {
+    rc = ctl_usage_error("a bare .safetensors file needs --out FILE");
+    goto done;
+  }
   if (out == NULL) {
-    rc = ctl_usage_error(c->layout == CKPT_FILE ? "a bare .safetensors file needs --out FILE" : "out of memory");
+    ctl_errorc("NOMEM", "manifest: out of memory");
     goto done;
   }
   if ((m = digest_files(c, threads, false, "manifest")) == NULL) goto done;
@@ -258,12 +262,23 @@ static struct mf_manifest *read_manifest(const struct ckpt *c, const char *path)
   return m;
 }
 
+static const char *basename_of(const char *p) {
+  const char *b = strrchr(p, '/');
+  return b != NULL ? b + 1 : p;
+}
+
 /*
  * Expected SHA-256s by file name, from text as sha256sum writes it ("HEX  NAME"
- * or "HEX *NAME" per line; a name is matched to a shard's name in the index,
- * or to its last path component). 0, or a usage error after saying which line.
+ * or "HEX *NAME" per line). A line names the shard whose name in the index
+ * it is; failing that, the one shard whose last path component is the line's
+ * (a name two shards share in their last component names neither); a name
+ * matched exactly wins over one matched by its last component. listed[i] is
+ * how shard i was matched (0: not, 1: last component, 2: exactly). 0, or a
+ * usage error after saying which line (malformed, or giving one shard two
+ * different digests).
  */
-static int read_sha_list(const char *path, const struct ckpt *c, unsigned char (*want)[MF_SHA256_BYTES], bool *listed) {
+static int read_sha_list(const char *path, const struct ckpt *c, unsigned char (*want)[MF_SHA256_BYTES],
+                         unsigned char *listed) {
   char *text = NULL;
   size_t len = 0;
   int r = path_read_file(path, SHA_LIST_MAX, &text, &len);
@@ -302,16 +317,28 @@ static int read_sha_list(const char *path, const struct ckpt *c, unsigned char (
       rc = CTL_EXIT_USAGE;
       break;
     }
-    const char *base = strrchr(name, '/');
-    base = base != NULL ? base + 1 : name;
-    for (size_t i = 0; i < c->nshards; i++) {
-      const char *rel = c->shards[i].rel, *rb = strrchr(rel, '/');
-      rb = rb != NULL ? rb + 1 : rel;
-      if (strcmp(name, rel) == 0 || strcmp(base, rb) == 0) {
-        memcpy(want[i], d, MF_SHA256_BYTES);
-        listed[i] = true;
+    /* The shard this line names: the one whose index name it is, else the only shard with its last component. */
+    size_t hit = c->nshards, same_base = 0, rank = 0;
+    for (size_t i = 0; i < c->nshards && rank < 2; i++) {
+      if (strcmp(name, c->shards[i].rel) == 0) {
+        hit = i;
+        rank = 2;
+      } else if (strcmp(basename_of(name), basename_of(c->shards[i].rel)) == 0) {
+        if (same_base++ == 0) hit = i;
       }
     }
+    if (rank == 0 && same_base == 1) rank = 1;
+    if (rank == 0) continue; /* a file that is not one of the shards (the list may name the whole repository) */
+    if (listed[hit] > rank) continue;
+    if (listed[hit] == rank && memcmp(want[hit], d, MF_SHA256_BYTES) != 0) {
+      char q[160];
+      ctl_errorc("USAGE", "verify: --sha256 %s: line %zu gives %s another SHA-256 than an earlier line", path, lineno,
+                 err_quote(c->shards[hit].rel, strlen(c->shards[hit].rel), q, sizeof q));
+      rc = CTL_EXIT_USAGE;
+      break;
+    }
+    memcpy(want[hit], d, MF_SHA256_BYTES);
+    listed[hit] = (unsigned char)rank;
   }
   free(text);
   return rc;
@@ -326,8 +353,10 @@ static void tensors_in(const struct ckpt_shard *s, const struct mf_file *w, cons
     const struct st_tensor *x = &s->hdr->tensors[t];
     uint64_t b = s->hdr->data_start + x->begin, e = s->hdr->data_start + x->end;
     if (e <= lo || b >= hi || memcmp(w->tensors[t], g->tensors[t], MF_DIGEST_BYTES) == 0) continue;
-    if (named < 4 && o + strlen(x->name) + 3 < cap) {
-      o += (size_t)snprintf(out + o, cap - o, "%s%s", named ? ", " : "", x->name);
+    char q[96];
+    err_quote(x->name, x->name_len, q, sizeof q);
+    if (named < 4 && o + strlen(q) + 3 < cap) {
+      o += (size_t)snprintf(out + o, cap - o, "%s%s", named ? ", " : "", q);
       named++;
     } else {
       more++;
@@ -355,12 +384,12 @@ static int run_verify(const struct ctl_args *a) {
   int rc = CTL_EXIT_FAIL;
   struct mf_manifest *want = NULL, *got = NULL;
   unsigned char (*sha_want)[MF_SHA256_BYTES] = NULL;
-  bool *listed = NULL;
+  unsigned char *listed = NULL;
   cJSON *files = NULL;
   char *mpath = ctl_val(a, CTL_OPT_MANIFEST) != NULL ? strdup(ctl_val(a, CTL_OPT_MANIFEST)) : default_manifest_path(c);
   const char *shalist = ctl_val(a, CTL_OPT_SHA256);
   struct stat st;
-  if (ctl_val(a, CTL_OPT_MANIFEST) == NULL && mpath != NULL && stat(mpath, &st) != 0) {
+  if (ctl_val(a, CTL_OPT_MANIFEST) == NULL && mpath != NULL && stat(mpath, &st) != 0 && errno == ENOENT) {
     free(mpath); /* no manifest beside it: only the SHA-256s, when given */
     mpath = NULL;
   }
@@ -427,8 +456,10 @@ static int run_verify(const struct ctl_args *a) {
     cJSON_AddStringToObject(o, "path", a->pos[0]);
     if (mpath != NULL) cJSON_AddStringToObject(o, "manifest", mpath);
     cJSON_AddBoolToObject(o, "ok", bad_files == 0);
-    cJSON_AddItemToObject(o, "chunks", json_u64_create(chunks));
-    cJSON_AddItemToObject(o, "chunks_differ", json_u64_create(bad_chunks));
+    if (want != NULL) {
+      cJSON_AddItemToObject(o, "chunks", json_u64_create(chunks));
+      cJSON_AddItemToObject(o, "chunks_differing", json_u64_create(bad_chunks));
+    }
     cJSON_AddItemToObject(o, "files", files);
     files = NULL;
     if (bad_files != 0) { /* one object for the outcome: the failure with what differs */
@@ -447,10 +478,11 @@ static int run_verify(const struct ctl_args *a) {
                  a->pos[0], bad_files, c->nshards, bad_chunks, chunks);
     goto done;
   }
-  if (!ctl_opts.json)
-    printf("%s: %zu file(s), %" PRIu64 " chunk(s) and %zu tensor(s) match%s%s%s\n", a->pos[0], c->nshards, chunks,
-           c->ntensors, want != NULL ? " the manifest" : "", want != NULL && shalist != NULL ? " and" : "",
-           shalist != NULL ? " the SHA-256 list" : "");
+  if (!ctl_opts.json && want != NULL)
+    printf("%s: %zu file(s), %" PRIu64 " chunk(s) and %zu tensor(s) match the manifest%s\n", a->pos[0], c->nshards,
+           chunks, c->ntensors, shalist != NULL ? ", and every file the SHA-256 list" : "");
+  else if (!ctl_opts.json)
+    printf("%s: %zu file(s) match the SHA-256 list\n", a->pos[0], c->nshards);
   rc = CTL_EXIT_OK;
 done:
   cJSON_Delete(files);

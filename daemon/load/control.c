@@ -33,7 +33,7 @@ static void raise_ready(struct ld_target *t, uint64_t v) {
 }
 
 void ld_publish_ready(struct ld_target *t, uint64_t v) {
-  if (v < t->plan->slab_bytes) raise_ready(t, v);
+  if (v < t->plan->slab_bytes && !t->hold_ready) raise_ready(t, v);
 }
 
 void ld_publish_final(struct ld_target *t) { raise_ready(t, t->plan->slab_bytes); }

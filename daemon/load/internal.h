@@ -80,6 +80,8 @@ struct loader {
 /*
  * Raises the watermark while the fill runs, short of the end of the slab: a
  * wait for the whole slab succeeds only once the shards are known unchanged.
+ * Nothing while t->hold_ready (a load whose bytes are verified after the
+ * fill: no early attacher uses them before).
  */
 void ld_publish_ready(struct ld_target *t, uint64_t v);
 

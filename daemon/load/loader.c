@@ -231,6 +231,8 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   t->read_failed = false;
   t->method = LD_METHOD_MEMCPY;
   t->verified_chunks = t->verify_mismatches = 0;
+  bool verify = ld->verify && t->ck->manifest != NULL;
+  t->hold_ready = verify;
   for (int k = 0; k < LD_SOURCE_KINDS; k++) atomic_store(&t->source_bytes[k], 0);
   if (t->slab == NULL) { /* else a load run again: it refills the slab that clients may map already */
     double t0 = clock_s();
@@ -273,10 +275,10 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   }
   if (t->method == LD_METHOD_PEER) t->source[0] = '\0'; /* no host bytes were read */
   if (rc == 0) atomic_store(&t->bytes_done, t->plan->slab_bytes);
-  /* A shard rewritten while we copied would have given a mix of old and new bytes. */
+  /* verify on_load: the files hold what the manifest names (a host source's bytes: not after a replica). */
+  if (rc == 0 && verify && t->method != LD_METHOD_PEER) rc = ld_verify(ld, t, src, err);
+  /* A shard rewritten while we copied (or verified) would have given a mix of old and new bytes. */
   if (rc == 0) rc = ld_source_unchanged(src, err);
-  /* verify on_load: the file bytes the load read are those the manifest names (a host source's bytes: not after a replica). */
-  if (rc == 0 && ld->verify && t->ck->manifest != NULL && t->method != LD_METHOD_PEER) rc = ld_verify(ld, t, src, err);
   if (rc == 0) ld_publish_final(t);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, t->slab, err);
   ld_pool_set_home(-1);

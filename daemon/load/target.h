@@ -98,6 +98,7 @@ struct ld_target {
   int source_device;    /* method peer: the device whose copy was copied; else -1 (host memory) */
   size_t nshares;       /* method striped: the links that moved the bytes, the target's first */
   struct ld_share shares[LD_MAX_LINKS];
+  bool hold_ready;            /* the watermark stays at 0 until the whole slab is published (verify on_load) */
   uint64_t verified_chunks;   /* verify on_load: manifest chunks checked (0: none) */
   uint64_t verify_mismatches; /* of them, those whose digest differed */
 };

@@ -127,8 +127,12 @@ static void acquire_work(struct job *j) {
     return;
   case ACQ_OPEN: {
     bool remembered = false;
-    struct ckpt_opts opts = {(const char *const *)rt->dirs, rt->n, a->verdicts, &remembered,
-                             a->checked ? &a->access : NULL, true};
+    struct ckpt_opts opts = {.model_roots = (const char *const *)rt->dirs,
+                             .nroots = rt->n,
+                             .verdicts = a->verdicts,
+                             .remembered = &remembered,
+                             .access = a->checked ? &a->access : NULL,
+                             .manifest = true};
     struct ckpt *c = NULL;
     a->rc = ckpt_open(a->resolved, &opts, &c, &a->err);
     if (a->rc != 0) {

@@ -13,6 +13,7 @@ import os
 import shutil
 import struct
 import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -139,14 +140,21 @@ def test_manifest_digests_match_an_independent_oracle(ckpt, daemon):
         assert f["chunks"] == chunks
         assert f["tensors"] == tensors
         assert f["digest"] == whole
-    # The daemon computes the content id on its own while a whole prefetch reads the files.
+    # The content id from the layout id and the file digests (docs/architecture.md, "Identity").
+    h = hashlib.sha256(b"weightd-content-v1" + bytes.fromhex(m["layout_id"]) + struct.pack("<Q", len(SHARDS)))
+    for f in m["files"]:
+        h.update(bytes.fromhex(want[f["name"]][2]))
+    assert m["content_id"] == h.hexdigest()
+    # The daemon's prefetch digests the files by its own reads, chunk by chunk in parallel: the same ids.
     with daemon.connect() as c:
-        got = c.call("prefetch", path=ckpt, wait=True)["checkpoint"]
-        for _ in range(100):
+        c.call("prefetch", path=ckpt, wait=True)
+        deadline = time.monotonic() + 60
+        while True:
             st = [k for k in c.status()["checkpoints"] if k["path"] == os.path.realpath(ckpt)]
-            if st and st[0]["content_id"]:
+            if (st and st[0]["content_id"]) or time.monotonic() > deadline:
                 break
-        assert st and st[0]["content_id"] == m["content_id"], (got, st)
+            time.sleep(0.05)
+        assert st and st[0]["content_id"] == m["content_id"], st
         assert st[0]["layout_id"] == m["layout_id"]
 
 
@@ -165,7 +173,7 @@ def test_verify_passes_then_names_a_flipped_byte(ckpt):
     assert "BAD_CHECKSUM" in r.stderr or "1 of 2 file(s) differ (1 of" in r.stderr, r.stderr
     r = ctl("--json", "verify", ckpt, check=1)
     out = json.loads(r.stdout)
-    assert out["ok"] is False and out["chunks_differ"] == 1 and out["error"]["code"] == "BAD_CHECKSUM"
+    assert out["ok"] is False and out["chunks_differing"] == 1 and out["error"]["code"] == "BAD_CHECKSUM"
     assert [f["chunks_differ"] for f in out["files"]] == [[], [lo]]
 
 
@@ -184,6 +192,30 @@ def test_verify_sha256_list(ckpt, tmp_path):
     sums.write_text("not a digest line\n")
     r = ctl("verify", ckpt, "--sha256", str(sums), check=2)
     assert "line 1" in r.stderr
+
+
+def test_sha256_names_shared_by_two_shards(model_root, tmp_path):
+    """Shards a/model.safetensors and b/model.safetensors: each is matched by its own name in the index,
+    never by the other's last component; a list naming other files of the repository changes nothing."""
+    d = os.path.join(model_root, "mf-twins")
+    try:
+        weight_map = {}
+        for sub, seed in (("a", 1), ("b", 2)):
+            os.makedirs(os.path.join(d, sub))
+            write_safetensors(os.path.join(d, sub, "model.safetensors"), [(f"{sub}.w", "F32", [5000])], seed=seed)
+            weight_map[f"{sub}.w"] = f"{sub}/model.safetensors"
+        json.dump({"weight_map": weight_map}, open(os.path.join(d, "model.safetensors.index.json"), "w"))
+        sums = {s: hashlib.sha256(open(os.path.join(d, s, "model.safetensors"), "rb").read()).hexdigest() for s in "ab"}
+        lst = tmp_path / "SUMS"
+        lst.write_text(f"{sums['a']}  a/model.safetensors\n{sums['b']}  b/model.safetensors\n"
+                       f"{'0' * 64}  original/model.safetensors\n")
+        ctl("verify", d, "--sha256", str(lst), check=0)
+        # Two lines for one shard with different digests: refused, naming it.
+        lst.write_text(f"{sums['a']}  a/model.safetensors\n{sums['b']}  a/model.safetensors\n")
+        r = ctl("verify", d, "--sha256", str(lst), check=2)
+        assert "line 2 gives a/model.safetensors another SHA-256" in r.stderr, r.stderr
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_verify_without_manifest_or_list_is_a_usage_error(ckpt):
@@ -224,6 +256,13 @@ def test_on_load_checks_the_files(start_daemon, ckpt):
     assert metric(d, "weightd_verify_mismatches_total") >= 1
 
 
+def test_on_load_without_a_manifest_checks_nothing(start_daemon, ckpt):
+    d = start_daemon(settings={"verify": "on_load"}, metrics=True)
+    with d.connect() as c:
+        c.call("load", path=ckpt)
+    assert metric(d, "weightd_verified_chunks_total") == 0
+
+
 def test_off_by_default_and_a_foreign_manifest_refused(daemon, ckpt, model_root):
     ctl("manifest", ckpt, check=0)
     flip(os.path.join(ckpt, "model-00002-of-00002.safetensors"),
@@ -260,3 +299,17 @@ def test_off_by_default_and_a_foreign_manifest_refused(daemon, ckpt, model_root)
         with pytest.raises(WDError) as e:
             c.call("open", path=ckpt)
         assert "model-00002-of-00002.safetensors: \"chunks\" is not" in e.value.reply["error"]["message"]
+    # A key given twice, and a file far longer than a manifest of these files can be: refused before parsing.
+    ctl("manifest", ckpt, check=0)
+    text = open(os.path.join(ckpt, MANIFEST)).read()
+    open(os.path.join(ckpt, MANIFEST), "w").write(text.replace('"version":1', '"version":1,"version":1', 1))
+    with daemon.connect() as c:
+        with pytest.raises(WDError) as e:
+            c.call("open", path=ckpt)
+        assert '"version" is given twice' in e.value.reply["error"]["message"]
+    with open(os.path.join(ckpt, MANIFEST), "w") as f:
+        f.write("[" + "0," * 4_000_000 + "0]")
+    with daemon.connect() as c:
+        with pytest.raises(WDError) as e:
+            c.call("open", path=ckpt)
+        assert "more than a manifest of these files can be" in e.value.reply["error"]["message"]
