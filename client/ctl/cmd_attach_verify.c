@@ -1,5 +1,5 @@
 /*
- * cmd_verify.c - `attach --verify`: an attached set against the plan it was
+ * cmd_attach_verify.c - `attach --verify`: an attached set against the plan it was
  * loaded with, rebuilt here from the checkpoint's files: the same outputs,
  * and every byte equal to what plan_gather makes from read-only mappings of
  * the shards (host slabs are compared in place, CUDA slabs copied to the

@@ -439,7 +439,7 @@ int ctl_group_spec(const struct ctl_plan_args *a, const char *devices, cJSON **g
  */
 int ctl_group_load(weightd_client *c, const char *path, cJSON *group, cJSON *plan, const char *source);
 
-/* ---- attach --verify (cmd_verify.c) ------------------------------------- */
+/* ---- attach --verify (cmd_attach_verify.c) ------------------------------------- */
 
 struct ctl_verify_result {
   size_t tensors;
