@@ -640,6 +640,110 @@ fail:
   return rc;
 }
 
+/* ---- checkpoints read through a fetcher (remote objects) -------------------------------------- */
+
+struct fetched_reader {
+  const struct ckpt_fetch *f;
+  uint32_t shard;
+};
+
+static int fetched_read(void *arg, uint64_t off, void *buf, size_t len, struct wd_error *err) {
+  const struct fetched_reader *r = arg;
+  return r->f->read(r->f->arg, r->shard, off, buf, len, err);
+}
+
+/* A small file through the fetcher: 1 with *text, 0 when there is none, or a failure (too_big for one past max). */
+static int fetched_small(const struct ckpt_fetch *f, const char *name, size_t max, int too_big, char **text,
+                         size_t *len, struct wd_error *err) {
+  int rc = f->small(f->arg, name, max, text, len, err);
+  if (rc == WEIGHTD_E_LIMIT) return err_set(err, too_big, "%s: larger than %zu MiB", name, max >> 20);
+  return rc;
+}
+
+int ckpt_open_fetched(const char *name, enum ckpt_layout layout, const char *file_name, const struct ckpt_fetch *f,
+                      bool manifest, struct ckpt **out, struct wd_error *err) {
+  *out = NULL;
+  struct ckpt_index *ix = NULL;
+  char *text = NULL;
+  size_t len = 0;
+  int rc = 0;
+  struct ckpt *c = calloc(1, sizeof *c);
+  if (c == NULL || (c->path = strdup(name)) == NULL || (c->dir = strdup(name)) == NULL) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    goto fail;
+  }
+  c->layout = layout;
+  if (layout == CKPT_INDEX) {
+    if ((rc = fetched_small(f, CKPT_INDEX_NAME, CKPT_INDEX_MAX_BYTES, WEIGHTD_E_BAD_INDEX, &text, &len, err)) <= 0) {
+      if (rc == 0) rc = err_set(err, WEIGHTD_E_NOT_FOUND, "no %s", CKPT_INDEX_NAME);
+      goto fail;
+    }
+    rc = ckpt_index_parse(text, len, &ix, err);
+    free(text);
+    text = NULL;
+    if (rc != 0) goto fail;
+    if ((c->shards = calloc(ix->nfiles, sizeof *c->shards)) == NULL) {
+      rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+      goto fail;
+    }
+    for (size_t i = 0; i < ix->nfiles; i++, c->nshards++) {
+      c->shards[i].fd = -1;
+      if ((c->shards[i].rel = strdup(ix->files[i])) == NULL) {
+        rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+        goto fail;
+      }
+    }
+  } else {
+    if ((c->shards = calloc(1, sizeof *c->shards)) == NULL ||
+        (c->shards[0].rel = strdup(layout == CKPT_SINGLE ? CKPT_SINGLE_NAME : file_name)) == NULL) {
+      rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+      goto fail;
+    }
+    c->shards[0].fd = -1;
+    c->nshards = 1;
+  }
+  for (size_t i = 0; i < c->nshards; i++) {
+    struct ckpt_shard *s = &c->shards[i];
+    char sl[320];
+    if ((s->path = path_join(name, s->rel)) == NULL) {
+      rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+      goto fail;
+    }
+    shard_label(c, s, sl, sizeof sl);
+    if ((rc = f->size(f->arg, (uint32_t)i, s->rel, &s->size, err)) != 0) goto fail;
+    struct fetched_reader fr = {f, (uint32_t)i};
+    struct st_reader rd = {fetched_read, &fr};
+    if ((rc = st_header_read(&rd, s->size, sl, &s->hdr, err)) != 0) goto fail;
+  }
+  if ((rc = ckpt_tables_build(c, ix, err)) != 0) goto fail;
+  if (layout != CKPT_FILE) {
+    rc = fetched_small(f, CKPT_CONFIG_NAME, CKPT_CONFIG_MAX_BYTES, WEIGHTD_E_BAD_CONFIG, &text, &len, err);
+    if (rc < 0) goto fail;
+    if (rc == 1 && (rc = mcfg_parse(text, len, CKPT_CONFIG_NAME, &c->config, err)) != 0) goto fail;
+    free(text);
+    text = NULL;
+  }
+  if (ckpt_layout_id(c, c->layout_id) != 0) {
+    rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+    goto fail;
+  }
+  if (layout != CKPT_FILE && manifest) {
+    rc = fetched_small(f, MF_FILE_NAME, MF_MAX_BYTES, WEIGHTD_E_BAD_CHECKSUM, &text, &len, err);
+    if (rc < 0) goto fail;
+    if (rc == 1 && (rc = mf_parse(text, len, c, MF_FILE_NAME, &c->manifest, err)) != 0) goto fail;
+  }
+  free(text);
+  ckpt_index_free(ix);
+  *out = c;
+  return 0;
+fail:
+  free(text);
+  ckpt_err_name(err, name);
+  ckpt_index_free(ix);
+  ckpt_free(c);
+  return rc;
+}
+
 int ckpt_check_unchanged(const struct ckpt *c, struct wd_error *err) {
   char sl[320];
   for (size_t i = 0; i < c->nshards; i++) {

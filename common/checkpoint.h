@@ -115,6 +115,37 @@ int ckpt_open(const char *path, const struct ckpt_opts *opts, struct ckpt **out,
               struct wd_error *err);
 
 /*
+ * A checkpoint's files wherever they are (an object store, an HTTP server):
+ * what ckpt_open_fetched reads them through. Each call names the file in its
+ * errors.
+ *   small  the whole of a small file of the directory (the index,
+ *          config.json, the manifest): 1 with *text (malloc'd) and *len, 0
+ *          when there is none, LIMIT when it is longer than max, or a failure
+ *   size   the size of shard `shard` (its name rel): 0, NOT_FOUND, or a failure
+ *   read   exactly len bytes of shard `shard` from off: 0 or a failure
+ */
+struct ckpt_fetch {
+  int (*small)(void *arg, const char *name, size_t max, char **text, size_t *len, struct wd_error *err);
+  int (*size)(void *arg, uint32_t shard, const char *rel, uint64_t *size, struct wd_error *err);
+  int (*read)(void *arg, uint32_t shard, uint64_t off, void *buf, size_t len, struct wd_error *err);
+  void *arg;
+};
+
+/*
+ * Opens a checkpoint whose files are read through f, validated exactly as
+ * ckpt_open validates local ones (the same header validator and limits,
+ * the same index and table checks, config.json, the manifest when asked),
+ * and without a descriptor: shards' fd is -1, their identity their size
+ * (the fetcher keeps what else identifies them). name is how messages and
+ * the shards' paths name it (a URL); layout says which files to read:
+ * CKPT_INDEX the index and the shards it names, CKPT_SINGLE
+ * model.safetensors, CKPT_FILE the one file `file_name`. 0 with *out, or an
+ * error naming the checkpoint and the file.
+ */
+int ckpt_open_fetched(const char *name, enum ckpt_layout layout, const char *file_name, const struct ckpt_fetch *f,
+                      bool manifest, struct ckpt **out, struct wd_error *err);
+
+/*
  * Makes err's message name the checkpoint at path ("/models/x:
  * model-00002.safetensors: ..."), unless it starts with that path already:
  * what ckpt_open and ckpt_check_unchanged do to their own errors, for

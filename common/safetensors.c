@@ -430,6 +430,44 @@ fail:
   return rc;
 }
 
+int st_header_read(const struct st_reader *rd, uint64_t file_len, const char *label, struct st_header **out,
+                   struct wd_error *err) {
+  *out = NULL;
+  unsigned char prefix[ST_PREFIX_LEN];
+  size_t got = file_len < sizeof prefix ? (size_t)file_len : sizeof prefix;
+  int rc = got > 0 ? rd->read(rd->arg, 0, prefix, got, err) : 0;
+  if (rc != 0) return rc;
+  uint64_t n;
+  if ((rc = check_prefix(prefix, got, file_len, label, &n, err)) != 0) return rc;
+  size_t total = (size_t)(ST_PREFIX_LEN + n);
+  unsigned char *buf = malloc(total ? total : 1);
+  if (buf == NULL) return err_set(err, WEIGHTD_E_NOMEM, "%s: out of memory for header", label);
+  memcpy(buf, prefix, ST_PREFIX_LEN);
+  rc = total > ST_PREFIX_LEN ? rd->read(rd->arg, ST_PREFIX_LEN, buf + ST_PREFIX_LEN, total - ST_PREFIX_LEN, err) : 0;
+  if (rc == 0) rc = st_header_parse(buf, total, file_len, label, out, err);
+  free(buf);
+  return rc;
+}
+
+struct fd_reader {
+  int fd;
+  const char *label;
+};
+
+/* Exactly len bytes from off with pread: 0, IO for a failed read, BAD_HEADER when the file ends first. */
+static int fd_read(void *arg, uint64_t off, void *buf, size_t len, struct wd_error *err) {
+  const struct fd_reader *f = arg;
+  size_t got = 0;
+  while (got < len) {
+    ssize_t r = pread(f->fd, (unsigned char *)buf + got, len - got, (off_t)(off + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return err_set(err, WEIGHTD_E_IO, "%s: read failed: %s", f->label, strerror(errno));
+    if (r == 0) return err_set(err, WEIGHTD_E_BAD_HEADER, "%s: file shrank while its header was read", f->label);
+    got += (size_t)r;
+  }
+  return 0;
+}
+
 int st_header_read_fd(int fd, const char *label, struct st_header **out, struct wd_error *err) {
   *out = NULL;
   struct stat sb;
@@ -437,39 +475,9 @@ int st_header_read_fd(int fd, const char *label, struct st_header **out, struct 
     return err_set(err, WEIGHTD_E_IO, "%s: cannot stat: %s", label, strerror(errno));
   if (!S_ISREG(sb.st_mode))
     return err_set(err, WEIGHTD_E_INVALID, "%s: not a regular file", label);
-  uint64_t file_len = (uint64_t)sb.st_size;
-  unsigned char prefix[ST_PREFIX_LEN];
-  size_t got = 0;
-  while (got < sizeof prefix && got < file_len) {
-    ssize_t r = pread(fd, prefix + got, sizeof prefix - got, (off_t)got);
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) return err_set(err, WEIGHTD_E_IO, "%s: read failed: %s", label, strerror(errno));
-    if (r == 0) break;
-    got += (size_t)r;
-  }
-  uint64_t n;
-  int rc = check_prefix(prefix, got, file_len, label, &n, err);
-  if (rc != 0) return rc;
-  size_t total = (size_t)(ST_PREFIX_LEN + n);
-  unsigned char *buf = malloc(total ? total : 1);
-  if (buf == NULL) return err_set(err, WEIGHTD_E_NOMEM, "%s: out of memory for header", label);
-  memcpy(buf, prefix, ST_PREFIX_LEN);
-  got = ST_PREFIX_LEN;
-  while (got < total) {
-    ssize_t r = pread(fd, buf + got, total - got, (off_t)got);
-    if (r < 0 && errno == EINTR) continue;
-    if (r <= 0) {
-      rc = r < 0 ? err_set(err, WEIGHTD_E_IO, "%s: read failed: %s", label, strerror(errno))
-                 : err_set(err, WEIGHTD_E_BAD_HEADER, "%s: file shrank while its header was read",
-                           label);
-      free(buf);
-      return rc;
-    }
-    got += (size_t)r;
-  }
-  rc = st_header_parse(buf, total, file_len, label, out, err);
-  free(buf);
-  return rc;
+  struct fd_reader f = {fd, label};
+  struct st_reader rd = {fd_read, &f};
+  return st_header_read(&rd, (uint64_t)sb.st_size, label, out, err);
 }
 
 int st_header_read_path(const char *path, const char *label, struct st_header **out,

@@ -63,6 +63,25 @@ struct st_header {
 int st_header_parse(const unsigned char *buf, size_t buflen, uint64_t file_len, const char *label,
                     struct st_header **out, struct wd_error *err);
 
+/*
+ * Where a header's bytes come from: read exactly len bytes at file offset
+ * off into buf, 0 or an error naming the file. A local file (pread) or a
+ * remote object (range GETs) alike, so that one validator with one set of
+ * limits judges every header.
+ */
+struct st_reader {
+  int (*read)(void *arg, uint64_t off, void *buf, size_t len, struct wd_error *err);
+  void *arg;
+};
+
+/*
+ * Reads and validates the header of a file of file_len bytes through rd:
+ * the 8-byte prefix first, then (once its length is within the limits) the
+ * JSON. *out as st_header_parse gives it.
+ */
+int st_header_read(const struct st_reader *rd, uint64_t file_len, const char *label, struct st_header **out,
+                   struct wd_error *err);
+
 /* Reads and validates the header of the open file fd (with pread). */
 int st_header_read_fd(int fd, const char *label, struct st_header **out, struct wd_error *err);
 
