@@ -82,7 +82,7 @@ def from_bench(j, name, xy):
         how = v.get("method", "?") + (f" from {v['read_from']}" if v.get("read_from") not in (None, "", "mmap") else "")
         methods.append({"name": f"load, {key.replace('_', ' ')} ({how})", "ms": 1e3 * v["median_s"]})
         if nbytes:
-            xy_point(xy, "load-vs-size", v.get("method", key), nbytes, 1e3 * v["median_s"], name)
+            xy_point(xy, "load-vs-size", how, nbytes, 1e3 * v["median_s"], name)
     a = j.get("auto")
     if isinstance(a, dict) and "later_median_s" in a:
         methods.append({"name": f"first load ({a.get('first_method', '?')})", "ms": 1e3 * a["first_s"]})
