@@ -1,9 +1,10 @@
 /*
  * cmd_top.c - `weightctl top [--interval DURATION] [--once]`: what a node is
  * doing, live. Each frame is one `status` request: loads in flight (bytes,
- * share, rate between two frames), sets with their leases and holders,
- * checkpoints with what the page cache and the pinned tier hold, and the
- * budgets (device memory per device, the pinned tier, open checkpoints).
+ * share, rate between two frames, what they read from), prefetches, sets
+ * with their leases and holders, checkpoints with what the page cache and
+ * the pinned tier hold, and the budgets (device memory per device, the
+ * pinned tier, open checkpoints against their bounds).
  *
  * On a terminal the frame is drawn on the alternate screen, fitted to the
  * terminal's size (TIOCGWINSZ, drawn again on SIGWINCH) and refreshed every
@@ -92,6 +93,31 @@ static double rate_of(const char *id, uint64_t bytes, double now) {
 
 static void bytes_text(uint64_t b, char *buf, size_t len) { ctl_human_bytes(b, buf, len); }
 
+/*
+ * Where a load in flight reads from, into buf: "from host mmap" (the kind of
+ * source), "from peer:<uuid>", or "source not chosen yet"; with the file
+ * bytes each leaf source has read so far when the load reads through several.
+ */
+static void source_text(const cJSON *set, char *buf, size_t len) {
+  const cJSON *src = cJSON_GetObjectItemCaseSensitive(set, "source");
+  if (!cJSON_IsString(src)) {
+    snprintf(buf, len, "source not chosen yet");
+    return;
+  }
+  const cJSON *reading = cJSON_GetObjectItemCaseSensitive(set, "reading");
+  int n = snprintf(buf, len, "from %s%s%s", src->valuestring, cJSON_IsString(reading) ? " " : "",
+                   cJSON_IsString(reading) ? reading->valuestring : "");
+  const cJSON *rb = cJSON_GetObjectItemCaseSensitive(set, "read_bytes"), *k;
+  if (n < 0 || cJSON_GetArraySize(rb) < 2) return;
+  cJSON_ArrayForEach(k, rb) {
+    char h[32];
+    ctl_human_bytes(cJSON_IsNumber(k) ? (uint64_t)k->valuedouble : 0, h, sizeof h);
+    int w = snprintf(buf + n, len - (size_t)n, " %s %s", k->string, h);
+    if (w < 0 || (size_t)w >= len - (size_t)n) return;
+    n += w;
+  }
+}
+
 static void build_frame(struct frame *f, const cJSON *r, double now) {
   const cJSON *d = cJSON_GetObjectItemCaseSensitive(r, "daemon"), *x;
   char a[32], b[32], c[32];
@@ -118,8 +144,9 @@ static void build_frame(struct frame *f, const cJSON *r, double now) {
   const cJSON *cb = cJSON_GetObjectItemCaseSensitive(d, "checkpoints");
   if (cb != NULL) {
     bytes_text(ctl_u64(cb, "charged_bytes"), a, sizeof a);
-    frame_add(f, "  open checkpoints %" PRIu64 " (%s charged, %" PRIu64 " mappings)", ctl_u64(cb, "open"), a,
-              ctl_u64(cb, "mappings"));
+    bytes_text(ctl_u64(cb, "memory"), b, sizeof b);
+    frame_add(f, "  open checkpoints %" PRIu64 " of %" PRIu64 ", %s of %s charged, %" PRIu64 " of %" PRIu64 " mappings",
+              ctl_u64(cb, "open"), ctl_u64(cb, "max_open"), a, b, ctl_u64(cb, "mappings"), ctl_u64(cb, "max_mappings"));
   }
 
   frame_add(f, "%s", "");
@@ -129,16 +156,30 @@ static void build_frame(struct frame *f, const cJSON *r, double now) {
     if (strcmp(ctl_str(x, "state"), "loading") != 0) continue;
     uint64_t done = ctl_u64(x, "bytes_done"), total = ctl_u64(x, "bytes");
     double rate = rate_of(ctl_str(x, "set"), done, now);
+    char from[96];
+    source_text(x, from, sizeof from);
     bytes_text(done, a, sizeof a);
     bytes_text(total, b, sizeof b);
-    frame_add(f, "  %-6s %s  %s of %s (%3.0f%%)  %.2f GiB/s  on %s", ctl_str(x, "set"), ctl_str(x, "path"), a, b,
-              total ? 100.0 * (double)done / (double)total : 0.0, rate / (double)(1ull << 30), ctl_str(x, "device"));
+    frame_add(f, "  %-6s %s  %s of %s (%3.0f%%)  %.2f GiB/s  on %s  %s", ctl_str(x, "set"), ctl_str(x, "path"), a, b,
+              total ? 100.0 * (double)done / (double)total : 0.0, rate / (double)(1ull << 30), ctl_str(x, "device"),
+              from);
     loading++;
   }
   cJSON_ArrayForEach(x, cJSON_GetObjectItemCaseSensitive(r, "requests")) {
-    if (strcmp(ctl_str(x, "state"), "queued") != 0) continue;
-    frame_add(f, "  %-6s %s queued  %s", ctl_str(x, "request"), ctl_str(x, "op"), ctl_str(x, "path"));
-    loading++;
+    if (strcmp(ctl_str(x, "state"), "queued") == 0) {
+      frame_add(f, "  %-6s %s queued  %s", ctl_str(x, "request"), ctl_str(x, "op"), ctl_str(x, "path"));
+      loading++;
+    } else if (strcmp(ctl_str(x, "op"), "prefetch") == 0 && cJSON_GetObjectItemCaseSensitive(x, "bytes_total")) {
+      /* A prefetch moves file bytes into the page cache (and the pinned tier): its progress is the request's. */
+      uint64_t done = ctl_u64(x, "bytes_done"), total = ctl_u64(x, "bytes_total");
+      double rate = rate_of(ctl_str(x, "request"), done, now);
+      bytes_text(done, a, sizeof a);
+      bytes_text(total, b, sizeof b);
+      frame_add(f, "  %-6s %s  %s of %s (%3.0f%%)  %.2f GiB/s  prefetch into host memory", ctl_str(x, "request"),
+                ctl_str(x, "path"), a, b, total ? 100.0 * (double)done / (double)total : 0.0,
+                rate / (double)(1ull << 30));
+      loading++;
+    }
   }
   if (loading == 0) frame_add(f, "  none");
 
@@ -173,8 +214,9 @@ static void build_frame(struct frame *f, const cJSON *r, double now) {
   cJSON_ArrayForEach(x, cJSON_GetObjectItemCaseSensitive(r, "checkpoints")) {
     bytes_text(ctl_u64(x, "bytes"), a, sizeof a);
     bytes_text(ctl_u64(x, "resident_bytes"), b, sizeof b);
-    frame_add(f, "  %s  %s, %s in the page cache%s, %" PRIu64 " set(s)", ctl_str(x, "path"), a, b,
-              cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(x, "pinned")) ? ", pinned" : "", ctl_u64(x, "sets"));
+    bytes_text(ctl_u64(x, "pinned_bytes"), c, sizeof c);
+    frame_add(f, "  %s  %s, %s in the page cache, %s pinned%s, %" PRIu64 " set(s)", ctl_str(x, "path"), a, b, c,
+              cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(x, "pinned")) ? " (whole)" : "", ctl_u64(x, "sets"));
     ncks++;
   }
   if (ncks == 0) frame_add(f, "  none");
@@ -350,8 +392,10 @@ const struct ctl_cmd ctl_cmd_top = {
     .description =
         "Draws the daemon's state every --interval on the terminal's alternate screen, fitted to its size: "
         "the budgets (device memory used by sets per device, the pinned tier, open checkpoints), loads in "
-        "flight with bytes done, share and rate since the last frame, the sets with their leases and holders "
-        "(pid, uid, the client name they gave), and the checkpoints with what the page cache holds. q or "
+        "flight with bytes done, share, rate since the last frame and where they read from (host memory "
+        "through which kind of source, or a peer's copy), prefetches in flight, the sets with their leases and "
+        "holders (pid, uid, the client name they gave), and the checkpoints with what the page cache and the "
+        "pinned tier hold. q or "
         "Ctrl-C quits and restores the terminal. A daemon that goes away is shown as unreachable and asked "
         "again at the next interval. Not on a terminal, or with --once, prints one frame and exits.",
     .opts = CTL_OPTS(top_opts),

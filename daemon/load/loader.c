@@ -229,6 +229,8 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   t->source_device = -1;
   t->nshares = 0;
   t->read_failed = false;
+  atomic_store(&t->reading_kind, -1);
+  atomic_store(&t->reading_device, -1);
   t->method = LD_METHOD_MEMCPY;
   t->verified_chunks = t->verify_mismatches = 0;
   bool verify = ld->verify && t->ck->manifest != NULL;
@@ -255,6 +257,7 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   }
   snprintf(t->source, sizeof t->source, "%s", src->label);
   t->source_kind = src->ops->kind;
+  atomic_store(&t->reading_kind, (int)src->ops->kind);
   ld_pool_set_home(ld->nodes != NULL ? ld->nodes[t->device] : -1); /* fill threads near the device first */
   bool filled = false;
   rc = ld_multi_fill(ld, t, src, &filled, err); /* a replica from a peer, or striped over neighbours */

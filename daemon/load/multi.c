@@ -119,9 +119,11 @@ static int fill_replica(struct loader *ld, struct ld_target *t, bool *filled, st
   }
   const struct ld_copy *src = &t->copies[pick];
   atomic_fetch_add(&ld->busy[src->device], 1);
+  atomic_store(&t->reading_device, src->device);
   int rc = copy_replica(ld, t, src, err);
   atomic_fetch_sub(&ld->busy[src->device], 1);
   if (falls_back(t, rc)) {
+    atomic_store(&t->reading_device, -1);
     log_msg(LOG_WARN, "%s onto device %d: the copy from device %d failed (%s): loading from host memory instead",
             t->name, t->device, src->device, err->msg);
     restart_counts(t);

@@ -77,6 +77,14 @@ struct ld_target {
   atomic_uint_fast64_t ready_bytes; /* the watermark, in slab bytes */
   atomic_bool cancel;               /* set by the loop: the load stops between windows */
   /*
+   * What the load reads from while it runs, for status (set by the load's
+   * thread, read by the loop): the kind of the source it reads through (-1
+   * until it has chosen one) and the device whose copy it copies (-1: none,
+   * the bytes come from host memory).
+   */
+  atomic_int reading_kind;
+  atomic_int reading_device;
+  /*
    * Hooks, each may be NULL; they run on the load's threads. allocated runs
    * once the slab exists (t->slab is set and stays so); ready each time
    * ready_bytes grows (calls from several fill threads may overlap and come

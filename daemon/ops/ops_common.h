@@ -90,7 +90,7 @@ bool ops_group_cancel(struct request *target);
 bool ops_group_gone(struct request *r);
 /* Adds a device's NUMA node, link rate and peers to its JSON view. */
 void ops_multi_device_fields(const struct daemon *d, int i, cJSON *o);
-/* Adds where a ready set's bytes came from ("source") and a striped load's "links". */
+/* Adds where a ready set's bytes came from ("source", a striped load's "links"), or what a load in flight reads. */
 void ops_multi_set_fields(const struct daemon *d, const struct res_set *s, cJSON *o);
 /* The status reply's "topology": the multi-device settings, NUMA nodes and fill threads, busy devices. */
 cJSON *ops_multi_topology_json(const struct daemon *d);

@@ -85,8 +85,32 @@ static void add_origin(const struct daemon *d, const struct ld_target *t, cJSON 
   }
 }
 
+/*
+ * Adds what a load in flight reads from, as far as its load has told: "source"
+ * (host memory, or "peer:<uuid>" while it copies a peer's copy) and "reading"
+ * (the kind of host source it reads through) once it has chosen, and
+ * "read_bytes" (file bytes read so far, per leaf source), to o.
+ */
+static void add_reading(const struct daemon *d, const struct ld_target *t, cJSON *o) {
+  int kind = atomic_load(&t->reading_kind), peer = atomic_load(&t->reading_device);
+  if (peer >= 0 && peer < d->ndevices) {
+    char src[WD_UUID_MAX + 8];
+    snprintf(src, sizeof src, "peer:%s", res_device(d->res, peer)->info.uuid);
+    msg_add_string(o, "source", src);
+  } else if (kind >= 0) {
+    msg_add_string(o, "source", "host");
+    msg_add_string(o, "reading", ld_source_kind_name((enum ld_source_kind)kind));
+  }
+  cJSON *rb = cJSON_AddObjectToObject(o, "read_bytes");
+  for (int k = 0; k < LD_SOURCE_KINDS; k++) {
+    uint64_t n = atomic_load(&t->source_bytes[k]);
+    if (n > 0) json_u64_add(rb, ld_source_kind_name((enum ld_source_kind)k), n);
+  }
+}
+
 void ops_multi_set_fields(const struct daemon *d, const struct res_set *s, cJSON *o) {
   if (s->state == SET_READY) add_origin(d, &s->load, o);
+  else if (s->state == SET_LOADING) add_reading(d, &s->load, o);
 }
 
 cJSON *ops_multi_topology_json(const struct daemon *d) {

@@ -568,6 +568,8 @@ int res_set_adopt(struct residency *r, struct reg_ckpt *ck, int device, struct p
   atomic_init(&s->load.bytes_done, plan->slab_bytes);
   atomic_init(&s->load.ready_bytes, plan->slab_bytes);
   atomic_init(&s->load.cancel, false);
+  atomic_init(&s->load.reading_kind, -1);
+  atomic_init(&s->load.reading_device, -1);
   atomic_init(&s->allocated, true);
   s->table_fd = -1;
   s->page_fd = -1;

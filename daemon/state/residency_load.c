@@ -349,6 +349,8 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   atomic_init(&s->load.bytes_done, 0);
   atomic_init(&s->load.ready_bytes, 0);
   atomic_init(&s->load.cancel, false);
+  atomic_init(&s->load.reading_kind, -1);
+  atomic_init(&s->load.reading_device, -1);
   atomic_init(&s->allocated, false);
   s->table_fd = -1;
   struct wd_error perr = {0};

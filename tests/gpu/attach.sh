@@ -5,7 +5,8 @@
 # (fresh processes with a CUDA context attaching the resident set, to usable
 # pointers) and then --early with the model's own preset (fresh processes
 # attaching the set while it loads: when the first layer is usable, when the
-# whole set is), and prints one table:
+# whole set is), prints one table and draws WORK_DIR/charts/attach-vs-tensors.svg
+# (tests/gpu/charts.py):
 #
 #   qwen3-4b               398 tensors, 7.49 GiB    (target: attach <= 1 ms)
 #   qwen3-30b-a3b, 24 l.  9,435 tensors, 29 GiB     (target: attach <= 2 ms)
@@ -18,6 +19,7 @@
 # About 3 minutes on an H200 host with the checkpoints already generated; the
 # first run writes ~37 GiB (a few minutes more, disk permitting).
 set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 build=$1 work=$2 runs=${3:-5}
 mkdir -p "$work"
 work=$(cd "$work" && pwd)
@@ -87,3 +89,6 @@ for arg in sys.argv[1:]:
 print("targets: attach <= 1 ms at 398 tensors, <= 2 ms at 9,435, <= 5 ms at ~11,000; "
       "first layer usable within 10% of the whole load (both timed from the attach call)")
 PY
+
+# Attach time against the tensor count, from the attach-only runs (the early ones attach while loading).
+python3 "$here/charts.py" --out "$work/charts" "$work"/attach-*.json

@@ -6,12 +6,15 @@
 # first one), runs weightd-bench (table, then JSON) and stops the daemon; then
 # starts a second daemon with cuda_handles=legacy (pin off too) and times
 # attaching there alone (weightd-bench --attach-only), and prints both attach
-# figures side by side. Both daemons run without metrics (metrics_address=).
+# figures side by side, and draws the charts of both JSON files into
+# WORK_DIR/charts (tests/gpu/charts.py). Both daemons run without metrics
+# (metrics_address=).
 # tests/gpu/speed.sh measures the default configuration, strided staging,
 # peers, DeepSeek-V3 and the cold path.
 #
 #   tests/gpu/bench.sh BUILD_DIR WORK_DIR [RUNS] [extra weightd-bench flags...]
 set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 build=$1 work=$2 runs=${3:-5}
 shift 3 || shift $#
 mkdir -p "$work"
@@ -59,3 +62,6 @@ for path in sys.argv[1:]:
     print(f"  {b['attach_handles']:9s} attach {b['attach_s'] * 1e3:7.3f} ms   round trip {b['attach_roundtrip_s'] * 1e3:7.3f} ms"
           f"   open {b['attach_open_s'] * 1e3:7.3f} ms   (target for cuda_vmm: <= 1 ms at 398 tensors)")
 PY
+
+echo "== charts (tests/gpu/charts.py) beside the JSON"
+python3 "$here/charts.py" --out "$work/charts" "$work/bench.json" "$work/bench-legacy.json"

@@ -9,7 +9,8 @@
 # BUILD_DIR holds weightd, weightctl and weightd-bench (a Release build with
 # CUDA); WORK_DIR gets the checkpoints (generated when absent: the Qwen3-4B
 # layout, 7.49 GiB on disk, and DeepSeek-V3 sparse, 673 GB that take ~12 MB),
-# the daemons' sockets and logs, and json/ with every section's result. Run as
+# the daemons' sockets and logs, and json/ with every section's result and
+# json/charts/ with the SVG charts of them (tests/gpu/charts.py). Run as
 # root for the cold path (the page cache dropped); without root it falls back
 # to posix_fadvise and says so. Peers are timed when their Python packages
 # are installed (tests/gpu/fetch-wheels.sh carries them), else skipped with a
@@ -37,8 +38,8 @@
 #      page cache's share before and after each), InstantTensor's cold
 #      default
 #
-# Environment: OUT (a folder: speed.json, the raw JSON and the logs are
-# copied there), SPEED_RUNS (5), SPEED_PRESET (qwen3-4b), SPEED_BASELINE
+# Environment: OUT (a folder: speed.json, the raw JSON, the charts and the
+# logs are copied there), SPEED_RUNS (5), SPEED_PRESET (qwen3-4b), SPEED_BASELINE
 # (section X's other build), SPEED_SKIP (section
 # letters to leave out, e.g. "PK"), SPEED_DSV3_LAYERS / SPEED_DSV3_EXPERTS
 # (cut the DeepSeek layout for a dry run), SPEED_NO_ATTACH=1 (dry runs
@@ -234,9 +235,12 @@ fi
 # ---- the summary ----------------------------------------------------------------------------
 say "summary"
 python3 "$here/speed_report.py" "$json" ${OUT:+--out "$OUT/speed.json"}
+# The charts beside the JSON they are drawn from (docs/benchmarks.md, "Charts").
+python3 "$here/charts.py" --out "$json/charts" "$json" || failed+=("charts")
 if [ -n "${OUT:-}" ]; then
-  mkdir -p "$OUT/raw"
+  mkdir -p "$OUT/raw" "$OUT/charts"
   cp "$json"/*.json "$OUT/raw/" 2>/dev/null
+  cp "$json"/charts/*.svg "$OUT/charts/" 2>/dev/null
   for f in "$work"/*.log; do tail -n 300 "$f" >"$OUT/raw/$(basename "$f")"; done
 fi
 say "done in $(($(date +%s) - t_start)) s"

@@ -28,7 +28,7 @@ def tmux_binary():
 class Pane:
     """One tmux server of its own (-L), one session running cmd in a pane of cols x rows."""
 
-    def __init__(self, workdir, cmd, cols=150, rows=45):
+    def __init__(self, workdir, cmd, cols=220, rows=45):
         self.tmux = tmux_binary()
         self.sock = os.path.join(workdir, f"tmux-{os.getpid()}-{time.monotonic_ns()}")
         self.run("new-session", "-d", "-s", "top", "-x", str(cols), "-y", str(rows), cmd)
@@ -80,7 +80,24 @@ def test_top_shows_a_load_in_flight_then_the_set_and_its_holder(gated, ckpt_smal
             head = lines.index("LOADS IN FLIGHT")
             assert lines[0].startswith("weightd ") and f"pid {d.pid}" in lines[0]
             assert any(line.strip().startswith("device 0 host memory") for line in lines), shown
-            assert "(" in lines[head + 1] and "%)" in lines[head + 1] and "GiB/s" in lines[head + 1], lines[head + 1]
+            # The frame against the daemon's own status of the same moment (the gate holds the load still).
+            with d.connect() as s:
+                st = s.call("status")
+            ld = [x for x in st["sets"] if x["state"] == "loading"]
+            assert len(ld) == 1 and ld[0]["bytes_done"] == WINDOW, ld
+            ld = ld[0]
+            # Status says where the load reads: host memory through the mmap source, one window's file bytes so far.
+            assert ld["source"] == "host" and ld["reading"] == "mmap", ld
+            assert list(ld["read_bytes"]) == ["mmap"] and 0 < ld["read_bytes"]["mmap"] <= WINDOW, ld
+            row = lines[head + 1].split()
+            assert row[:2] == [ld["set"], path], lines[head + 1]
+            share = f"({100 * WINDOW / ld['bytes']:3.0f}%)"  # as the frame formats it (%3.0f)
+            assert share in lines[head + 1], (share, lines[head + 1])
+            assert "GiB/s" in lines[head + 1] and lines[head + 1].endswith(f"on {ld['device']}  from host mmap"), \
+                lines[head + 1]
+            cb = st["daemon"]["checkpoints"]
+            assert (f"open checkpoints {cb['open']} of {cb['max_open']}," in shown and cb["open"] == 1
+                    and f"{cb['mappings']} of {cb['max_mappings']} mappings" in shown), shown
             gate.open()
             m, _ = c.wait(rid)
             assert m.get("ok") is True, m
@@ -91,6 +108,8 @@ def test_top_shows_a_load_in_flight_then_the_set_and_its_holder(gated, ckpt_smal
                 sets = shown.splitlines()[shown.splitlines().index("SETS") + 1]
                 assert sets.split()[:2] == [m["set"], "ready"] and "1 lease(s)" in sets and path in sets, sets
                 assert "LOADS IN FLIGHT\n  none" in shown
+                cks = shown.splitlines()[shown.splitlines().index("CHECKPOINTS") + 1]
+                assert cks.startswith(f"  {path}  ") and "0 B pinned" in cks and cks.endswith(", 1 set(s)"), cks
                 # A pane of 8 rows: the frame is cut to it and says how much did not fit.
                 pane.run("resize-window", "-t", "top", "-x", "70", "-y", "8")
                 small = pane.wait_for(lambda t: "more line(s): a taller terminal shows them" in t, "the frame refitted")
