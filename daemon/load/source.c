@@ -14,6 +14,7 @@ static const char *const kind_names[LD_SOURCE_KINDS] = {
     [LD_SOURCE_PAGECACHE] = "pagecache",
     [LD_SOURCE_DIRECT] = "direct",
     [LD_SOURCE_ROUTE] = "route",
+    [LD_SOURCE_REMOTE] = "remote",
 };
 
 static const char *const choice_names[LD_CHOOSE_COUNT] = {

@@ -1,0 +1,158 @@
+"""Loads from an object store: the daemon fetches a checkpoint named by URL from its remote roots.
+
+A real S3 server (SeaweedFS, signatures enforced) holds checkpoints the tests upload; the daemon
+(host backend) is started with --remote-root and the credentials in its environment. Every set
+loaded from a URL is compared with the files: whole checkpoints byte for byte against the local
+copy, tensor-parallel ranks (column slices: strided reads) byte for byte against the same plan
+loaded from the local copy, with the in-place copy and the staged pipeline. URLs outside the
+remote roots are refused before anything is fetched; an object replaced after the open fails the
+next load with STALE and the checkpoint is opened again.
+"""
+import os
+import sys
+
+import pytest
+
+from wdclient import Checkpoint, WDError, map_readonly, verify_attached
+from wdfixtures import REPO, SLOW
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_early_attach import qwen3_tp  # noqa: E402,F401  (a fixture: a Qwen3-shaped checkpoint, ~38 MiB)
+from test_remote_ckpt import SIGNED, upload, write_checkpoint  # noqa: E402
+
+sys.path.insert(0, os.path.join(REPO, "tests", "remote"))
+import s3server  # noqa: E402
+
+
+@pytest.fixture
+def store(tmp_path):
+    with s3server.SeaweedS3(tmp_path / "seaweedfs", start_timeout=90 * SLOW) as s3:
+        yield s3
+
+
+def with_roots(start_daemon, store, roots, settings=None):
+    """A daemon whose remote roots are `roots` (through --set, as a flag would)."""
+    env = dict(SIGNED, AWS_ENDPOINT_URL_S3=store.endpoint, AWS_EC2_METADATA_DISABLED="true",
+               AWS_SHARED_CREDENTIALS_FILE="/nonexistent-wd-test", AWS_CONFIG_FILE="/nonexistent-wd-test")
+    d = start_daemon(settings=settings, env=env, extra_args=[a for r in roots for a in ("--remote-root", r)])
+    return d
+
+
+def slab_bytes(c, **fields):
+    att, fd = c.attach(**fields)
+    try:
+        m, size = map_readonly(fd)
+        try:
+            return att, bytes(m[:att["bytes"]])
+        finally:
+            m.close()
+    finally:
+        os.close(fd)
+
+
+def test_whole_checkpoint_from_s3_equals_the_files(start_daemon, store, model_root, tmp_path):
+    d = write_checkpoint(os.path.join(model_root, "remote-" + tmp_path.name))
+    upload(store, "ckpt", "org/m", d)
+    wd = with_roots(start_daemon, store, ["s3://ckpt/org"])
+    url = "s3://ckpt/org/m"
+    ck = Checkpoint(d)
+    with wd.connect() as c:
+        rep = c.call("load", path=url, device=0)
+        assert rep["read_from"] == "remote", rep
+        assert rep["read_bytes"] == {"remote": ck.payload_bytes()}, rep
+        att, fd = c.attach(path=url)
+        try:
+            assert verify_attached(att, fd, ck) == ck.payload_bytes()
+        finally:
+            os.close(fd)
+        st = c.status()
+        (s,) = st["sets"]
+        assert s["path"] == url and s["read_from"] == "remote", s
+        (entry,) = [x for x in st["checkpoints"] if x["path"] == url]
+        # The same layout id as the local copy's.
+        local = c.call("open", path=d)["checkpoint"]
+        assert entry["layout_id"] == local["layout_id"], (entry, local)
+    assert f"remote root s3://ckpt/org" in wd.log_text()
+    assert "credentials from environment" in wd.log_text()
+
+
+@pytest.mark.parametrize("method", ["auto", "staged"])
+def test_tp_rank_from_s3_equals_the_local_rank(start_daemon, store, qwen3_tp, method):
+    upload(store, "ckpt", "qwen3-tp", qwen3_tp)
+    wd = with_roots(start_daemon, store, ["s3://ckpt/qwen3-tp"], settings={"load_method": method})
+    url = "s3://ckpt/qwen3-tp"
+    for rank in (0, 1):
+        plan = {"preset": "auto", "tp_size": 2, "tp_rank": rank}
+        with wd.connect() as c:
+            lrep = c.call("load", path=qwen3_tp, device=0, plan=plan)
+            rrep = c.call("load", path=url, device=0, plan=plan)
+            assert rrep["read_from"] == "remote" and set(rrep["read_bytes"]) == {"remote"}, rrep
+            # Exactly the rank's bytes were fetched: what the local load read from its files.
+            assert sum(rrep["read_bytes"].values()) == sum(lrep["read_bytes"].values()), (lrep, rrep)
+            assert rrep["payload_bytes"] < Checkpoint(qwen3_tp).payload_bytes()
+            if method == "staged":
+                assert rrep["method"] == "staged", rrep
+            la, lb = slab_bytes(c, path=qwen3_tp, plan=plan)
+            ra, rb = slab_bytes(c, path=url, plan=plan)
+            assert [(t["name"], t["offset"]) for t in la["tensors"]] == [(t["name"], t["offset"]) for t in ra["tensors"]]
+            assert lb == rb, f"rank {rank}: the remote slab differs from the local one"
+
+
+def test_urls_outside_the_remote_roots_are_refused(start_daemon, store, tmp_path):
+    d = write_checkpoint(str(tmp_path / "m"))
+    upload(store, "ckpt", "allowed/m", d)
+    upload(store, "ckpt", "allowed2/m", d)
+    upload(store, "other", "m", d)
+    wd = with_roots(start_daemon, store, ["s3://ckpt/allowed"])
+    with wd.connect() as c:
+        for url in ("s3://ckpt/allowed2/m", "s3://other/m", f"{store.endpoint}/ckpt/allowed/m",
+                    "s3://ckpt/allowed/../allowed2/m"):
+            with pytest.raises(WDError) as e:
+                c.call("load", path=url, device=0)
+            assert e.value.code in ("PATH_DENIED", "INVALID"), (url, e.value.reply)
+            if e.value.code == "PATH_DENIED":
+                assert "not within the remote roots" in e.value.message, e.value.message
+        assert c.call("load", path="s3://ckpt/allowed/m", device=0)["read_from"] == "remote"
+    # Nothing outside the roots was asked of the store: only the allowed checkpoint's objects.
+    assert "allowed2" not in wd.log_text()
+
+
+def test_no_remote_roots_means_no_fetch(daemon, store):
+    with daemon.connect() as c:
+        with pytest.raises(WDError) as e:
+            c.call("load", path="s3://ckpt/anything", device=0)
+        assert e.value.code == "PATH_DENIED", e.value.reply
+        assert "none is configured" in e.value.message, e.value.message
+
+
+def test_object_replaced_after_open_is_stale_then_reopened(start_daemon, store, tmp_path):
+    d = write_checkpoint(str(tmp_path / "m"))
+    upload(store, "ckpt", "r/m", d)
+    wd = with_roots(start_daemon, store, ["s3://ckpt/r"])
+    url = "s3://ckpt/r/m"
+    with wd.connect() as c:
+        first = c.call("load", path=url, device=0)
+        c.call("evict", set=first["set"])
+        # The second shard replaced by other bytes of the same layout.
+        other = write_checkpoint(str(tmp_path / "other"), seed=8)
+        store.put("ckpt", "r/m/model-00002-of-00002.safetensors",
+                  os.path.join(other, "model-00002-of-00002.safetensors"))
+        rep = c.call("load", path=url, device=0)  # the open checkpoint is found changed and opened again
+        att, fd = c.attach(path=url)
+        try:
+            mixed = Checkpoint(d)
+            new = Checkpoint(other)
+            table = {t["name"]: t for t in att["tensors"]}
+            m, _ = map_readonly(fd)
+            try:
+                for name in ("layers.1.w", "lm_head.weight"):
+                    src, b, e = new.tensor_bytes(name)
+                    t = table[name]
+                    assert m[t["offset"]:t["offset"] + e - b] == src[b:e], name
+                src, b, e = mixed.tensor_bytes("embed.weight")
+                assert m[table["embed.weight"]["offset"]:table["embed.weight"]["offset"] + e - b] == src[b:e]
+            finally:
+                m.close()
+        finally:
+            os.close(fd)
+    assert "changed since it was opened" in wd.log_text() or "reopening" in wd.log_text(), wd.log_tail(40)
