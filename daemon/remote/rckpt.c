@@ -205,13 +205,13 @@ int rck_open(const struct rck_target *t, const char *url_text, struct rck **out,
     if (slash) *slash = '\0';
     else r->url.key[0] = '\0';
   }
-  if (layout == CKPT_INDEX) { /* an index, else model.safetensors */
+  if (layout == CKPT_INDEX) { /* model.safetensors, else an index: the order local directories are read in */
     struct rf_object o = {0};
     struct wd_error e = {0};
-    int s = stat_member(r, "model.safetensors.index.json", &o, &e);
+    int s = stat_member(r, "model.safetensors", &o, &e);
     rf_object_clear(&o);
-    if (s == WEIGHTD_E_NOT_FOUND) layout = CKPT_SINGLE;
-    else if (s != 0) {
+    if (s == 0) layout = CKPT_SINGLE;
+    else if (s != WEIGHTD_E_NOT_FOUND) {
       *err = e;
       rc = s;
       free(file);

@@ -7,8 +7,8 @@
  *
  * What a URL names: a key or path ending in ".safetensors" is that one file
  * (the "file" layout); anything else is a directory: its
- * model.safetensors.index.json and the shards it names, else its
- * model.safetensors.
+ * model.safetensors, else its model.safetensors.index.json and the shards
+ * it names (the order ckpt_open reads a local directory in).
  *
  * Where requests go (struct rck_target): an http(s) URL goes to its host
  * and port, unsigned; an s3:// URL goes to the configured S3 endpoint (the

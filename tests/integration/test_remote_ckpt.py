@@ -122,6 +122,9 @@ def test_single_file_and_missing_objects(store, tmp_path):
             assert a.split()[:4] == ["ok", layout, "1", "3"], (url, a)
         assert p.ask("tensor s3://ckpt/single layers.0.w") == \
             f"ok {tensor_sha(d, 'model.safetensors', 'layers.0.w')}"
+        # Beside an index, model.safetensors is what is read, as in a local directory.
+        store.put("ckpt", "single/model.safetensors.index.json", b'{"weight_map": {"x": "missing.safetensors"}}')
+        assert p.ask("open s3://ckpt/single").split()[:4] == ["ok", "single", "1", "3"]
         # Nothing there: NOT_FOUND naming the URL, never a partial open.
         a = p.ask("open s3://ckpt/nothing-here")
         assert a.startswith("error NOT_FOUND "), a
