@@ -88,7 +88,7 @@ static void memcpy_task(void *arg, size_t i) {
   if (failed) return;
   uint64_t a = r->lo + (uint64_t)i * r->task;
   uint64_t b = a + r->task < r->hi ? a + r->task : r->hi;
-  struct ld_reader rd = {.src = r->src, .copy = memcpy};
+  struct ld_reader rd = {.src = r->src, .copy = memcpy, .cancel = &r->t->cancel};
   struct image_args g = {r->t->plan, a, b, r->dst + (a - r->lo), &rd};
   int rc = fault_call(image_range, &g);
   ld_count_reads(r->t, rd.counts);

@@ -94,6 +94,7 @@ int ld_reader_read(void *arg, const struct plan_read *rd) {
                        .dst = rd->dst,
                        .copy = r->copy,
                        .slack = rd->slack,
-                       .counts = r->counts};
+                       .counts = r->counts,
+                       .cancel = r->cancel};
   return ld_source_read(r->src, &rq, &r->err);
 }

@@ -48,6 +48,7 @@
 #ifndef WD_LD_SOURCE_H
 #define WD_LD_SOURCE_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -101,6 +102,8 @@ struct ld_read {
   bool slack;
   /* Per kind, bytes this caller read through leaf sources of that kind (the caller's own, not shared; may be NULL). */
   uint64_t *counts;
+  /* The load's cancel flag (NULL: none): a source that waits on the network stops waiting when it is set (CANCELED). */
+  const atomic_bool *cancel;
 };
 
 struct ld_source_ops {
@@ -168,6 +171,7 @@ void ld_source_close(struct ld_source *s);
 struct ld_reader {
   const struct ld_source *src;
   void *(*copy)(void *, const void *, size_t);
+  const atomic_bool *cancel; /* the load's (NULL: none) */
   uint64_t counts[LD_SOURCE_KINDS];
   struct wd_error err; /* the first read's error */
 };

@@ -31,10 +31,10 @@ static int remote_read(void *ctx, const struct ld_read *rq, struct wd_error *err
   int rc = ld_read_check(r->ck, rq, err);
   if (rc != 0) return rc;
   if (rq->height == 1 || rq->pitch == rq->width) {
-    rc = rck_read(r, rq->shard, rq->off, rq->width * rq->height, rq->dst, NULL, err);
+    rc = rck_read(r, rq->shard, rq->off, rq->width * rq->height, rq->dst, rq->cancel, err);
   } else if (rq->pitch - rq->width > rq->width || rq->pitch > REMOTE_BOUNCE) {
     for (uint64_t i = 0; i < rq->height && rc == 0; i++)
-      rc = rck_read(r, rq->shard, rq->off + i * rq->pitch, rq->width, rq->dst + i * rq->width, NULL, err);
+      rc = rck_read(r, rq->shard, rq->off + i * rq->pitch, rq->width, rq->dst + i * rq->width, rq->cancel, err);
   } else {
     uint64_t per = REMOTE_BOUNCE / rq->pitch; /* rows a bounce holds whole, >= 1 */
     uint64_t span = (per - 1) * rq->pitch + rq->width;
@@ -42,7 +42,7 @@ static int remote_read(void *ctx, const struct ld_read *rq, struct wd_error *err
     if (b == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory for a %llu-byte read", (unsigned long long)span);
     for (uint64_t i = 0; i < rq->height && rc == 0; i += per) {
       uint64_t k = rq->height - i < per ? rq->height - i : per;
-      rc = rck_read(r, rq->shard, rq->off + i * rq->pitch, (k - 1) * rq->pitch + rq->width, b, NULL, err);
+      rc = rck_read(r, rq->shard, rq->off + i * rq->pitch, (k - 1) * rq->pitch + rq->width, b, rq->cancel, err);
       for (uint64_t j = 0; j < k && rc == 0; j++) memcpy(rq->dst + (i + j) * rq->width, b + j * rq->pitch, rq->width);
     }
     free(b);

@@ -10,8 +10,10 @@ next load with STALE and the checkpoint is opened again.
 """
 import os
 import sys
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from wdclient import Checkpoint, WDError, map_readonly, verify_attached
 from wdfixtures import REPO, SLOW
@@ -22,6 +24,7 @@ from test_remote_ckpt import SIGNED, upload, write_checkpoint  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "tests", "remote"))
 import s3server  # noqa: E402
+from faultproxy import FaultProxy, Rule  # noqa: E402
 
 
 @pytest.fixture
@@ -30,11 +33,11 @@ def store(tmp_path):
         yield s3
 
 
-def with_roots(start_daemon, store, roots, settings=None):
+def with_roots(start_daemon, store, roots, settings=None, **kw):
     """A daemon whose remote roots are `roots` (through --set, as a flag would)."""
     env = dict(SIGNED, AWS_ENDPOINT_URL_S3=store.endpoint, AWS_EC2_METADATA_DISABLED="true",
                AWS_SHARED_CREDENTIALS_FILE="/nonexistent-wd-test", AWS_CONFIG_FILE="/nonexistent-wd-test")
-    d = start_daemon(settings=settings, env=env, extra_args=[a for r in roots for a in ("--remote-root", r)])
+    d = start_daemon(settings=settings, env=env, extra_args=[a for r in roots for a in ("--remote-root", r)], **kw)
     return d
 
 
@@ -53,7 +56,7 @@ def slab_bytes(c, **fields):
 def test_whole_checkpoint_from_s3_equals_the_files(start_daemon, store, model_root, tmp_path):
     d = write_checkpoint(os.path.join(model_root, "remote-" + tmp_path.name))
     upload(store, "ckpt", "org/m", d)
-    wd = with_roots(start_daemon, store, ["s3://ckpt/org"])
+    wd = with_roots(start_daemon, store, ["s3://ckpt/org"], metrics=True)
     url = "s3://ckpt/org/m"
     ck = Checkpoint(d)
     with wd.connect() as c:
@@ -69,9 +72,23 @@ def test_whole_checkpoint_from_s3_equals_the_files(start_daemon, store, model_ro
         (s,) = st["sets"]
         assert s["path"] == url and s["read_from"] == "remote", s
         (entry,) = [x for x in st["checkpoints"] if x["path"] == url]
+        assert entry["origin"] == "remote", entry
         # The same layout id as the local copy's.
         local = c.call("open", path=d)["checkpoint"]
         assert entry["layout_id"] == local["layout_id"], (entry, local)
+        assert local["origin"] == "files", local
+        # The engine's counters: at least the payload, the headers and the index were fetched; nothing in flight.
+        remote = st["daemon"]["remote"]
+        assert remote["roots"] == ["s3://ckpt/org"] and remote["credentials"] == "environment", remote
+        assert remote["bytes"] > ck.payload_bytes() and remote["in_flight"] == 0, remote
+        assert remote["responses"]["2xx"] > 0 and remote["responses"]["5xx"] == 0, remote
+        # The metrics say the same.
+        text = urllib.request.urlopen(f"http://{wd.metrics_address}/metrics", timeout=30).read().decode()
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        (b,) = fams["weightd_remote_bytes"].samples
+        assert b.value >= remote["bytes"], (b, remote)
+        by_source = {x.labels["source"]: x.value for x in fams["weightd_read_bytes"].samples}
+        assert by_source["remote"] == ck.payload_bytes(), by_source
     assert f"remote root s3://ckpt/org" in wd.log_text()
     assert "credentials from environment" in wd.log_text()
 
@@ -156,3 +173,73 @@ def test_object_replaced_after_open_is_stale_then_reopened(start_daemon, store, 
         finally:
             os.close(fd)
     assert "changed since it was opened" in wd.log_text() or "reopening" in wd.log_text(), wd.log_tail(40)
+
+
+# ---- faults: the fault proxy between the daemon and the store ---------------------------------------
+
+
+def proxied(start_daemon, store, proxy, roots, settings=None):
+    env = dict(SIGNED, AWS_ENDPOINT_URL_S3=proxy.url, AWS_EC2_METADATA_DISABLED="true",
+               AWS_SHARED_CREDENTIALS_FILE="/nonexistent-wd-test", AWS_CONFIG_FILE="/nonexistent-wd-test")
+    return start_daemon(settings=settings, env=env, extra_args=[a for r in roots for a in ("--remote-root", r)])
+
+
+def test_load_through_5xx_429_and_dropped_bodies_equals_the_local_rank(start_daemon, store, qwen3_tp):
+    upload(store, "ckpt", "faulty", qwen3_tp)
+    rules = [Rule("status", status=503, method="GET", path="model.safetensors", skip=3, times=2),
+             Rule("status", status=429, method="GET", path="model.safetensors", skip=6, times=1),
+             Rule("drop", after_bytes=1000, method="GET", path="model.safetensors", skip=8, times=2),
+             Rule("drop", after_bytes=0, reset=True, method="GET", path="model.safetensors", skip=12, times=1)]
+    with FaultProxy("127.0.0.1", store.port, rules) as proxy:
+        wd = proxied(start_daemon, store, proxy, ["s3://ckpt/faulty"], settings={"load_method": "staged"})
+        plan = {"preset": "auto", "tp_size": 2, "tp_rank": 1}
+        with wd.connect() as c:
+            lrep = c.call("load", path=qwen3_tp, device=0, plan=plan)
+            rrep = c.call("load", path="s3://ckpt/faulty", device=0, plan=plan)
+            assert sum(rrep["read_bytes"].values()) == sum(lrep["read_bytes"].values()), (lrep, rrep)
+            _, lb = slab_bytes(c, path=qwen3_tp, plan=plan)
+            _, rb = slab_bytes(c, path="s3://ckpt/faulty", plan=plan)
+            assert lb == rb, "bytes read through the faults differ from the local rank's"
+            remote = c.status()["daemon"]["remote"]
+        # Every rule fired, and each fault was tried again.
+        assert [r.applied for r in rules] == [2, 1, 2, 1], [(r, r.applied) for r in rules]
+        assert remote["retries"] >= 6, remote
+        assert remote["responses"]["5xx"] >= 2 and remote["responses"]["4xx"] >= 1, remote
+
+
+def test_object_replaced_mid_load_fails_the_load_naming_it(start_daemon, store, qwen3_tp, tmp_path):
+    upload(store, "ckpt", "swap", qwen3_tp)
+    other = str(tmp_path / "other.safetensors")
+    data = bytearray(open(os.path.join(qwen3_tp, "model.safetensors"), "rb").read())
+    data[-1] ^= 0xFF  # the same header, another last byte: another object
+    open(other, "wb").write(bytes(data))
+    replaced = []
+
+    def swap():
+        if not replaced:
+            store.put("ckpt", "swap/model.safetensors", other)
+            replaced.append(True)
+
+    rules = [Rule("replace", action=swap, method="GET", path="model.safetensors", skip=4, times=1)]
+    with FaultProxy("127.0.0.1", store.port, rules) as proxy:
+        wd = proxied(start_daemon, store, proxy, ["s3://ckpt/swap"], settings={"load_method": "staged"})
+        with wd.connect() as c:
+            with pytest.raises(WDError) as e:
+                c.call("load", path="s3://ckpt/swap", device=0)
+            assert e.value.code == "STALE", e.value.reply
+            assert "s3://ckpt/swap/model.safetensors" in e.value.message, e.value.message
+            assert not c.status()["sets"], "a load that failed left a set"
+            # The next load opens the new object and holds its bytes.
+            c.call("load", path="s3://ckpt/swap", device=0)
+            att, fd = c.attach(path="s3://ckpt/swap")
+            try:
+                m, _ = map_readonly(fd)
+                try:
+                    (t,) = [t for t in att["tensors"] if t["name"] == "lm_head.weight"]
+                    end = t["offset"] + 2 * t["shape"][0] * t["shape"][1]  # BF16
+                    assert m[end - 1] == data[-1], "the reopened checkpoint does not hold the new bytes"
+                finally:
+                    m.close()
+            finally:
+                os.close(fd)
+    assert replaced
