@@ -8,7 +8,9 @@ loaded from the local copy, with the in-place copy and the staged pipeline. URLs
 remote roots are refused before anything is fetched; an object replaced after the open fails the
 next load with STALE and the checkpoint is opened again.
 """
+import json
 import os
+import subprocess
 import sys
 import urllib.request
 
@@ -16,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from wdclient import Checkpoint, WDError, map_readonly, verify_attached
-from wdfixtures import REPO, SLOW
+from wdfixtures import REPO, SLOW, WEIGHTCTL
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_early_attach import qwen3_tp  # noqa: E402,F401  (a fixture: a Qwen3-shaped checkpoint, ~38 MiB)
@@ -243,3 +245,33 @@ def test_object_replaced_mid_load_fails_the_load_naming_it(start_daemon, store, 
             finally:
                 os.close(fd)
     assert replaced
+
+
+def test_every_op_and_weightctl_take_a_url(start_daemon, store, model_root, tmp_path):
+    d = write_checkpoint(os.path.join(model_root, "remote-" + tmp_path.name))
+    upload(store, "ckpt", "ops/m", d)
+    wd = with_roots(start_daemon, store, ["s3://ckpt/ops"])
+    url = "s3://ckpt/ops/m"
+    with wd.connect() as c:
+        ck = c.call("open", path=url)["checkpoint"]
+        assert ck["path"] == url and ck["origin"] == "remote" and ck["shards"] == 2, ck
+        # A remote checkpoint keeps nothing warm on the node (no node cache yet): prefetch says so.
+        with pytest.raises(WDError) as e:
+            c.call("prefetch", path=url, wait=True)
+        assert e.value.code == "UNSUPPORTED" and url in e.value.message, e.value.reply
+        c.call("close", path=url)
+        assert url not in [x["path"] for x in c.status()["checkpoints"]]
+    # weightctl sends the URL as it is (a path it would make absolute).
+    env = dict(os.environ, WEIGHTD_SOCKET=wd.socket)
+    r = subprocess.run([WEIGHTCTL, "--json", "load", url], capture_output=True, text=True, env=env,
+                       timeout=120 * SLOW)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(r.stdout.splitlines()[-1])
+    assert rep["read_from"] == "remote", rep
+    ck = Checkpoint(d)
+    with wd.connect() as c:
+        att, fd = c.attach(path=url)
+        try:
+            assert verify_attached(att, fd, ck) == ck.payload_bytes()
+        finally:
+            os.close(fd)
