@@ -275,3 +275,32 @@ def test_every_op_and_weightctl_take_a_url(start_daemon, store, model_root, tmp_
             assert verify_attached(att, fd, ck) == ck.payload_bytes()
         finally:
             os.close(fd)
+
+
+def test_https_endpoint_with_http2_and_its_ca(start_daemon, qwen3_tp, tmp_path):
+    with s3server.SeaweedS3(tmp_path / "seaweedfs-tls", tls=True, start_timeout=90 * SLOW) as tls:
+        upload(tls, "ckpt", "tls", qwen3_tp)
+        env = dict(SIGNED, AWS_ENDPOINT_URL_S3=tls.https_endpoint, AWS_EC2_METADATA_DISABLED="true",
+                   AWS_SHARED_CREDENTIALS_FILE="/nonexistent-wd-test", AWS_CONFIG_FILE="/nonexistent-wd-test")
+        plan = {"preset": "auto", "tp_size": 2, "tp_rank": 0}
+        # Without the test CA the server's certificate is refused, naming the URL.
+        wd = start_daemon(env=env, extra_args=["--remote-root", "s3://ckpt/tls"])
+        with wd.connect() as c:
+            with pytest.raises(WDError) as e:
+                c.call("load", path="s3://ckpt/tls", device=0, plan=plan)
+            assert "s3://ckpt/tls" in e.value.message and "certificate" in e.value.message, e.value.reply
+        wd.stop()
+        # With it: the rank over TLS, on HTTP/2, equal to the local rank.
+        wd = start_daemon(env=env, settings={"remote_ca_file": tls.ca_file},
+                          extra_args=["--remote-root", "s3://ckpt/tls"])
+        with wd.connect() as c:
+            lrep = c.call("load", path=qwen3_tp, device=0, plan=plan)
+            rrep = c.call("load", path="s3://ckpt/tls", device=0, plan=plan)
+            assert sum(rrep["read_bytes"].values()) == sum(lrep["read_bytes"].values())
+            _, lb = slab_bytes(c, path=qwen3_tp, plan=plan)
+            _, rb = slab_bytes(c, path="s3://ckpt/tls", plan=plan)
+            assert lb == rb
+            remote = c.status()["daemon"]["remote"]
+            # Every response came over HTTP/2 (the 404 of the absent manifest too).
+            answered = sum(v for k, v in remote["responses"].items() if k != "none")
+            assert remote["responses"]["2xx"] > 0 and remote["http2_responses"] == answered, remote
