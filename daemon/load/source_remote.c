@@ -24,6 +24,8 @@
 
 /* The span of rows a strided read fetches at once. */
 #define REMOTE_BOUNCE (8u << 20)
+/* Fill tasks are at least this long (struct ld_source.read_min), so each read has many parts in flight. */
+#define REMOTE_READ_MIN (64u << 20)
 
 static int remote_read(void *ctx, const struct ld_read *rq, struct wd_error *err) {
   const struct rck *r = ctx;
@@ -75,7 +77,7 @@ int ld_source_remote_open(struct rck *r, struct ld_source **out, struct wd_error
   *out = NULL;
   struct ld_source *s = calloc(1, sizeof *s);
   if (s == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
-  *s = (struct ld_source){.ops = &remote_ops, .ctx = r, .ck = r->ck, .align = 1};
+  *s = (struct ld_source){.ops = &remote_ops, .ctx = r, .ck = r->ck, .align = 1, .read_min = REMOTE_READ_MIN};
   snprintf(s->label, sizeof s->label, "%s", ld_source_kind_name(LD_SOURCE_REMOTE));
   *out = s;
   return 0;
