@@ -268,6 +268,14 @@ def test_every_op_and_weightctl_take_a_url(start_daemon, store, model_root, tmp_
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(r.stdout.splitlines()[-1])
     assert rep["read_from"] == "remote", rep
+    # prewarm: opened and loaded, never prefetched (nothing local to read ahead); again, the set is shared.
+    for _ in range(2):
+        r = subprocess.run([WEIGHTCTL, "--json", "prewarm", url], capture_output=True, text=True, env=env,
+                           timeout=120 * SLOW)
+        assert r.returncode == 0, r.stdout + r.stderr
+        pw = json.loads(r.stdout.splitlines()[-1])
+        assert pw["prefetched"] is False and pw["sets"][0]["set"] == rep["set"], pw
+        assert pw["sets"][0]["shared"] is True, pw
     ck = Checkpoint(d)
     with wd.connect() as c:
         att, fd = c.attach(path=url)
