@@ -78,6 +78,10 @@ static const struct cfg_key keys[] = {
      "(a load, prefetch or attach may then name a URL within one); read at start"},
     {"remote_ca_file", CFG_STRING, OFF(remote_ca_file), 0, 0, 0, "",
      "PEM file of the certificate authorities that https remote servers are verified with; empty = the system's"},
+    {"remote_bearer_token_files", CFG_PATH_LIST, OFF(remote_bearer_token_files), OFF(n_remote_bearer_token_files), 0,
+     0, NULL,
+     "entries ROOT=FILE: requests to the http(s) remote root ROOT carry 'Authorization: Bearer' with the token "
+     "FILE holds (one line; read at start)"},
     {"allowed_uids", CFG_ID_LIST, OFF(allowed_uids), OFF(n_allowed_uids), 0, UINT32_MAX, NULL,
      "peer uids allowed besides root and the daemon's uid; with allowed_gids both empty, "
      "anyone who can open the socket", .reload = true},

@@ -40,6 +40,8 @@ struct wd_config {
   char **remote_roots;  /* s3://BUCKET[/PREFIX], http(s)://HOST[:PORT][/PREFIX]: what may be fetched */
   size_t n_remote_roots;
   char *remote_ca_file; /* PEM bundle for https servers; "" = the system's */
+  char **remote_bearer_token_files; /* "ROOT=FILE": the bearer token of an http(s) root */
+  size_t n_remote_bearer_token_files;
   uint64_t *allowed_uids;
   size_t n_allowed_uids;
   uint64_t *allowed_gids;

@@ -101,6 +101,27 @@ static int s3_headers(void *arg, const char *method, const struct rf_endpoint *e
   return rc;
 }
 
+/* ---- a bearer token for http(s) URLs ------------------------------------------------------ */
+
+static int bearer_headers(void *arg, const char *method, const struct rf_endpoint *ep, const char *path,
+                          const char *query, char ***lines, size_t *n, struct wd_error *err) {
+  (void)method, (void)ep, (void)path, (void)query;
+  const struct rck *r = arg;
+  static const char prefix[] = "Authorization: Bearer ";
+  size_t len = sizeof prefix + strlen(r->bearer);
+  char **v = malloc(sizeof *v);
+  char *line = v != NULL ? malloc(len) : NULL;
+  if (line == NULL) {
+    free(v);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  snprintf(line, len, "%s%s", prefix, r->bearer);
+  v[0] = line;
+  *lines = v;
+  *n = 1;
+  return 0;
+}
+
 /* The caller's redirect policy (none: no redirect is followed). */
 static bool redirect_ok(void *arg, const struct rf_endpoint *to, const char *path) {
   const struct rck *r = arg;
@@ -189,6 +210,8 @@ int rck_open(const struct rck_target *t, const char *url_text, struct rck **out,
   r->auth.allow_redirect = redirect_ok;
   r->auth.arg = r;
   if (r->url.scheme == RURL_S3 && t->creds != NULL) r->auth.headers = s3_headers;
+  if (r->url.scheme != RURL_S3 && t->bearer_for != NULL && (r->bearer = t->bearer_for(t->allow_arg, &r->url)) != NULL)
+    r->auth.headers = bearer_headers;
 
   enum ckpt_layout layout = CKPT_INDEX;
   char *file = NULL;

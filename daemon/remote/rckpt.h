@@ -45,6 +45,12 @@ struct rck_target {
   bool s3_path_style;
   const char *s3_region;
   struct creds_provider *creds;
+  /*
+   * http(s) URLs: the bearer token requests for u carry ("Authorization:
+   * Bearer TOKEN", to u's own host only, never after a redirect), or NULL
+   * for none; the token outlives the checkpoint. NULL hook: none ever.
+   */
+  const char *(*bearer_for)(void *arg, const struct rurl *u);
   /* Whether a redirect may be followed (the remote roots' allow-list); NULL: none is. */
   bool (*allow_redirect)(void *arg, const struct rf_endpoint *to, const char *path);
   void *allow_arg;
@@ -67,6 +73,7 @@ struct rck {
   size_t nobjs;
   const struct rck_target *t; /* the caller's, outliving the checkpoint */
   struct rf_auth auth;
+  const char *bearer; /* http(s): the token its requests carry, or NULL (t's) */
 };
 
 /* Opens the checkpoint at url_text (see above): 0 with *out, or an error naming the URL and the file. */

@@ -16,7 +16,8 @@
  * Credentials: for s3:// roots, the chain as the AWS tools find it, decided
  * once at creation from the daemon's environment and files; where no
  * source is configured, s3:// requests go unsigned (a public bucket), which
- * is logged. http(s):// roots are fetched unsigned.
+ * is logged. http(s):// roots are fetched unsigned, or with a bearer token
+ * read from a file (struct rroots_opts).
  *
  * Threads: created and freed on the loop thread (at start); the target and
  * rroots_allows are read from any thread afterwards (immutable; the client
@@ -34,14 +35,28 @@
 
 struct rroots;
 
+struct rroots_opts {
+  const char *const *urls; /* each s3://BUCKET[/PREFIX] or http(s)://HOST[:PORT][/PREFIX] */
+  size_t n;
+  const char *ca_file; /* PEM bundle https servers are verified with; NULL: the system's */
+  /*
+   * Entries "ROOT=FILE": requests for URLs within the http(s) root ROOT
+   * (one of urls) carry "Authorization: Bearer TOKEN", TOKEN the one line
+   * FILE holds (read here, once). A URL within several such roots gets the
+   * token of the longest. Never sent to a redirect's target, never logged.
+   */
+  const char *const *token_files;
+  size_t ntoken_files;
+};
+
 /*
- * Parses urls[0..n) (each s3://BUCKET[/PREFIX] or http(s)://HOST[:PORT][/PREFIX])
- * and starts what fetching needs; ca_file (NULL: the system's) verifies
- * https servers. 0 with *out; INVALID naming the entry that is not a URL
- * or names a query; the credential chain's error for a partial or
+ * Parses the roots and starts what fetching needs. 0 with *out; INVALID
+ * naming the entry that is not a URL, a token entry that names no http(s)
+ * root, or a token file that is missing, empty or not one printable line
+ * (never quoting it); the credential chain's error for a partial or
  * malformed AWS configuration; IO when the client cannot start.
  */
-int rroots_create(const char *const *urls, size_t n, const char *ca_file, struct rroots **out, struct wd_error *err);
+int rroots_create(const struct rroots_opts *o, struct rroots **out, struct wd_error *err);
 
 /* True when u lies within one of the roots. */
 bool rroots_allows(const struct rroots *rr, const struct rurl *u);
@@ -52,6 +67,8 @@ const struct rck_target *rroots_target(const struct rroots *rr);
 /* The roots as configured, for status and the log: n of them, each formatted. */
 size_t rroots_count(const struct rroots *rr);
 const char *rroots_text(const struct rroots *rr, size_t i);
+/* Whether requests within root i carry a bearer token. */
+bool rroots_has_token(const struct rroots *rr, size_t i);
 /* Where s3:// credentials come from ("environment", ...), or "none (unsigned)". */
 const char *rroots_creds_source(const struct rroots *rr);
 /* The range-GET client, for its counters (status, metrics). */

@@ -350,12 +350,20 @@ int startup_state(struct daemon *d, struct wd_error *err) {
 /* The remote roots, read once at start (remote/rroots.h); none configured: nothing is fetched. */
 static int remote_start(struct daemon *d, struct wd_error *err) {
   size_t n = d->cfg.n_remote_roots;
+  if (n == 0 && d->cfg.n_remote_bearer_token_files > 0)
+    return err_set(err, WEIGHTD_E_INVALID, "remote_bearer_token_files names roots, but no remote_roots are configured");
   if (n == 0) return 0;
-  const char *ca = d->cfg.remote_ca_file[0] != '\0' ? d->cfg.remote_ca_file : NULL;
-  int rc = rroots_create((const char *const *)d->cfg.remote_roots, n, ca, &d->remote, err);
+  struct rroots_opts o = {.urls = (const char *const *)d->cfg.remote_roots,
+                           .n = n,
+                           .ca_file = d->cfg.remote_ca_file[0] != '\0' ? d->cfg.remote_ca_file : NULL,
+                           .token_files = (const char *const *)d->cfg.remote_bearer_token_files,
+                           .ntoken_files = d->cfg.n_remote_bearer_token_files};
+  int rc = rroots_create(&o, &d->remote, err);
   if (rc != 0) return rc;
   reg_remote_set(d->reg, d->remote);
-  for (size_t i = 0; i < n; i++) log_msg(LOG_INFO, "remote root %s", rroots_text(d->remote, i));
+  for (size_t i = 0; i < n; i++)
+    log_msg(LOG_INFO, "remote root %s%s", rroots_text(d->remote, i),
+            rroots_has_token(d->remote, i) ? " (requests carry its bearer token)" : "");
   log_msg(LOG_INFO, "remote roots: s3:// credentials from %s", rroots_creds_source(d->remote));
   return 0;
 }

@@ -12,13 +12,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from wdclient import Checkpoint, WDError, map_readonly, verify_attached
-from wdfixtures import REPO, SLOW, WEIGHTCTL
+from wdfixtures import REPO, SLOW, WEIGHTCTL, WEIGHTD
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_early_attach import qwen3_tp  # noqa: E402,F401  (a fixture: a Qwen3-shaped checkpoint, ~38 MiB)
@@ -312,3 +313,71 @@ def test_https_endpoint_with_http2_and_its_ca(start_daemon, qwen3_tp, tmp_path):
             # Every response came over HTTP/2 (the 404 of the absent manifest too).
             answered = sum(v for k, v in remote["responses"].items() if k != "none")
             assert remote["responses"]["2xx"] > 0 and remote["http2_responses"] == answered, remote
+
+
+# ---- http(s) roots with a bearer token ---------------------------------------------------------
+
+
+def test_http_root_with_a_bearer_token(start_daemon, qwen3_tp, tmp_path):
+    token = "wd-test-" + os.urandom(12).hex()
+    tok = tmp_path / "token"
+    tok.write_text(token + "\n")
+    with s3server.SeaweedS3(tmp_path / "s3-public", anonymous_read=["public"], start_timeout=90 * SLOW) as s3:
+        upload(s3, "public", "m", qwen3_tp)
+        gate = Rule("require_bearer", token=token, times=None)
+        with FaultProxy("127.0.0.1", s3.port, [gate]) as proxy:
+            root = f"{proxy.url}/public"
+            url = f"{root}/m"
+            plan = {"preset": "auto", "tp_size": 2, "tp_rank": 1}
+            # Without the token: the server's 401, naming the URL.
+            wd = start_daemon(extra_args=["--remote-root", root])
+            with wd.connect() as c:
+                with pytest.raises(WDError) as e:
+                    c.call("load", path=url, device=0, plan=plan)
+                assert "401" in e.value.message and url in e.value.message, e.value.reply
+            wd.stop()
+            # With it: every request carries it, and the rank equals the local one.
+            wd = start_daemon(settings={"remote_bearer_token_files": f"{root}={tok}"}, extra_args=["--remote-root", root])
+            asked = len(proxy.log())
+            with wd.connect() as c:
+                lrep = c.call("load", path=qwen3_tp, device=0, plan=plan)
+                rrep = c.call("load", path=url, device=0, plan=plan)
+                assert sum(rrep["read_bytes"].values()) == sum(lrep["read_bytes"].values())
+                _, lb = slab_bytes(c, path=qwen3_tp, plan=plan)
+                _, rb = slab_bytes(c, path=url, plan=plan)
+                assert lb == rb
+                st = json.dumps(c.status())
+            seen = proxy.log()[asked:]
+            assert seen and all(e["headers"].get("authorization") == f"Bearer {token}" for e in seen), seen[:3]
+            assert all(e["status"] != 401 for e in seen)
+            # The secret is in no log line and no status.
+            assert token not in wd.log_text() and token not in st
+            assert "requests carry its bearer token" in wd.log_text()
+
+
+def test_bad_remote_configuration_refuses_to_start(workdir, model_root, tmp_path):
+    secret = "wd-secret-" + os.urandom(8).hex()
+    spaced = tmp_path / "spaced"
+    spaced.write_text(f"{secret} more\n")
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    cases = [
+        (["--remote-root", "ftp://host/x"], "remote root"),
+        (["--remote-root", "s3://b/x?versionId=1"], "remote root"),
+        (["--remote-root", "https://h.example/m", "--set", "remote_bearer_token_files=https://other.example/m=/x"],
+         "is not one of the http(s) remote roots"),
+        (["--remote-root", "https://h.example/m", "--set", f"remote_bearer_token_files=https://h.example/m={spaced}"],
+         "must be one line of printable ASCII"),
+        (["--remote-root", "https://h.example/m", "--set", f"remote_bearer_token_files=https://h.example/m={empty}"],
+         "is empty"),
+        (["--remote-root", "https://h.example/m", "--set",
+          f"remote_bearer_token_files=https://h.example/m={tmp_path / 'missing'}"], "missing"),
+        (["--set", f"remote_bearer_token_files=https://h.example/m={spaced}"], "no remote_roots are configured"),
+    ]
+    for args, msg in cases:
+        sock = os.path.join(tempfile.mkdtemp(prefix="rr-", dir=workdir), "s.sock")
+        r = subprocess.run([WEIGHTD, "--foreground", "--backend", "host", "--socket", sock, "--model-root", model_root,
+                            "--set", "metrics_address=", *args], stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=30 * SLOW, env=dict(os.environ, AWS_EC2_METADATA_DISABLED="true"))
+        assert r.returncode != 0 and msg in r.stderr, (args, r.returncode, r.stderr)
+        assert secret not in r.stderr, r.stderr

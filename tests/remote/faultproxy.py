@@ -20,6 +20,10 @@ connections on both sides. Rules (Rule) change what happens to the requests they
     Rule("drop_request_headers", names=[...])    relay without these request headers
     Rule("set_request_headers", headers={...})   relay with these request headers set (replaced)
     Rule("pad_body", extra=N)                    relay with N more body bytes than the server sent
+    Rule("require_bearer", token=T)              answer 401 unless the request carries
+                                                 "Authorization: Bearer T"; relay it without that
+                                                 header (an artifact server's gate before a public
+                                                 bucket); give times=None to gate every request
 
 Each rule matches a method and a substring of the path (None: any), lets the first `skip` matching
 requests pass untouched, then applies to the next `times` (None: all) of them. The first rule in
@@ -45,7 +49,7 @@ S3_CODES = {403: "AccessDenied", 404: "NoSuchKey", 412: "PreconditionFailed", 42
 
 class Rule:
     ACTIONS = ("drop", "status", "stall", "replace", "redirect", "strip_response_headers", "drop_request_headers",
-               "set_request_headers", "pad_body")
+               "set_request_headers", "pad_body", "require_bearer")
 
     def __init__(self, kind, path=None, method=None, skip=0, times=1, **params):
         if kind not in self.ACTIONS:
@@ -237,6 +241,13 @@ class FaultProxy:
         if kind == "replace":
             p["action"]()
         headers = req["headers"]
+        if kind == "require_bearer":
+            auth = [v for k, v in headers if k.lower() == "authorization"]
+            if auth != [f"Bearer {p['token']}"]:
+                self._record(req, 401, rule)
+                self._send(conn, 401, "Unauthorized", [("WWW-Authenticate", "Bearer")], b"no valid bearer token", req)
+                return upstream, True
+            headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
         if kind == "drop_request_headers":
             drop = {n.lower() for n in p["names"]}
             headers = [(k, v) for k, v in headers if k.lower() not in drop]
