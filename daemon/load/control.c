@@ -87,7 +87,9 @@ int ld_fault_error(const struct ld_target *t, uint64_t off, struct wd_error *err
                  "%s: tensor '%s': the shard was truncated or became unreadable while it was read", shard, name);
 }
 
-void ld_count_reads(struct ld_target *t, const uint64_t *counts) {
+void ld_count_reads(struct ld_target *t, const struct ld_reader *rd) {
   for (int k = 0; k < LD_SOURCE_KINDS; k++)
-    if (counts[k] != 0) atomic_fetch_add(&t->source_bytes[k], counts[k]);
+    if (rd->counts[k] != 0) atomic_fetch_add(&t->source_bytes[k], rd->counts[k]);
+  if (rd->checks[0] != 0) atomic_fetch_add(&t->source_checked, rd->checks[0]);
+  if (rd->checks[1] != 0) atomic_fetch_add(&t->source_mismatches, rd->checks[1]);
 }

@@ -115,8 +115,8 @@ uint64_t ld_task_bytes(const struct loader *ld, uint64_t window, const struct ld
 /* A FAULT error naming the tensor at slab offset off (a shard truncated while it was read). */
 int ld_fault_error(const struct ld_target *t, uint64_t off, struct wd_error *err);
 
-/* Adds a fill task's per-kind read counts to the target's. */
-void ld_count_reads(struct ld_target *t, const uint64_t *counts);
+/* Adds a fill task's per-kind read counts, and the manifest chunks its source checked, to the target's. */
+void ld_count_reads(struct ld_target *t, const struct ld_reader *rd);
 
 /* ---- verify.c ------------------------------------------------------------------------ */
 

@@ -91,7 +91,7 @@ static void memcpy_task(void *arg, size_t i) {
   struct ld_reader rd = {.src = r->src, .copy = memcpy, .cancel = &r->t->cancel};
   struct image_args g = {r->t->plan, a, b, r->dst + (a - r->lo), &rd};
   int rc = fault_call(image_range, &g);
-  ld_count_reads(r->t, rd.counts);
+  ld_count_reads(r->t, &rd);
   if (rc != 0) {
     struct wd_error err = rd.err;
     if (rc == WEIGHTD_E_FAULT) {
@@ -234,8 +234,9 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   atomic_store(&t->reading_device, -1);
   t->method = LD_METHOD_MEMCPY;
   t->verified_chunks = t->verify_mismatches = 0;
+  atomic_store(&t->source_checked, 0);
+  atomic_store(&t->source_mismatches, 0);
   bool verify = ld->verify && t->ck->manifest != NULL;
-  t->hold_ready = verify;
   for (int k = 0; k < LD_SOURCE_KINDS; k++) atomic_store(&t->source_bytes[k], 0);
   if (t->slab == NULL) { /* else a load run again: it refills the slab that clients may map already */
     double t0 = clock_s();
@@ -256,6 +257,9 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
     opened_close(&o); /* what open_source opened before it failed */
     return rc;
   }
+  /* A remote source checks every chunk against the manifest as it fetches it: nothing to check again after. */
+  if (src->ops->kind == LD_SOURCE_REMOTE) verify = false;
+  t->hold_ready = verify;
   snprintf(t->source, sizeof t->source, "%s", src->label);
   t->source_kind = src->ops->kind;
   atomic_store(&t->reading_kind, (int)src->ops->kind);
@@ -281,6 +285,8 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   if (rc == 0) atomic_store(&t->bytes_done, t->plan->slab_bytes);
   /* verify on_load: the files hold what the manifest names (a host source's bytes: not after a replica). */
   if (rc == 0 && verify && t->method != LD_METHOD_PEER) rc = ld_verify(ld, t, src, err);
+  t->verified_chunks += atomic_load(&t->source_checked);
+  t->verify_mismatches += atomic_load(&t->source_mismatches);
   /* A shard rewritten while we copied (or verified) would have given a mix of old and new bytes. */
   if (rc == 0) rc = ld_source_unchanged(src, err);
   if (rc == 0) ld_publish_final(t);

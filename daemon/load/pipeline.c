@@ -328,7 +328,7 @@ static void staged_task(void *arg, size_t i) {
     struct ld_reader rd = {.src = r->src, .copy = r->copy, .cancel = &r->t->cancel};
     struct fill_args a = {r, w, lo, hi, (unsigned char *)l->link->slots[k] + lo, &rd};
     int rc = fault_call(fill_range, &a);
-    ld_count_reads(r->t, rd.counts);
+    ld_count_reads(r->t, &rd);
     if (rc != 0) {
       /* The first transfer of the window that overlaps the range names the tensor. */
       uint64_t off = r->sched->xfers[win->first].dst;

@@ -95,6 +95,7 @@ int ld_reader_read(void *arg, const struct plan_read *rd) {
                        .copy = r->copy,
                        .slack = rd->slack,
                        .counts = r->counts,
-                       .cancel = r->cancel};
+                       .cancel = r->cancel,
+                       .checks = r->checks};
   return ld_source_read(r->src, &rq, &r->err);
 }

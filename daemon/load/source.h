@@ -31,7 +31,10 @@
  *              hands the range to the next that holds it.
  *   remote     a checkpoint in an object store or behind an HTTP server
  *              (source_remote.c over remote/rckpt.h): range GETs straight
- *              into the destination, many in flight; it does not map, so
+ *              into the destination, many in flight; with a manifest, every
+ *              range is fetched as whole manifest chunks and each checked
+ *              before a byte of it is used (a mismatch is fetched once more,
+ *              then BAD_CHECKSUM); it does not map, so
  *              loads from it are staged (or copied in place on the host
  *              backend), never direct DMA or pinned. Opened with the
  *              checkpoint, as mmap is for files.
@@ -104,6 +107,8 @@ struct ld_read {
   uint64_t *counts;
   /* The load's cancel flag (NULL: none): a source that waits on the network stops waiting when it is set (CANCELED). */
   const atomic_bool *cancel;
+  /* Manifest chunks a source checked as it read ([0]) and of them those that differed first ([1]); the caller's own, may be NULL. */
+  uint64_t *checks;
 };
 
 struct ld_source_ops {
@@ -172,6 +177,7 @@ struct ld_reader {
   const struct ld_source *src;
   void *(*copy)(void *, const void *, size_t);
   const atomic_bool *cancel; /* the load's (NULL: none) */
+  uint64_t checks[2];        /* manifest chunks checked as they were read, and mismatches (struct ld_read) */
   uint64_t counts[LD_SOURCE_KINDS];
   struct wd_error err; /* the first read's error */
 };

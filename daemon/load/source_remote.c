@@ -10,6 +10,16 @@
  * between rows is more than their width the rows are fetched one by one
  * instead, so a read never fetches more than twice its bytes.
  *
+ * With a manifest (weightd.manifest.json beside the index, validated at
+ * open), every read is fetched as the whole manifest chunks it touches and
+ * each chunk's digest is checked before a byte of it is copied out: the
+ * bytes a load keeps are the manifest's, whatever the network or the store
+ * did. A chunk that differs is logged and fetched once more; if it differs
+ * again the read fails with BAD_CHECKSUM naming the URL, the file and the
+ * bytes. The price is the chunks' edges (at most a chunk on each side of a
+ * read, and per row of a column slice whose rows are more than a chunk
+ * apart) and one XXH3 pass over them.
+ *
  * DESIGN (threads): fill threads call read and unchanged at once; the
  * checkpoint and its objects are immutable after open and the range-GET
  * client guards its own state. A bounce buffer is the calling read's own.
@@ -20,18 +30,96 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "base/log.h"
+#include "manifest.h"
 #include "remote/rckpt.h"
 
 /* The span of rows a strided read fetches at once. */
 #define REMOTE_BOUNCE (8u << 20)
+/* A checked read fetches at most this many manifest chunks at once (its buffer). */
+#define REMOTE_CHECK_CHUNKS 4
 /* Fill tasks are at least this long (struct ld_source.read_min), so each read has many parts in flight. */
 #define REMOTE_READ_MIN (64u << 20)
+
+/* ---- reads checked against the manifest ----------------------------------------------------- */
+
+/* Chunks [c, c + k) of the shard, fetched into buf and each checked; fetched once more when one differs. */
+static int fetch_checked(const struct rck *r, const struct ld_read *rq, uint64_t c, uint64_t k, unsigned char *buf,
+                         struct wd_error *err) {
+  const struct mf_file *f = &r->ck->manifest->files[rq->shard];
+  uint64_t size = r->ck->shards[rq->shard].size;
+  uint64_t lo = c * MF_CHUNK_BYTES, hi = (c + k) * MF_CHUNK_BYTES < size ? (c + k) * MF_CHUNK_BYTES : size;
+  for (int attempt = 0;; attempt++) {
+    int rc = rck_read(r, rq->shard, lo, hi - lo, buf, rq->cancel, err);
+    if (rc != 0) return rc;
+    uint64_t bad = UINT64_MAX;
+    for (uint64_t j = c; j < c + k && bad == UINT64_MAX; j++) {
+      uint64_t a = j * MF_CHUNK_BYTES, b = a + MF_CHUNK_BYTES < size ? a + MF_CHUNK_BYTES : size;
+      unsigned char d[MF_DIGEST_BYTES];
+      mf_digest(buf + (a - lo), (size_t)(b - a), d);
+      if (memcmp(d, f->chunks[j], MF_DIGEST_BYTES) != 0) bad = j;
+    }
+    if (rq->checks != NULL) rq->checks[0] += bad == UINT64_MAX || attempt > 0 ? k : 0;
+    if (bad == UINT64_MAX) return 0;
+    if (rq->checks != NULL && attempt == 0) rq->checks[1]++;
+    uint64_t a = bad * MF_CHUNK_BYTES, b = a + MF_CHUNK_BYTES < size ? a + MF_CHUNK_BYTES : size;
+    if (attempt > 0)
+      return err_set(err, WEIGHTD_E_BAD_CHECKSUM,
+                     "%s: %s: bytes %llu-%llu (manifest chunk %llu) differ from %s, fetched twice", r->name,
+                     r->ck->shards[rq->shard].rel, (unsigned long long)a, (unsigned long long)(b - 1),
+                     (unsigned long long)bad, MF_FILE_NAME);
+    log_msg(LOG_WARN, "%s: %s: bytes %llu-%llu (manifest chunk %llu) differ from %s: fetching them again", r->name,
+            r->ck->shards[rq->shard].rel, (unsigned long long)a, (unsigned long long)(b - 1), (unsigned long long)bad,
+            MF_FILE_NAME);
+  }
+}
+
+/*
+ * rq read as whole manifest chunks, REMOTE_CHECK_CHUNKS at a time, each
+ * checked before its bytes are copied out: all the chunks of the span when
+ * rows are at most a chunk apart, else only those each row touches.
+ */
+static int read_checked(const struct rck *r, const struct ld_read *rq, struct wd_error *err) {
+  unsigned char *buf = malloc((size_t)(REMOTE_CHECK_CHUNKS * MF_CHUNK_BYTES));
+  if (buf == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory for a checked read");
+  uint64_t span_end = rq->off + (rq->height - 1) * rq->pitch + rq->width;
+  uint64_t have = UINT64_MAX, have_k = 0; /* the chunks in buf: [have, have + have_k) */
+  int rc = 0;
+  for (uint64_t i = 0; i < rq->height && rc == 0; i++) {
+    uint64_t lo = rq->off + i * rq->pitch, hi = lo + rq->width;
+    while (lo < hi && rc == 0) {
+      uint64_t c = lo / MF_CHUNK_BYTES;
+      if (have == UINT64_MAX || c < have || c >= have + have_k) {
+        uint64_t until = rq->height == 1 || rq->pitch <= MF_CHUNK_BYTES ? span_end : hi; /* the chunks still needed */
+        uint64_t k = (until - 1) / MF_CHUNK_BYTES - c + 1;
+        if (k > REMOTE_CHECK_CHUNKS) k = REMOTE_CHECK_CHUNKS;
+        have = UINT64_MAX;
+        if ((rc = fetch_checked(r, rq, c, k, buf, err)) != 0) break;
+        have = c;
+        have_k = k;
+      }
+      uint64_t end = (have + have_k) * MF_CHUNK_BYTES < hi ? (have + have_k) * MF_CHUNK_BYTES : hi;
+      memcpy(rq->dst + i * rq->width + (lo - (rq->off + i * rq->pitch)), buf + (lo - have * MF_CHUNK_BYTES),
+             (size_t)(end - lo));
+      lo = end;
+    }
+  }
+  free(buf);
+  return rc;
+}
+
+/* ---- reads ---------------------------------------------------------------------------------- */
 
 static int remote_read(void *ctx, const struct ld_read *rq, struct wd_error *err) {
   const struct rck *r = ctx;
   if (rq->height == 0 || rq->width == 0) return 0;
   int rc = ld_read_check(r->ck, rq, err);
   if (rc != 0) return rc;
+  if (r->ck->manifest != NULL) {
+    rc = read_checked(r, rq, err);
+    if (rc == 0 && rq->counts != NULL) rq->counts[LD_SOURCE_REMOTE] += rq->width * rq->height;
+    return rc;
+  }
   if (rq->height == 1 || rq->pitch == rq->width) {
     rc = rck_read(r, rq->shard, rq->off, rq->width * rq->height, rq->dst, rq->cancel, err);
   } else if (rq->pitch - rq->width > rq->width || rq->pitch > REMOTE_BOUNCE) {

@@ -107,8 +107,9 @@ struct ld_target {
   size_t nshares;       /* method striped: the links that moved the bytes, the target's first */
   struct ld_share shares[LD_MAX_LINKS];
   bool hold_ready;            /* the watermark stays at 0 until the whole slab is published (verify on_load) */
-  uint64_t verified_chunks;   /* verify on_load: manifest chunks checked (0: none) */
+  uint64_t verified_chunks;   /* manifest chunks checked, by verify on_load or a remote source as it read (0: none) */
   uint64_t verify_mismatches; /* of them, those whose digest differed */
+  atomic_uint_fast64_t source_checked, source_mismatches; /* what the source checked as it read (fill threads) */
 };
 
 #endif

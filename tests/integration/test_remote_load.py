@@ -184,7 +184,8 @@ def test_object_replaced_after_open_is_stale_then_reopened(start_daemon, store, 
 def proxied(start_daemon, store, proxy, roots, settings=None):
     env = dict(SIGNED, AWS_ENDPOINT_URL_S3=proxy.url, AWS_EC2_METADATA_DISABLED="true",
                AWS_SHARED_CREDENTIALS_FILE="/nonexistent-wd-test", AWS_CONFIG_FILE="/nonexistent-wd-test")
-    return start_daemon(settings=settings, env=env, extra_args=[a for r in roots for a in ("--remote-root", r)])
+    return start_daemon(settings=settings, env=env, extra_args=[a for r in roots for a in ("--remote-root", r)],
+                        metrics=True)
 
 
 def test_load_through_5xx_429_and_dropped_bodies_equals_the_local_rank(start_daemon, store, qwen3_tp):
@@ -381,3 +382,52 @@ def test_bad_remote_configuration_refuses_to_start(workdir, model_root, tmp_path
                            text=True, timeout=30 * SLOW, env=dict(os.environ, AWS_EC2_METADATA_DISABLED="true"))
         assert r.returncode != 0 and msg in r.stderr, (args, r.returncode, r.stderr)
         assert secret not in r.stderr, r.stderr
+
+
+# ---- ranges checked against the manifest ---------------------------------------------------------
+
+
+def test_corrupted_ranges_caught_by_the_manifest(start_daemon, store, qwen3_tp, tmp_path):
+    """A byte flipped in flight: with a manifest it is caught, fetched again, and the load holds the right
+    bytes (or fails naming the bytes when every fetch is corrupted); without one it would be kept."""
+    mf = str(tmp_path / "weightd.manifest.json")
+    r = subprocess.run([WEIGHTCTL, "manifest", qwen3_tp, "--out", mf], capture_output=True, text=True,
+                       timeout=120 * SLOW)
+    assert r.returncode == 0, r.stderr
+    upload(store, "ckpt", "plain", qwen3_tp)
+    upload(store, "ckpt", "checked", qwen3_tp)
+    store.put("ckpt", "checked/weightd.manifest.json", mf)
+    plan = {"preset": "auto", "tp_size": 2, "tp_rank": 0}
+    flip = Rule("flip", offset=12345, method="GET", path="model.safetensors", skip=3, times=1)
+    with FaultProxy("127.0.0.1", store.port, [flip]) as proxy:
+        wd = proxied(start_daemon, store, proxy, ["s3://ckpt"], settings={"load_method": "staged"})
+        with wd.connect() as c:
+            lrep = c.call("load", path=qwen3_tp, device=0, plan=plan)
+            _, lb = slab_bytes(c, path=qwen3_tp, plan=plan)
+            # Caught and fetched again: the right bytes, one mismatch counted.
+            rep = c.call("load", path="s3://ckpt/checked", device=0, plan=plan)
+            assert flip.applied == 1
+            ra, rb = slab_bytes(c, path="s3://ckpt/checked", plan=plan)
+            assert rb == lb, "a corrupted range was kept although the manifest names its digest"
+            assert sum(rep["read_bytes"].values()) == sum(lrep["read_bytes"].values())
+            (s,) = [x for x in c.status()["sets"] if x["set"] == rep["set"]]
+            text = urllib.request.urlopen(f"http://{wd.metrics_address}/metrics", timeout=30).read().decode()
+            fams = {f.name: f for f in text_string_to_metric_families(text)}
+            assert fams["weightd_verify_mismatches"].samples[0].value == 1, fams["weightd_verify_mismatches"]
+            assert fams["weightd_verified_chunks"].samples[0].value >= 2
+            assert "differ from weightd.manifest.json: fetching them again" in wd.log_text()
+            # Every fetch corrupted: the load fails naming the URL, the file and the bytes; nothing stays.
+            c.call("release", lease=ra["lease"])
+            c.call("evict", set=rep["set"])
+            proxy.set_rules([Rule("flip", offset=777, method="GET", path="model.safetensors", times=None)])
+            with pytest.raises(WDError) as e:
+                c.call("load", path="s3://ckpt/checked", device=0, plan=plan)
+            assert e.value.code == "BAD_CHECKSUM", e.value.reply
+            m = e.value.message
+            assert "s3://ckpt/checked" in m and "model.safetensors" in m and "fetched twice" in m, m
+            assert not [x for x in c.status()["sets"] if x["path"] == "s3://ckpt/checked"]
+            # Without a manifest nothing can tell: the flipped byte is kept (why a manifest should be published).
+            proxy.set_rules([Rule("flip", offset=5, method="GET", path="model.safetensors", skip=3, times=1)])
+            c.call("load", path="s3://ckpt/plain", device=0, plan=plan)
+            _, pb = slab_bytes(c, path="s3://ckpt/plain", plan=plan)
+            assert pb != lb

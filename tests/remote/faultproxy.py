@@ -20,6 +20,8 @@ connections on both sides. Rules (Rule) change what happens to the requests they
     Rule("drop_request_headers", names=[...])    relay without these request headers
     Rule("set_request_headers", headers={...})   relay with these request headers set (replaced)
     Rule("pad_body", extra=N)                    relay with N more body bytes than the server sent
+    Rule("flip", offset=N)                       relay with body byte N (of what the server sent)
+                                                 inverted: a corruption the transport did not catch
     Rule("require_bearer", token=T)              answer 401 unless the request carries
                                                  "Authorization: Bearer T"; relay it without that
                                                  header (an artifact server's gate before a public
@@ -49,7 +51,7 @@ S3_CODES = {403: "AccessDenied", 404: "NoSuchKey", 412: "PreconditionFailed", 42
 
 class Rule:
     ACTIONS = ("drop", "status", "stall", "replace", "redirect", "strip_response_headers", "drop_request_headers",
-               "set_request_headers", "pad_body", "require_bearer")
+               "set_request_headers", "pad_body", "require_bearer", "flip")
 
     def __init__(self, kind, path=None, method=None, skip=0, times=1, **params):
         if kind not in self.ACTIONS:
@@ -261,6 +263,9 @@ class FaultProxy:
         self._record(req, status, rule)
         if kind == "pad_body":
             body += b"\0" * p["extra"]
+        if kind == "flip" and len(body) > p.get("offset", 0):
+            n = p.get("offset", 0)
+            body = body[:n] + bytes([body[n] ^ 0xFF]) + body[n + 1:]
         if kind == "strip_response_headers":
             strip = {n.lower() for n in p["names"]}
             rheaders = [(k, v) for k, v in rheaders if k.lower() not in strip]
