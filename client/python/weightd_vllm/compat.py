@@ -21,7 +21,6 @@ loader calls, and a vLLM that passes them needs none.
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import logging
 import os
