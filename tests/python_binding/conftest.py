@@ -9,6 +9,7 @@ it to the build's), else build/libweightd.so.
 import json
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -30,6 +31,23 @@ import wdclient  # noqa: E402
 def ckpt_for_slow_load(ckpt_small):
     """A checkpoint whose load (650 MB) sends several progress events and takes about a second."""
     return ckpt_small
+
+
+@pytest.fixture
+def gated_daemon(start_daemon, workdir):
+    """A daemon whose loads wait at every window for a byte on a FIFO: (daemon, the FIFO's fd).
+
+    Writing a byte lets one window through; closing the fd opens the gate for good.
+    """
+    path = os.path.join(tempfile.mkdtemp(prefix="gate-", dir=workdir), "gate")
+    os.mkfifo(path)
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+    d = start_daemon({"test_load_gate": path})
+    yield d, fd
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 @pytest.fixture

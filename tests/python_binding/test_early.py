@@ -7,7 +7,6 @@ where a test needs one stopped there.
 """
 import os
 import signal
-import tempfile
 import threading
 
 import pytest
@@ -57,19 +56,6 @@ def test_early_attach_of_a_resident_set_is_ready(client, sharded_ckpt):
         assert s.state == "ready" and s.ready_bytes == s.nbytes
         s.wait("model.norm.weight", timeout=0)
         s.wait(timeout=0)
-
-
-@pytest.fixture
-def gated_daemon(start_daemon, workdir):
-    path = os.path.join(tempfile.mkdtemp(prefix="gate-", dir=workdir), "gate")
-    os.mkfifo(path)
-    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
-    d = start_daemon({"test_load_gate": path})
-    yield d, fd
-    try:
-        os.close(fd)
-    except OSError:
-        pass
 
 
 def test_another_clients_cancel_leaves_the_early_set_loading(gated_daemon, ckpt_small):

@@ -1,14 +1,19 @@
 """Errors as exceptions: one class per C code (checked against the header), the daemon's codes and messages."""
+import builtins
+import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 import weightd
-from conftest import REPO
+import wdclient
+from conftest import REPO, SLOW
 
 HEADER = os.path.join(REPO, "client", "include", "weightd.h")
 
@@ -37,6 +42,19 @@ def test_every_c_code_has_a_class():
         assert str(e) == f"{name}: detail"
         again = pickle.loads(pickle.dumps(e))
         assert type(again) is cls and again.message == "detail"
+    # TIMEOUT and PERMISSION also derive from the built-ins of their names; no other code does.
+    assert weightd.errors.BUILTIN_BASES == {"TIMEOUT": builtins.TimeoutError, "PERMISSION": builtins.PermissionError}
+    for name, cls in weightd.by_name.items():
+        builtin = weightd.errors.BUILTIN_BASES.get(name)
+        if builtin is None:
+            assert not issubclass(cls, OSError), name
+            continue
+        assert issubclass(cls, builtin) and cls.__name__ == builtin.__name__, name
+        e = cls("detail")
+        assert str(e) == f"{name}: detail" and e.message == "detail" and e.code == cls.code
+        again = pickle.loads(pickle.dumps(e))
+        assert type(again) is cls and isinstance(again, builtin) and again.message == "detail"
+    assert weightd.TimeoutError is not builtins.TimeoutError and weightd.PermissionError is not builtins.PermissionError
     unknown = weightd.error_from_code(-9999, "x")
     assert type(unknown) is weightd.Error and unknown.name == "UNKNOWN"
 
@@ -96,6 +114,91 @@ def test_daemon_errors_carry_code_and_message(client, daemon, tiny, outside_dir,
     with pytest.raises(weightd.BadRequestError, match="frobnicate"):
         client.request({"op": "frobnicate"})
     assert client.status()["daemon"]["pid"] == daemon.pid  # the handle survived every error
+
+
+def test_a_wait_past_its_timeout_is_caught_as_the_builtin_timeout_error(gated_daemon, ckpt_small):
+    """The gate holds the load: waiting 0.05 s for its first tensor expires, and `except TimeoutError` catches it.
+
+    (A Client's own timeout does not expire on a held load: the daemon's progress events restart it.)
+    """
+    d, gate = gated_daemon
+    with weightd.Client(d.socket) as c:
+        s = c.attach(ckpt_small, early=True)
+        try:
+            assert s.state == "loading"
+            first = min(s.infos(), key=lambda i: i.offset)
+            caught = None
+            try:
+                s.wait(first.name, timeout=0.05)
+            except builtins.TimeoutError as e:
+                caught = e
+            assert caught is not None, "the held load's first tensor came"
+            assert type(caught) is weightd.TimeoutError and isinstance(caught, weightd.Error)
+            assert caught.name == "TIMEOUT" and caught.code == -24 and "0.05" in caught.message, caught.message
+            os.close(gate)  # the gate opens: the same load finishes
+            s.wait(timeout=60 * SLOW)
+            assert s.state == "ready"
+        finally:
+            s.release()
+        assert c.status()["daemon"]["pid"] == d.pid  # the daemon and the handle still serve
+
+
+NOBODY = 65534
+
+
+def _attach_as_nobody(sock, set_id):
+    """In a forked child running as nobody: attach `set_id`; returns what the child's except clauses saw."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            out = {}
+            try:
+                with weightd.Client(sock) as c:
+                    c.attach(set_id=set_id).release()
+                out["caught"] = "nothing"
+            except builtins.PermissionError as e:
+                out.update(caught="PermissionError", weightd=isinstance(e, weightd.PermissionError),
+                           error=isinstance(e, weightd.Error), name=e.name, message=e.message)
+            except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test
+                out["caught"] = f"{type(e).__name__}: {e}"
+            os.write(w, json.dumps(out).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, data
+    return json.loads(data)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_an_attach_refused_for_permission_is_caught_as_the_builtin_permission_error(start_daemon):
+    """nobody attaches the set of a root-only checkpoint: `except PermissionError` catches the daemon's refusal."""
+    tree = tempfile.mkdtemp(prefix="wde-")
+    try:
+        os.chmod(tree, 0o755)
+        ck = os.path.join(tree, "private")
+        os.makedirs(ck)
+        wdclient.write_safetensors(os.path.join(ck, "model.safetensors"), [("w", "F32", [4, 4])], seed=3)
+        os.chmod(ck, 0o700)
+        d = start_daemon({"allowed_uids": str(NOBODY), "socket_mode": "0666"}, roots=[tree], public=True)
+        with weightd.Client(d.socket) as c:
+            sid = c.load(ck)
+        got = _attach_as_nobody(d.socket, sid)
+        assert got.get("caught") == "PermissionError", got
+        assert got["weightd"] and got["error"] and got["name"] == "PERMISSION", got
+        assert sid in got["message"] and ck in got["message"], got
+        wdclient.wait_until(lambda: d.status()["daemon"]["leases"] == 0, timeout=10 * SLOW, what="no leases")
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
 
 
 def _import_in_subprocess(env, code="import weightd"):

@@ -1,4 +1,5 @@
-"""The plugin's options, version check and registration, without vLLM (pure; subprocesses for imports)."""
+"""The plugin's options and registration, without vLLM (pure; subprocesses for imports; the interface
+check is test_interfaces.py)."""
 import json
 import os
 import subprocess
@@ -6,7 +7,7 @@ import sys
 
 import pytest
 
-from weightd_vllm import compat, options
+from weightd_vllm import options
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PKG = os.path.abspath(os.path.join(HERE, "..", "..", "client", "python"))
@@ -45,26 +46,6 @@ def test_the_table_is_the_documentation():
     doc = open(os.path.join(HERE, "..", "..", "docs", "vllm.md")).read()
     for k in options.KEYS:
         assert f"`{k.name}`" in doc, k.name
-
-
-@pytest.mark.parametrize("version", ["0.33.0", "0.33.1", "0.33.2rc1", "0.33.0+cu130", "v0.33.0"])
-def test_the_targeted_series_is_accepted(version):
-    assert compat.problem(version) is None
-
-
-@pytest.mark.parametrize("version", ["0.32.0", "0.34.0", "1.33.0", "", "dev"])
-def test_other_versions_are_refused_with_both_named(version):
-    why = compat.problem(version)
-    assert why and "0.33" in why and (version or "unknown") in why and compat.OVERRIDE_ENV in why
-
-
-def test_override(monkeypatch):
-    monkeypatch.delenv(compat.OVERRIDE_ENV, raising=False)
-    assert not compat.override()
-    monkeypatch.setenv(compat.OVERRIDE_ENV, "0")
-    assert not compat.override()
-    monkeypatch.setenv(compat.OVERRIDE_ENV, "1")
-    assert compat.override()
 
 
 def _run(code, **env):

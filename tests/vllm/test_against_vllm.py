@@ -138,6 +138,7 @@ def _labels(name):
 def test_vllm_finds_the_plugin(runs):
     c = runs[0]["w1r0"]["checks"]
     assert c["vllm_version"].startswith("0.33."), c
+    assert c["interface_problems"] == [] and c["interface_warning"] is None, c  # the live interface check
     assert c["entry_point"] == "weightd_vllm:register"
     assert c["registry"] == "WeightdModelLoader"
     assert c["cli_load_format"] == "weightd" and c["cli_loader"] == "WeightdModelLoader"

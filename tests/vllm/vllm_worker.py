@@ -81,7 +81,11 @@ def checks(spec):
     args = parser.parse_args(["--model", spec["cases"][0]["model"], "--load-format", "weightd",
                               "--model-loader-extra-config", json.dumps(extra)])
     lc = EngineArgs.from_cli_args(args).create_load_config()
+    from weightd_vllm import compat
+
+    a = compat.assessment()  # the check register() ran over this vLLM (live objects and installed files)
     return {"vllm_version": vllm.__version__, "torch_version": torch.__version__,
+            "interface_problems": [str(p) for p in a.problems], "interface_warning": a.warning,
             "entry_point": eps.get("weightd"),
             "registry": type(get_model_loader(LoadConfig(load_format="weightd"))).__name__,
             "cli_load_format": lc.load_format, "cli_extra": lc.model_loader_extra_config,

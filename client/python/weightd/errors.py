@@ -15,16 +15,30 @@ and which tensor)::
         client.load("/models/broken")
     except weightd.BadHeaderError as e:
         print(e.name, e.message)
+
+A code with a built-in counterpart (:data:`BUILTIN_BASES`) also subclasses
+that built-in, so ``except TimeoutError`` catches ``weightd.TimeoutError``
+and ``except PermissionError`` catches ``weightd.PermissionError``.
 """
 from __future__ import annotations
 
+import builtins
+
 from ._lib import lib
 
-__all__ = ["Error", "by_name", "by_code", "error_from_code"]
+__all__ = ["Error", "by_name", "by_code", "error_from_code", "BUILTIN_BASES"]
 
 # Codes are small positive numbers negated; the table has 30 today. Scanning a
 # wider range keeps codes added later (and any gap left by a retired one).
 _SCAN = 256
+
+#: Wire name -> the built-in exception its class also derives from. The
+#: generated class keeps the built-in's name, so a caller that catches the
+#: built-in catches weightd's too, and ``str(e)`` is still "NAME: detail".
+BUILTIN_BASES: dict[str, type[BaseException]] = {
+    "TIMEOUT": builtins.TimeoutError,
+    "PERMISSION": builtins.PermissionError,
+}
 
 
 class Error(Exception):
@@ -60,7 +74,8 @@ def _generate() -> tuple[dict[str, type[Error]], dict[int, type[Error]]]:
         wire = lib.weightd_err_name(-n).decode()
         if wire == "UNKNOWN":
             continue
-        cls = type(_class_name(wire), (Error,), {
+        bases = (Error, BUILTIN_BASES[wire]) if wire in BUILTIN_BASES else (Error,)
+        cls = type(_class_name(wire), bases, {
             "code": -n,
             "name": wire,
             "description": lib.weightd_strerror(-n).decode(),

@@ -10,9 +10,10 @@ This is a top-level package of its own, not ``weightd.vllm``: importing it
 without the library still starts vLLM, and ``--load-format weightd`` then
 falls back to vLLM's default loader with one warning that says why.
 
-Written against vLLM 0.33 (compat.py lists the interfaces used); the pure
-parts (ranks.py, names.py, options.py, checkpoint.py, core.py) import
-neither vLLM nor torch. docs/vllm.md is the user's guide.
+Runs on every vLLM whose interfaces it uses are unchanged (interfaces.py
+lists them, compat.py decides; tested with 0.33 and 0.34); the pure parts
+(ranks.py, names.py, options.py, checkpoint.py, core.py, interfaces.py)
+import neither vLLM nor torch. docs/vllm.md is the user's guide.
 """
 from __future__ import annotations
 
@@ -29,29 +30,36 @@ _registered = False
 
 
 def register() -> None:
-    """Registers the ``weightd`` load format with vLLM (idempotent; never raises).
+    """Checks vLLM's interfaces and registers the ``weightd`` load format (idempotent; never raises).
 
-    On a vLLM outside the targeted series the registered loader refuses at
-    construction with a message naming both versions, unless
-    ``WEIGHTD_VLLM_ANY_VERSION=1``. An exception here would stop every vLLM
-    start on the machine, even those not using weightd, so failures are
-    logged instead.
+    The check (compat.assessment, interfaces.NEEDS) runs here, once per
+    process. On a vLLM whose interfaces changed, the loader refuses at
+    construction (``--load-format weightd``) with a message naming each
+    changed interface; on an untested release that passes, it runs with one
+    warning. When the loader cannot even be imported (a class it derives
+    from moved), nothing is registered and the error logged here names what
+    changed. An exception here would stop every vLLM start on the machine,
+    even those not using weightd, so failures are logged instead.
     """
     global _registered
     if _registered:
         return
     try:
-        import vllm
         from vllm.model_executor.model_loader import register_model_loader
 
-        why = compat.problem(getattr(vllm, "__version__", ""))
-        if why and not compat.override():
-            from .loader import RefusingModelLoader as cls
-        else:
-            if why:
-                log.warning("%s (%s=1: trying anyway)", why, compat.OVERRIDE_ENV)
-            from .loader import WeightdModelLoader as cls
-        register_model_loader(LOAD_FORMAT)(cls)
-        _registered = True
+        from .loader import WeightdModelLoader
     except Exception as e:  # noqa: BLE001 - see the docstring
-        log.error("weightd: the vLLM load format could not be registered: %s: %s", type(e).__name__, e)
+        why = ""
+        try:
+            why = compat.assessment().error or ""
+        except Exception:  # noqa: BLE001 - the import error alone is then the message
+            pass
+        log.error("weightd: the vLLM load format could not be registered: %s: %s%s", type(e).__name__, e,
+                  f" ({why})" if why else "")
+        return
+    try:
+        compat.assessment()
+    except Exception as e:  # noqa: BLE001 - see the docstring; the loader's construction checks again
+        log.error("weightd: vLLM's interfaces could not be checked: %s: %s", type(e).__name__, e)
+    register_model_loader(LOAD_FORMAT)(WeightdModelLoader)
+    _registered = True

@@ -1,4 +1,4 @@
-"""``--load-format weightd``: vLLM 0.33's model loader over weightd (the glue; core.py decides).
+"""``--load-format weightd``: a vLLM model loader over weightd (the glue; core.py decides).
 
 Each worker builds its model as vLLM does (``BaseModelLoader.load_model``),
 then :meth:`WeightdModelLoader.load_weights` asks weightd for this rank's
@@ -143,6 +143,7 @@ class WeightdModelLoader(BaseModelLoader):
     """The model loader registered as ``weightd`` (``vllm serve MODEL --load-format weightd``)."""
 
     def __init__(self, load_config: LoadConfig):
+        compat.require(warn=logger.warning)  # refuses a vLLM whose interfaces changed, naming them
         super().__init__(load_config)
         self.options = options.parse(load_config.model_loader_extra_config)
         self.report: Optional[core.Report] = None
@@ -170,7 +171,7 @@ class WeightdModelLoader(BaseModelLoader):
         archs = list(getattr(model_config, "architectures", None) or [])
         if not any(a in VERIFIED_ARCHITECTURES for a in archs):
             raise ranks.Unservable(f"architecture {', '.join(archs) or '(none)'} is not one whose parameters were "
-                                   f"checked against vLLM {compat.TARGET_TEXT} "
+                                   f"checked against vLLM's own loader "
                                    f"({', '.join(sorted(VERIFIED_ARCHITECTURES))})")
         config = model_config.hf_config.to_dict()
         experts = ranks.num_experts(config)
@@ -246,18 +247,3 @@ class WeightdModelLoader(BaseModelLoader):
 
         self.report = core.load(target, serve_rank, fallback=opts.fallback, warn=logger.warning)
         logger.info("%s", self.report.summary())
-
-
-class RefusingModelLoader(BaseModelLoader):
-    """Registered instead of WeightdModelLoader on an untargeted vLLM: says why, at once."""
-
-    def __init__(self, load_config: LoadConfig):
-        import vllm
-
-        raise RuntimeError(compat.problem(getattr(vllm, "__version__", "")) or "weightd: unsupported vLLM")
-
-    def download_model(self, model_config: ModelConfig) -> None:  # pragma: no cover - never constructed
-        raise NotImplementedError
-
-    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:  # pragma: no cover
-        raise NotImplementedError

@@ -1,4 +1,4 @@
-"""weightd output names <-> vLLM 0.33 parameter names, and the checkpoint tensors a parameter is built from.
+"""weightd output names <-> vLLM parameter names (0.33 and 0.34), and the checkpoint tensors a parameter is built from.
 
 weightd's fused presets name their outputs as vLLM's layers name their
 parameters (docs/protocol.md, "Plans"): ``self_attn.qkv_proj.weight``,
@@ -8,7 +8,9 @@ the MoE layer: its experts live in a ``RoutedExperts`` module under the
 ``experts`` runner, so weightd's ``mlp.experts.w13_weight`` is vLLM's
 ``mlp.experts.routed_experts.w13_weight`` (and ``w2_``, and their
 ``_scale_inv`` block scales). The table below is that rule; the tests check
-it against the parameters a real vLLM 0.33 model has (tests/vllm).
+it against the parameters a real vLLM 0.33 model has (tests/vllm), and at
+start-up interfaces.py checks that the vLLM running still names them so
+(``MoERunner.routed_experts``, the models' ``packed_modules_mapping``).
 """
 from __future__ import annotations
 
