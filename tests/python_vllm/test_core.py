@@ -263,3 +263,14 @@ def test_whole_plan_is_served_byte_for_byte(client, models):
         assert sorted(s.names()) == pick
         for n in pick:
             assert raw(s[n]) == bytes(ck.raw(n))
+
+
+def test_urls_are_the_daemons_to_fetch():
+    """A checkpoint named by URL is passed to the daemon as it is; nothing here tries to read its files."""
+    for url in ("s3://bucket/models/qwen3", "S3://bucket/x", "https://host.example/ckpt", "http://h:8080/m"):
+        assert checkpoint.is_url(url), url
+    for path in ("/models/qwen3", "models/s3:/x", "s3:/bucket", "file:///models/x", ""):
+        assert not checkpoint.is_url(path), path
+    with pytest.raises(FileNotFoundError) as e:
+        checkpoint.tensor_table("s3://bucket/models/qwen3")
+    assert "no local files" in str(e.value)

@@ -19,7 +19,17 @@ SINGLE = "model.safetensors"
 HEADER_LIMIT = 100_000_000
 
 
+def is_url(path: str) -> bool:
+    """Whether `path` names a checkpoint by URL (s3://, http://, https://), which the daemon fetches from its
+    remote roots: there are no local files to read here."""
+    scheme, sep, _ = str(path).partition("://")
+    return bool(sep) and scheme.lower() in ("s3", "http", "https")
+
+
 def _files(path: str) -> list[str]:
+    if is_url(path):
+        raise FileNotFoundError(f"{path}: a checkpoint named by URL has no local files to read here (only the "
+                                f"daemon fetches it)")
     if os.path.isfile(path):
         return [path]
     if os.path.exists(os.path.join(path, SINGLE)):  # read first, as transformers and the daemon do

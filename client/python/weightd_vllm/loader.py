@@ -27,7 +27,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from . import compat, core, options, ranks
+from . import checkpoint, compat, core, options, ranks
 from .core import Spec
 
 logger = init_logger("vllm.weightd")
@@ -161,6 +161,8 @@ class WeightdModelLoader(BaseModelLoader):
 
     def _path(self, model_config: ModelConfig) -> str:
         path = self.options.path or model_config.model
+        if checkpoint.is_url(path):  # the daemon fetches it from its remote roots
+            return path
         if not os.path.isdir(path):
             raise ranks.Unservable(f"{path!r} is not a local directory: the daemon reads checkpoints from its "
                                    f"model roots (set the checkpoint's directory with the extra-config key path)")
