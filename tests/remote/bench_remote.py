@@ -2,20 +2,23 @@
 """The remote-load benchmark: weightd loading a checkpoint from a real S3 server, against the same
 server's ceiling measured in the same run.
 
-It starts SeaweedFS (tests/remote/s3server.py) on loopback, uploads a generated checkpoint, and then:
+It starts SeaweedFS (tests/remote/s3server.py) on loopback, uploads a checkpoint `weightctl mkcheckpoint`
+writes (a published model's layout, seeded bytes), and then:
 
 1. The ceiling: the server's throughput for parallel range GETs into memory, measured with curl
-   (`curl --parallel`, an independent client: each range written to /dev/null), swept over
-   connections x range size; the best is the ceiling.
+   (`curl --parallel`, an independent client: each range of the largest shard written to /dev/null),
+   swept over connections x range size; the best is the ceiling.
 2. weightd: a daemon (the host backend, or --backend cuda on a GPU host) with the bucket as its
-   remote root loads the checkpoint (the whole plan, and with --tp a TP rank) by URL, `--runs` times,
+   remote root loads the checkpoint (the whole plan, and each --rank) by URL, `--runs` times,
    each set evicted before the next; its time is the load reply's `seconds`.
 
 It prints one JSON object: the machine, the ceiling sweep, each weightd run, and the ratio of
 weightd's best and median rate to the ceiling (bytes fetched per second: a TP rank's bytes for a
 TP rank). Server and client share the machine's cores, which the output states.
 
-    python3 tests/remote/bench_remote.py --gib 2 --runs 5 [--backend host|cuda] [--tp 2]
+    python3 tests/remote/bench_remote.py [--preset qwen3-4b --layers 36] [--runs 5] [--backend host|cuda]
+        [--rank "--tp-size 2 --tp-rank 0"] [--preset deepseek-v3 --layers 4 --experts 32
+        --rank "--ep-size 8 --ep-rank 0"]
 """
 import argparse
 import json
@@ -36,42 +39,13 @@ import s3server  # noqa: E402
 BUCKET = "bench"
 
 
-def write_checkpoint(d, gib, layers):
-    """A Qwen3-shaped checkpoint of about `gib` GiB (BF16), random bytes, with its config.json."""
-    os.makedirs(d, exist_ok=True)
-    H = 4096
-    per_layer = gib * (1 << 30) / layers / 2  # BF16 elements per layer
-    # q,k,v,o: 4 H*H; gate, up, down: 3 H*I  ->  I from what remains.
-    I = max(256, int((per_layer - 4 * H * H) / (3 * H)) // 256 * 256)
-    tensors, off, header = [], 0, {}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        for name, shape in ((p + "self_attn.q_proj.weight", [H, H]), (p + "self_attn.k_proj.weight", [H, H]),
-                            (p + "self_attn.v_proj.weight", [H, H]), (p + "self_attn.o_proj.weight", [H, H]),
-                            (p + "mlp.gate_proj.weight", [I, H]), (p + "mlp.up_proj.weight", [I, H]),
-                            (p + "mlp.down_proj.weight", [H, I]), (p + "input_layernorm.weight", [H]),
-                            (p + "post_attention_layernorm.weight", [H])):
-            n = 2
-            for x in shape:
-                n *= x
-            header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
-            tensors.append(n)
-            off += n
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(os.path.join(d, "model.safetensors"), "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        left = off
-        block = os.urandom(64 << 20)
-        while left:
-            n = min(left, len(block))
-            f.write(block[:n])
-            left -= n
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": H,
-                   "intermediate_size": I, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
-                   "vocab_size": 1024, "num_hidden_layers": layers, "tie_word_embeddings": False}, f)
-    return d, off
+def write_checkpoint(weightctl, d, preset, layers, experts):
+    """`weightctl mkcheckpoint`: a published model's exact layout (cut to `layers`, `experts`), seeded bytes."""
+    cmd = [weightctl, "--json", "mkcheckpoint", "--preset", preset, "--out", d, "--layers", str(layers)]
+    if experts:
+        cmd += ["--experts", str(experts)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+    return d
 
 
 def ceiling(url, size, connections, range_bytes, repeat=2):
@@ -97,11 +71,13 @@ def ceiling(url, size, connections, range_bytes, repeat=2):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gib", type=float, default=2.0, help="checkpoint size (default 2 GiB)")
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--preset", default="qwen3-4b", help="the layout (weightctl mkcheckpoint --list)")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--experts", type=int, default=0, help="routed experts per MoE layer (MoE presets)")
+    ap.add_argument("--rank", action="append", default=[],
+                    help='a rank to load besides the whole plan, as weightctl load flags ("--tp-size 2 --tp-rank 0")')
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--backend", default="host")
-    ap.add_argument("--tp", type=int, default=0, help="also load rank 0 of this TP size")
     ap.add_argument("--weightd", default=os.environ.get("WEIGHTD", os.path.join(REPO, "build", "weightd")))
     ap.add_argument("--weightctl", default=os.environ.get("WEIGHTCTL", os.path.join(REPO, "build", "weightctl")))
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -111,18 +87,23 @@ def main():
            "backend": a.backend}
     try:
         with s3server.SeaweedS3(os.path.join(work, "s3"), anonymous_read=[BUCKET], start_timeout=120) as s3:
-            d, payload = write_checkpoint(os.path.join(work, "ckpt"), a.gib, a.layers)
-            size = os.path.getsize(os.path.join(d, "model.safetensors"))
+            d = write_checkpoint(a.weightctl, os.path.join(work, "ckpt"), a.preset, a.layers, a.experts)
+            files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+            size = sum(os.path.getsize(os.path.join(d, f)) for f in files)
             s3.create_bucket(BUCKET)
             for name in os.listdir(d):
                 s3.client().upload_file(os.path.join(d, name), BUCKET, f"m/{name}")
-            out["checkpoint"] = {"bytes": size, "payload_bytes": payload}
-            obj = s3.url(BUCKET, "m/model.safetensors")
+            out["checkpoint"] = {"preset": a.preset, "layers": a.layers, "experts": a.experts or None,
+                                 "shards": len(files), "bytes": size}
+            # The ceiling over the largest shard: ranges of it from parallel connections.
+            big = max(files, key=lambda f: os.path.getsize(os.path.join(d, f)))
+            obj = s3.url(BUCKET, f"m/{big}")
+            big_size = os.path.getsize(os.path.join(d, big))
             sweep = []
             for conns in (4, 8, 16):
                 for rb in (8 << 20, 32 << 20):
                     sweep.append({"connections": conns, "range_bytes": rb,
-                                  "gb_per_s": round(ceiling(obj, size, conns, rb), 3)})
+                                  "gb_per_s": round(ceiling(obj, big_size, conns, rb), 3)})
             out["ceiling_sweep"] = sweep
             ceil = max(x["gb_per_s"] for x in sweep)
             out["ceiling_gb_per_s"] = ceil
@@ -139,7 +120,7 @@ def main():
                         break
                     time.sleep(0.05)
                 ctl_env = dict(os.environ, WEIGHTD_SOCKET=sock)
-                plans = [("whole", [])] + ([(f"tp{a.tp}", ["--tp-size", str(a.tp), "--tp-rank", "0"])] if a.tp else [])
+                plans = [("whole", [])] + [(r, r.split()) for r in a.rank]
                 out["weightd"] = {}
                 for label, args in plans:
                     runs = []
@@ -153,7 +134,9 @@ def main():
                         subprocess.run([a.weightctl, "evict", rep["set"]], capture_output=True, env=ctl_env,
                                        timeout=60, check=True)
                     rates = [x["gb_per_s"] for x in runs]
-                    out["weightd"][label] = {"runs": runs, "best_gb_per_s": max(rates),
+                    out["weightd"][label] = {"runs": runs, "fetched_bytes": runs[0]["bytes"],
+                                             "share_of_checkpoint": round(runs[0]["bytes"] / size, 4),
+                                             "best_gb_per_s": max(rates),
                                              "median_gb_per_s": statistics.median(rates),
                                              "best_ratio": round(max(rates) / ceil, 3),
                                              "median_ratio": round(statistics.median(rates) / ceil, 3)}
