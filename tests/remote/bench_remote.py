@@ -6,7 +6,8 @@ It starts SeaweedFS (tests/remote/s3server.py) on loopback, uploads a checkpoint
 writes (a published model's layout, seeded bytes), and then:
 
 1. The ceiling: the server's throughput for parallel range GETs into memory, measured with curl
-   (`curl --parallel`, an independent client: each range of the largest shard written to /dev/null),
+   (`curl --parallel`, an independent client: each range of the largest shard written into memory, a
+   file of /dev/shm),
    swept over connections x range size; the best is the ceiling.
 2. weightd: a daemon (the host backend, or --backend cuda on a GPU host) with the bucket as its
    remote root loads the checkpoint (the whole plan, and each --rank) by URL, `--runs` times,
@@ -49,23 +50,28 @@ def write_checkpoint(weightctl, d, preset, layers, experts):
 
 
 def ceiling(url, size, connections, range_bytes, repeat=2):
-    """GB/s of curl fetching [0, size) as ranges of range_bytes over `connections` parallel transfers."""
+    """GB/s of curl fetching [0, size) as ranges of range_bytes over `connections` parallel transfers, each
+    range written into memory (a file of its own in /dev/shm, as a slab or staging slot receives it)."""
+    shm = tempfile.mkdtemp(prefix="wdceil-", dir="/dev/shm")
     lines = []
-    for off in range(0, size, range_bytes):
+    for i, off in enumerate(range(0, size, range_bytes)):
         end = min(size, off + range_bytes) - 1
-        lines += [f'url = "{url}"', f'range = "{off}-{end}"', 'output = "/dev/null"']
-    cfg = tempfile.NamedTemporaryFile("w", suffix=".curlrc", delete=False)
-    cfg.write("\n".join(lines) + "\n")
-    cfg.close()
+        lines += [f'url = "{url}"', f'range = "{off}-{end}"', f'output = "{shm}/{i}"']
+    cfg = os.path.join(shm, "ranges.curlrc")
+    with open(cfg, "w") as f:
+        f.write("\n".join(lines) + "\n")
     best = 0.0
     try:
         for _ in range(repeat):
             t0 = time.perf_counter()
             subprocess.run(["curl", "-sS", "--fail", "--parallel", "--parallel-max", str(connections), "--http1.1",
-                            "-K", cfg.name], check=True, timeout=600)
+                            "-K", cfg], check=True, timeout=600, stderr=subprocess.DEVNULL)
             best = max(best, size / (time.perf_counter() - t0) / 1e9)
+            for n in os.listdir(shm):
+                if n != "ranges.curlrc":
+                    os.unlink(os.path.join(shm, n))
     finally:
-        os.unlink(cfg.name)
+        shutil.rmtree(shm, ignore_errors=True)
     return best
 
 
@@ -105,6 +111,20 @@ def main():
                     sweep.append({"connections": conns, "range_bytes": rb,
                                   "gb_per_s": round(ceiling(obj, big_size, conns, rb), 3)})
             out["ceiling_sweep"] = sweep
+            # weightd's range-GET engine alone (tests/test_fetch: rf_read into memory, the default 16
+            # connections and 8 MiB parts), over the same shard in 64 MiB reads from 2 and 8 threads.
+            fetch = os.path.join(os.path.dirname(a.weightd), "tests", "test_fetch")
+            if os.path.exists(fetch):
+                ranges = os.path.join(work, "ranges.txt")
+                with open(ranges, "w") as f:
+                    f.writelines(f"{o} {min(64 << 20, big_size - o)}\n" for o in range(0, big_size, 64 << 20))
+                eng = []
+                for threads in (2, 8):
+                    t0 = time.perf_counter()
+                    subprocess.run([fetch, "read", obj, "--threads", str(threads), "--ranges", ranges, "--out",
+                                    "/dev/null"], check=True, capture_output=True, timeout=600)
+                    eng.append({"threads": threads, "gb_per_s": round(big_size / (time.perf_counter() - t0) / 1e9, 3)})
+                out["engine"] = eng
             ceil = max(x["gb_per_s"] for x in sweep)
             out["ceiling_gb_per_s"] = ceil
             sock = os.path.join(work, "wd.sock")
