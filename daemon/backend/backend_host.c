@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "backend.h"
+#include "manifest.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010 /* Linux 5.1 */
@@ -339,6 +340,30 @@ static int host_copy_peer(void *ctx, struct wd_slab *dst, uint64_t dst_offset, c
   return 0;
 }
 
+/* ---- digests ---------------------------------------------------------------------- */
+
+/* libxxhash over the slab's bytes: its writable mapping while it fills, else a read-only one made for the call. */
+static int host_slab_hash(void *ctx, const struct wd_slab *s, const struct wd_hash_range *ranges, size_t n,
+                          unsigned char (*out)[WD_DIGEST_BYTES], struct wd_error *err) {
+  (void)ctx;
+  for (size_t i = 0; i < n; i++)
+    if (ranges[i].off > s->bytes || ranges[i].len > s->bytes - ranges[i].off)
+      return err_set(err, WEIGHTD_E_INTERNAL, "digest of bytes %llu+%llu past the end of a slab of %llu",
+                     (unsigned long long)ranges[i].off, (unsigned long long)ranges[i].len,
+                     (unsigned long long)s->bytes);
+  const struct host_slab *h = s->impl;
+  const unsigned char *view = s->host_view;
+  if (view == NULL) {
+    view = mmap(NULL, h->map_len, PROT_READ, MAP_SHARED, h->fd, 0);
+    if (view == MAP_FAILED)
+      return err_set(err, errno == ENOMEM ? WEIGHTD_E_NOMEM : WEIGHTD_E_DEVICE, "mapping a slab to digest it: %s",
+                     strerror(errno));
+  }
+  for (size_t i = 0; i < n; i++) mf_digest(view + ranges[i].off, (size_t)ranges[i].len, out[i]);
+  if (view != s->host_view) munmap((void *)view, h->map_len);
+  return 0;
+}
+
 static void host_destroy(void *ctx) {
   struct host_ctx *c = ctx;
   if (c == NULL || c == &host_one) return;
@@ -369,6 +394,7 @@ static const struct wd_backend_ops host_ops = {
     .copy_h2d = host_copy_h2d,
     .peer_query = host_peer_query,
     .copy_peer = host_copy_peer,
+    .slab_hash = host_slab_hash,
     .scratch_alloc = host_slab_alloc, /* a slab that is never sealed nor exported */
     .pci_bus_id = NULL,               /* host memory is no PCI device */
     .destroy = host_destroy,
