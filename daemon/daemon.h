@@ -74,6 +74,7 @@ struct daemon {
   struct ld_pool *fill;
   struct registry *reg;
   struct residency *res;
+  struct scrubber *scrub; /* scrubs of resident sets, asked for and in the background (state/scrub.h) */
   struct loader *ld;
   struct topology *topo; /* the devices as a group: NUMA nodes, peers, link rates (immutable) */
   struct server *srv;

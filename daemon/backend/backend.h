@@ -244,6 +244,12 @@ int backend_host_create(struct wd_backend *out, struct wd_error *err);
 struct wd_host_options {
   int devices;       /* 1 or more */
   const char *peers; /* NULL: "all" */
+  /*
+   * For tests only: slabs are never sealed against writes, so a client may
+   * map its descriptor read-write and change a set's bytes, as a cuda_ipc
+   * importer can on a GPU (the scrub's tests inject corruption so).
+   */
+  int writable;
 };
 int backend_host_create_devices(struct wd_backend *out, const struct wd_host_options *o, struct wd_error *err);
 

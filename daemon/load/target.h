@@ -109,6 +109,8 @@ struct ld_target {
   bool hold_ready;            /* the watermark stays at 0 until the whole slab is published (verify on_load) */
   uint64_t verified_chunks;   /* verify on_load: manifest chunks checked (0: none) */
   uint64_t verify_mismatches; /* of them, those whose digest differed */
+  /* XXH3-128 of each plan output as loaded (digest.c; malloc'd, the set's to free), or NULL: the backend cannot hash. */
+  unsigned char (*digests)[WD_DIGEST_BYTES];
 };
 
 #endif

@@ -81,6 +81,11 @@ struct res_set {
   struct res_set **copy_from;
   size_t ncopy_from;
   unsigned copying;
+  /* Scrubs (scrub.h): how many are reading the slab now (the set is not evicted meanwhile), and the outputs
+   * found to differ from their digests at load (NULL until one does; then noutputs flags), ncorrupt of them. */
+  unsigned scrubbing;
+  bool *corrupt;
+  size_t ncorrupt;
   struct res_set *next;
 };
 
