@@ -2,14 +2,16 @@
  * ops_scrub.c - the scrub op, and the corrupt event a scrub's finding sends
  * to a set's holders (state/scrub.h does the hashing and keeps the marks).
  *
- * Who may scrub a set: whoever may attach it (the same access check of the
- * set's files, ops_sets.c's op_attach), which is whoever status shows it
- * to. A scrub of every set (no "set") covers, for root, the daemon's uid
- * and admin_gids, every ready set; for anyone else, the sets their uid
- * loaded (name a set to scrub another one they may see). Handlers run on
- * the loop thread; the scrubber's continuations reply.
+ * Who may scrub a set: whoever may see it in status and attach it. A named
+ * set gets the attach's check of the caller's access to the set's files
+ * (ops_sets.c's op_attach); a scrub of every set (no "set") covers what a
+ * status would list: for root, the daemon's uid and admin_gids every ready
+ * set, for anyone else the sets their uid loaded and those of checkpoints
+ * whose files they may read (reg_readable, as ops_status.c decides).
+ * Handlers run on the loop thread; the scrubber's continuations reply.
  */
 #include <inttypes.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -143,15 +145,17 @@ static void scrub_checked(void *arg, struct reg_ckpt *ck, const struct wd_error 
   }
 }
 
-/* Every ready set this connection may scrub unnamed (see above); sets without digests are listed as skipped. */
-static void scrub_all(struct request *r) {
+/*
+ * Queues a scrub of every ready set that `shows` accepts (NULL: all), and
+ * lists those that cannot be scrubbed as skipped; replies once all are done.
+ */
+static void scrub_sets(struct request *r, bool (*shows)(void *arg, const struct res_set *s), void *arg) {
   struct daemon *d = req_daemon(r);
   struct scrub_req *q = scrub_req_new(r);
   if (q == NULL) return;
-  bool admin = ops_is_admin(r->conn);
   q->pending = 1; /* held until every set is queued */
   for (struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) {
-    if (s->state != SET_READY || (!admin && s->loader_uid != r->conn->uid)) continue;
+    if (s->state != SET_READY || (shows != NULL && !shows(arg, s))) continue;
     struct wd_error e = {0};
     q->pending++;
     if (scrub_set(d->scrub, s, scrubbed, q, &e) == 0) continue;
@@ -162,6 +166,72 @@ static void scrub_all(struct request *r) {
     cJSON_AddItemToArray(q->sets, o);
   }
   if (--q->pending == 0) scrub_req_finish(q);
+}
+
+/* What a client that is no admin sees (as status decides it): the checkpoints of the ready sets, readable or not. */
+struct scrub_view {
+  struct request *r;
+  struct reg_ckpt **cks; /* observed, each once */
+  const bool *readable;
+  size_t n;
+};
+
+static int by_ptr(const void *a, const void *b) {
+  uintptr_t x = (uintptr_t) * (void *const *)a, y = (uintptr_t) * (void *const *)b;
+  return x < y ? -1 : x > y;
+}
+
+static bool view_shows(void *arg, const struct res_set *s) {
+  const struct scrub_view *v = arg;
+  if (s->loader_uid == v->r->conn->uid) return true; /* its own, as status shows it */
+  struct reg_ckpt *const *hit = bsearch(&s->ck, v->cks, v->n, sizeof *v->cks, by_ptr);
+  return hit != NULL && v->readable[hit - v->cks]; /* one not asked about (a set loaded since): not shown */
+}
+
+static void view_free(struct scrub_view *v) {
+  for (size_t i = 0; i < v->n; i++) reg_unobserve(v->cks[i]);
+  free(v->cks);
+  free(v);
+}
+
+static void scrub_readable(void *arg, const bool *readable) {
+  struct scrub_view *v = arg;
+  struct request *r = v->r;
+  if (readable == NULL) req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+  else if (r->conn->closed) req_finish(r);
+  else {
+    v->readable = readable;
+    scrub_sets(r, view_shows, v);
+  }
+  view_free(v);
+}
+
+/* Every ready set the connection may see in status: all for admins; else after the check of its access. */
+static void scrub_all(struct request *r) {
+  struct daemon *d = req_daemon(r);
+  if (ops_is_admin(r->conn)) {
+    scrub_sets(r, NULL, NULL);
+    return;
+  }
+  size_t cap = 0;
+  for (const struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) cap++;
+  struct scrub_view *v = calloc(1, sizeof *v);
+  if (v != NULL) v->cks = calloc(cap ? cap : 1, sizeof *v->cks);
+  if (v == NULL || v->cks == NULL) {
+    free(v);
+    req_fail(r, WEIGHTD_E_NOMEM, "out of memory");
+    return;
+  }
+  v->r = r;
+  size_t n = 0;
+  for (struct res_set *s = res_first_set(d->res); s != NULL; s = s->next)
+    if (s->state == SET_READY) v->cks[n++] = s->ck;
+  qsort(v->cks, n, sizeof *v->cks, by_ptr);
+  for (size_t i = 0; i < n; i++)
+    if (v->n == 0 || v->cks[v->n - 1] != v->cks[i]) v->cks[v->n++] = v->cks[i];
+  for (size_t i = 0; i < v->n; i++) reg_observe(v->cks[i]);
+  struct acc_cred who;
+  reg_readable(d->reg, v->cks, v->n, ops_reader(r->conn, &who), scrub_readable, v);
 }
 
 void op_scrub(struct request *r) {

@@ -230,3 +230,36 @@ def test_scrub_errors_and_a_set_held_while_scrubbed(start_daemon, tiny):
         assert c.status()["sets"] == []
         assert c.call("scrub") == {"id": c.next_id - 1, "ok": True, "clean": True, "mismatches": 0, "sets": []}
     d.check_serving()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another uid")
+def test_who_may_scrub_is_who_may_see_the_set(start_daemon):
+    """nobody scrubs the set of a checkpoint it may read, not one of a root-only checkpoint (PERMISSION by id,
+    left out of a scrub of every set, as status leaves it out)."""
+    import shutil
+    import tempfile
+
+    from test_access import SETTINGS, as_client, private_checkpoint
+    from wdfixtures import TINY_TENSORS, write_single
+
+    tree = tempfile.mkdtemp(prefix="wds-")
+    try:
+        os.chmod(tree, 0o755)
+        private = private_checkpoint(tree)
+        public = write_single(os.path.join(tree, "public"), TINY_TENSORS, 14)
+        d = start_daemon(SETTINGS, roots=[tree], public=True)
+        with d.connect() as root:
+            sid = load(root, private)["set"]
+            pid = load(root, public)["set"]
+            _, got = as_client(d.socket, [{"op": "scrub", "id": 10, "set": sid},
+                                          {"op": "scrub", "id": 11, "set": pid},
+                                          {"op": "scrub", "id": 12},
+                                          {"op": "status", "id": 13}])
+            assert got[10]["error"]["code"] == "PERMISSION" and sid in got[10]["error"]["message"], got
+            assert got[11]["ok"] is True and [s["set"] for s in got[11]["sets"]] == [pid], got
+            assert [s["set"] for s in got[12]["sets"]] == [pid], got
+            assert [s["set"] for s in got[13]["sets"]] == [pid], got
+            # root (an admin) scrubs both.
+            assert sorted(s["set"] for s in root.call("scrub")["sets"]) == sorted([sid, pid])
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
