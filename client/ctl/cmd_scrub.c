@@ -3,6 +3,7 @@
  * tensors again (or every set this user may scrub) and names each tensor
  * whose bytes changed since the set was loaded.
  */
+#include <inttypes.h>
 #include <stdio.h>
 
 #include "ctl.h"
@@ -15,10 +16,8 @@ static int say_set(const cJSON *o) {
   }
   const cJSON *mm = cJSON_GetObjectItemCaseSensitive(o, "mismatches"), *m;
   int n = cJSON_GetArraySize(mm);
-  const cJSON *tensors = cJSON_GetObjectItemCaseSensitive(o, "tensors");
-  const cJSON *bytes = cJSON_GetObjectItemCaseSensitive(o, "bytes");
-  printf("set %s: %.0f tensors, %.0f bytes hashed: %s\n", ctl_str(o, "set"), cJSON_IsNumber(tensors) ? tensors->valuedouble : 0,
-         cJSON_IsNumber(bytes) ? bytes->valuedouble : 0, n == 0 ? "clean" : "CORRUPT");
+  printf("set %s: %" PRIu64 " tensors, %" PRIu64 " bytes hashed: %s\n", ctl_str(o, "set"), ctl_u64(o, "tensors"),
+         ctl_u64(o, "bytes"), n == 0 ? "clean" : "CORRUPT");
   cJSON_ArrayForEach(m, mm)
     printf("  tensor '%s' differs: expected %s, found %s\n", ctl_str(m, "tensor"), ctl_str(m, "expected"),
            ctl_str(m, "found"));

@@ -30,7 +30,7 @@
 #include "manifest.h"
 #include "scrub.h"
 
-/* The most bytes one slab_hash call covers (at least one whole output), so that pacing and preemption are fine-grained. */
+/* The most bytes one slab_hash call covers (at least one whole output): pacing and preemption are that fine. */
 #define BATCH_BYTES (64ull << 20)
 
 struct scrub_task {
@@ -94,7 +94,8 @@ static bool hash_batch(struct scrubber *sc, struct scrub_task *t) {
     t->rc = err_set(&t->err, WEIGHTD_E_NOMEM, "scrub of set %s: out of memory", t->set->id);
     return true;
   }
-  for (size_t i = first; i < end; i++) r[i - first] = (struct wd_hash_range){p->outputs[i].offset, p->outputs[i].nbytes};
+  for (size_t i = first; i < end; i++)
+    r[i - first] = (struct wd_hash_range){p->outputs[i].offset, p->outputs[i].nbytes};
   t->rc = end > first ? sc->backend->ops->slab_hash(sc->backend->ctx, t->set->load.slab, r, end - first,
                                                    t->got + first, &t->err)
                       : 0;
@@ -186,8 +187,12 @@ static void apply(struct scrubber *sc, struct scrub_task *t) {
   }
   if (nfresh > 0 && sc->on_corrupt != NULL) sc->on_corrupt(sc->on_corrupt_arg, s, fresh, nfresh);
   if (t->done != NULL) {
-    struct scrub_report rep = {.bytes = t->bytes, .tensors = p->noutputs, .seconds = clock_s() - t->queued_s,
-                               .nmismatch = nm, .mismatch = mm, .found = (const unsigned char (*)[WD_DIGEST_BYTES])t->got};
+    struct scrub_report rep = {.bytes = t->bytes,
+                               .tensors = p->noutputs,
+                               .seconds = clock_s() - t->queued_s,
+                               .nmismatch = nm,
+                               .mismatch = mm,
+                               .found = (const unsigned char (*)[WD_DIGEST_BYTES])t->got};
     if (t->rc == 0) t->done(t->arg, s, &rep, NULL);
     else t->done(t->arg, s, NULL, &t->err);
   }
@@ -237,7 +242,7 @@ static int queue_task(struct scrubber *sc, struct res_set *s, bool background, s
   t->queued_s = clock_s();
   s->scrubbing++;
   pthread_mutex_lock(&sc->lock);
-  /* Asked-for tasks go after the other asked-for ones and before every background one (whose batches may have begun). */
+  /* Asked-for tasks go after the other asked-for ones, before every background one (which may have begun). */
   struct scrub_task **pp = &sc->queue;
   if (background)
     while (*pp != NULL) pp = &(*pp)->next_task;

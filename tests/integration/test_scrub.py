@@ -116,7 +116,8 @@ def test_flipped_byte_is_named_and_the_set_refuses_leases(start_daemon, tiny):
         (s,) = other.status()["sets"]
         assert s["corrupt"] == ["layers.0.odd"]
         r = dctl(d, "status")
-        assert r.code == 0 and "CORRUPT (a scrub found changed; new leases refused): layers.0.odd" in r.out, r.describe()
+        assert r.code == 0, r.describe()
+        assert "CORRUPT (a scrub found changed; new leases refused): layers.0.odd" in r.out, r.describe()
         with pytest.raises(WDError) as e:
             other.attach(set=rep["set"])
         assert e.value.code == "BAD_CHECKSUM" and "layers.0.odd" in e.value.message
