@@ -75,7 +75,7 @@ struct scrubber {
 /* Sleeps up to s seconds, or until a task arrives or the stop (lock held). */
 static void nap(struct scrubber *sc, double s) {
   struct timespec ts;
-  clock_gettime(CLOCK_REALTIME, &ts);
+  clock_gettime(CLOCK_MONOTONIC, &ts); /* the condition variable's clock (scrub_create) */
   double end = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 + s;
   ts.tv_sec = (time_t)end;
   ts.tv_nsec = (long)((end - (double)ts.tv_sec) * 1e9);
@@ -297,7 +297,11 @@ int scrub_create(const struct scrub_params *p, struct scrubber **out, struct wd_
   sc->on_corrupt = p->on_corrupt;
   sc->on_corrupt_arg = p->on_corrupt_arg;
   pthread_mutex_init(&sc->lock, NULL);
-  pthread_cond_init(&sc->cv, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* a nap's deadline does not move with the wall clock */
+  pthread_cond_init(&sc->cv, &ca);
+  pthread_condattr_destroy(&ca);
   uv_async_init(p->loop, &sc->async, on_done);
   sc->async.data = sc;
   uv_timer_init(p->loop, &sc->timer);
