@@ -89,8 +89,9 @@ extern "C" cudaError_t xxh3_cuda_ranges(const void *base, const uint64_t *offs, 
   if (n == 0) return cudaSuccess;
   uint64_t *d_offs = NULL;
   unsigned char *d_out = NULL;
-  cudaError_t e = cudaMallocAsync((void **)&d_offs, n * 2 * sizeof *d_offs, s);
-  if (e == cudaSuccess) e = cudaMallocAsync((void **)&d_out, n * 16, s);
+  /* Plain cudaMalloc: stream-ordered pools are not on every device (MIG instances, older drivers). */
+  cudaError_t e = cudaMalloc((void **)&d_offs, n * 2 * sizeof *d_offs);
+  if (e == cudaSuccess) e = cudaMalloc((void **)&d_out, n * 16);
   if (e == cudaSuccess) e = cudaMemcpyAsync(d_offs, offs, n * 2 * sizeof *d_offs, cudaMemcpyHostToDevice, s);
   if (e == cudaSuccess) {
     size_t blocks = (n + WARPS_PER_BLOCK - 1) / WARPS_PER_BLOCK;
@@ -99,9 +100,8 @@ extern "C" cudaError_t xxh3_cuda_ranges(const void *base, const uint64_t *offs, 
     e = cudaGetLastError();
   }
   if (e == cudaSuccess) e = cudaMemcpyAsync(out, d_out, n * 16, cudaMemcpyDeviceToHost, s);
-  cudaError_t f = cudaSuccess;
-  if (d_out != NULL) f = cudaFreeAsync(d_out, s);
-  if (d_offs != NULL && f == cudaSuccess) f = cudaFreeAsync(d_offs, s);
   cudaError_t g = cudaStreamSynchronize(s);
-  return e != cudaSuccess ? e : f != cudaSuccess ? f : g;
+  cudaFree(d_out); /* NULL-safe */
+  cudaFree(d_offs);
+  return e != cudaSuccess ? e : g;
 }

@@ -8,7 +8,9 @@
  * copies (no CPU thread touched those bytes). An output that is one whole
  * tensor of the files is also checked against the checkpoint's manifest
  * (its tensor digest) when one was read: a mismatch fails the load with
- * BAD_CHECKSUM naming the tensor, as verify on_load fails a chunk.
+ * BAD_CHECKSUM naming the tensor, as verify on_load fails a chunk. A
+ * backend that fails to hash leaves the set without digests (logged): the
+ * load is not failed for its scrubs' sake.
  *
  * Threads: runs on the load's job thread, after the fill and before the
  * slab is sealed; it reads only the target and the plan.
@@ -50,8 +52,12 @@ int ld_digest(struct loader *ld, struct ld_target *t, struct wd_error *err) {
     goto fail;
   }
   for (size_t i = 0; i < n; i++) ranges[i] = (struct wd_hash_range){p->outputs[i].offset, p->outputs[i].nbytes};
-  rc = b->ops->slab_hash(b->ctx, t->slab, ranges, n, d, err);
-  if (rc != 0) goto fail;
+  struct wd_error herr = {0};
+  if (b->ops->slab_hash(b->ctx, t->slab, ranges, n, d, &herr) != 0) {
+    /* The set is served all the same, without digests: its scrubs answer UNSUPPORTED, pointing here. */
+    log_msg(LOG_WARN, "%s: no digests for the set being loaded (its scrubs are refused): %s", t->name, herr.msg);
+    goto fail;
+  }
   for (size_t i = 0; i < n; i++) {
     const unsigned char *want = whole_tensor_digest(t->ck, &p->outputs[i]);
     if (want == NULL || memcmp(want, d[i], WD_DIGEST_BYTES) == 0) continue;

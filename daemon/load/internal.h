@@ -133,7 +133,8 @@ int ld_verify(struct loader *ld, struct ld_target *t, const struct ld_source *sr
  * digest.c: the set's own digests (t->digests, one per plan output) from the
  * backend's slab_hash over the filled slab, each whole-tensor output checked
  * against the manifest when there is one (BAD_CHECKSUM naming the tensor).
- * A backend without slab_hash leaves t->digests NULL and returns 0.
+ * A backend without slab_hash, or whose slab_hash fails (logged), leaves
+ * t->digests NULL and returns 0.
  */
 int ld_digest(struct loader *ld, struct ld_target *t, struct wd_error *err);
 

@@ -226,7 +226,8 @@ static int queue_task(struct scrubber *sc, struct res_set *s, bool background, s
   if (s->load.digests == NULL)
     return err_set(err, WEIGHTD_E_UNSUPPORTED, "set %s has no digests to scrub against (%s)", s->id,
                    sc->backend->ops->slab_hash == NULL ? "this backend cannot hash its memory"
-                                                       : "it was re-adopted after a restart, not loaded");
+                   : s->adopted ? "it was re-adopted after a restart, not loaded"
+                                : "hashing it after its load failed: see the daemon's log");
   if (sc->stop) return err_set(err, WEIGHTD_E_CANCELED, "the daemon is stopping");
   struct scrub_task *t = calloc(1, sizeof *t);
   if (t != NULL) t->got = calloc(s->plan->noutputs ? s->plan->noutputs : 1, sizeof *t->got);
