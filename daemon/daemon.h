@@ -73,6 +73,7 @@ struct daemon {
   struct jobs *job_pool;     /* job_threads: loads, prefetches, freeing slabs */
   struct ld_pool *fill;
   struct registry *reg;
+  struct rroots *remote; /* the remote roots (NULL: none configured); freed after the registry */
   struct residency *res;
   struct scrubber *scrub; /* scrubs of resident sets, asked for and in the background (state/scrub.h) */
   struct loader *ld;

@@ -56,7 +56,7 @@ static uint64_t start_ns; /* when main began: restart-to-READY is measured from 
 
 /* ---- the flags ------------------------------------------------------------------------ */
 
-enum flag_id { FLAG_CONFIG = 1, FLAG_SOCKET, FLAG_BACKEND, FLAG_MODEL_ROOT, FLAG_FOREGROUND, FLAG_LOG_LEVEL,
+enum flag_id { FLAG_CONFIG = 1, FLAG_SOCKET, FLAG_BACKEND, FLAG_MODEL_ROOT, FLAG_REMOTE_ROOT, FLAG_FOREGROUND, FLAG_LOG_LEVEL,
                FLAG_SET, FLAG_HELP, FLAG_VERSION, FLAG_GENERATE_MAN };
 
 /* The flags: parsing, --help and the man page come from this table. */
@@ -69,6 +69,9 @@ static const struct optab_opt flag_table[] = {
      "auto (the GPUs when CUDA starts, else host memory), cuda or host (the key backend).", 0, "auto cuda host"},
     {FLAG_MODEL_ROOT, "model-root", 0, OPTAB_VALUE, "DIR",
      "Serve checkpoints that resolve into DIR; repeat for several (the key model_roots).", OPTAB_REPEAT, "@dir"},
+    {FLAG_REMOTE_ROOT, "remote-root", 0, OPTAB_VALUE, "URL",
+     "Fetch checkpoints named by URLs within URL (s3://BUCKET[/PREFIX] or http(s)://HOST[/PREFIX]); repeat for "
+     "several (the key remote_roots).", OPTAB_REPEAT, NULL},
     {FLAG_FOREGROUND, "foreground", 'f', OPTAB_SWITCH, NULL,
      "Stay in the foreground and log to stderr. Without it weightd detaches once it listens (never under a "
      "service manager's NOTIFY_SOCKET).", 0, NULL},
@@ -144,7 +147,8 @@ static int take_flag(void *arg, const struct optab_opt *o, const char *v) {
     return 0;
   }
   static const char *const keys[] = {[FLAG_SOCKET] = "socket", [FLAG_BACKEND] = "backend",
-                                     [FLAG_LOG_LEVEL] = "log_level", [FLAG_MODEL_ROOT] = "model_roots"};
+                                     [FLAG_LOG_LEVEL] = "log_level", [FLAG_MODEL_ROOT] = "model_roots",
+                                     [FLAG_REMOTE_ROOT] = "remote_roots"};
   if (o->id == FLAG_SET) {
     const char *eq = strchr(v, '=');
     char key[64];

@@ -52,6 +52,24 @@
  */
 #define WIRE_AGAIN (-1000)
 
+/*
+ * Whether a request's "path" names a checkpoint by URL (s3://, http://,
+ * https://, the scheme in any case) rather than a file: clients send a URL
+ * as it is (a path they make absolute), and the daemon fetches it from its
+ * remote roots.
+ */
+static inline bool wire_path_is_url(const char *path) {
+  static const char *const schemes[] = {"s3://", "http://", "https://"};
+  for (size_t i = 0; i < sizeof schemes / sizeof *schemes; i++) {
+    size_t k = 0;
+    while (schemes[i][k] != '\0' && path[k] != '\0' &&
+           (path[k] == schemes[i][k] || (path[k] >= 'A' && path[k] <= 'Z' && path[k] - 'A' + 'a' == schemes[i][k])))
+      k++;
+    if (schemes[i][k] == '\0') return true;
+  }
+  return false;
+}
+
 /* One received frame: a NUL-terminated copy of the body and its descriptors. */
 struct wire_frame {
   char *json; /* len bytes plus a terminating NUL (the body itself may hold NULs) */

@@ -18,6 +18,11 @@
  *                             a request signed with the current credentials (path-style;
  *                             URL's path is sent as it is, its query sorted and encoded;
  *                             FILE the body of a PUT): "status CODE S3_ERROR_CODE|- BODY_SHA256"
+ *   open URL                  a remote checkpoint opened (daemon/remote/rckpt.h; s3:// to the
+ *                             environment's endpoint, signed): "ok LAYOUT SHARDS TENSORS
+ *                             LAYOUT_ID_HEX BYTES" or "error CODE MESSAGE"
+ *   tensor URL NAME           the named tensor's bytes read from that checkpoint with range
+ *                             GETs: "ok SHA256_HEX" or "error CODE MESSAGE"
  *   quit
  * Log lines of the provider go to stderr as "log LEVEL LINE". It never
  * prints a secret key or a session token.
@@ -29,7 +34,10 @@
 #include <string.h>
 #include <time.h>
 
+#include "checkpoint.h"
 #include "remote/creds.h"
+#include "remote/fetch.h"
+#include "remote/rckpt.h"
 #include "remote/sigv4.h"
 #include "remote/url.h"
 #include "sha256.h"
@@ -217,6 +225,72 @@ static void cmd_s3(struct creds_provider *p, char *method, char *url, char *file
   free(query);
 }
 
+/* ---- remote checkpoints ----------------------------------------------------------------- */
+
+static int open_remote(struct creds_provider *p, struct rf_client **client, struct rck_target *t, const char *url,
+                       struct rck **out, struct wd_error *err) {
+  if (*client == NULL) {
+    struct rf_config cfg;
+    rf_config_defaults(&cfg);
+    cfg.ca_file = getenv("WD_PROBE_CA_FILE");
+    int rc = rf_client_create(&cfg, client, err);
+    if (rc != 0) return rc;
+  }
+  memset(t, 0, sizeof *t);
+  t->client = *client;
+  t->creds = getenv("WD_PROBE_UNSIGNED") ? NULL : p;
+  t->s3_region = creds_region(p);
+  t->manifest = true;
+  int rc = rck_s3_endpoint_from_env(t->s3_region, &t->s3_endpoint, &t->s3_path_style, err);
+  return rc != 0 ? rc : rck_open(t, url, out, err);
+}
+
+static void cmd_open(struct creds_provider *p, struct rf_client **client, const char *url) {
+  struct rck_target t;
+  struct rck *r = NULL;
+  struct wd_error err = {0};
+  int rc = open_remote(p, client, &t, url, &r, &err);
+  if (rc != 0) {
+    print_error(rc, &err);
+    return;
+  }
+  char hex[2 * CKPT_ID_BYTES + 1];
+  for (size_t i = 0; i < CKPT_ID_BYTES; i++) snprintf(hex + 2 * i, 3, "%02x", r->ck->layout_id[i]);
+  printf("ok %s %zu %zu %s %llu\n", ckpt_layout_name(r->ck->layout), r->ck->nshards, r->ck->ntensors, hex,
+         (unsigned long long)r->ck->total_bytes);
+  rck_close(r);
+}
+
+static void cmd_tensor(struct creds_provider *p, struct rf_client **client, const char *url, const char *name) {
+  struct rck_target t;
+  struct rck *r = NULL;
+  struct wd_error err = {0};
+  int rc = open_remote(p, client, &t, url, &r, &err);
+  if (rc != 0) {
+    print_error(rc, &err);
+    return;
+  }
+  const struct ckpt_ref *ref = ckpt_tensor_find(r->ck, name);
+  if (ref == NULL) {
+    printf("error NOT_FOUND no tensor %s\n", name);
+    rck_close(r);
+    return;
+  }
+  const struct st_header *h = r->ck->shards[ref->shard].hdr;
+  uint64_t n = ref->t->end - ref->t->begin;
+  unsigned char *buf = malloc(n ? n : 1);
+  rc = buf ? rck_read(r, ref->shard, h->data_start + ref->t->begin, n, buf, NULL, &err) : WEIGHTD_E_NOMEM;
+  if (rc != 0) {
+    print_error(rc, &err);
+  } else {
+    char hex[SHA256_HEX_LEN + 1];
+    digest_hex(buf, (size_t)n, hex);
+    printf("ok %s\n", hex);
+  }
+  free(buf);
+  rck_close(r);
+}
+
 /* ---- the loop -------------------------------------------------------------------------- */
 
 int main(int argc, char **argv) {
@@ -234,6 +308,7 @@ int main(int argc, char **argv) {
     print_error(rc, &err);
     return 2;
   }
+  struct rf_client *client = NULL;
   char line[8192];
   while (fgets(line, sizeof line, stdin) != NULL) {
     line[strcspn(line, "\r\n")] = '\0';
@@ -254,8 +329,11 @@ int main(int argc, char **argv) {
       /* Headers are "Name:value" words (no spaces in the value). */
       size_t nh = n > 4 ? n - 4 : 0;
       cmd_s3(p, words[1], words[2], n > 3 ? words[3] : NULL, words + 4, nh < 8 ? nh : 8);
-    } else printf("error INVALID unknown command\n");
+    } else if (strcmp(words[0], "open") == 0 && n == 2) cmd_open(p, &client, words[1]);
+    else if (strcmp(words[0], "tensor") == 0 && n == 3) cmd_tensor(p, &client, words[1], words[2]);
+    else printf("error INVALID unknown command\n");
   }
+  rf_client_free(client);
   creds_provider_free(p);
   curl_global_cleanup();
   return 0;

@@ -101,8 +101,8 @@ const struct ctl_cmd ctl_cmd_load = {
     .max_args = 1,
     .summary = "load a checkpoint (one rank's plan, or every rank of a group) and print the resident sets",
     .description =
-        "Loads the tensors of one rank's plan of the checkpoint at PATH into one slab of device memory (a "
-        "resident set) and prints the set's id, its size, the time and the rate, and where the bytes came from: "
+        "Loads the tensors of one rank's plan of the checkpoint at PATH (a path, or an s3:// or http(s):// URL "
+        "within the daemon's remote roots) into one slab of device memory (a resident set) and prints the set's id, its size, the time and the rate, and where the bytes came from: "
         "the source the files were read through (--source), a peer's copy, or several host links (striped). A "
         "set that is already "
         "resident is shared, not loaded again. On a terminal a progress line shows the bytes, rate and time left; "

@@ -11,7 +11,9 @@
  * already resident on every device returns at once without reading the
  * checkpoint again. When the files cannot be read here, every step runs
  * (a resident set is then shared by the load, still without loading twice).
- * Ctrl-C and --timeout cancel the step in flight (exit 1 and 4).
+ * Ctrl-C and --timeout cancel the step in flight (exit 1 and 4). A
+ * checkpoint named by URL is opened and loaded, never prefetched (it has no
+ * local files to read ahead).
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -21,6 +23,7 @@
 #include "checkpoint.h"
 #include "ctl.h"
 #include "plan.h"
+#include "wire.h"
 
 static const struct optab_opt prewarm_opts[] = {
     {CTL_OPT_DEVICE, "device", 0, OPTAB_VALUE, "D",
@@ -184,7 +187,8 @@ static int run_prewarm_group(const struct ctl_args *a, const struct ctl_plan_arg
   weightd_client *c = NULL;
   int exit_code = ctl_connect(&c);
   if (exit_code != 0) goto out;
-  if ((rc = open_checkpoint(c, a->pos[0], &path)) != 0 || (rc = prefetch_wait(c, path, ctl_has(a, CTL_OPT_PIN), NULL)) != 0)
+  if ((rc = open_checkpoint(c, a->pos[0], &path)) != 0 ||
+      (!wire_path_is_url(path) && (rc = prefetch_wait(c, path, ctl_has(a, CTL_OPT_PIN), NULL)) != 0))
     goto fail;
   exit_code = ctl_group_load(c, a->pos[0], group, plan, NULL); /* consumes group and plan */
   group = plan = NULL;
@@ -228,7 +232,9 @@ static int run_prewarm(const struct ctl_args *a) {
 
   if ((rc = open_checkpoint(c, a->pos[0], &path)) != 0) goto fail;
   open_s = clock_s() - t0;
-  key = local_key(a->pos[0], spec);
+  /* A URL's headers are not here: every step runs (a resident set is shared by the load). */
+  bool remote = wire_path_is_url(path);
+  key = remote ? NULL : local_key(a->pos[0], spec);
 
   if ((rc = ctl_request(c, ctl_request_new("status"), NULL, NULL, &status)) != 0) goto fail;
   if ((exit_code = resolve_devices(status, t, n)) != 0) goto out;
@@ -238,8 +244,10 @@ static int run_prewarm(const struct ctl_args *a) {
 
   if (!all) {
     double tp = clock_s();
-    if ((rc = prefetch_wait(c, path, ctl_has(a, CTL_OPT_PIN), spec)) != 0) goto fail;
-    prefetched = true;
+    if (!remote) { /* a remote checkpoint has nothing to read ahead here: its loads fetch the rank's bytes */
+      if ((rc = prefetch_wait(c, path, ctl_has(a, CTL_OPT_PIN), spec)) != 0) goto fail;
+      prefetched = true;
+    }
     prefetch_s = clock_s() - tp;
     double tl = clock_s();
     for (size_t i = 0; i < n; i++) {

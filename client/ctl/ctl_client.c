@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "ctl.h"
+#include "wire.h"
 
 int ctl_connect(weightd_client **out) {
   weightd_client *c = NULL;
@@ -84,7 +85,7 @@ cJSON *ctl_request_new(const char *op) {
 void ctl_add_path(cJSON *req, const char *path) {
   char buf[PATH_MAX], cwd[PATH_MAX];
   const char *p = path;
-  if (path[0] != '/') {
+  if (path[0] != '/' && !wire_path_is_url(path)) {
     /* A relative path sent as it is would be resolved in the daemon's directory: refuse it. */
     if (getcwd(cwd, sizeof cwd) == NULL) {
       ctl_errorx(weightd_err_name(WEIGHTD_E_IO), "%s: cannot make the path absolute: %s", path, strerror(errno));

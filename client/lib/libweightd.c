@@ -32,6 +32,7 @@
 
 #include "lib_internal.h"
 #include "sockpath.h"
+#include "wire.h"
 
 /* A daemon that has not answered hello within this long is not working. */
 #define HELLO_TIMEOUT_MS 30000
@@ -104,8 +105,8 @@ int lib_add_path(weightd_client *c, cJSON *req, const char *path) {
   if (path == NULL || path[0] == '\0') return lib_fail(c, WEIGHTD_E_INVALID, "no checkpoint path given");
   char buf[PATH_MAX];
   const char *p = path;
-  if (path[0] != '/') {
-    /* The daemon resolves paths in its own directory: send ours made absolute. */
+  if (path[0] != '/' && !wire_path_is_url(path)) {
+    /* The daemon resolves paths in its own directory: send ours made absolute (a URL goes as it is). */
     char cwd[PATH_MAX];
     if (getcwd(cwd, sizeof cwd) == NULL)
       return lib_fail(c, WEIGHTD_E_IO, "%s: cannot make the path absolute: %s", path, strerror(errno));

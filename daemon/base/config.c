@@ -73,6 +73,11 @@ static const struct cfg_key keys[] = {
      "per directory, where loads of checkpoints under it read bytes from, as SOURCE:DIR (SOURCE as for "
      "'source'; DIR resolved at start and reload, the longest that holds a checkpoint wins); others use 'source'",
      .reload = true},
+    {"remote_roots", CFG_PATH_LIST, OFF(remote_roots), OFF(n_remote_roots), 0, 0, NULL,
+     "URLs checkpoints may be fetched from, each s3://BUCKET[/PREFIX] or http(s)://HOST[:PORT][/PREFIX] "
+     "(a load, prefetch or attach may then name a URL within one); read at start"},
+    {"remote_ca_file", CFG_STRING, OFF(remote_ca_file), 0, 0, 0, "",
+     "PEM file of the certificate authorities that https remote servers are verified with; empty = the system's"},
     {"allowed_uids", CFG_ID_LIST, OFF(allowed_uids), OFF(n_allowed_uids), 0, UINT32_MAX, NULL,
      "peer uids allowed besides root and the daemon's uid; with allowed_gids both empty, "
      "anyone who can open the socket", .reload = true},

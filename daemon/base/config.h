@@ -37,6 +37,9 @@ struct wd_config {
   size_t n_model_roots;
   char **root_sources;  /* "SOURCE:DIR": a model root's own source */
   size_t n_root_sources;
+  char **remote_roots;  /* s3://BUCKET[/PREFIX], http(s)://HOST[:PORT][/PREFIX]: what may be fetched */
+  size_t n_remote_roots;
+  char *remote_ca_file; /* PEM bundle for https servers; "" = the system's */
   uint64_t *allowed_uids;
   size_t n_allowed_uids;
   uint64_t *allowed_gids;

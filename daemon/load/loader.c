@@ -88,7 +88,7 @@ static void memcpy_task(void *arg, size_t i) {
   if (failed) return;
   uint64_t a = r->lo + (uint64_t)i * r->task;
   uint64_t b = a + r->task < r->hi ? a + r->task : r->hi;
-  struct ld_reader rd = {.src = r->src, .copy = memcpy};
+  struct ld_reader rd = {.src = r->src, .copy = memcpy, .cancel = &r->t->cancel};
   struct image_args g = {r->t->plan, a, b, r->dst + (a - r->lo), &rd};
   int rc = fault_call(image_range, &g);
   ld_count_reads(r->t, rd.counts);
@@ -175,11 +175,12 @@ static bool auto_direct(const struct loader *ld, const struct ld_target *t) {
 /*
  * The source t reads through: t->mmap, or one opened for it (kept in o). A
  * filesystem that refuses O_DIRECT falls back to the mmap source, with a
- * log line. 0, or an error (a file replaced since the open: STALE).
+ * log line. A remote checkpoint's source is its own whatever the choice. 0, or an error (a file replaced since the open: STALE).
  */
 static int open_source(struct loader *ld, struct ld_target *t, struct opened *o, const struct ld_source **out,
                        struct wd_error *err) {
   *out = t->mmap;
+  if (t->mmap->ops->kind == LD_SOURCE_REMOTE) return 0; /* no local files: the source choice is the files' */
   bool want_direct = t->choice == LD_CHOOSE_DIRECT || (t->choice == LD_CHOOSE_AUTO && auto_direct(ld, t));
   if (!want_direct) return 0;
   struct ld_source *direct = NULL;

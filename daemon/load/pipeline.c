@@ -325,7 +325,7 @@ static void staged_task(void *arg, size_t i) {
   uint64_t lo = (uint64_t)(i - r->task_base[pos]) * r->task;
   uint64_t hi = lo + r->task < win->used ? lo + r->task : win->used;
   if (lo < hi) {
-    struct ld_reader rd = {.src = r->src, .copy = r->copy};
+    struct ld_reader rd = {.src = r->src, .copy = r->copy, .cancel = &r->t->cancel};
     struct fill_args a = {r, w, lo, hi, (unsigned char *)l->link->slots[k] + lo, &rd};
     int rc = fault_call(fill_range, &a);
     ld_count_reads(r->t, rd.counts);

@@ -14,6 +14,7 @@ static const char *const kind_names[LD_SOURCE_KINDS] = {
     [LD_SOURCE_PAGECACHE] = "pagecache",
     [LD_SOURCE_DIRECT] = "direct",
     [LD_SOURCE_ROUTE] = "route",
+    [LD_SOURCE_REMOTE] = "remote",
 };
 
 static const char *const choice_names[LD_CHOOSE_COUNT] = {
@@ -93,6 +94,7 @@ int ld_reader_read(void *arg, const struct plan_read *rd) {
                        .dst = rd->dst,
                        .copy = r->copy,
                        .slack = rd->slack,
-                       .counts = r->counts};
+                       .counts = r->counts,
+                       .cancel = r->cancel};
   return ld_source_read(r->src, &rq, &r->err);
 }

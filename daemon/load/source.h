@@ -29,6 +29,12 @@
  *   route      several sources in order (source_route.c): each read goes to
  *              the first that holds the range; a member whose read fails
  *              hands the range to the next that holds it.
+ *   remote     a checkpoint in an object store or behind an HTTP server
+ *              (source_remote.c over remote/rckpt.h): range GETs straight
+ *              into the destination, many in flight; it does not map, so
+ *              loads from it are staged (or copied in place on the host
+ *              backend), never direct DMA or pinned. Opened with the
+ *              checkpoint, as mmap is for files.
  *
  * Sources read the files the checkpoint was opened with (the identities in
  * struct ckpt); `unchanged` says whether they still are those files, which
@@ -42,6 +48,7 @@
 #ifndef WD_LD_SOURCE_H
 #define WD_LD_SOURCE_H
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -50,7 +57,14 @@
 #include "error.h"
 #include "plan.h"
 
-enum ld_source_kind { LD_SOURCE_MMAP, LD_SOURCE_PAGECACHE, LD_SOURCE_DIRECT, LD_SOURCE_ROUTE, LD_SOURCE_KINDS };
+enum ld_source_kind {
+  LD_SOURCE_MMAP,
+  LD_SOURCE_PAGECACHE,
+  LD_SOURCE_DIRECT,
+  LD_SOURCE_ROUTE,
+  LD_SOURCE_REMOTE,
+  LD_SOURCE_KINDS
+};
 
 /* The kind's name, as status, logs and metrics show it ("mmap"). */
 const char *ld_source_kind_name(enum ld_source_kind k);
@@ -88,6 +102,8 @@ struct ld_read {
   bool slack;
   /* Per kind, bytes this caller read through leaf sources of that kind (the caller's own, not shared; may be NULL). */
   uint64_t *counts;
+  /* The load's cancel flag (NULL: none): a source that waits on the network stops waiting when it is set (CANCELED). */
+  const atomic_bool *cancel;
 };
 
 struct ld_source_ops {
@@ -155,6 +171,7 @@ void ld_source_close(struct ld_source *s);
 struct ld_reader {
   const struct ld_source *src;
   void *(*copy)(void *, const void *, size_t);
+  const atomic_bool *cancel; /* the load's (NULL: none) */
   uint64_t counts[LD_SOURCE_KINDS];
   struct wd_error err; /* the first read's error */
 };
@@ -171,6 +188,14 @@ uint64_t ld_piece_file_off(const struct ckpt *ck, const struct plan_piece *pc);
  * nothing stays mapped. ck must outlive the source.
  */
 int ld_source_mmap_open(struct ckpt *ck, struct ld_source **out, struct wd_error *err);
+
+struct rck;
+/*
+ * The remote source of checkpoint r (rckpt.h), which it takes: closing the
+ * source closes r, except r->ck, which becomes the caller's (freed after
+ * the source is closed, as a file checkpoint's is).
+ */
+int ld_source_remote_open(struct rck *r, struct ld_source **out, struct wd_error *err);
 
 /* A pagecache view of mmap source m (which must outlive it): holds what the page cache holds now. */
 int ld_source_pagecache_open(const struct ld_source *m, struct ld_source **out, struct wd_error *err);

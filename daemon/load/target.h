@@ -58,7 +58,7 @@ struct ld_target {
   const struct plan *plan;
   const struct ckpt *ck; /* the checkpoint: immutable while the load runs */
   const char *name;      /* the checkpoint's path, for messages */
-  /* The checkpoint's mmap source (owned by the caller until ld_fill returns): what direct DMA and memcpy read. */
+  /* The checkpoint's own source (owned by the caller until ld_fill returns): mmap for files (what direct DMA reads), remote for a URL. */
   struct ld_source *mmap;
   enum ld_source_choice choice; /* where the load should read from */
   /* A source the caller composed (a route over sources it chose; kept until ld_fill returns): when not NULL the load reads through it and choice does not apply. */

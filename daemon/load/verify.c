@@ -82,7 +82,8 @@ static void verify_task(void *arg, size_t i) {
   uint64_t off = v->chunks[i].chunk * MF_CHUNK_BYTES;
   uint64_t len = s->size - off < MF_CHUNK_BYTES ? s->size - off : MF_CHUNK_BYTES;
   struct chunk_read c = {.src = v->src, .map = ld_source_map(v->src, shard)};
-  c.rq = (struct ld_read){.shard = shard, .off = off, .width = len, .pitch = len, .height = 1, .dst = buf};
+  c.rq = (struct ld_read){
+      .shard = shard, .off = off, .width = len, .pitch = len, .height = 1, .dst = buf, .cancel = &v->t->cancel};
   struct wd_error err = {0};
   int rc = ld_check_cancel(v->t, &err);
   if (rc == 0 && c.map == NULL && buf == NULL) rc = err_set(&err, WEIGHTD_E_INTERNAL, "verify: no read buffer free");

@@ -35,6 +35,8 @@
 #include "sha256.h"
 #include "ops_common.h"
 #include "telemetry.h"
+#include "remote/fetch.h"
+#include "remote/rroots.h"
 
 /* ---- views ------------------------------------------------------------------------------- */
 
@@ -55,6 +57,7 @@ static cJSON *checkpoint_json(const struct reg_ckpt *ck, uint64_t resident, size
   cJSON *o = cJSON_CreateObject();
   msg_add_string(o, "path", ck->path);
   msg_add_string(o, "layout", ckpt_layout_name(ck->ck->layout));
+  msg_add_string(o, "origin", ck->remote ? "remote" : "files");
   ops_ids_add(ck, o);
   json_u64_add(o, "shards", ck->ck->nshards);
   json_u64_add(o, "tensors", ck->ck->ntensors);
@@ -462,6 +465,31 @@ static void add_page(cJSON *r, enum status_list l, const struct page *pg, cJSON 
   json_u64_add(cJSON_GetObjectItemCaseSensitive(r, "next"), list_names[l], pg->next);
 }
 
+/* The remote roots and the range-GET engine's counters since start (null: no remote roots). */
+static void status_remote(const struct daemon *d, cJSON *o) {
+  if (d->remote == NULL) {
+    cJSON_AddNullToObject(o, "remote");
+    return;
+  }
+  cJSON *m = cJSON_AddObjectToObject(o, "remote");
+  cJSON *roots = cJSON_AddArrayToObject(m, "roots");
+  for (size_t i = 0; i < rroots_count(d->remote); i++)
+    cJSON_AddItemToArray(roots, cJSON_CreateString(rroots_text(d->remote, i)));
+  msg_add_string(m, "credentials", rroots_creds_source(d->remote));
+  struct rf_stats st;
+  rf_client_stats(rroots_client(d->remote), &st);
+  json_u64_add(m, "bytes", st.bytes);
+  json_u64_add(m, "in_flight", st.in_flight);
+  json_u64_add(m, "retries", st.retries);
+  json_u64_add(m, "stalls", st.stalls);
+  json_u64_add(m, "redirects", st.redirects);
+  json_u64_add(m, "connections", st.connects);
+  json_u64_add(m, "http2_responses", st.http2);
+  cJSON *resp = cJSON_AddObjectToObject(m, "responses");
+  static const char *const classes[6] = {"none", "1xx", "2xx", "3xx", "4xx", "5xx"};
+  for (int i = 0; i < 6; i++) json_u64_add(resp, classes[i], st.requests[i]);
+}
+
 static void status_daemon(struct daemon *d, cJSON *r) {
   cJSON *o = cJSON_AddObjectToObject(r, "daemon");
   msg_add_string(o, "version", weightd_version_string());
@@ -507,6 +535,7 @@ static void status_daemon(struct daemon *d, cJSON *r) {
   json_u64_add(c, "closed_for_room", rc.closed_room);
   json_u64_add(c, "refused", rc.refused);
   json_u64_add(c, "plans_reused", rc.plans_reused);
+  status_remote(d, o);
 }
 
 /* The status reply's body; false when memory ran out. */

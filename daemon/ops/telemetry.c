@@ -22,6 +22,8 @@
 #include "json_strict.h"
 #include "jsonutil.h"
 #include "base/log.h"
+#include "remote/fetch.h"
+#include "remote/rroots.h"
 #include "state/scrub.h"
 
 /* ---- the cache ---------------------------------------------------------------------- */
@@ -325,7 +327,7 @@ static void collect_loads(struct daemon *d, struct collection *c) {
   f = family(c, "weightd_loaded_bytes_total", "counter", "Payload bytes of successful loads.");
   sample(c, f, (double)st->bytes_loaded, NULL);
   f = family(c, "weightd_read_bytes_total", "counter",
-             "Checkpoint file bytes successful loads read from host memory or files, by the source that read them.");
+             "Checkpoint file bytes successful loads read from host memory, files or remote roots, by the source that read them.");
   for (int k = 0; k < LD_SOURCE_KINDS; k++)
     if (k != LD_SOURCE_ROUTE) /* a route reads through its members, which count */
       sample(c, f, (double)st->source_bytes[k], "source", ld_source_kind_name((enum ld_source_kind)k), NULL);
@@ -511,12 +513,33 @@ static void collect_daemon(struct daemon *d, struct collection *c) {
   sample(c, f, (double)(clock_ms() - d->started_ms) / 1000.0, NULL);
 }
 
+/* The range-GET engine's counters (remote roots configured only). */
+static void collect_remote(struct daemon *d, struct collection *c) {
+  if (d->remote == NULL) return;
+  struct rf_stats st;
+  rf_client_stats(rroots_client(d->remote), &st);
+  struct family *f = family(c, "weightd_remote_bytes_total", "counter",
+                            "Body bytes fetched from object stores and HTTP servers (remote roots).");
+  sample(c, f, (double)st.bytes, NULL);
+  f = family(c, "weightd_remote_responses_total", "counter",
+             "Responses from remote roots by status class (none: no status line, a reset or a timeout).");
+  static const char *const classes[6] = {"none", "1xx", "2xx", "3xx", "4xx", "5xx"};
+  for (int i = 0; i < 6; i++) sample(c, f, (double)st.requests[i], "class", classes[i], NULL);
+  f = family(c, "weightd_remote_retries_total", "counter", "Range requests tried again (5xx, 429, resets, stalls).");
+  sample(c, f, (double)st.retries, NULL);
+  f = family(c, "weightd_remote_stalls_total", "counter", "Requests cut for delivering no byte for the stall time.");
+  sample(c, f, (double)st.stalls, NULL);
+  f = family(c, "weightd_remote_requests_in_flight", "gauge", "Remote requests submitted and not yet completed.");
+  sample(c, f, (double)st.in_flight, NULL);
+}
+
 static void collect(struct daemon *d, struct collection *c) {
   telemetry_refresh(d);
   collect_loads(d, c);
   collect_devices(d, c);
   collect_checkpoints(d, c);
   collect_daemon(d, c);
+  collect_remote(d, c);
 }
 
 /* ---- rendering ---------------------------------------------------------------------------- */

@@ -16,6 +16,7 @@
 #include "base/log.h"
 #include "ops/ops.h"
 #include "state/scrub.h"
+#include "remote/rroots.h"
 #include "sockpath.h"
 #include "transport/server.h"
 #include "stream_copy.h"
@@ -46,6 +47,8 @@ uint64_t startup_raise_fd_limit(void) {
   return rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : (uint64_t)rl.rlim_cur;
 }
 
+
+static int remote_start(struct daemon *d, struct wd_error *err);
 /* The NVIDIA device node present on this machine, or NULL. */
 static const char *nvidia_node(void) {
   static const char *const nodes[] = {"/dev/nvidiactl", "/dev/nvidia0"};
@@ -333,6 +336,7 @@ int startup_state(struct daemon *d, struct wd_error *err) {
   if (rc == 0 && d->cfg.staging_writes == CFG_WRITES_STREAMING && !stream_copy_native())
     log_msg(LOG_WARN, "staging_writes streaming: this build has no non-temporal stores (x86-64 only): plain stores");
   if (rc == 0) rc = startup_roots_apply(d, &d->cfg, err);
+  if (rc == 0) rc = remote_start(d, err);
   if (rc == 0) {
     struct res_params rp = {.loop = d->loop,
                             .backend = &d->backend,
@@ -364,6 +368,19 @@ int startup_state(struct daemon *d, struct wd_error *err) {
   return rc;
 }
 
+/* The remote roots, read once at start (remote/rroots.h); none configured: nothing is fetched. */
+static int remote_start(struct daemon *d, struct wd_error *err) {
+  size_t n = d->cfg.n_remote_roots;
+  if (n == 0) return 0;
+  const char *ca = d->cfg.remote_ca_file[0] != '\0' ? d->cfg.remote_ca_file : NULL;
+  int rc = rroots_create((const char *const *)d->cfg.remote_roots, n, ca, &d->remote, err);
+  if (rc != 0) return rc;
+  reg_remote_set(d->reg, d->remote);
+  for (size_t i = 0; i < n; i++) log_msg(LOG_INFO, "remote root %s", rroots_text(d->remote, i));
+  log_msg(LOG_INFO, "remote roots: s3:// credentials from %s", rroots_creds_source(d->remote));
+  return 0;
+}
+
 void startup_free(struct daemon *d) {
   scrub_destroy(d->scrub);
   d->scrub = NULL;
@@ -383,6 +400,8 @@ void startup_free(struct daemon *d) {
   backend_destroy(&d->backend);
   ld_pool_stop(d->fill);
   d->fill = NULL;
+  rroots_free(d->remote); /* after every job and fill thread that could read through its client */
+  d->remote = NULL;
   free(d->socket_path);
   d->socket_path = NULL;
 }

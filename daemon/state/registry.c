@@ -47,6 +47,8 @@ struct reg_roots *reg_roots_ref(struct reg_roots *rt) {
   return rt;
 }
 
+void reg_remote_set(struct registry *r, const struct rroots *remote) { r->remote = remote; }
+
 int reg_roots_set(struct registry *r, const char *const *dirs, size_t n, struct wd_error *err) {
   struct reg_roots *rt = calloc(1, sizeof *rt);
   if (rt == NULL || (rt->dirs = calloc(n ? n : 1, sizeof *rt->dirs)) == NULL) {

@@ -83,7 +83,8 @@ struct reg_ckpt {
   uint64_t generation;
   enum reg_state state;
   struct ckpt *ck;    /* immutable once open */
-  struct ld_source *src; /* the mmap source: every shard mapped read-only (load/source.h) */
+  struct ld_source *src; /* its own source: mmap (every shard mapped read-only), or remote for a URL (load/source.h) */
+  bool remote;           /* opened by URL from a remote root: path is the URL */
   int refs;           /* the registry's own, sets, jobs and waiters */
   int observers;      /* of refs, those of background measurements (loop thread): they never keep it open */
   bool detached;      /* no longer in the registry (closed or replaced) */
@@ -181,6 +182,18 @@ int reg_sources_set(struct registry *r, const char *const *dirs, const enum ld_s
                     struct wd_error *err);
 /* The source configured for a checkpoint at resolved path `path` (the longest directory that holds it); false: none. */
 bool reg_source_for(const struct registry *r, const char *path, enum ld_source_choice *out);
+
+struct rroots;
+/*
+ * The remote roots (remote/rroots.h), set once before the first acquire
+ * (the daemon owns them and frees them after the registry). A path that is
+ * a URL (wire_path_is_url) is acquired from them: refused with PATH_DENIED
+ * when it lies within none (or none is configured), opened with range GETs
+ * otherwise. Every client that may use the daemon may use what they hold:
+ * there are no per-user rights to check on an object store the daemon
+ * reaches with the node's credentials.
+ */
+void reg_remote_set(struct registry *r, const struct rroots *remote);
 
 /* The current roots, for status and checks on the loop thread. */
 size_t reg_roots_count(const struct registry *r);

@@ -20,6 +20,9 @@
 
 #include "base/log.h"
 #include "pathutil.h"
+#include "remote/rckpt.h"
+#include "remote/rroots.h"
+#include "wire.h"
 
 struct acquire;
 
@@ -99,6 +102,33 @@ static void check_same(struct acquire *a) {
                   a->access.label, (unsigned)a->access.cred.uid);
 }
 
+/* ACQ_RESOLVE of a URL: within a remote root, or PATH_DENIED; resolved is its canonical text. */
+static void resolve_url(struct acquire *a) {
+  struct rurl u;
+  char label[320];
+  err_quote(a->path, strlen(a->path), label, sizeof label);
+  a->rc = rurl_parse(a->path, &u, &a->err);
+  if (a->rc == 0 && !rroots_allows(a->reg->remote, &u))
+    a->rc = err_set(&a->err, WEIGHTD_E_PATH_DENIED, "%s: not within the remote roots%s", label,
+                    a->reg->remote == NULL ? " (none is configured: remote_roots, --remote-root)" : "");
+  if (a->rc == 0 && (a->resolved = rurl_format(&u)) == NULL) a->rc = err_set(&a->err, WEIGHTD_E_NOMEM, "out of memory");
+  rurl_free(&u);
+}
+
+/* ACQ_OPEN of a URL: the checkpoint read with range GETs, its remote source the entry's own. */
+static void open_url(struct acquire *a) {
+  struct rck *k = NULL;
+  a->rc = rck_open(rroots_target(a->reg->remote), a->resolved, &k, &a->err);
+  if (a->rc == 0) a->rc = ld_source_remote_open(k, &a->entry->src, &a->err);
+  if (a->rc != 0) {
+    rck_close(k);
+    return;
+  }
+  a->entry->ck = k->ck; /* the entry is OPENING: nobody else reads it yet. Freed after the source, as a file's */
+  a->entry->remote = true;
+  a->entry->charge = reg_entry_charge(a->entry);
+}
+
 static void acquire_work(struct job *j) {
   struct acquire *a = (struct acquire *)j;
   const struct reg_roots *rt = a->roots;
@@ -107,6 +137,10 @@ static void acquire_work(struct job *j) {
   acc_check_reset(&a->access);
   switch (a->stage) {
   case ACQ_RESOLVE: {
+    if (wire_path_is_url(a->path)) {
+      resolve_url(a);
+      return;
+    }
     /* Resolved with lstat and readlink only, and judged against the roots without
      * saying whether anything outside them exists (path_resolve). */
     const struct path_roots roots = {(const char *const *)rt->dirs, rt->n};
@@ -118,14 +152,26 @@ static void acquire_work(struct job *j) {
     return;
   }
   case ACQ_VERIFY:
+    if (a->entry->remote) { /* its objects are still the ones opened (HEAD): nobody's rights to check */
+      a->rc = ld_source_unchanged(a->entry->src, &a->err);
+      return;
+    }
     a->rc = ckpt_check_unchanged(a->entry->ck, &a->err);
     if (a->rc == 0 && a->checked) a->rc = ckpt_access_check(a->entry->ck, &a->access, true, &a->err);
     return;
   case ACQ_CHECK:
+    if (a->entry->remote) {
+      a->rc = 0;
+      return;
+    }
     a->rc = ckpt_access_check(a->entry->ck, &a->access, a->mode != REG_CHECK_PATHS, &a->err);
     check_same(a);
     return;
   case ACQ_OPEN: {
+    if (wire_path_is_url(a->resolved)) {
+      open_url(a);
+      return;
+    }
     bool remembered = false;
     struct ckpt_opts opts = {.model_roots = (const char *const *)rt->dirs,
                              .nroots = rt->n,
@@ -449,7 +495,7 @@ static void readable_work(struct job *j) {
   for (size_t i = 0; i < q->n; i++) {
     struct wd_error err;
     acc_check_reset(&q->access); /* a checkpoint's directories are shared by its files, not by every checkpoint */
-    q->readable[i] = ckpt_access_check(q->cks[i]->ck, &q->access, true, &err) == 0;
+    q->readable[i] = q->cks[i]->remote || ckpt_access_check(q->cks[i]->ck, &q->access, true, &err) == 0;
   }
 }
 

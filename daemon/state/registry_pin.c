@@ -624,6 +624,10 @@ static struct prefetch *prefetch_new(struct registry *r, struct reg_ckpt *ck, co
 
 int reg_prefetch_start(struct registry *r, struct reg_ckpt *ck, const struct plan_range *ranges, size_t nranges,
                        bool pin, reg_prefetched_fn cb, void *arg, struct reg_prefetch **handle, struct wd_error *err) {
+  if (ck->remote)
+    return err_set(err, WEIGHTD_E_UNSUPPORTED,
+                   "%s: a remote checkpoint has no local files to keep warm or pin (loads fetch what they need)",
+                   ck->path);
   struct prefetch *p = prefetch_new(r, ck, ranges, nranges, true, pin);
   if (p == NULL) return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   p->cb = cb;
@@ -662,7 +666,7 @@ void reg_prefetch_cancel(struct reg_prefetch *h) { atomic_store(&((struct prefet
 /* The pin policy's own pins: logged, never reported. */
 static void pin_auto(struct registry *r, struct reg_ckpt *ck, struct plan_range *ranges, size_t n, bool read,
                      const char *why) {
-  if (ck->pinning || ck->unpinning || ck->detached || ck->state != REG_OPEN) {
+  if (ck->remote || ck->pinning || ck->unpinning || ck->detached || ck->state != REG_OPEN) { /* remote: nothing mapped */
     free(ranges);
     return;
   }

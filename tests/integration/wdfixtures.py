@@ -325,7 +325,8 @@ class Daemon(DaemonProcess):
     """
 
     def __init__(self, workdir, model_root, settings=None, roots=None, log_level=None, public=False,
-                 metrics=False, nofile=None, config=None, user=None, socket=None, socket_flag=True, env=None):
+                 metrics=False, nofile=None, config=None, user=None, socket=None, socket_flag=True, env=None,
+                 extra_args=()):
         self.dir = tempfile.mkdtemp(prefix="d-", dir=workdir)
         self.socket = os.path.join(self.dir, "weightd.sock")
         if len(self.socket) > 100 or public or user is not None:  # sun_path holds 108 bytes
@@ -341,6 +342,7 @@ class Daemon(DaemonProcess):
             self.socket = socket
         self.socket_flag = socket_flag
         self.env = dict(env or {})
+        self.extra_args = list(extra_args)
         self.log_path = os.path.join(self.dir, "weightd.log")
         self.model_root = model_root
         self.settings = dict(settings or {})
@@ -368,7 +370,7 @@ class Daemon(DaemonProcess):
         for k, v in self.settings.items():
             if v is not None:
                 a += ["--set", f"{k}={v}"]
-        return a
+        return a + self.extra_args
 
     @property
     def metrics_address(self):

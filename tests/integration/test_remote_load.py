@@ -1,0 +1,314 @@
+"""Loads from an object store: the daemon fetches a checkpoint named by URL from its remote roots.
+
+A real S3 server (SeaweedFS, signatures enforced) holds checkpoints the tests upload; the daemon
+(host backend) is started with --remote-root and the credentials in its environment. Every set
+loaded from a URL is compared with the files: whole checkpoints byte for byte against the local
+copy, tensor-parallel ranks (column slices: strided reads) byte for byte against the same plan
+loaded from the local copy, with the in-place copy and the staged pipeline. URLs outside the
+remote roots are refused before anything is fetched; an object replaced after the open fails the
+next load with STALE and the checkpoint is opened again.
+"""
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from wdclient import Checkpoint, WDError, map_readonly, verify_attached
+from wdfixtures import REPO, SLOW, WEIGHTCTL
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_early_attach import qwen3_tp  # noqa: E402,F401  (a fixture: a Qwen3-shaped checkpoint, ~38 MiB)
+from test_remote_ckpt import SIGNED, upload, write_checkpoint  # noqa: E402
+
+sys.path.insert(0, os.path.join(REPO, "tests", "remote"))
+import s3server  # noqa: E402
+from faultproxy import FaultProxy, Rule  # noqa: E402
+
+
+@pytest.fixture
+def store(tmp_path):
+    with s3server.SeaweedS3(tmp_path / "seaweedfs", start_timeout=90 * SLOW) as s3:
+        yield s3
+
+
+def with_roots(start_daemon, store, roots, settings=None, **kw):
+    """A daemon whose remote roots are `roots` (through --set, as a flag would)."""
+    env = dict(SIGNED, AWS_ENDPOINT_URL_S3=store.endpoint, AWS_EC2_METADATA_DISABLED="true",
+               AWS_SHARED_CREDENTIALS_FILE="/nonexistent-wd-test", AWS_CONFIG_FILE="/nonexistent-wd-test")
+    d = start_daemon(settings=settings, env=env, extra_args=[a for r in roots for a in ("--remote-root", r)], **kw)
+    return d
+
+
+def slab_bytes(c, **fields):
+    att, fd = c.attach(**fields)
+    try:
+        m, size = map_readonly(fd)
+        try:
+            return att, bytes(m[:att["bytes"]])
+        finally:
+            m.close()
+    finally:
+        os.close(fd)
+
+
+def test_whole_checkpoint_from_s3_equals_the_files(start_daemon, store, model_root, tmp_path):
+    d = write_checkpoint(os.path.join(model_root, "remote-" + tmp_path.name))
+    upload(store, "ckpt", "org/m", d)
+    wd = with_roots(start_daemon, store, ["s3://ckpt/org"], metrics=True)
+    url = "s3://ckpt/org/m"
+    ck = Checkpoint(d)
+    with wd.connect() as c:
+        rep = c.call("load", path=url, device=0)
+        assert rep["read_from"] == "remote", rep
+        assert rep["read_bytes"] == {"remote": ck.payload_bytes()}, rep
+        att, fd = c.attach(path=url)
+        try:
+            assert verify_attached(att, fd, ck) == ck.payload_bytes()
+        finally:
+            os.close(fd)
+        st = c.status()
+        (s,) = st["sets"]
+        assert s["path"] == url and s["read_from"] == "remote", s
+        (entry,) = [x for x in st["checkpoints"] if x["path"] == url]
+        assert entry["origin"] == "remote", entry
+        # The same layout id as the local copy's.
+        local = c.call("open", path=d)["checkpoint"]
+        assert entry["layout_id"] == local["layout_id"], (entry, local)
+        assert local["origin"] == "files", local
+        # The engine's counters: at least the payload, the headers and the index were fetched; nothing in flight.
+        remote = st["daemon"]["remote"]
+        assert remote["roots"] == ["s3://ckpt/org"] and remote["credentials"] == "environment", remote
+        assert remote["bytes"] > ck.payload_bytes() and remote["in_flight"] == 0, remote
+        assert remote["responses"]["2xx"] > 0 and remote["responses"]["5xx"] == 0, remote
+        # The metrics say the same.
+        text = urllib.request.urlopen(f"http://{wd.metrics_address}/metrics", timeout=30).read().decode()
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        (b,) = fams["weightd_remote_bytes"].samples
+        assert b.value >= remote["bytes"], (b, remote)
+        by_source = {x.labels["source"]: x.value for x in fams["weightd_read_bytes"].samples}
+        assert by_source["remote"] == ck.payload_bytes(), by_source
+    assert f"remote root s3://ckpt/org" in wd.log_text()
+    assert "credentials from environment" in wd.log_text()
+
+
+@pytest.mark.parametrize("method", ["auto", "staged"])
+def test_tp_rank_from_s3_equals_the_local_rank(start_daemon, store, qwen3_tp, method):
+    upload(store, "ckpt", "qwen3-tp", qwen3_tp)
+    wd = with_roots(start_daemon, store, ["s3://ckpt/qwen3-tp"], settings={"load_method": method})
+    url = "s3://ckpt/qwen3-tp"
+    for rank in (0, 1):
+        plan = {"preset": "auto", "tp_size": 2, "tp_rank": rank}
+        with wd.connect() as c:
+            lrep = c.call("load", path=qwen3_tp, device=0, plan=plan)
+            rrep = c.call("load", path=url, device=0, plan=plan)
+            assert rrep["read_from"] == "remote" and set(rrep["read_bytes"]) == {"remote"}, rrep
+            # Exactly the rank's bytes were fetched: what the local load read from its files.
+            assert sum(rrep["read_bytes"].values()) == sum(lrep["read_bytes"].values()), (lrep, rrep)
+            assert rrep["payload_bytes"] < Checkpoint(qwen3_tp).payload_bytes()
+            if method == "staged":
+                assert rrep["method"] == "staged", rrep
+            la, lb = slab_bytes(c, path=qwen3_tp, plan=plan)
+            ra, rb = slab_bytes(c, path=url, plan=plan)
+            assert [(t["name"], t["offset"]) for t in la["tensors"]] == [(t["name"], t["offset"]) for t in ra["tensors"]]
+            assert lb == rb, f"rank {rank}: the remote slab differs from the local one"
+
+
+def test_urls_outside_the_remote_roots_are_refused(start_daemon, store, tmp_path):
+    d = write_checkpoint(str(tmp_path / "m"))
+    upload(store, "ckpt", "allowed/m", d)
+    upload(store, "ckpt", "allowed2/m", d)
+    upload(store, "other", "m", d)
+    wd = with_roots(start_daemon, store, ["s3://ckpt/allowed"])
+    with wd.connect() as c:
+        for url in ("s3://ckpt/allowed2/m", "s3://other/m", f"{store.endpoint}/ckpt/allowed/m",
+                    "s3://ckpt/allowed/../allowed2/m"):
+            with pytest.raises(WDError) as e:
+                c.call("load", path=url, device=0)
+            assert e.value.code in ("PATH_DENIED", "INVALID"), (url, e.value.reply)
+            if e.value.code == "PATH_DENIED":
+                assert "not within the remote roots" in e.value.message, e.value.message
+        assert c.call("load", path="s3://ckpt/allowed/m", device=0)["read_from"] == "remote"
+    # Nothing outside the roots was asked of the store: only the allowed checkpoint's objects.
+    assert "allowed2" not in wd.log_text()
+
+
+def test_no_remote_roots_means_no_fetch(daemon, store):
+    with daemon.connect() as c:
+        with pytest.raises(WDError) as e:
+            c.call("load", path="s3://ckpt/anything", device=0)
+        assert e.value.code == "PATH_DENIED", e.value.reply
+        assert "none is configured" in e.value.message, e.value.message
+
+
+def test_object_replaced_after_open_is_stale_then_reopened(start_daemon, store, tmp_path):
+    d = write_checkpoint(str(tmp_path / "m"))
+    upload(store, "ckpt", "r/m", d)
+    wd = with_roots(start_daemon, store, ["s3://ckpt/r"])
+    url = "s3://ckpt/r/m"
+    with wd.connect() as c:
+        first = c.call("load", path=url, device=0)
+        c.call("evict", set=first["set"])
+        # The second shard replaced by other bytes of the same layout.
+        other = write_checkpoint(str(tmp_path / "other"), seed=8)
+        store.put("ckpt", "r/m/model-00002-of-00002.safetensors",
+                  os.path.join(other, "model-00002-of-00002.safetensors"))
+        rep = c.call("load", path=url, device=0)  # the open checkpoint is found changed and opened again
+        att, fd = c.attach(path=url)
+        try:
+            mixed = Checkpoint(d)
+            new = Checkpoint(other)
+            table = {t["name"]: t for t in att["tensors"]}
+            m, _ = map_readonly(fd)
+            try:
+                for name in ("layers.1.w", "lm_head.weight"):
+                    src, b, e = new.tensor_bytes(name)
+                    t = table[name]
+                    assert m[t["offset"]:t["offset"] + e - b] == src[b:e], name
+                src, b, e = mixed.tensor_bytes("embed.weight")
+                assert m[table["embed.weight"]["offset"]:table["embed.weight"]["offset"] + e - b] == src[b:e]
+            finally:
+                m.close()
+        finally:
+            os.close(fd)
+    assert "changed since it was opened" in wd.log_text() or "reopening" in wd.log_text(), wd.log_tail(40)
+
+
+# ---- faults: the fault proxy between the daemon and the store ---------------------------------------
+
+
+def proxied(start_daemon, store, proxy, roots, settings=None):
+    env = dict(SIGNED, AWS_ENDPOINT_URL_S3=proxy.url, AWS_EC2_METADATA_DISABLED="true",
+               AWS_SHARED_CREDENTIALS_FILE="/nonexistent-wd-test", AWS_CONFIG_FILE="/nonexistent-wd-test")
+    return start_daemon(settings=settings, env=env, extra_args=[a for r in roots for a in ("--remote-root", r)])
+
+
+def test_load_through_5xx_429_and_dropped_bodies_equals_the_local_rank(start_daemon, store, qwen3_tp):
+    upload(store, "ckpt", "faulty", qwen3_tp)
+    rules = [Rule("status", status=503, method="GET", path="model.safetensors", skip=3, times=2),
+             Rule("status", status=429, method="GET", path="model.safetensors", skip=6, times=1),
+             Rule("drop", after_bytes=1000, method="GET", path="model.safetensors", skip=8, times=2),
+             Rule("drop", after_bytes=0, reset=True, method="GET", path="model.safetensors", skip=12, times=1)]
+    with FaultProxy("127.0.0.1", store.port, rules) as proxy:
+        wd = proxied(start_daemon, store, proxy, ["s3://ckpt/faulty"], settings={"load_method": "staged"})
+        plan = {"preset": "auto", "tp_size": 2, "tp_rank": 1}
+        with wd.connect() as c:
+            lrep = c.call("load", path=qwen3_tp, device=0, plan=plan)
+            rrep = c.call("load", path="s3://ckpt/faulty", device=0, plan=plan)
+            assert sum(rrep["read_bytes"].values()) == sum(lrep["read_bytes"].values()), (lrep, rrep)
+            _, lb = slab_bytes(c, path=qwen3_tp, plan=plan)
+            _, rb = slab_bytes(c, path="s3://ckpt/faulty", plan=plan)
+            assert lb == rb, "bytes read through the faults differ from the local rank's"
+            remote = c.status()["daemon"]["remote"]
+        # Every rule fired, and each fault was tried again.
+        assert [r.applied for r in rules] == [2, 1, 2, 1], [(r, r.applied) for r in rules]
+        assert remote["retries"] >= 6, remote
+        assert remote["responses"]["5xx"] >= 2 and remote["responses"]["4xx"] >= 1, remote
+
+
+def test_object_replaced_mid_load_fails_the_load_naming_it(start_daemon, store, qwen3_tp, tmp_path):
+    upload(store, "ckpt", "swap", qwen3_tp)
+    other = str(tmp_path / "other.safetensors")
+    data = bytearray(open(os.path.join(qwen3_tp, "model.safetensors"), "rb").read())
+    data[-1] ^= 0xFF  # the same header, another last byte: another object
+    open(other, "wb").write(bytes(data))
+    replaced = []
+
+    def swap():
+        if not replaced:
+            store.put("ckpt", "swap/model.safetensors", other)
+            replaced.append(True)
+
+    rules = [Rule("replace", action=swap, method="GET", path="model.safetensors", skip=4, times=1)]
+    with FaultProxy("127.0.0.1", store.port, rules) as proxy:
+        wd = proxied(start_daemon, store, proxy, ["s3://ckpt/swap"], settings={"load_method": "staged"})
+        with wd.connect() as c:
+            with pytest.raises(WDError) as e:
+                c.call("load", path="s3://ckpt/swap", device=0)
+            assert e.value.code == "STALE", e.value.reply
+            assert "s3://ckpt/swap/model.safetensors" in e.value.message, e.value.message
+            assert not c.status()["sets"], "a load that failed left a set"
+            # The next load opens the new object and holds its bytes.
+            c.call("load", path="s3://ckpt/swap", device=0)
+            att, fd = c.attach(path="s3://ckpt/swap")
+            try:
+                m, _ = map_readonly(fd)
+                try:
+                    (t,) = [t for t in att["tensors"] if t["name"] == "lm_head.weight"]
+                    end = t["offset"] + 2 * t["shape"][0] * t["shape"][1]  # BF16
+                    assert m[end - 1] == data[-1], "the reopened checkpoint does not hold the new bytes"
+                finally:
+                    m.close()
+            finally:
+                os.close(fd)
+    assert replaced
+
+
+def test_every_op_and_weightctl_take_a_url(start_daemon, store, model_root, tmp_path):
+    d = write_checkpoint(os.path.join(model_root, "remote-" + tmp_path.name))
+    upload(store, "ckpt", "ops/m", d)
+    wd = with_roots(start_daemon, store, ["s3://ckpt/ops"])
+    url = "s3://ckpt/ops/m"
+    with wd.connect() as c:
+        ck = c.call("open", path=url)["checkpoint"]
+        assert ck["path"] == url and ck["origin"] == "remote" and ck["shards"] == 2, ck
+        # A remote checkpoint keeps nothing warm on the node (no node cache yet): prefetch says so.
+        with pytest.raises(WDError) as e:
+            c.call("prefetch", path=url, wait=True)
+        assert e.value.code == "UNSUPPORTED" and url in e.value.message, e.value.reply
+        c.call("close", path=url)
+        assert url not in [x["path"] for x in c.status()["checkpoints"]]
+    # weightctl sends the URL as it is (a path it would make absolute).
+    env = dict(os.environ, WEIGHTD_SOCKET=wd.socket)
+    r = subprocess.run([WEIGHTCTL, "--json", "load", url], capture_output=True, text=True, env=env,
+                       timeout=120 * SLOW)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(r.stdout.splitlines()[-1])
+    assert rep["read_from"] == "remote", rep
+    # prewarm: opened and loaded, never prefetched (nothing local to read ahead); again, the set is shared.
+    for _ in range(2):
+        r = subprocess.run([WEIGHTCTL, "--json", "prewarm", url], capture_output=True, text=True, env=env,
+                           timeout=120 * SLOW)
+        assert r.returncode == 0, r.stdout + r.stderr
+        pw = json.loads(r.stdout.splitlines()[-1])
+        assert pw["prefetched"] is False and pw["sets"][0]["set"] == rep["set"], pw
+        assert pw["sets"][0]["shared"] is True, pw
+    ck = Checkpoint(d)
+    with wd.connect() as c:
+        att, fd = c.attach(path=url)
+        try:
+            assert verify_attached(att, fd, ck) == ck.payload_bytes()
+        finally:
+            os.close(fd)
+
+
+def test_https_endpoint_with_http2_and_its_ca(start_daemon, qwen3_tp, tmp_path):
+    with s3server.SeaweedS3(tmp_path / "seaweedfs-tls", tls=True, start_timeout=90 * SLOW) as tls:
+        upload(tls, "ckpt", "tls", qwen3_tp)
+        env = dict(SIGNED, AWS_ENDPOINT_URL_S3=tls.https_endpoint, AWS_EC2_METADATA_DISABLED="true",
+                   AWS_SHARED_CREDENTIALS_FILE="/nonexistent-wd-test", AWS_CONFIG_FILE="/nonexistent-wd-test")
+        plan = {"preset": "auto", "tp_size": 2, "tp_rank": 0}
+        # Without the test CA the server's certificate is refused, naming the URL.
+        wd = start_daemon(env=env, extra_args=["--remote-root", "s3://ckpt/tls"])
+        with wd.connect() as c:
+            with pytest.raises(WDError) as e:
+                c.call("load", path="s3://ckpt/tls", device=0, plan=plan)
+            assert "s3://ckpt/tls" in e.value.message and "certificate" in e.value.message, e.value.reply
+        wd.stop()
+        # With it: the rank over TLS, on HTTP/2, equal to the local rank.
+        wd = start_daemon(env=env, settings={"remote_ca_file": tls.ca_file},
+                          extra_args=["--remote-root", "s3://ckpt/tls"])
+        with wd.connect() as c:
+            lrep = c.call("load", path=qwen3_tp, device=0, plan=plan)
+            rrep = c.call("load", path="s3://ckpt/tls", device=0, plan=plan)
+            assert sum(rrep["read_bytes"].values()) == sum(lrep["read_bytes"].values())
+            _, lb = slab_bytes(c, path=qwen3_tp, plan=plan)
+            _, rb = slab_bytes(c, path="s3://ckpt/tls", plan=plan)
+            assert lb == rb
+            remote = c.status()["daemon"]["remote"]
+            # Every response came over HTTP/2 (the 404 of the absent manifest too).
+            answered = sum(v for k, v in remote["responses"].items() if k != "none")
+            assert remote["responses"]["2xx"] > 0 and remote["http2_responses"] == answered, remote
