@@ -470,17 +470,19 @@ int res_set_table_fd(struct res_set *s, struct wd_error *err) {
   return 0;
 }
 
+int res_set_corrupt_error(const struct res_set *s, struct wd_error *err) {
+  size_t first = 0;
+  while (first < s->plan->noutputs && !s->corrupt[first]) first++;
+  return err_set(err, WEIGHTD_E_BAD_CHECKSUM,
+                 "set %s is corrupt: a scrub found tensor '%s'%s changed since it was loaded; evict it and load it "
+                 "again", s->id, first < s->plan->noutputs ? s->plan->outputs[first].name : "?",
+                 s->ncorrupt > 1 ? " and others" : "");
+}
+
 int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,
                   struct wd_error *err) {
   if (s->state != SET_READY && !res_set_early_ok(s)) return err_set(err, WEIGHTD_E_BUSY, "set %s is not ready", s->id);
-  if (s->ncorrupt > 0) {
-    size_t first = 0;
-    while (first < s->plan->noutputs && !s->corrupt[first]) first++;
-    return err_set(err, WEIGHTD_E_BAD_CHECKSUM,
-                   "set %s is corrupt: a scrub found tensor '%s'%s changed since it was loaded; evict it and load it "
-                   "again", s->id, first < s->plan->noutputs ? s->plan->outputs[first].name : "?",
-                   s->ncorrupt > 1 ? " and others" : "");
-  }
+  if (s->ncorrupt > 0) return res_set_corrupt_error(s, err);
   uint64_t n = res_next_id(r);
   if (n == 0) return err_set(err, WEIGHTD_E_LIMIT, "no lease id is left (the last, l%llu, was given)", RES_ID_MAX);
   struct lease *l = calloc(1, sizeof *l);

@@ -225,7 +225,14 @@ struct res_set *res_find_plan(const struct residency *r, const struct reg_ckpt *
 /* ---- leases --------------------------------------------------------------- */
 
 /*
+ * BAD_CHECKSUM for a set a scrub found corrupt (ncorrupt > 0), naming a
+ * tensor: what a lease on it, or a load that finds it, is answered.
+ */
+int res_set_corrupt_error(const struct res_set *s, struct wd_error *err);
+
+/*
  * Adds a lease on a READY set, or a LOADING one that res_set_early_ok, for holder; *out is the new lease.
+ * A corrupt set (scrub.h) is refused with res_set_corrupt_error.
  * A lease on a LOADING set keeps its load going (a cancel asked for before is withdrawn).
  */
 int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,

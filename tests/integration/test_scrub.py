@@ -122,6 +122,9 @@ def test_flipped_byte_is_named_and_the_set_refuses_leases(start_daemon, tiny):
             other.attach(set=rep["set"])
         assert e.value.code == "BAD_CHECKSUM" and "layers.0.odd" in e.value.message
         assert other.error("attach", path=tiny["b"], device=0) == "BAD_CHECKSUM"  # the same set, by path
+        assert other.error("load", path=tiny["b"], device=0) == "BAD_CHECKSUM"  # a load finds it: not served
+        g, _ = other.request("load_group", path=tiny["b"], group={"tp_size": 1}, plan={"preset": "whole"})
+        assert g["error"]["code"] == "BAD_CHECKSUM" and "layers.0.odd" in g["error"]["message"], g
         # The corrupt set goes once released; a new load is clean.
         holder.call("release", lease=att["lease"])
         assert other.call("evict", set=rep["set"])["evicted"] == [rep["set"]]
