@@ -75,6 +75,7 @@ struct daemon {
   struct registry *reg;
   struct rroots *remote; /* the remote roots (NULL: none configured); freed after the registry */
   struct residency *res;
+  struct scrubber *scrub; /* scrubs of resident sets, asked for and in the background (state/scrub.h) */
   struct loader *ld;
   struct topology *topo; /* the devices as a group: NUMA nodes, peers, link rates (immutable) */
   struct server *srv;

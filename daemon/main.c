@@ -35,6 +35,7 @@
 #include "service/service.h"
 #include "service/startup.h"
 #include "service/survive.h"
+#include "state/scrub.h"
 #include "ops/telemetry.h"
 
 /* How often the STATUS= line is refreshed (only sent when it changed). */
@@ -268,6 +269,8 @@ static void on_stop_tick(uv_timer_t *t) {
   survive_destroy(d->surv); /* the store keeps the last generation: the next daemon re-adopts it */
   d->surv = NULL;
   server_close_all(d->srv);
+  scrub_destroy(d->scrub); /* stopped already: no scrub holds a set now */
+  d->scrub = NULL;
   res_destroy(d->res); /* its slabs are freed on the job pool, drained below */
   d->res = NULL;
   reg_destroy(d->reg);
@@ -304,6 +307,7 @@ static void request_stop(struct daemon *d) {
   http_stop(d->http);
   d->http = NULL;
   reg_stop(d->reg);
+  scrub_stop(d->scrub); /* scrubs not done yet are answered CANCELED */
   res_cancel_all(d->res);
   server_stop(d->srv);
   uv_timer_init(d->loop, &stop_timer);
@@ -515,6 +519,8 @@ fail:
   survive_destroy(d->surv);
   d->surv = NULL;
   if (d->srv != NULL) server_stop(d->srv);
+  scrub_destroy(d->scrub);
+  d->scrub = NULL;
   res_destroy(d->res);
   d->res = NULL;
   reg_destroy(d->reg);

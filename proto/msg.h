@@ -63,7 +63,8 @@
   XX(SHUTDOWN, "shutdown", MSG_OPF_PRIVILEGED, "stop the daemon")                                   \
   XX(HEALTH, "health", MSG_OPF_WHILE_STOPPING, "say whether the daemon is ready to serve (as /readyz)")    \
   XX(LOAD_GROUP, "load_group", MSG_OPF_EVENTS, "load every rank of a tensor/expert-parallel group, each onto its device") \
-  XX(RECLAIM, "reclaim", 0, "take back a lease granted before a daemon restart (same uid and pid)")
+  XX(RECLAIM, "reclaim", 0, "take back a lease granted before a daemon restart (same uid and pid)")         \
+  XX(SCRUB, "scrub", 0, "hash a resident set's tensors again and name those changed since it was loaded")
 
 enum msg_op {
   MSG_OP_UNKNOWN = -1,

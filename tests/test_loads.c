@@ -30,6 +30,7 @@
 
 #include "fixture.h"
 #include "base/hostmem.h"
+#include "manifest.h"
 #include "state_env.h"
 
 /* ---- the checkpoint --------------------------------------------------------------------- */
@@ -650,6 +651,13 @@ static const char *wm_load(struct fix *f, struct reg_ckpt *ck, const char *spec,
     if (slab != MAP_FAILED) {
       for (size_t i = 0; i < p->noutputs; i++)
         CHECK(memcmp(slab + p->outputs[i].offset, w.want + p->outputs[i].offset, p->outputs[i].nbytes) == 0);
+      /* The set's own digests (load/digest.c): XXH3-128 of each output of the expected image, whatever the method. */
+      CHECK(w.t.digests != NULL);
+      for (size_t i = 0; w.t.digests != NULL && i < p->noutputs; i++) {
+        unsigned char d[MF_DIGEST_BYTES];
+        mf_digest(w.want + p->outputs[i].offset, (size_t)p->outputs[i].nbytes, d);
+        CHECK(memcmp(d, w.t.digests[i], MF_DIGEST_BYTES) == 0);
+      }
       /* The gaps between outputs too (zero, over the allocation's poison): bytes never depend on the method. */
       if (memcmp(slab, w.want, p->slab_bytes) != 0) {
         fprintf(stderr, "%s: the slab differs from the image outside its outputs\n", ld_method_name(w.t.method));
@@ -659,6 +667,7 @@ static const char *wm_load(struct fix *f, struct reg_ckpt *ck, const char *spec,
     }
     b->ops->slab_free(b->ctx, w.t.slab);
   }
+  free(w.t.digests);
   plan_stage_free(sched);
   free(ends);
   free((void *)w.want);

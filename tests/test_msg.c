@@ -15,7 +15,7 @@
 static void test_op_names(void) {
   static const char *const names[] = {"hello",  "open",    "close", "prefetch", "load",    "cancel",
                                       "attach", "release", "evict", "status",   "shutdown", "health",
-                                      "load_group", "reclaim"};
+                                      "load_group", "reclaim", "scrub"};
   CHECK_EQ_INT(MSG_OP_COUNT, sizeof names / sizeof names[0]);
   for (int i = 0; i < MSG_OP_COUNT; i++) {
     const char *n = msg_op_name((enum msg_op)i);

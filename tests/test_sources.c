@@ -427,6 +427,7 @@ static void load_init(struct load *l, struct reg_ckpt *ck, const struct plan *p,
 /* Frees what ld_fill left to the caller (the slab) and what load_init composed. */
 static void load_fini(struct env *e, struct load *l) {
   if (l->t.slab != NULL) e->backend.ops->slab_free(e->backend.ctx, l->t.slab);
+  free(l->t.digests);
   ld_source_close(l->route);
   ld_source_close(l->direct);
 }

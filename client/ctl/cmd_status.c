@@ -150,6 +150,12 @@ static void print_status(const cJSON *r) {
       if (links != NULL) printf(", over the host links of %d devices", cJSON_GetArraySize(links));
       printf("\n");
     }
+    const cJSON *corrupt = cJSON_GetObjectItemCaseSensitive(x, "corrupt"), *t;
+    if (cJSON_GetArraySize(corrupt) > 0) {
+      printf("         CORRUPT (a scrub found changed; new leases refused):");
+      cJSON_ArrayForEach(t, corrupt) printf(" %s", cJSON_IsString(t) ? t->valuestring : "?");
+      printf("\n");
+    }
     free(plan);
   }
 

@@ -10,7 +10,7 @@
 /* The commands, in the order help lists them. */
 const struct ctl_cmd *const ctl_commands[] = {
     &ctl_cmd_status, &ctl_cmd_top, &ctl_cmd_health,   &ctl_cmd_open,    &ctl_cmd_prefetch, &ctl_cmd_load,
-    &ctl_cmd_attach, &ctl_cmd_prewarm,  &ctl_cmd_cancel,  &ctl_cmd_release,  &ctl_cmd_evict,
+    &ctl_cmd_attach, &ctl_cmd_prewarm,  &ctl_cmd_cancel,  &ctl_cmd_release,  &ctl_cmd_evict,    &ctl_cmd_scrub,
     &ctl_cmd_shutdown, &ctl_cmd_inspect, &ctl_cmd_plan,   &ctl_cmd_export,   &ctl_cmd_mkcheckpoint,
     &ctl_cmd_manifest, &ctl_cmd_verify, &ctl_cmd_demo,
 };

@@ -110,6 +110,14 @@ struct wd_peer_info {
  */
 #define WD_CAP_HOST_SLABS (1u << 0)
 
+/* A byte range of a slab, for slab_hash. */
+struct wd_hash_range {
+  uint64_t off, len;
+};
+
+/* The bytes of one digest slab_hash writes (XXH3-128, canonical: manifest.h's MF_DIGEST_BYTES). */
+#define WD_DIGEST_BYTES 16
+
 /* pinned_alloc flags. */
 #define WD_PINNED_WRITE_COMBINED (1u << 0) /* only the CPU writes it and only the device reads it */
 
@@ -194,6 +202,18 @@ struct wd_backend_ops {
    */
   int (*copy_peer)(void *ctx, struct wd_slab *dst, uint64_t dst_offset, const struct wd_slab *src,
                    uint64_t src_offset, uint64_t bytes, struct wd_stream *s, struct wd_error *err);
+  /*
+   * slab_hash: the XXH3-128 digest (seed 0, canonical byte order, as
+   * libxxhash and manifest.h compute it) of each of n ranges of a slab,
+   * filled or sealed, into out[i]. Synchronous: it returns once every
+   * digest is written. Runs on a job thread, never the loop; a slab may be
+   * hashed while peer copies read it. host: libxxhash over the memfd's
+   * bytes on the calling thread; cuda: a kernel (slab_hash_cuda.cu), one
+   * warp per range, on the slab's device. NULL: the backend cannot hash its
+   * slabs (scrubs of its sets answer UNSUPPORTED).
+   */
+  int (*slab_hash)(void *ctx, const struct wd_slab *slab, const struct wd_hash_range *ranges, size_t n,
+                   unsigned char (*out)[WD_DIGEST_BYTES], struct wd_error *err);
   /* A device buffer that is never exported (a bounce buffer), freed with slab_free. */
   int (*scratch_alloc)(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err);
   /*
@@ -224,6 +244,12 @@ int backend_host_create(struct wd_backend *out, struct wd_error *err);
 struct wd_host_options {
   int devices;       /* 1 or more */
   const char *peers; /* NULL: "all" */
+  /*
+   * For tests only: slabs are never sealed against writes, so a client may
+   * map its descriptor read-write and change a set's bytes, as a cuda_ipc
+   * importer can on a GPU (the scrub's tests inject corruption so).
+   */
+  int writable;
 };
 int backend_host_create_devices(struct wd_backend *out, const struct wd_host_options *o, struct wd_error *err);
 

@@ -48,6 +48,7 @@
 #include "backend.h"
 #include "backend_cuda_vmm.h"
 #include "cuda_ctx.h"
+#include "slab_hash_cuda.h"
 
 /* cudaHostRegister is asked for at most this much at once. */
 #define CUDA_REGISTER_CHUNK (64ull << 30)
@@ -457,6 +458,27 @@ static int cu_copy_peer(void *ctx, struct wd_slab *dst, uint64_t dst_offset, con
 }
 
 /* A bounce buffer: cudaMalloc memory (freed by cu_slab_free as a legacy slab), never exported. */
+/* The scrub kernel over ranges of the slab, on a stream of its own of the slab's device. */
+static int cu_slab_hash(void *ctx, const struct wd_slab *s, const struct wd_hash_range *ranges, size_t n,
+                        unsigned char (*out)[WD_DIGEST_BYTES], struct wd_error *err) {
+  (void)ctx;
+  const struct cuda_slab *cs = s->impl;
+  for (size_t i = 0; i < n; i++)
+    if (ranges[i].off > s->bytes || ranges[i].len > s->bytes - ranges[i].off)
+      return err_set(err, WEIGHTD_E_INTERNAL, "digest of bytes %llu+%llu past the end of a slab of %llu",
+                     (unsigned long long)ranges[i].off, (unsigned long long)ranges[i].len,
+                     (unsigned long long)s->bytes);
+  if (n == 0) return 0;
+  _Static_assert(sizeof(struct wd_hash_range) == 2 * sizeof(uint64_t), "ranges are (offset, length) pairs");
+  CK(cudaSetDevice(s->device), "cudaSetDevice");
+  cudaStream_t st;
+  CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  cudaError_t e = xxh3_cuda_ranges(cs->base, (const uint64_t *)ranges, n, &out[0][0], st);
+  cudaStreamDestroy(st);
+  if (e != cudaSuccess) return cuda_fail(err, e, "the digest kernel");
+  return 0;
+}
+
 static int cu_scratch_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab **out, struct wd_error *err) {
   return slab_make(ctx, device, bytes, WD_HANDLE_CUDA_IPC, out, err);
 }
@@ -501,6 +523,7 @@ static const struct wd_backend_ops cuda_ops = {
     .copy_h2d = cu_copy_h2d,
     .peer_query = cu_peer_query,
     .copy_peer = cu_copy_peer,
+    .slab_hash = cu_slab_hash,
     .scratch_alloc = cu_scratch_alloc,
     .pci_bus_id = cu_pci_bus_id,
     .destroy = cu_destroy,

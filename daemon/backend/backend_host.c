@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "backend.h"
+#include "manifest.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010 /* Linux 5.1 */
@@ -51,6 +52,7 @@ struct wd_event {
 struct host_ctx {
   int ndev;
   unsigned char *peer; /* ndev * ndev: peer[src * ndev + dst] */
+  int writable;        /* tests: slabs never sealed against writes (wd_host_options.writable) */
 };
 
 /* The context of backend_host_create: one device, no peers. */
@@ -140,7 +142,10 @@ static int host_slab_alloc(void *ctx, int device, uint64_t bytes, struct wd_slab
   s->bytes = bytes;
   s->host_view = p;
   /* Before Linux 5.1 the slab is shared only once sealed whole (no early attach). */
-  s->export_while_filling = fcntl(h->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) == 0;
+  if (((const struct host_ctx *)ctx)->writable)
+    s->export_while_filling = fcntl(h->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) == 0;
+  else
+    s->export_while_filling = fcntl(h->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) == 0;
   s->impl = h;
   *out = s;
   return 0;
@@ -152,12 +157,12 @@ fail:
 }
 
 static int host_slab_seal(void *ctx, struct wd_slab *s, struct wd_error *err) {
-  (void)ctx;
   struct host_slab *h = s->impl;
   if (s->host_view != NULL) {
     munmap(s->host_view, h->map_len);
     s->host_view = NULL;
   }
+  if (((const struct host_ctx *)ctx)->writable) return 0; /* tests: clients may write it */
   if (fcntl(h->fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) == 0) return 0;
   /*
    * A client that attached early holds a read-write descriptor of the memfd
@@ -339,6 +344,30 @@ static int host_copy_peer(void *ctx, struct wd_slab *dst, uint64_t dst_offset, c
   return 0;
 }
 
+/* ---- digests ---------------------------------------------------------------------- */
+
+/* libxxhash over the slab's bytes: its writable mapping while it fills, else a read-only one made for the call. */
+static int host_slab_hash(void *ctx, const struct wd_slab *s, const struct wd_hash_range *ranges, size_t n,
+                          unsigned char (*out)[WD_DIGEST_BYTES], struct wd_error *err) {
+  (void)ctx;
+  for (size_t i = 0; i < n; i++)
+    if (ranges[i].off > s->bytes || ranges[i].len > s->bytes - ranges[i].off)
+      return err_set(err, WEIGHTD_E_INTERNAL, "digest of bytes %llu+%llu past the end of a slab of %llu",
+                     (unsigned long long)ranges[i].off, (unsigned long long)ranges[i].len,
+                     (unsigned long long)s->bytes);
+  const struct host_slab *h = s->impl;
+  const unsigned char *view = s->host_view;
+  if (view == NULL) {
+    view = mmap(NULL, h->map_len, PROT_READ, MAP_SHARED, h->fd, 0);
+    if (view == MAP_FAILED)
+      return err_set(err, errno == ENOMEM ? WEIGHTD_E_NOMEM : WEIGHTD_E_DEVICE, "mapping a slab to digest it: %s",
+                     strerror(errno));
+  }
+  for (size_t i = 0; i < n; i++) mf_digest(view + ranges[i].off, (size_t)ranges[i].len, out[i]);
+  if (view != s->host_view) munmap((void *)view, h->map_len);
+  return 0;
+}
+
 static void host_destroy(void *ctx) {
   struct host_ctx *c = ctx;
   if (c == NULL || c == &host_one) return;
@@ -369,6 +398,7 @@ static const struct wd_backend_ops host_ops = {
     .copy_h2d = host_copy_h2d,
     .peer_query = host_peer_query,
     .copy_peer = host_copy_peer,
+    .slab_hash = host_slab_hash,
     .scratch_alloc = host_slab_alloc, /* a slab that is never sealed nor exported */
     .pci_bus_id = NULL,               /* host memory is no PCI device */
     .destroy = host_destroy,
@@ -412,14 +442,16 @@ static int parse_peers(struct host_ctx *c, const char *spec, struct wd_error *er
 int backend_host_create_devices(struct wd_backend *out, const struct wd_host_options *o, struct wd_error *err) {
   out->ops = NULL;
   out->ctx = NULL;
-  if (o == NULL || o->devices <= 1) return backend_host_create(out, err);
+  if (o == NULL || (o->devices <= 1 && !o->writable)) return backend_host_create(out, err);
+  int ndev = o->devices > 1 ? o->devices : 1;
   struct host_ctx *c = calloc(1, sizeof *c);
-  if (c != NULL) c->peer = calloc((size_t)o->devices * (size_t)o->devices, 1);
+  if (c != NULL) c->peer = calloc((size_t)ndev * (size_t)ndev, 1);
   if (c == NULL || c->peer == NULL) {
     free(c);
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   }
-  c->ndev = o->devices;
+  c->ndev = ndev;
+  c->writable = o->writable;
   int rc = parse_peers(c, o->peers, err);
   if (rc != 0) {
     host_destroy(c);

@@ -200,6 +200,13 @@ static const struct cfg_key keys[] = {
      "a manifest that does not describe the files fails every open of the checkpoint, whatever this setting "
      "(read at start)",
      verify_names},
+    {"scrub_duty", CFG_UINT, OFF(scrub_duty), 0, 0, 100, "1",
+     "percent of its time the scrub thread spends hashing resident sets in the background, one set at a time "
+     "in turn, against the digests recorded when each was loaded (it sleeps in proportion to each batch it "
+     "hashed); a tensor that differs marks its set corrupt (log, status, metric, an event to its holders; new "
+     "leases refused with BAD_CHECKSUM). 0: no background scrubs (weightctl scrub still works); read at start"},
+    {"scrub_interval_ms", CFG_UINT, OFF(scrub_interval_ms), 0, 1, 86400000, "60000",
+     "the pause between the end of one set's background scrub and the start of the next one's; read at start"},
     {"load_method", CFG_ENUM, OFF(load_method), 0, 0, 0, "auto",
      "auto | staged: staged sends every load through the pinned staging slots, also on the host "
      "backend and for pinned checkpoints (for tests and comparisons)",
@@ -271,6 +278,10 @@ static const struct cfg_key keys[] = {
     {"test_refuse_odirect", CFG_ENUM, OFF(test_refuse_odirect), 0, 0, 0, "off",
      "for tests only: on makes every O_DIRECT open fail as on a filesystem that refuses O_DIRECT (loads then "
      "fall back to mmap, and say so); off (the default): no effect", onoff_names},
+    {"test_writable_slabs", CFG_ENUM, OFF(test_writable_slabs), 0, 0, 0, "off",
+     "for tests only: on leaves host-backend sets unsealed, so that a client can map one read-write and change "
+     "its bytes as a legacy cuda_ipc importer can on a GPU (the scrub's tests); off (the default): sets are "
+     "sealed read-only", onoff_names},
 };
 
 #define NKEYS (sizeof keys / sizeof keys[0])

@@ -81,12 +81,15 @@ struct wd_config {
   enum cfg_source source;           /* where loads read bytes from (load/source.h) */
   uint64_t auto_direct_bytes;       /* source auto: larger plans read O_DIRECT; 0 = half of host memory */
   enum cfg_verify verify;           /* on_load: loads check the bytes they read against the manifest */
+  uint64_t scrub_duty;              /* percent of the scrub thread's time spent hashing sets in the background; 0: off */
+  uint64_t scrub_interval_ms;       /* between the end of one set's background scrub and the start of the next */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
   enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */
   enum cfg_writes staging_writes;   /* how fill threads write the staging slots */
   char *test_load_gate; /* "" = none; for tests: a FIFO loads read a byte from before each window */
   enum cfg_onoff test_refuse_odirect; /* for tests: every O_DIRECT open fails with EINVAL */
+  enum cfg_onoff test_writable_slabs; /* for tests: host slabs are never sealed against writes */
   /* Several devices (docs/multi-gpu.md). */
   enum cfg_switch replicas;  /* a set resident on a peer is copied device to device */
   enum cfg_switch striping;  /* a load borrows idle neighbours' host links */

@@ -129,6 +129,15 @@ void ld_count_reads(struct ld_target *t, const struct ld_reader *rd);
  */
 int ld_verify(struct loader *ld, struct ld_target *t, const struct ld_source *src, struct wd_error *err);
 
+/*
+ * digest.c: the set's own digests (t->digests, one per plan output) from the
+ * backend's slab_hash over the filled slab, each whole-tensor output checked
+ * against the manifest when there is one (BAD_CHECKSUM naming the tensor).
+ * A backend without slab_hash, or whose slab_hash fails (logged), leaves
+ * t->digests NULL and returns 0.
+ */
+int ld_digest(struct loader *ld, struct ld_target *t, struct wd_error *err);
+
 /* ---- pipeline.c --------------------------------------------------------------------- */
 
 /* The registered-range test: bytes from file offset off of shard that lie in one of t->pins (0: none). */

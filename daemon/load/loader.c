@@ -290,6 +290,8 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   /* A shard rewritten while we copied (or verified) would have given a mix of old and new bytes. */
   if (rc == 0) rc = ld_source_unchanged(src, err);
   if (rc == 0) ld_publish_final(t);
+  /* The set's own digests, for scrubs; whole tensors checked against the manifest. */
+  if (rc == 0) rc = ld_digest(ld, t, err);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, t->slab, err);
   ld_pool_set_home(-1);
   opened_close(&o);

@@ -110,6 +110,8 @@ struct ld_target {
   uint64_t verified_chunks;   /* manifest chunks checked, by verify on_load or a remote source as it read (0: none) */
   uint64_t verify_mismatches; /* of them, those whose digest differed */
   atomic_uint_fast64_t source_checked, source_mismatches; /* what the source checked as it read (fill threads) */
+  /* XXH3-128 of each plan output as loaded (digest.c; malloc'd, the set's to free), or NULL: the backend cannot hash. */
+  unsigned char (*digests)[WD_DIGEST_BYTES];
 };
 
 #endif

@@ -272,7 +272,7 @@ static void (*const handlers[MSG_OP_COUNT])(struct request *r) = {
     [MSG_OP_ATTACH] = op_attach,     [MSG_OP_RELEASE] = op_release, [MSG_OP_EVICT] = op_evict,
     [MSG_OP_STATUS] = op_status,     [MSG_OP_SHUTDOWN] = op_shutdown, [MSG_OP_HEALTH] = op_health,
     [MSG_OP_LOAD_GROUP] = op_load_group,
-    [MSG_OP_RECLAIM] = op_reclaim,
+    [MSG_OP_RECLAIM] = op_reclaim,   [MSG_OP_SCRUB] = op_scrub,
 };
 
 void ops_dispatch(struct request *r) {

@@ -22,4 +22,12 @@ void ops_conn_gone(struct conn *c);
 /* True while the connection holds a lease (it is then never closed for idleness). */
 bool ops_conn_holds_leases(const struct conn *c);
 
+struct res_set;
+/*
+ * The scrubber's on_corrupt hook (arg: the daemon): tells every connection
+ * holding a lease on s, with an unsolicited {"event": "corrupt"} naming the
+ * set and the tensors outs[0..n) of its plan found changed.
+ */
+void ops_scrub_corrupt(void *arg, struct res_set *s, const size_t *outs, size_t n);
+
 #endif

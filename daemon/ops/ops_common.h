@@ -79,6 +79,7 @@ void op_load(struct request *r);
 void op_attach(struct request *r);
 void op_evict(struct request *r);
 void op_status(struct request *r);
+void op_scrub(struct request *r);
 
 /* Cancels a request of this connection that waits in the sets code (load, attach); true if it waited. */
 bool ops_sets_cancel(struct request *target);

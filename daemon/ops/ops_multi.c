@@ -245,6 +245,12 @@ static void rank_done(struct res_waiter *w, struct res_set *s, bool joined, cons
   struct ops_group *g = k->g;
   struct daemon *d = req_daemon(g->req);
   k->done = true;
+  struct wd_error corrupt = {0};
+  if (s != NULL && s->ncorrupt > 0) { /* resident, but a scrub found it changed: this rank fails as a load would */
+    res_set_corrupt_error(s, &corrupt);
+    s = NULL;
+    err = &corrupt;
+  }
   cJSON *e = cJSON_CreateObject();
   json_u64_add(e, "rank", (uint64_t)(k - g->ranks));
   json_u64_add(e, "tp_rank", k->tp_rank);

@@ -279,6 +279,12 @@ void op_prefetch(struct request *r) {
 
 static void reply_loaded(struct request *r, struct res_set *s, bool shared) {
   struct daemon *d = req_daemon(r);
+  struct wd_error err = {0};
+  if (s->ncorrupt > 0) { /* resident, but a scrub found it changed: not what the caller asked for */
+    res_set_corrupt_error(s, &err);
+    req_fail_err(r, &err);
+    return;
+  }
   cJSON *rep = msg_reply_ok(r->id);
   msg_add_string(rep, "set", s->id);
   msg_add_string(rep, "device", res_device(d->res, s->device)->info.uuid);

@@ -108,6 +108,12 @@ cJSON *ops_set_json(const struct daemon *d, const struct res_set *s) {
     cJSON_AddNumberToObject(o, "seconds", s->seconds);
     msg_add_string(o, "method", res_set_method(s));
     if (s->load.slab != NULL) msg_add_string(o, "handles", wd_handle_kind_name(s->load.slab->kind));
+    cJSON_AddBoolToObject(o, "digests", s->load.digests != NULL); /* a scrub can check it */
+    if (s->ncorrupt > 0) { /* tensors a scrub found changed since the load */
+      cJSON *c = cJSON_AddArrayToObject(o, "corrupt");
+      for (size_t i = 0; i < s->plan->noutputs; i++)
+        if (s->corrupt[i]) cJSON_AddItemToArray(c, cJSON_CreateString(s->plan->outputs[i].name));
+    }
   }
   ops_multi_set_fields(d, s, o);
   return o;

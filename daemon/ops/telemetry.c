@@ -24,6 +24,7 @@
 #include "base/log.h"
 #include "remote/fetch.h"
 #include "remote/rroots.h"
+#include "state/scrub.h"
 
 /* ---- the cache ---------------------------------------------------------------------- */
 
@@ -336,6 +337,19 @@ static void collect_loads(struct daemon *d, struct collection *c) {
   f = family(c, "weightd_verify_mismatches_total", "counter",
              "Of those, chunks whose bytes differed from the manifest (each failed its load with BAD_CHECKSUM).");
   sample(c, f, (double)st->verify_mismatches, NULL);
+  if (d->scrub != NULL) {
+    const struct scrub_stats *ss = scrub_stats(d->scrub);
+    f = family(c, "weightd_scrubbed_bytes_total", "counter",
+               "Bytes of resident sets that scrubs hashed again (background and asked for).");
+    sample(c, f, (double)ss->scrubbed_bytes, NULL);
+    f = family(c, "weightd_scrub_mismatches_total", "counter",
+               "Tensors that scrubs found changed since their set was loaded (each time a scrub found one).");
+    sample(c, f, (double)ss->mismatches, NULL);
+    size_t corrupt = 0;
+    for (const struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) corrupt += s->ncorrupt > 0;
+    f = family(c, "weightd_sets_corrupt", "gauge", "Resident sets a scrub found corrupt (they refuse new leases).");
+    sample(c, f, (double)corrupt, NULL);
+  }
   f = family(c, "weightd_last_load_gib_per_second", "gauge", "Rate of the last successful load (payload GiB/s).");
   sample(c, f, st->last_gib_per_s, NULL);
   f = family(c, "weightd_sets_readopted_total", "counter",

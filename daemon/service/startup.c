@@ -14,6 +14,8 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "ops/ops.h"
+#include "state/scrub.h"
 #include "remote/rroots.h"
 #include "sockpath.h"
 #include "transport/server.h"
@@ -58,8 +60,11 @@ static const char *nvidia_node(void) {
 
 /* The host backend, with the devices and peers the configuration asks for. */
 static int host_backend(struct daemon *d, struct wd_error *err) {
-  struct wd_host_options o = {.devices = (int)d->cfg.host_devices, .peers = d->cfg.host_peers};
+  struct wd_host_options o = {.devices = (int)d->cfg.host_devices,
+                              .peers = d->cfg.host_peers,
+                              .writable = d->cfg.test_writable_slabs == CFG_ON};
   d->backend_name = "host";
+  if (o.writable) log_msg(LOG_WARN, "test_writable_slabs on: clients may write the sets they attach (tests only)");
   return backend_host_create_devices(&d->backend, &o, err);
 }
 
@@ -343,6 +348,22 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                             .replicas = ld_has_peers(d->ld) && d->cfg.replicas == CFG_SWITCH_AUTO};
     rc = res_create(&rp, &d->res, err);
   }
+  if (rc == 0) {
+    struct scrub_params sp = {.loop = d->loop,
+                              .backend = &d->backend,
+                              .res = d->res,
+                              .duty = (unsigned)d->cfg.scrub_duty,
+                              .interval_ms = d->cfg.scrub_interval_ms,
+                              .on_corrupt = ops_scrub_corrupt,
+                              .on_corrupt_arg = d};
+    rc = scrub_create(&sp, &d->scrub, err);
+    if (rc == 0 && d->backend.ops->slab_hash == NULL)
+      log_msg(LOG_WARN, "the %s backend cannot hash its memory: sets get no digests, scrubs answer UNSUPPORTED",
+              d->backend.ops->name);
+    else if (rc == 0)
+      log_msg(LOG_INFO, "scrub: background duty %llu%%, a set every %llu ms after the last (0%%: off)",
+              (unsigned long long)d->cfg.scrub_duty, (unsigned long long)d->cfg.scrub_interval_ms);
+  }
   free(devices);
   return rc;
 }
@@ -369,6 +390,8 @@ static int remote_start(struct daemon *d, struct wd_error *err) {
 }
 
 void startup_free(struct daemon *d) {
+  scrub_destroy(d->scrub);
+  d->scrub = NULL;
   res_destroy(d->res);
   d->res = NULL;
   reg_destroy(d->reg);

@@ -249,6 +249,10 @@ void res_set_destroy(struct res_set *s, struct slab_list *keep) {
   if (s->device >= 0 && s->device < r->ndevices) r->devices[s->device].used -= s->plan->slab_bytes;
   free((void *)s->load.pins);
   s->load.pins = NULL;
+  free(s->load.digests);
+  s->load.digests = NULL;
+  free(s->corrupt);
+  s->corrupt = NULL;
   plan_free(s->plan);
   reg_touch(s->ck); /* its checkpoint's idle time starts when its last set goes */
   reg_unref(s->ck);
@@ -263,6 +267,7 @@ int res_evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reas
   if (s->leases > 0) return err_set(err, WEIGHTD_E_BUSY, "set %s has %d lease(s)", s->id, s->leases);
   if (s->copying > 0)
     return err_set(err, WEIGHTD_E_BUSY, "set %s is being copied to another device by %u load(s)", s->id, s->copying);
+  if (s->scrubbing > 0) return err_set(err, WEIGHTD_E_BUSY, "set %s is being scrubbed; retry when it is done", s->id);
   log_msg(LOG_INFO, "evicted set %s (%s, %" PRIu64 " bytes; %s)", s->id, s->ck->path, s->plan->slab_bytes,
           res_evict_reason_name(why));
   s->res->stats.evictions[why]++;
@@ -271,7 +276,7 @@ int res_evict_one(struct res_set *s, struct slab_list *keep, enum res_evict_reas
 }
 
 bool res_evictable(const struct res_set *s, int device) {
-  return s->device == device && s->state == SET_READY && s->leases == 0 && s->copying == 0;
+  return s->device == device && s->state == SET_READY && s->leases == 0 && s->copying == 0 && s->scrubbing == 0;
 }
 
 uint64_t res_device_budget(const struct residency *r, int device) {
@@ -465,9 +470,19 @@ int res_set_table_fd(struct res_set *s, struct wd_error *err) {
   return 0;
 }
 
+int res_set_corrupt_error(const struct res_set *s, struct wd_error *err) {
+  size_t first = 0;
+  while (first < s->plan->noutputs && !s->corrupt[first]) first++;
+  return err_set(err, WEIGHTD_E_BAD_CHECKSUM,
+                 "set %s is corrupt: a scrub found tensor '%s'%s changed since it was loaded; evict it and load it "
+                 "again", s->id, first < s->plan->noutputs ? s->plan->outputs[first].name : "?",
+                 s->ncorrupt > 1 ? " and others" : "");
+}
+
 int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,
                   struct wd_error *err) {
   if (s->state != SET_READY && !res_set_early_ok(s)) return err_set(err, WEIGHTD_E_BUSY, "set %s is not ready", s->id);
+  if (s->ncorrupt > 0) return res_set_corrupt_error(s, err);
   uint64_t n = res_next_id(r);
   if (n == 0) return err_set(err, WEIGHTD_E_LIMIT, "no lease id is left (the last, l%llu, was given)", RES_ID_MAX);
   struct lease *l = calloc(1, sizeof *l);

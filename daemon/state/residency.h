@@ -81,6 +81,11 @@ struct res_set {
   struct res_set **copy_from;
   size_t ncopy_from;
   unsigned copying;
+  /* Scrubs (scrub.h): how many are reading the slab now (the set is not evicted meanwhile), and the outputs
+   * found to differ from their digests at load (NULL until one does; then noutputs flags), ncorrupt of them. */
+  unsigned scrubbing;
+  bool *corrupt;
+  size_t ncorrupt;
   struct res_set *next;
 };
 
@@ -220,7 +225,14 @@ struct res_set *res_find_plan(const struct residency *r, const struct reg_ckpt *
 /* ---- leases --------------------------------------------------------------- */
 
 /*
+ * BAD_CHECKSUM for a set a scrub found corrupt (ncorrupt > 0), naming a
+ * tensor: what a lease on it, or a load that finds it, is answered.
+ */
+int res_set_corrupt_error(const struct res_set *s, struct wd_error *err);
+
+/*
  * Adds a lease on a READY set, or a LOADING one that res_set_early_ok, for holder; *out is the new lease.
+ * A corrupt set (scrub.h) is refused with res_set_corrupt_error.
  * A lease on a LOADING set keeps its load going (a cancel asked for before is withdrawn).
  */
 int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,

@@ -31,7 +31,9 @@
  * attached early, each tensor checked as its window's copies complete) and
  * the default pin policy (a rank's ranges registered after its first load
  * with cudaHostRegister on parts of the mappings, the next load direct with
- * its copies cut at registration boundaries), every byte read back. Every
+ * its copies cut at registration boundaries), every byte read back; scrubs
+ * (the kernel's digests at load taken again; with legacy handles a byte
+ * written through the IPC mapping named, and the set refusing leases). Every
  * daemon runs without metrics (metrics_address=: no port shared with other
  * tests). Exits 77 (skipped) without a GPU.
  */
@@ -799,6 +801,59 @@ static void test_pin_after_load(void) {
   daemon_stop(pid);
 }
 
+/* ---- scrubs ----------------------------------------------------------------------------------- */
+
+/* The scrub op's reply for set id (malloc'd JSON text), or NULL after a failed check. */
+static char *scrub_reply(const char *id) {
+  char req[128], *reply = NULL;
+  snprintf(req, sizeof req, "{\"op\":\"scrub\",\"set\":\"%s\"}", id);
+  int rc = weightd_request(g_c, req, &reply, NULL, NULL);
+  CHECK_EQ_INT(rc, 0);
+  return rc == 0 ? reply : NULL;
+}
+
+/*
+ * The scrub kernel on the real device: a set scrubs clean after its load
+ * (the digests the kernel took after the copies, taken again); with legacy
+ * handles, one byte written through this process's writable IPC mapping is
+ * named by the next scrub (the op, and weightctl scrub's exit 1), and the set
+ * refuses a new lease with BAD_CHECKSUM.
+ */
+static void test_scrub(void) {
+  static const char *const spec = "{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":0}";
+  struct weightd_load_options o = {sizeof o, NULL, spec, NULL, NULL};
+  weightd_set *s = NULL;
+  CHECK_EQ_INT(weightd_attach_path(g_c, ckpt, &o, &s), 0);
+  if (s == NULL) return;
+  char id[32];
+  snprintf(id, sizeof id, "%s", weightd_set_id(s));
+  char *r = scrub_reply(id);
+  CHECK_STR_CONTAINS(r, "\"clean\":true");
+  weightd_free(r);
+  char *clean[] = {(char *)weightctl_bin, "--socket", sock, "scrub", id, NULL};
+  CHECK_EQ_INT(run_cmd(clean), 0);
+  if (want_kind != WEIGHTD_HANDLE_CUDA_IPC) { /* libweightd maps VMM sets read-only: no write to make */
+    release_and_evict(g_c, s);
+    return;
+  }
+  weightd_tensor t = {.struct_size = sizeof t};
+  CHECK_EQ_INT(weightd_set_tensor(s, weightd_set_tensor_count(s) / 2, &t), 0);
+  unsigned char b = 0;
+  CHECK_EQ_INT(cudaMemcpy(&b, (char *)t.data + t.nbytes - 1, 1, cudaMemcpyDeviceToHost), cudaSuccess);
+  b ^= 0x40;
+  CHECK_EQ_INT(cudaMemcpy((char *)t.data + t.nbytes - 1, &b, 1, cudaMemcpyHostToDevice), cudaSuccess);
+  r = scrub_reply(id);
+  CHECK_STR_CONTAINS(r, "\"clean\":false");
+  char want[256];
+  snprintf(want, sizeof want, "\"tensor\":\"%s\"", t.name);
+  CHECK_STR_CONTAINS(r, want);
+  weightd_free(r);
+  CHECK_EQ_INT(run_cmd(clean), 1);
+  weightd_set *again = NULL;
+  CHECK_EQ_INT(weightd_attach(g_c, id, &again), WEIGHTD_E_BAD_CHECKSUM);
+  release_and_evict(g_c, s);
+}
+
 int main(int argc, char **argv) {
   self_bin = argv[0];
   if (argc == 4 && strcmp(argv[1], "--write-probe") == 0) return write_probe(argv[2], argv[3]);
@@ -861,6 +916,7 @@ int main(int argc, char **argv) {
   RUN(test_moe_layouts);
   RUN(test_staged_rows);
   RUN(test_pin_after_load);
+  RUN(test_scrub);
   RUN(test_read_only_write_refused); /* last: it makes a GPU fault in a process of its own */
   weightd_close(c);
   stop_daemon();

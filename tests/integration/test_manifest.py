@@ -268,8 +268,13 @@ def test_off_by_default_and_a_foreign_manifest_refused(daemon, ckpt, model_root)
     flip(os.path.join(ckpt, "model-00002-of-00002.safetensors"),
          tensor_offset(ckpt, "model-00002-of-00002.safetensors", "head.weight", within=10))
     with daemon.connect() as c:
-        r = c.call("load", path=ckpt)  # verify is off: the manifest is read and checked, the bytes are not
-        c.call("evict", set=r["set"])
+        # verify is off: the files' chunks are not read again, but every output that is a whole tensor is
+        # checked against the manifest's tensor digest once loaded (the set's own digests; test_scrub.py).
+        with pytest.raises(WDError) as e:
+            c.call("load", path=ckpt)
+        assert e.value.code == "BAD_CHECKSUM"
+        assert f"tensor 'head.weight' as loaded differs from {MANIFEST}" in e.value.message
+        assert c.status()["sets"] == []
         c.call("close", path=ckpt)
     # A manifest of other files (another layout) makes every open fail, naming it.
     other = os.path.join(model_root, "mf-other")
