@@ -130,7 +130,8 @@ static inline int env_start(struct env *e, const struct env_opts *o) {
                            .topo = e->topo,
                            .replicas = o->replicas,
                            .striping = o->striping,
-                           .stripe_min_bytes = o->stripe_min_bytes};
+                           .stripe_min_bytes = o->stripe_min_bytes,
+                           .digests = true}; /* every load's digests, as with the scrub setting on */
     rc = ld_create(&lp, &e->ld, &err);
     if (rc == 0) rc = ld_staging_start(e->ld, &err);
     struct res_params rp = {.loop = &e->loop,

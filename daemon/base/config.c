@@ -200,11 +200,17 @@ static const struct cfg_key keys[] = {
      "a manifest that does not describe the files fails every open of the checkpoint, whatever this setting "
      "(read at start)",
      verify_names},
+    {"scrub", CFG_ENUM, OFF(scrub), 0, 0, 0, "off",
+     "on: every load records an XXH3-128 digest of each tensor of its set as loaded (whole tensors also checked "
+     "against the manifest), which weightctl scrub and the background scrub compare the resident bytes with; "
+     "off (the default, until its cost on a GPU load is measured): no digests, and scrubs answer UNSUPPORTED "
+     "(read at start)", onoff_names},
     {"scrub_duty", CFG_UINT, OFF(scrub_duty), 0, 0, 100, "1",
      "percent of its time the scrub thread spends hashing resident sets in the background, one set at a time "
      "in turn, against the digests recorded when each was loaded (it sleeps in proportion to each batch it "
      "hashed); a tensor that differs marks its set corrupt (log, status, metric, an event to its holders; new "
-     "leases refused with BAD_CHECKSUM). 0: no background scrubs (weightctl scrub still works); read at start"},
+     "leases refused with BAD_CHECKSUM). 0: no background scrubs (weightctl scrub still works); with scrub off "
+     "nothing is scrubbed; read at start"},
     {"scrub_interval_ms", CFG_UINT, OFF(scrub_interval_ms), 0, 1, 86400000, "60000",
      "the pause between the end of one set's background scrub and the start of the next one's; read at start"},
     {"load_method", CFG_ENUM, OFF(load_method), 0, 0, 0, "auto",

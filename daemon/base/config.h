@@ -81,6 +81,7 @@ struct wd_config {
   enum cfg_source source;           /* where loads read bytes from (load/source.h) */
   uint64_t auto_direct_bytes;       /* source auto: larger plans read O_DIRECT; 0 = half of host memory */
   enum cfg_verify verify;           /* on_load: loads check the bytes they read against the manifest */
+  enum cfg_onoff scrub;             /* digests at load, and scrubs against them */
   uint64_t scrub_duty;              /* percent of the scrub thread's time spent hashing sets in the background; 0: off */
   uint64_t scrub_interval_ms;       /* between the end of one set's background scrub and the start of the next */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */

@@ -41,7 +41,7 @@ int ld_digest(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   const struct wd_backend *b = ld->backend;
   free(t->digests);
   t->digests = NULL;
-  if (b->ops->slab_hash == NULL) return 0; /* no digests: a scrub of the set says UNSUPPORTED */
+  if (!ld->digests || b->ops->slab_hash == NULL) return 0; /* no digests: a scrub of the set says UNSUPPORTED */
   const struct plan *p = t->plan;
   size_t n = p->noutputs;
   struct wd_hash_range *ranges = calloc(n ? n : 1, sizeof *ranges);

@@ -62,6 +62,7 @@ struct loader {
   bool refuse_odirect;
   uint64_t auto_direct_bytes; /* 0: LD_AUTO_DIRECT_PERCENT of host memory */
   bool verify;                /* ld_params' verify */
+  bool digests;               /* ld_params' digests */
   char *gate;     /* test_load_gate, or NULL */
   int *nodes;     /* per device, its NUMA node (-1: none) */
   void (*place)(void *arg, int device);

@@ -328,6 +328,7 @@ int ld_create(const struct ld_params *p, struct loader **out, struct wd_error *e
   ld->refuse_odirect = p->test_refuse_odirect;
   ld->auto_direct_bytes = p->auto_direct_bytes;
   ld->verify = p->verify;
+  ld->digests = p->digests;
   ld->place = p->place;
   ld->place_arg = p->place_arg;
   const struct wd_backend_ops *ops = p->backend->ops;

@@ -61,6 +61,7 @@ struct ld_params {
   bool test_refuse_odirect; /* for tests only: every O_DIRECT open fails as a filesystem that refuses it would */
   uint64_t auto_direct_bytes; /* source auto reads O_DIRECT for plans larger than this; 0: LD_AUTO_DIRECT_PERCENT of host memory */
   bool verify;                /* check the file bytes of every load against the checkpoint's manifest (verify.c) */
+  bool digests;               /* record each set's digests as loaded (digest.c; the scrub setting) */
   /* Several devices (docs/multi-gpu.md); topo NULL or one device: each load uses its own device only. */
   const struct topology *topo; /* outlives the loader */
   bool replicas;               /* replicas = auto */

@@ -301,6 +301,7 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                          .test_refuse_odirect = d->cfg.test_refuse_odirect == CFG_ON,
                          .auto_direct_bytes = d->cfg.auto_direct_bytes,
                          .verify = d->cfg.verify == CFG_VERIFY_ON_LOAD,
+                         .digests = d->cfg.scrub == CFG_ON,
                          .topo = d->topo,
                          .replicas = d->cfg.replicas == CFG_SWITCH_AUTO,
                          .striping = d->cfg.striping == CFG_SWITCH_AUTO,
@@ -352,12 +353,15 @@ int startup_state(struct daemon *d, struct wd_error *err) {
     struct scrub_params sp = {.loop = d->loop,
                               .backend = &d->backend,
                               .res = d->res,
-                              .duty = (unsigned)d->cfg.scrub_duty,
+                              .off = d->cfg.scrub != CFG_ON,
+                              .duty = d->cfg.scrub == CFG_ON ? (unsigned)d->cfg.scrub_duty : 0,
                               .interval_ms = d->cfg.scrub_interval_ms,
                               .on_corrupt = ops_scrub_corrupt,
                               .on_corrupt_arg = d};
     rc = scrub_create(&sp, &d->scrub, err);
-    if (rc == 0 && d->backend.ops->slab_hash == NULL)
+    if (rc == 0 && d->cfg.scrub != CFG_ON)
+      log_msg(LOG_INFO, "scrub off: sets get no digests and are not scrubbed (scrub: on turns it on)");
+    else if (rc == 0 && d->backend.ops->slab_hash == NULL)
       log_msg(LOG_WARN, "the %s backend cannot hash its memory: sets get no digests, scrubs answer UNSUPPORTED",
               d->backend.ops->name);
     else if (rc == 0)

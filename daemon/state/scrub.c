@@ -51,6 +51,7 @@ struct scrubber {
   uv_loop_t *loop;
   const struct wd_backend *backend;
   struct residency *res;
+  bool off;
   unsigned duty;
   uint64_t interval_ms;
   void (*on_corrupt)(void *arg, struct res_set *s, const size_t *outs, size_t n);
@@ -225,7 +226,8 @@ static int queue_task(struct scrubber *sc, struct res_set *s, bool background, s
   if (s->state != SET_READY) return err_set(err, WEIGHTD_E_BUSY, "set %s is not ready: nothing to scrub yet", s->id);
   if (s->load.digests == NULL)
     return err_set(err, WEIGHTD_E_UNSUPPORTED, "set %s has no digests to scrub against (%s)", s->id,
-                   sc->backend->ops->slab_hash == NULL ? "this backend cannot hash its memory"
+                   sc->off                             ? "scrubbing is off: the scrub setting"
+                   : sc->backend->ops->slab_hash == NULL ? "this backend cannot hash its memory"
                    : s->adopted ? "it was re-adopted after a restart, not loaded"
                                 : "hashing it after its load failed: see the daemon's log");
   if (sc->stop) return err_set(err, WEIGHTD_E_CANCELED, "the daemon is stopping");
@@ -294,6 +296,7 @@ int scrub_create(const struct scrub_params *p, struct scrubber **out, struct wd_
   sc->backend = p->backend;
   sc->res = p->res;
   sc->duty = p->duty > 100 ? 100 : p->duty;
+  sc->off = p->off;
   sc->interval_ms = p->interval_ms;
   sc->on_corrupt = p->on_corrupt;
   sc->on_corrupt_arg = p->on_corrupt_arg;

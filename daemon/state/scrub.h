@@ -37,6 +37,7 @@ struct scrub_params {
   uv_loop_t *loop;
   const struct wd_backend *backend;
   struct residency *res;
+  bool off;             /* the scrub setting is off: loads record no digests (scrubs say so) */
   unsigned duty;        /* percent, 0: no background scrubs */
   uint64_t interval_ms; /* between the end of one background scrub and the start of the next */
   /* A scrub found outputs outs[0..n) of s to differ for the first time (loop thread); may be NULL. */

@@ -100,8 +100,9 @@ static pid_t daemon_start(const char *path, const char *log_name, const char *co
     snprintf(setting, sizeof setting, "cuda_handles=%s", mode);
     /* No metrics: no port shared with other tests (or the other daemons here). */
     const char *argv[40] = {weightd_bin, "--foreground", "--backend", "cuda", "--socket", path, "--model-root", dir,
-                            "--log-level", "debug", "--set", setting, "--set", "metrics_address="};
-    int n = 14;
+                            "--log-level", "debug", "--set", setting, "--set", "metrics_address=",
+                            "--set", "scrub=on"};
+    int n = 16;
     for (; extra != NULL && *extra != NULL && n < 39; extra++) argv[n++] = *extra;
     argv[n] = NULL;
     execv(weightd_bin, (char *const *)argv);

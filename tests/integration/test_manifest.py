@@ -263,13 +263,18 @@ def test_on_load_without_a_manifest_checks_nothing(start_daemon, ckpt):
     assert metric(d, "weightd_verified_chunks_total") == 0
 
 
-def test_off_by_default_and_a_foreign_manifest_refused(daemon, ckpt, model_root):
+def test_off_by_default_and_a_foreign_manifest_refused(daemon, start_daemon, ckpt, model_root):
     ctl("manifest", ckpt, check=0)
     flip(os.path.join(ckpt, "model-00002-of-00002.safetensors"),
          tensor_offset(ckpt, "model-00002-of-00002.safetensors", "head.weight", within=10))
     with daemon.connect() as c:
-        # verify is off: the files' chunks are not read again, but every output that is a whole tensor is
-        # checked against the manifest's tensor digest once loaded (the set's own digests; test_scrub.py).
+        r = c.call("load", path=ckpt)  # verify and scrub are off: the manifest is read and checked, the bytes are not
+        c.call("evict", set=r["set"])
+        c.call("close", path=ckpt)
+    # With scrub on, every output that is a whole tensor is checked against the manifest's tensor digest once
+    # loaded (the set's own digests; test_scrub.py), whatever verify says.
+    scrubbing = start_daemon(settings={"scrub": "on"})
+    with scrubbing.connect() as c:
         with pytest.raises(WDError) as e:
             c.call("load", path=ckpt)
         assert e.value.code == "BAD_CHECKSUM"

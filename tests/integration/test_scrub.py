@@ -18,7 +18,7 @@ import xxhash
 from cliutil import ctl
 from wdclient import Checkpoint, Closed, WDError
 
-WRITABLE = {"test_writable_slabs": "on", "scrub_duty": 0}
+WRITABLE = {"scrub": "on", "test_writable_slabs": "on", "scrub_duty": 0}
 
 
 def digest(b):
@@ -64,7 +64,7 @@ def dctl(d, *args):
 
 def test_digests_are_xxh3_of_the_slab_and_of_the_files(start_daemon, tiny):
     """The host hash op against python xxhash on the slab bytes; whole tensors also equal the files' bytes."""
-    d = start_daemon()
+    d = start_daemon(settings={"scrub": "on"})
     ckpt = Checkpoint(tiny["a"])
     with d.connect() as c:
         rep = load(c, tiny["a"])
@@ -186,7 +186,7 @@ def metrics(d):
 
 
 def test_background_scrub_finds_it(start_daemon, tiny):
-    d = start_daemon(settings={"test_writable_slabs": "on", "scrub_duty": 100, "scrub_interval_ms": 10},
+    d = start_daemon(settings={"scrub": "on", "test_writable_slabs": "on", "scrub_duty": 100, "scrub_interval_ms": 10},
                      metrics=True)
     with d.connect() as c:
         clean = load(c, tiny["a"])["set"]
@@ -253,7 +253,7 @@ def test_who_may_scrub_is_who_may_see_the_set(start_daemon):
         os.chmod(tree, 0o755)
         private = private_checkpoint(tree)
         public = write_single(os.path.join(tree, "public"), TINY_TENSORS, 14)
-        d = start_daemon(SETTINGS, roots=[tree], public=True)
+        d = start_daemon(dict(SETTINGS, scrub="on"), roots=[tree], public=True)
         with d.connect() as root:
             sid = load(root, private)["set"]
             pid = load(root, public)["set"]
@@ -274,7 +274,7 @@ def test_who_may_scrub_is_who_may_see_the_set(start_daemon):
 def test_stopping_while_scrubs_run(start_daemon, tiny):
     """A daemon stopped with scrubs queued and running (asked for, and in the background) exits cleanly: each
     scrub is answered (done, or CANCELED), nothing leaks (the ASan build's report is checked at exit)."""
-    d = start_daemon(settings={"scrub_duty": 50, "scrub_interval_ms": 1})
+    d = start_daemon(settings={"scrub": "on", "scrub_duty": 50, "scrub_interval_ms": 1})
     with d.connect() as c:
         sets = [load(c, tiny[n])["set"] for n in ("a", "b", "c", "many")]
         ids = [c.start("scrub") for _ in range(8)] + [c.start("scrub", set=s) for s in sets]
