@@ -6,9 +6,11 @@
  * parts with several requests in flight and writes each body where it
  * belongs. A strided read (a column slice) is fetched as whole rows, as the
  * staging path reads files: runs of rows spanning at most REMOTE_BOUNCE
- * bytes go into a bounce buffer and the rows are copied out; where the gap
- * between rows is more than their width the rows are fetched one by one
- * instead, so a read never fetches more than twice its bytes.
+ * bytes go into a bounce buffer and the rows are copied out, so a TP rank
+ * of N fetches its column-sliced tensors whole (N times their share of the
+ * bytes) in few large requests rather than one small request per row, the
+ * round trip an object store charges for each. Only rows more than
+ * REMOTE_BOUNCE apart (each then a large read) are fetched one by one.
  *
  * With a manifest (weightd.manifest.json beside the index, validated at
  * open), every read is fetched as the whole manifest chunks it touches and
@@ -122,7 +124,7 @@ static int remote_read(void *ctx, const struct ld_read *rq, struct wd_error *err
   }
   if (rq->height == 1 || rq->pitch == rq->width) {
     rc = rck_read(r, rq->shard, rq->off, rq->width * rq->height, rq->dst, rq->cancel, err);
-  } else if (rq->pitch - rq->width > rq->width || rq->pitch > REMOTE_BOUNCE) {
+  } else if (rq->pitch > REMOTE_BOUNCE) { /* rows so far apart that each is a large read of its own */
     for (uint64_t i = 0; i < rq->height && rc == 0; i++)
       rc = rck_read(r, rq->shard, rq->off + i * rq->pitch, rq->width, rq->dst + i * rq->width, rq->cancel, err);
   } else {

@@ -365,7 +365,9 @@ static int slot_headers(struct run *r, struct slot *s, const char *method, uint6
     if ((n = curl_slist_append(l, line)) == NULL) goto nomem;
     l = n;
   }
-  if (r->a && r->a->headers && r->auth_ep && ep_equal(&s->t.ep, r->auth_ep)) {
+  /* Auth only to the endpoint the object was opened on, and never once a redirect was followed (another path
+   * of the same host may belong to another root, or to nobody the credentials are for). */
+  if (r->a && r->a->headers && r->auth_ep && s->hops == 0 && ep_equal(&s->t.ep, r->auth_ep)) {
     char **lines = NULL;
     size_t count = 0;
     struct wd_error herr = {0};
@@ -772,7 +774,7 @@ static void stat_found(struct run *r, struct slot *s) {
   snprintf(o->etag, sizeof o->etag, "%s", x->etag);
   snprintf(o->last_modified, sizeof o->last_modified, "%s", x->last_modified);
   o->ep = s->t.ep;
-  o->redirected = r->auth_ep == NULL || !ep_equal(&s->t.ep, r->auth_ep);
+  o->redirected = r->auth_ep == NULL || s->hops > 0 || !ep_equal(&s->t.ep, r->auth_ep);
   o->path = s->t.path;
   o->query = s->t.query;
   s->t.path = s->t.query = NULL;

@@ -146,7 +146,10 @@ static int fetch_small(void *arg, const char *fname, size_t max, char **text, si
   struct rck *r = arg;
   struct rf_object o = {0};
   int rc = stat_member(r, fname, &o, err);
-  if (rc == WEIGHTD_E_NOT_FOUND) {
+  /* AWS answers a missing key 403, not 404, to a caller without s3:ListBucket: an optional file refused so is absent. */
+  bool optional = strcmp(fname, "model.safetensors.index.json") != 0;
+  if (rc == WEIGHTD_E_NOT_FOUND || (optional && rc == WEIGHTD_E_PERMISSION)) {
+    memset(err, 0, sizeof *err);
     rf_object_clear(&o);
     return 0;
   }
@@ -234,7 +237,7 @@ int rck_open(const struct rck_target *t, const char *url_text, struct rck **out,
     int s = stat_member(r, "model.safetensors", &o, &e);
     rf_object_clear(&o);
     if (s == 0) layout = CKPT_SINGLE;
-    else if (s != WEIGHTD_E_NOT_FOUND) {
+    else if (s != WEIGHTD_E_NOT_FOUND && s != WEIGHTD_E_PERMISSION) { /* 403: see fetch_small */
       *err = e;
       rc = s;
       free(file);

@@ -48,13 +48,15 @@ static bool redirect_allowed(void *arg, const struct rf_endpoint *to, const char
   return ok;
 }
 
-/* The token of the longest root holding u that has one (NULL: none). */
+/* The token of the longest root holding u, or NULL when that root has none. */
 static const char *bearer_for(void *arg, const struct rurl *u) {
   const struct rroots *rr = arg;
   const char *best = NULL;
   size_t best_len = 0;
+  bool found = false;
   for (size_t i = 0; i < rr->n; i++)
-    if (rr->tokens[i] != NULL && rurl_within(&rr->roots[i], u) && (best == NULL || strlen(rr->roots[i].key) >= best_len)) {
+    if (rurl_within(&rr->roots[i], u) && (!found || strlen(rr->roots[i].key) > best_len)) {
+      found = true;
       best = rr->tokens[i];
       best_len = strlen(rr->roots[i].key);
     }
@@ -105,7 +107,10 @@ static int read_tokens(struct rroots *rr, const char *const *entries, size_t n, 
     char text[RURL_TEXT_MAX];
     snprintf(text, sizeof text, "%.*s", (int)(eq - entries[k]), entries[k]);
     int rc = rurl_parse(text, &u, err);
-    if (rc != 0) return err_prefix(err, "remote_bearer_token_files entry %zu", k);
+    if (rc != 0) {
+      rurl_free(&u);
+      return err_prefix(err, "remote_bearer_token_files entry %zu", k);
+    }
     size_t i = rr->n;
     for (size_t j = 0; j < rr->n; j++) {
       const struct rurl *r = &rr->roots[j];

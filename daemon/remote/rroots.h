@@ -42,8 +42,9 @@ struct rroots_opts {
   /*
    * Entries "ROOT=FILE": requests for URLs within the http(s) root ROOT
    * (one of urls) carry "Authorization: Bearer TOKEN", TOKEN the one line
-   * FILE holds (read here, once). A URL within several such roots gets the
-   * token of the longest. Never sent to a redirect's target, never logged.
+   * FILE holds (read here, once). The longest root holding a URL decides:
+   * its token, or none when it has none. Never sent to a redirect's
+   * target, never logged.
    */
   const char *const *token_files;
   size_t ntoken_files;

@@ -109,6 +109,7 @@ static int decode_key(const char *text, const char *s, size_t n, bool http, char
       c = (unsigned char)(hi << 4 | lo);
       i += 2;
       if (c == '/' && http) why = "an encoded '/' (%2F) in an http(s) path";
+      else if (c == '\\' && http) why = "an encoded '\\' (%5C) in an http(s) path (some servers take it for '/')";
       else if (c < 0x20 || c == 0x7f) why = "an encoded control byte in the path";
     } else if (raw_forbidden(c)) {
       why = c == ' ' ? "a raw space in the path (write %20)" : "a character that must be percent-encoded in the path";

@@ -30,8 +30,9 @@
  * most RURL_KEY_MAX bytes. Because keys are matched by prefix against the
  * allow-list of remote roots (rurl_within), a key's segments may not be "."
  * or ".." (raw or encoded) and may not be empty ("a//b"), except that a
- * trailing '/' names a prefix; in http(s) paths an encoded '/' (%2F) is
- * refused too, since servers disagree on whether it separates segments.
+ * trailing '/' names a prefix; in http(s) paths an encoded '/' (%2F) or
+ * '\\' (%5C) is refused too, since servers disagree on whether it
+ * separates segments.
  *
  * The whole text is at most RURL_TEXT_MAX bytes.
  */

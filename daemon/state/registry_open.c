@@ -108,6 +108,10 @@ static void resolve_url(struct acquire *a) {
   char label[320];
   err_quote(a->path, strlen(a->path), label, sizeof label);
   a->rc = rurl_parse(a->path, &u, &a->err);
+  if (a->rc == 0) { /* a checkpoint's directory with or without a trailing '/' is one checkpoint */
+    size_t k = strlen(u.key);
+    while (k > 0 && u.key[k - 1] == '/') u.key[--k] = '\0';
+  }
   if (a->rc == 0 && !rroots_allows(a->reg->remote, &u))
     a->rc = err_set(&a->err, WEIGHTD_E_PATH_DENIED, "%s: not within the remote roots%s", label,
                     a->reg->remote == NULL ? " (none is configured: remote_roots, --remote-root)" : "");
