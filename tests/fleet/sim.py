@@ -43,6 +43,7 @@ time <= 1.5 x one node's load from its fastest source (the checkpoint over the b
 and a peer's rate for a node alone).
 """
 import argparse
+import bisect
 import hashlib
 import heapq
 import json
@@ -71,6 +72,7 @@ DEFAULTS = {
     "store_conn_mbps": 96.0,  # MB/s per store connection: Run:ai's 15 GB in 4.88 s over 32 (published)
     "peer_lanes": 4,       # ranges in flight from peers per node (assumption)
     "peer_conn_gbps": 50.0,   # Gbit/s per peer connection (assumption: one TCP stream)
+    "serve_slots": 4,      # ranges a daemon serves at once; a busy holder sends the asker down the HRW order (0: no limit)
     "range_mib": 512.0,    # the unit of rendezvous and of a request to a source
     "waves": 4,            # the autoscaler brings nodes up in this many equal waves
     "wave_gap": 10.0,      # seconds between waves
@@ -148,8 +150,8 @@ class Fleet:
                     "peer_conn_gbps", "range_mib", "waves", "dt"):
             if not p[key] > 0:
                 raise ValueError(f"{key.replace('_', '-')} must be > 0 (got {p[key]})")
-        if p["wave_gap"] < 0 or p["seeds"] < 0 or p["serve_gbps"] < 0:
-            raise ValueError("wave-gap, seeds and serve-gbps must be >= 0")
+        if p["wave_gap"] < 0 or p["seeds"] < 0 or p["serve_gbps"] < 0 or p["serve_slots"] < 0:
+            raise ValueError("wave-gap, seeds, serve-gbps and serve-slots must be >= 0")
         self.p, self.strategy = p, strategy
         self.size = int(p["ckpt_gb"] * GB)
         self.range_bytes = int(p["range_mib"] * MiB)
@@ -166,7 +168,8 @@ class Fleet:
         self.nodes += [Node(n + j, 0.0, self.m, True) for j in range(k)]
         self.loaders = self.nodes[:n]
         self.holders = [k] * self.m          # how many nodes hold each range
-        self.claimed = bytearray(self.m)     # peers: a store fetch of the range has started
+        self.claimed = bytearray(self.m)
+        self.serving = [0] * len(self.nodes)  # peer ranges each node is serving now     # peers: a store fetch of the range has started
         self.store_bytes = 0
         self.t = 0.0
         self.seed = int(p["seed"])
@@ -175,9 +178,17 @@ class Fleet:
             # Each range's HRW order over every node (loaders and seeds): the first holder in it
             # serves the range, the first loader up in it owns the range's store fetch.
             self.ranking = []
+            self.held_ranks = []  # per range, the HRW ranks of its holders, ascending
+            self.rank_of = []     # per range, each node's HRW rank
             everyone = range(len(self.nodes))
             for r in range(self.m):
-                self.ranking.append(sorted(everyone, key=lambda i, r=r: -hrw_score(self.seed, r, i)))
+                order = sorted(everyone, key=lambda i, r=r: -hrw_score(self.seed, r, i))
+                self.ranking.append(order)
+                pos = [0] * len(order)
+                for k, i in enumerate(order):
+                    pos[i] = k
+                self.rank_of.append(pos)
+                self.held_ranks.append(sorted(k for k, i in enumerate(order) if self.nodes[i].seed_node))
 
     def rsize(self, r):
         return min(self.range_bytes, self.size - r * self.range_bytes)
@@ -230,13 +241,29 @@ class Fleet:
         return None
 
     def next_peer_range(self, nd):
-        while nd.avail:
-            _, r = heapq.heappop(nd.avail)
-            if nd.state[r] == 0:
-                for i in self.ranking[r]:
-                    if self.nodes[i].state[r] == 2:
-                        return r, i
-        return None
+        """The next range nd fetches from a peer and the peer: the first holder in the range's HRW
+        order that has a serving slot free; a range whose holders are all busy waits its turn."""
+        slots = self.p["serve_slots"]
+        busy, found, tries = [], None, 0
+        while nd.avail and found is None and tries < 16:
+            item = heapq.heappop(nd.avail)
+            r = item[1]
+            if nd.state[r] != 0:
+                continue
+            tries += 1
+            order = self.ranking[r]
+            for k in self.held_ranks[r]:
+                i = order[k]
+                if not slots or self.serving[i] < slots:
+                    found = (r, i)
+                    break
+            else:
+                busy.append(item)
+        for item in busy:
+            heapq.heappush(nd.avail, item)
+        if found:
+            self.serving[found[1]] += 1
+        return found
 
     def start_flows(self, nd):
         if nd.store_flow is None:
@@ -264,7 +291,10 @@ class Fleet:
         else:
             nd.from_peers += size
             self.nodes[f.sender].served += size
+            self.serving[f.sender] -= 1
         self.holders[r] += 1
+        if self.strategy != "s3":
+            bisect.insort(self.held_ranks[r], self.rank_of[r][nd.idx])
         if self.holders[r] == 1 and self.strategy != "s3":
             key = self.order_key
             for o in self.loaders:
