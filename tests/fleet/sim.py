@@ -425,6 +425,7 @@ class Fleet:
             "peak_served_over_mean": (max(peers) / mean_served) if mean_served else 0.0,
             "delivered": [nd.from_store + nd.from_peers for nd in self.loaders],
             "from_store": [nd.from_store for nd in self.loaders],
+            "served": peers,
             "ckpt_bytes": self.size,
             "egress_ok": egress <= 2.0,
             "time_ok": worst <= 1.5 * t1,
@@ -445,12 +446,13 @@ def simulate(params=None, strategy="peers", **overrides):
 # Each swept parameter with the values tried (from the defaults' side outwards). Everything else
 # stays at the command line's values.
 SWEEPS = [
-    ("store_gbps", [800, 400, 200, 100, 50, 25]),
-    ("nic_gbps", [400, 200, 100, 50, 25]),
-    ("wave_gap", [0, 10, 20, 40, 80]),
-    ("waves", [1, 4, 16, 64, 256]),
-    ("store_conns", [256, 64, 16, 4]),
-    ("seeds", [0, 1, 4, 16]),
+    ("store_gbps", [800, 200, 100, 50, 25]),
+    ("nic_gbps", [400, 200, 100, 50]),
+    ("wave_gap", [0, 10, 40, 80]),
+    ("waves", [1, 4, 16]),
+    ("store_conns", [64, 16, 4]),
+    ("seeds", [0, 1, 4]),
+    ("serve_slots", [4, 16, 0]),
 ]
 
 
@@ -532,7 +534,7 @@ def main(argv):
         return 2
     if a.json:
         for r in results:
-            del r["delivered"], r["from_store"]
+            del r["delivered"], r["from_store"], r["served"]
         print(json.dumps({"params": params, "results": results}, indent=1))
     else:
         print_results(results)
