@@ -56,30 +56,33 @@ GiB = 1 << 30
 
 STRATEGIES = ("s3", "peers", "peers-naive")
 
-# The inputs. Each default names where it comes from; docs/fleet-model.md gives the same list.
-DEFAULTS = {
-    "nodes": 256,          # issue 31
-    "ckpt_gb": 1000.0,     # 1T parameters in FP8, ~1 TB (issue 31)
-    "gpus": 8,             # GPUs per node (assumption: an 8-GPU node)
-    "pcie_gibps": 51.6,    # host-to-device per GPU, measured (docs/benchmarks.md, H200 and H100)
-    "nic_gbps": 200.0,     # front-end NIC per node, Gbit/s, each direction (assumption)
-    "serve_gbps": 0.0,     # a daemon's serving cap, Gbit/s; 0: its NIC (assumption)
-    "store_gbps": 800.0,   # the store's aggregate egress, Gbit/s (assumption)
-    "store_rps": 5500.0,   # GETs per second per prefix (AWS S3's published guideline)
-    "request_mib": 16.0,   # bytes per range GET (AWS's guideline: 8-16 MB)
-    "prefixes": 1,         # prefixes the shards are spread over
-    "store_conns": 64,     # store connections per node (assumption; weightd's default is 16)
-    "store_conn_mbps": 96.0,  # MB/s per store connection: Run:ai's 15 GB in 4.88 s over 32 (published)
-    "peer_lanes": 4,       # ranges in flight from peers per node (assumption)
-    "peer_conn_gbps": 50.0,   # Gbit/s per peer connection (assumption: one TCP stream)
-    "serve_slots": 4,      # ranges a daemon serves at once; a busy holder sends the asker down the HRW order (0: no limit)
-    "range_mib": 512.0,    # the unit of rendezvous and of a request to a source
-    "waves": 4,            # the autoscaler brings nodes up in this many equal waves
-    "wave_gap": 10.0,      # seconds between waves
-    "seeds": 0,            # nodes holding the whole checkpoint at time 0
-    "dt": 0.05,            # seconds per allocation step
-    "seed": 31,            # the hash seed (the content id's stand-in)
-}
+# The inputs, one table: name, default, and what it is with where it comes from (docs/fleet-model.md
+# gives the same list). It feeds the command line's flags and --help.
+INPUTS = [
+    ("nodes", 256, "nodes that load the checkpoint (issue 31)"),
+    ("ckpt_gb", 1000.0, "checkpoint size, GB: 1T parameters in FP8 (issue 31)"),
+    ("gpus", 8, "GPUs per node (assumption: an 8-GPU node)"),
+    ("pcie_gibps", 51.6, "host-to-device per GPU, measured (docs/benchmarks.md, H200 and H100)"),
+    ("nic_gbps", 200.0, "front-end NIC per node, Gbit/s, each direction (assumption)"),
+    ("serve_gbps", 0.0, "a daemon's serving cap, Gbit/s; 0: its NIC (assumption)"),
+    ("store_gbps", 800.0, "the store's aggregate egress, Gbit/s (assumption)"),
+    ("store_rps", 5500.0, "GETs per second per prefix (AWS S3's published guideline)"),
+    ("request_mib", 16.0, "bytes per range GET (AWS's guideline: 8-16 MB)"),
+    ("prefixes", 1, "prefixes the shards are spread over"),
+    ("store_conns", 64, "store connections per node (assumption; weightd's default is 16)"),
+    ("store_conn_mbps", 96.0, "MB/s per store connection: Run:ai's 15 GB in 4.88 s over 32 (published)"),
+    ("peer_lanes", 4, "ranges in flight from peers per node (assumption)"),
+    ("peer_conn_gbps", 50.0, "Gbit/s per peer connection (assumption: one TCP stream)"),
+    ("serve_slots", 4, "ranges a daemon serves at once; a busy holder sends the asker down the HRW order (0: no limit)"),
+    ("range_mib", 512.0, "the unit of rendezvous and of a request to a source"),
+    ("waves", 4, "the autoscaler brings nodes up in this many equal waves"),
+    ("wave_gap", 10.0, "seconds between waves"),
+    ("seeds", 0, "nodes holding the whole checkpoint at time 0"),
+    ("dt", 0.05, "seconds per allocation step"),
+    ("seed", 31, "the hash seed (the content id's stand-in)"),
+]
+DEFAULTS = {k: v for k, v, _ in INPUTS}
+
 
 
 def waterfill(caps, capacity):
@@ -508,8 +511,9 @@ def print_sweep(rows, bounds):
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description="Fleet scale-out model: all-from-S3 against peers with rendezvous spreading.")
-    for key, val in DEFAULTS.items():
-        ap.add_argument("--" + key.replace("_", "-"), type=type(val), default=val, metavar="N")
+    for key, val, what in INPUTS:
+        ap.add_argument("--" + key.replace("_", "-"), type=type(val), default=val, metavar="N",
+                        help=f"{what.replace('%', '%%')} (default {val})")
     ap.add_argument("--strategy", default="all", choices=STRATEGIES + ("all",))
     ap.add_argument("--sweep", action="store_true", help="find where each target fails (strategy peers)")
     ap.add_argument("--json", action="store_true")
