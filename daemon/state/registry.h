@@ -85,6 +85,7 @@ struct reg_ckpt {
   struct ckpt *ck;    /* immutable once open */
   struct ld_source *src; /* its own source: mmap (every shard mapped read-only), or remote for a URL (load/source.h) */
   bool remote;           /* opened by URL from a remote root: path is the URL */
+  atomic_uint_fast64_t remote_checked_ms; /* remote: when its objects were last found unchanged (job threads) */
   int refs;           /* the registry's own, sets, jobs and waiters */
   int observers;      /* of refs, those of background measurements (loop thread): they never keep it open */
   bool detached;      /* no longer in the registry (closed or replaced) */

@@ -19,10 +19,14 @@
 #include <unistd.h>
 
 #include "base/log.h"
+#include "clock.h"
 #include "pathutil.h"
 #include "remote/rckpt.h"
 #include "remote/rroots.h"
 #include "wire.h"
+
+/* A remote checkpoint found unchanged this recently is not asked about again (a HEAD per shard) for a request. */
+#define REG_REMOTE_RECHECK_MS 10000
 
 struct acquire;
 
@@ -130,6 +134,7 @@ static void open_url(struct acquire *a) {
   }
   a->entry->ck = k->ck; /* the entry is OPENING: nobody else reads it yet. Freed after the source, as a file's */
   a->entry->remote = true;
+  atomic_store(&a->entry->remote_checked_ms, clock_ms());
   a->entry->charge = reg_entry_charge(a->entry);
 }
 
@@ -157,7 +162,16 @@ static void acquire_work(struct job *j) {
   }
   case ACQ_VERIFY:
     if (a->entry->remote) { /* its objects are still the ones opened (HEAD): nobody's rights to check */
+      uint64_t now = clock_ms(), last = atomic_load(&a->entry->remote_checked_ms);
+      if (last != 0 && now - last < REG_REMOTE_RECHECK_MS) return; /* checked a moment ago */
       a->rc = ld_source_unchanged(a->entry->src, &a->err);
+      if (a->rc == 0) atomic_store(&a->entry->remote_checked_ms, now);
+      else if (a->rc != WEIGHTD_E_STALE && a->rc != WEIGHTD_E_NOMEM) {
+        /* The store cannot say now (down, slow, refusing): what is open stays served. Every range read carries
+         * If-Match and every load checks its objects again after, so no changed bytes get through. */
+        log_msg(LOG_WARN, "%s: cannot check its objects now (%s): serving it as opened", a->entry->path, a->err.msg);
+        a->rc = 0;
+      }
       return;
     }
     a->rc = ckpt_check_unchanged(a->entry->ck, &a->err);

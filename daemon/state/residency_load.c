@@ -176,6 +176,8 @@ static void load_done(struct job *j) {
     jobs_submit(r->bulk, &lj->job);
     return;
   }
+  /* A remote checkpoint found changed by its load: the next request asks the store again (and reopens it). */
+  if (lj->rc == WEIGHTD_E_STALE && s->ck->remote) atomic_store(&s->ck->remote_checked_ms, 0);
   if (lj->rc == WEIGHTD_E_DEVICE_NOMEM && !lj->retried && !lj->room_refused && !atomic_load(&s->load.cancel)) {
     size_t n = 0;
     struct res_set *e = r->sets;

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 
 import pytest
@@ -160,7 +161,12 @@ def test_object_replaced_after_open_is_stale_then_reopened(start_daemon, store, 
         other = write_checkpoint(str(tmp_path / "other"), seed=8)
         store.put("ckpt", "r/m/model-00002-of-00002.safetensors",
                   os.path.join(other, "model-00002-of-00002.safetensors"))
-        rep = c.call("load", path=url, device=0)  # the open checkpoint is found changed and opened again
+        # Checked a moment ago (REG_REMOTE_RECHECK_MS), the open checkpoint is used: its load finds the object
+        # changed (If-Match), fails naming it, and the next request asks the store again and reopens it.
+        with pytest.raises(WDError) as e:
+            c.call("load", path=url, device=0)
+        assert e.value.code == "STALE" and "model-00002-of-00002.safetensors" in e.value.message, e.value.reply
+        rep = c.call("load", path=url, device=0)
         att, fd = c.attach(path=url)
         try:
             mixed = Checkpoint(d)
@@ -434,3 +440,25 @@ def test_corrupted_ranges_caught_by_the_manifest(start_daemon, store, qwen3_tp, 
             c.call("load", path="s3://ckpt/plain", device=0, plan=plan)
             _, pb = slab_bytes(c, path="s3://ckpt/plain", plan=plan)
             assert pb != lb
+
+
+def test_store_outage_leaves_resident_sets_attachable(start_daemon, store, model_root, tmp_path):
+    """Once its objects cannot be checked (the store answers 503), an open remote checkpoint is served as opened:
+    a resident set stays attachable; a changed object would still be caught by If-Match on any read."""
+    d = write_checkpoint(os.path.join(model_root, "remote-" + tmp_path.name))
+    upload(store, "ckpt", "outage/m", d)
+    with FaultProxy("127.0.0.1", store.port, []) as proxy:
+        wd = proxied(start_daemon, store, proxy, ["s3://ckpt/outage"])
+        url = "s3://ckpt/outage/m"
+        with wd.connect() as c:
+            rep = c.call("load", path=url, device=0)
+            proxy.set_rules([Rule("status", status=503, times=None)])
+            time.sleep(10.5)  # past REG_REMOTE_RECHECK_MS: the next request asks the store, which cannot answer
+            att, fd = c.attach(path=url)
+            try:
+                assert att["set"] == rep["set"]
+                assert verify_attached(att, fd, Checkpoint(d)) == Checkpoint(d).payload_bytes()
+            finally:
+                os.close(fd)
+        assert proxy.count(method="HEAD", status=503) > 0
+        assert "cannot check its objects now" in wd.log_text()
