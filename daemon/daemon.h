@@ -71,6 +71,7 @@ struct daemon {
   int ndevices;
   struct jobs *control_pool; /* control_threads: resolving, checking and opening checkpoints, plans, status */
   struct jobs *job_pool;     /* job_threads: loads, prefetches, freeing slabs */
+  struct jobs *remote_pool;  /* with remote roots: opening and checking remote checkpoints (network waits) */
   struct ld_pool *fill;
   struct registry *reg;
   struct rroots *remote; /* the remote roots (NULL: none configured); freed after the registry */

@@ -27,6 +27,7 @@
 #include "clock.h"
 #include "daemon.h"
 #include "base/fault.h"
+#include "remote/rroots.h"
 #include "service/http.h"
 #include "base/log.h"
 #include "optab.h"
@@ -263,7 +264,9 @@ static void handle_closed(uv_handle_t *h) { (void)h; }
 /* Waits for running jobs (their loads were told to stop), then frees everything. */
 static void on_stop_tick(uv_timer_t *t) {
   struct daemon *d = t->data;
-  if (jobs_outstanding(d->control_pool) > 0 || jobs_outstanding(d->job_pool) > 0) return;
+  if (jobs_outstanding(d->control_pool) > 0 || jobs_outstanding(d->job_pool) > 0 ||
+      (d->remote_pool != NULL && jobs_outstanding(d->remote_pool) > 0))
+    return;
   uv_timer_stop(t);
   uv_close((uv_handle_t *)t, handle_closed);
   survive_destroy(d->surv); /* the store keeps the last generation: the next daemon re-adopts it */
@@ -279,6 +282,8 @@ static void on_stop_tick(uv_timer_t *t) {
   d->job_pool = NULL;
   jobs_stop(d->control_pool);
   d->control_pool = NULL;
+  if (d->remote_pool != NULL) jobs_stop(d->remote_pool);
+  d->remote_pool = NULL;
   struct telemetry *tel = d->tel;
   d->tel = NULL;
   telemetry_destroy(tel);
@@ -307,6 +312,7 @@ static void request_stop(struct daemon *d) {
   http_stop(d->http);
   d->http = NULL;
   reg_stop(d->reg);
+  rroots_stop(d->remote); /* remote opens and checks stop waiting on slow servers */
   scrub_stop(d->scrub); /* scrubs not done yet are answered CANCELED */
   res_cancel_all(d->res);
   server_stop(d->srv);
@@ -527,7 +533,8 @@ fail:
   d->reg = NULL;
   if (d->job_pool != NULL) jobs_stop(d->job_pool);
   if (d->control_pool != NULL) jobs_stop(d->control_pool);
-  d->job_pool = d->control_pool = NULL;
+  if (d->remote_pool != NULL) jobs_stop(d->remote_pool);
+  d->job_pool = d->control_pool = d->remote_pool = NULL;
   telemetry_destroy(d->tel);
   d->tel = NULL;
   if (d->loop != NULL) {

@@ -232,6 +232,9 @@ void xfer_arm(struct rf_client *c, struct xfer *x) {
   curl_easy_setopt(e, CURLOPT_HTTP_VERSION, (long)CURL_HTTP_VERSION_2TLS);
   curl_easy_setopt(e, CURLOPT_PIPEWAIT, 1L);
   curl_easy_setopt(e, CURLOPT_TCP_KEEPALIVE, 1L);
+  /* A server that trickles (a byte now and then: no stall) is cut too: under 1 KiB/s for the stall time. */
+  curl_easy_setopt(e, CURLOPT_LOW_SPEED_LIMIT, 1024L);
+  curl_easy_setopt(e, CURLOPT_LOW_SPEED_TIME, (long)(c->cfg.stall_ms + 999) / 1000);
   curl_easy_setopt(e, CURLOPT_BUFFERSIZE, (long)RF_BUFFER_BYTES);
   curl_easy_setopt(e, CURLOPT_ERRORBUFFER, x->curl_msg);
   if (c->ca_file) curl_easy_setopt(e, CURLOPT_CAINFO, c->ca_file);

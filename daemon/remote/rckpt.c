@@ -137,7 +137,7 @@ static int stat_member(struct rck *r, const char *rel, struct rf_object *o, stru
   char path[RCK_PATH_MAX], name[RURL_TEXT_MAX + 8];
   struct rf_location loc;
   if (rc == 0) rc = locate(r, &u, &loc, path, sizeof path, name, sizeof name, err);
-  if (rc == 0) rc = rf_stat(r->t->client, &r->auth, &loc, NULL, o, err);
+  if (rc == 0) rc = rf_stat(r->t->client, &r->auth, &loc, r->t->cancel, o, err);
   rurl_free(&u);
   return rc;
 }
@@ -157,7 +157,7 @@ static int fetch_small(void *arg, const char *fname, size_t max, char **text, si
   char *buf = rc == 0 ? malloc(o.size + 1) : NULL;
   if (rc == 0 && buf == NULL) rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory");
   size_t n = (size_t)o.size;
-  if (rc == 0 && n > 0) rc = rf_read(r->t->client, &r->auth, &o, 0, n, buf, NULL, err);
+  if (rc == 0 && n > 0) rc = rf_read(r->t->client, &r->auth, &o, 0, n, buf, r->t->cancel, err);
   rf_object_clear(&o);
   if (rc != 0) {
     free(buf);
@@ -179,7 +179,12 @@ static int fetch_size(void *arg, uint32_t shard, const char *rel, uint64_t *size
     r->nobjs = shard + 1;
   }
   int rc = stat_member(r, rel, &r->objs[shard], err);
-  if (rc == 0) *size = r->objs[shard].size;
+  const struct rf_object *o = &r->objs[shard];
+  if (rc == 0 && o->etag[0] == '\0' && o->last_modified[0] == '\0')
+    rc = err_set(err, WEIGHTD_E_UNSUPPORTED,
+                 "%s: %s: the server gives no ETag or Last-Modified for it, so a change during a load could not be "
+                 "told from the object opened", r->name, rel);
+  if (rc == 0) *size = o->size;
   return rc;
 }
 
@@ -259,7 +264,7 @@ int rck_read(const struct rck *r, uint32_t shard, uint64_t off, uint64_t len, vo
              struct wd_error *err) {
   if (shard >= r->nobjs || r->objs[shard].path == NULL)
     return err_set(err, WEIGHTD_E_INTERNAL, "%s: shard %u was not opened", r->name, (unsigned)shard);
-  return rf_read(r->t->client, &r->auth, &r->objs[shard], off, len, dst, cancel, err);
+  return rf_read(r->t->client, &r->auth, &r->objs[shard], off, len, dst, cancel != NULL ? cancel : r->t->cancel, err);
 }
 
 int rck_unchanged(const struct rck *r, struct wd_error *err) {

@@ -19,7 +19,9 @@
  * fetched on the calling thread for every request. Every shard is opened
  * (rf_stat: size, ETag, Last-Modified) before its header is read, and every
  * read after carries If-Match: an object replaced since the open fails a
- * read with STALE naming it.
+ * read with STALE naming it. A shard whose server gives neither an ETag nor
+ * a Last-Modified is refused (UNSUPPORTED): nothing could tell its versions
+ * apart.
  *
  * Threads: rck_open and rck_close on one thread; rck_read and rck_unchanged
  * from any number of threads at once (the client is shared, the objects
@@ -55,6 +57,8 @@ struct rck_target {
   bool (*allow_redirect)(void *arg, const struct rf_endpoint *to, const char *path);
   void *allow_arg;
   bool manifest; /* read the manifest beside the index */
+  /* Set when the daemon stops (NULL: never): opens, checks and reads without a cancel of their own stop waiting. */
+  const atomic_bool *cancel;
 };
 
 /*

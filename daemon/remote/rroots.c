@@ -5,6 +5,7 @@
 #include "remote/rroots.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,7 @@ struct rroots {
   struct creds_provider *creds; /* NULL: no s3:// root, or no source configured */
   char region[64];
   struct rck_target target;
+  atomic_bool stopping; /* rroots_stop: the target's cancel */
 };
 
 static void creds_log(void *arg, enum log_level level, const char *line) {
@@ -208,6 +210,8 @@ int rroots_create(const struct rroots_opts *o, struct rroots **out, struct wd_er
   rr->target.bearer_for = bearer_for;
   rr->target.allow_arg = rr;
   rr->target.manifest = true;
+  atomic_init(&rr->stopping, false);
+  rr->target.cancel = &rr->stopping;
   *out = rr;
   return 0;
 }
@@ -221,6 +225,10 @@ bool rroots_allows(const struct rroots *rr, const struct rurl *u) {
 const struct rck_target *rroots_target(const struct rroots *rr) { return &rr->target; }
 size_t rroots_count(const struct rroots *rr) { return rr != NULL ? rr->n : 0; }
 const char *rroots_text(const struct rroots *rr, size_t i) { return rr->texts[i]; }
+void rroots_stop(struct rroots *rr) {
+  if (rr != NULL) atomic_store(&rr->stopping, true);
+}
+
 bool rroots_has_token(const struct rroots *rr, size_t i) { return rr->tokens[i] != NULL; }
 const char *rroots_creds_source(const struct rroots *rr) {
   return rr->creds != NULL ? creds_source(rr->creds) : "none (unsigned)";

@@ -75,6 +75,9 @@ const char *rroots_creds_source(const struct rroots *rr);
 /* The range-GET client, for its counters (status, metrics). */
 struct rf_client *rroots_client(const struct rroots *rr);
 
+/* The daemon stops: every open, check and read through the roots stops waiting (CANCELED). NULL-safe. */
+void rroots_stop(struct rroots *rr);
+
 void rroots_free(struct rroots *rr); /* NULL-safe; no request may be running */
 
 #endif

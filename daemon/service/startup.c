@@ -372,7 +372,12 @@ int startup_state(struct daemon *d, struct wd_error *err) {
   return rc;
 }
 
-/* The remote roots, read once at start (remote/rroots.h); none configured: nothing is fetched. */
+/*
+ * The remote roots, read once at start (remote/rroots.h); none configured:
+ * nothing is fetched. Remote opens and checks wait on the network, so they
+ * run on a pool of their own: a slow store never holds up local opens.
+ */
+#define REMOTE_POOL_THREADS 4
 static int remote_start(struct daemon *d, struct wd_error *err) {
   size_t n = d->cfg.n_remote_roots;
   if (n == 0 && d->cfg.n_remote_bearer_token_files > 0)
@@ -384,8 +389,9 @@ static int remote_start(struct daemon *d, struct wd_error *err) {
                            .token_files = (const char *const *)d->cfg.remote_bearer_token_files,
                            .ntoken_files = d->cfg.n_remote_bearer_token_files};
   int rc = rroots_create(&o, &d->remote, err);
+  if (rc == 0) rc = jobs_start(d->loop, REMOTE_POOL_THREADS, &d->remote_pool, err);
   if (rc != 0) return rc;
-  reg_remote_set(d->reg, d->remote);
+  reg_remote_set(d->reg, d->remote, d->remote_pool);
   for (size_t i = 0; i < n; i++)
     log_msg(LOG_INFO, "remote root %s%s", rroots_text(d->remote, i),
             rroots_has_token(d->remote, i) ? " (requests carry its bearer token)" : "");
@@ -402,7 +408,8 @@ void startup_free(struct daemon *d) {
   d->reg = NULL;
   if (d->job_pool != NULL) jobs_stop(d->job_pool);
   if (d->control_pool != NULL) jobs_stop(d->control_pool);
-  d->job_pool = d->control_pool = NULL;
+  if (d->remote_pool != NULL) jobs_stop(d->remote_pool);
+  d->job_pool = d->control_pool = d->remote_pool = NULL;
   if (d->srv != NULL) server_destroy(d->srv);
   d->srv = NULL;
   ld_destroy(d->ld);

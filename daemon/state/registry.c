@@ -47,7 +47,10 @@ struct reg_roots *reg_roots_ref(struct reg_roots *rt) {
   return rt;
 }
 
-void reg_remote_set(struct registry *r, const struct rroots *remote) { r->remote = remote; }
+void reg_remote_set(struct registry *r, const struct rroots *remote, struct jobs *pool) {
+  r->remote = remote;
+  r->remote_jobs = pool;
+}
 
 int reg_roots_set(struct registry *r, const char *const *dirs, size_t n, struct wd_error *err) {
   struct reg_roots *rt = calloc(1, sizeof *rt);

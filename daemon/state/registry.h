@@ -192,9 +192,10 @@ struct rroots;
  * when it lies within none (or none is configured), opened with range GETs
  * otherwise. Every client that may use the daemon may use what they hold:
  * there are no per-user rights to check on an object store the daemon
- * reaches with the node's credentials.
+ * reaches with the node's credentials. Their opens and checks run on pool
+ * (they wait on the network), never on the control pool.
  */
-void reg_remote_set(struct registry *r, const struct rroots *remote);
+void reg_remote_set(struct registry *r, const struct rroots *remote, struct jobs *pool);
 
 /* The current roots, for status and checks on the loop thread. */
 size_t reg_roots_count(const struct registry *r);

@@ -23,6 +23,7 @@ struct registry {
   struct ld_pool *fill;
   struct reg_roots *roots;
   const struct rroots *remote; /* the remote roots (reg_remote_set, before any acquire; NULL: none): immutable */
+  struct jobs *remote_jobs;    /* where their opens and checks run */
   char **source_dirs; /* root_sources: resolved directories (loop thread) */
   enum ld_source_choice *source_choices;
   size_t nsources;

@@ -30,6 +30,11 @@
 
 struct acquire;
 
+/* Remote opens and checks wait on the network: on their own pool, so that local ones never wait behind them. */
+static struct jobs *pool_for(struct registry *r, const char *resolved) {
+  return r->remote_jobs != NULL && wire_path_is_url(resolved) ? r->remote_jobs : r->control;
+}
+
 /* ---- acquiring: resolve, then verify or open ---------------------------------------- */
 
 /* ACQ_CHECK: reg_check's one stage, the access check of an open checkpoint. */
@@ -317,7 +322,7 @@ static void start_open(struct acquire *a) {
   a->stage = ACQ_OPEN;
   a->entry = e;
   a->rc = 0;
-  jobs_submit(r->control, &a->job);
+  jobs_submit(pool_for(r, a->resolved), &a->job);
 }
 
 /* The path is resolved: verifies the open checkpoint of that path, or opens it. */
@@ -331,7 +336,7 @@ static void acquire_resolved(struct acquire *a) {
   a->entry = e;
   a->stage = ACQ_VERIFY;
   a->rc = 0;
-  jobs_submit(a->reg->control, &a->job);
+  jobs_submit(pool_for(a->reg, a->resolved), &a->job);
 }
 
 static void acquire_done(struct job *j) {

@@ -12,7 +12,9 @@ import json
 import os
 import subprocess
 import sys
+import signal
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -462,3 +464,76 @@ def test_store_outage_leaves_resident_sets_attachable(start_daemon, store, model
                 os.close(fd)
         assert proxy.count(method="HEAD", status=503) > 0
         assert "cannot check its objects now" in wd.log_text()
+
+
+def test_stalled_store_holds_up_neither_local_opens_nor_the_stop(start_daemon, store, qwen3_tp, model_root, tmp_path):
+    """Remote opens wait on their own pool: two that stall leave local opens served at once; SIGTERM ends the
+    daemon without waiting for the stalled server (its requests are aborted)."""
+    for i in range(2):
+        upload(store, "ckpt", f"slow/m{i}", qwen3_tp)
+    local = write_checkpoint(os.path.join(model_root, "remote-" + tmp_path.name))
+    with FaultProxy("127.0.0.1", store.port, [Rule("stall", seconds=300, method="HEAD", times=None)]) as proxy:
+        wd = proxied(start_daemon, store, proxy, ["s3://ckpt/slow"])
+        done = []
+
+        def remote_open(i):
+            try:
+                with wd.connect() as c:
+                    c.call("open", path=f"s3://ckpt/slow/m{i}")
+                done.append(("ok", i))
+            except Exception as e:  # the stop's CANCELED, or the connection closing
+                done.append((type(e).__name__, i))
+
+        ts = [threading.Thread(target=remote_open, args=(i,), daemon=True) for i in range(2)]
+        for t in ts:
+            t.start()
+        with wd.connect() as c:  # until both remote opens wait on the stalled server
+            for _ in range(600):
+                if c.status()["daemon"]["remote"]["in_flight"] >= 2:
+                    break
+                time.sleep(0.05)
+            assert c.status()["daemon"]["remote"]["in_flight"] >= 2
+        with wd.connect() as c:
+            c.call("open", path=local)  # served while the remote ones still wait
+        assert done == [], done
+        wd.proc.send_signal(signal.SIGTERM)
+        assert wd.proc.wait(timeout=120 * SLOW) == 0  # well before the 300 s stall ends
+        wd.stopped = True
+        for t in ts:
+            t.join(timeout=60)
+        assert len(done) == 2 and all(k != "ok" for k, _ in done), done
+
+
+def test_objects_without_validators_are_refused(start_daemon, store, model_root, tmp_path):
+    """A server that gives neither ETag nor Last-Modified: a changed object could not be told apart mid-load."""
+    d = write_checkpoint(os.path.join(model_root, "remote-" + tmp_path.name))
+    upload(store, "ckpt", "noval/m", d)
+    strip = Rule("strip_response_headers", names=["ETag", "Last-Modified"], times=None)
+    with FaultProxy("127.0.0.1", store.port, [strip]) as proxy:
+        wd = proxied(start_daemon, store, proxy, ["s3://ckpt/noval"])
+        with wd.connect() as c:
+            with pytest.raises(WDError) as e:
+                c.call("open", path="s3://ckpt/noval/m")
+            assert e.value.code == "UNSUPPORTED" and "no ETag or Last-Modified" in e.value.message, e.value.reply
+            assert "s3://ckpt/noval/m" in e.value.message
+
+
+def test_optional_files_refused_403_are_absent(start_daemon, store, model_root, tmp_path):
+    """AWS answers 403 (not 404) for a missing key to a caller without s3:ListBucket."""
+    d = write_checkpoint(os.path.join(model_root, "remote-" + tmp_path.name))
+    os.unlink(os.path.join(d, "config.json"))
+    upload(store, "ckpt", "aws/m", d)
+    rules = [Rule("status", status=403, path="weightd.manifest.json", times=None),
+             Rule("status", status=403, path="/config.json", times=None),
+             Rule("status", status=403, path="/model.safetensors", method="HEAD", times=None)]
+    with FaultProxy("127.0.0.1", store.port, rules) as proxy:
+        wd = proxied(start_daemon, store, proxy, ["s3://ckpt/aws"])
+        with wd.connect() as c:
+            ck = c.call("open", path="s3://ckpt/aws/m")["checkpoint"]
+            assert ck["layout"] == "index" and ck["shards"] == 2, ck
+        # The index itself refused is an error naming it.
+        proxy.set_rules([Rule("status", status=403, path="index.json", times=None)])
+        with wd.connect() as c:
+            with pytest.raises(WDError) as e:
+                c.call("open", path="s3://ckpt/aws/m2")
+            assert "403" in e.value.message or e.value.code in ("PERMISSION", "NOT_FOUND"), e.value.reply
