@@ -18,6 +18,7 @@
 #include <sys/stat.h>
 
 #include "ctl.h"
+#include "wire.h"
 
 static int looks_like_path(const char *arg) {
   struct stat st;
@@ -139,6 +140,11 @@ static int run_attach(const struct ctl_args *a) {
   int prc = ctl_plan_args_get(a, &pa);
   if (prc == 0) prc = ctl_plan_spec(&pa, 0, &spec);
   if (prc != 0) return prc;
+  if (verify && wire_path_is_url(target)) {
+    cJSON_Delete(spec);
+    return ctl_usage_error("--verify compares a set with the checkpoint's files on this machine, and %.200s is a "
+                           "URL: attach it without --verify", target);
+  }
   if (!by_path && (device != NULL || spec != NULL)) {
     cJSON_Delete(spec);
     return ctl_usage_error("--device and plan flags go with a checkpoint PATH; '%s' is taken as a set id", target);

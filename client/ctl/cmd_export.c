@@ -253,6 +253,6 @@ const struct ctl_cmd ctl_cmd_export = {
         "is copied and the plan's key is kept in every file's __metadata__. Files are written under temporary "
         "names and renamed into place. On a terminal a progress line shows the bytes, rate and time left.",
     .opts = CTL_OPTS(export_opts),
-    .flags = CTL_CMD_PLAN,
+    .flags = CTL_CMD_PLAN | CTL_CMD_LOCAL,
     .run = run_export,
 };

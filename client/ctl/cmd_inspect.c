@@ -219,4 +219,5 @@ const struct ctl_cmd ctl_cmd_inspect = {
         "the model's config. An invalid file fails with one line naming the shard and the rule it breaks. "
         "--json prints every shard and tensor.",
     .run = run_inspect,
+    .flags = CTL_CMD_LOCAL,
 };

@@ -241,6 +241,7 @@ const struct ctl_cmd ctl_cmd_manifest = {
         "Written under a temporary name and renamed into place.",
     .opts = CTL_OPTS(manifest_opts),
     .run = run_manifest,
+    .flags = CTL_CMD_LOCAL,
 };
 
 /* ---- verify ----------------------------------------------------------------------------- */
@@ -509,4 +510,5 @@ const struct ctl_cmd ctl_cmd_verify = {
         "(BAD_CHECKSUM) when any file differs.",
     .opts = CTL_OPTS(verify_opts),
     .run = run_verify,
+    .flags = CTL_CMD_LOCAL,
 };

@@ -282,6 +282,6 @@ const struct ctl_cmd ctl_cmd_plan = {
         "tensor with its dtype, shape, bytes and the source slices it is made of, then the totals (payload, "
         "slab and bytes read). A parallel size given without its rank (--tp-size 4) prints a table of every "
         "rank's bytes instead. --json prints the outputs with every piece, and the plan's key.",
-    .flags = CTL_CMD_PLAN,
+    .flags = CTL_CMD_PLAN | CTL_CMD_LOCAL,
     .run = run_plan,
 };

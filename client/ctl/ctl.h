@@ -125,6 +125,7 @@ static inline const char *ctl_val(const struct ctl_args *a, enum ctl_opt_id id) 
 
 #define CTL_CMD_DAEMON (1u << 0) /* talks to the daemon: takes --socket and --timeout */
 #define CTL_CMD_PLAN (1u << 1)   /* takes the plan flags (ctl_plan_options) */
+#define CTL_CMD_LOCAL (1u << 2)  /* reads the checkpoint at PATH on this machine: a URL is refused (the daemon's to fetch) */
 
 struct ctl_cmd {
   const char *name;

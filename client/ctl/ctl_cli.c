@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "ctl.h"
+#include "wire.h"
 
 struct ctl_options ctl_opts;
 
@@ -98,6 +99,10 @@ int ctl_run_argv(const struct ctl_cmd *cmd, int argc, char **argv) {
   int rc;
   if (ctl_cli_parse(cmd, argc, argv, a, &rc) == 0) {
     rc = apply_common(a);
+    for (int i = 0; rc == 0 && (cmd->flags & CTL_CMD_LOCAL) && i < a->npos; i++)
+      if (wire_path_is_url(a->pos[i]))
+        rc = ctl_usage_error("this command reads the checkpoint's files on this machine, and %.200s is a URL: the daemon "
+                             "fetches URLs (weightctl load, attach or prewarm take one)", a->pos[i]);
     if (rc == 0) rc = cmd->run(a);
   }
   ctl_opts.cmd = saved;

@@ -197,8 +197,8 @@ static const struct cfg_key keys[] = {
      "off | on_load: with on_load, a load of a checkpoint that has a manifest (weightd.manifest.json beside its "
      "index, written by `weightctl manifest`) checks every 4 MiB chunk of the files it reads against the "
      "manifest before its set is ready, and fails with BAD_CHECKSUM naming the file and the bytes that differ; "
-     "a manifest that does not describe the files fails every open of the checkpoint, whatever this setting "
-     "(read at start)",
+     "a manifest that does not describe the files fails every open of the checkpoint, whatever this setting; "
+     "a remote checkpoint with a manifest is checked as it is fetched, whatever this setting (read at start)",
      verify_names},
     {"scrub", CFG_ENUM, OFF(scrub), 0, 0, 0, "off",
      "on: every load records an XXH3-128 digest of each tensor of its set as loaded (whole tensors also checked "

@@ -11,7 +11,7 @@
  * it names (the order ckpt_open reads a local directory in).
  *
  * Where requests go (struct rck_target): an http(s) URL goes to its host
- * and port, unsigned; an s3:// URL goes to the configured S3 endpoint (the
+ * and port, unsigned or with its root's bearer token (bearer_for); an s3:// URL goes to the configured S3 endpoint (the
  * daemon's AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL; without one AWS's
  * https://s3.REGION.amazonaws.com), in path style ("/BUCKET/KEY", what
  * on-premises stores want) or virtual-host style ("BUCKET.HOST/KEY"), and is

@@ -296,6 +296,11 @@ def test_every_op_and_weightctl_take_a_url(start_daemon, store, model_root, tmp_
             assert verify_attached(att, fd, ck) == ck.payload_bytes()
         finally:
             os.close(fd)
+    # Commands that read the files on this machine refuse a URL, saying so (usage: exit 2).
+    for args in (["plan", url], ["inspect", url], ["export", url, "--out", "/tmp/x"], ["manifest", url],
+                 ["verify", url], ["attach", "--verify", url]):
+        r = subprocess.run([WEIGHTCTL, *args], capture_output=True, text=True, env=env, timeout=60 * SLOW)
+        assert r.returncode == 2 and "is a URL" in r.stderr, (args, r.returncode, r.stderr)
 
 
 def test_https_endpoint_with_http2_and_its_ca(start_daemon, qwen3_tp, tmp_path):
