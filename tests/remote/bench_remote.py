@@ -11,7 +11,8 @@ writes (a published model's layout, seeded bytes), and then:
    swept over connections x range size; the best is the ceiling.
 2. weightd: a daemon (the host backend, or --backend cuda on a GPU host) with the bucket as its
    remote root loads the checkpoint (the whole plan, and each --rank) by URL, `--runs` times,
-   each set evicted before the next; its time is the load reply's `seconds`.
+   each set evicted before the next; its time is the request's, end to end as the client sees it
+   (`weightctl load`; the first run includes the open), beside the reply's fill time.
 
 It prints one JSON object: the machine, the ceiling sweep, each weightd run, and the ratio of
 weightd's best and median rate to the ceiling (bytes fetched per second: a TP rank's bytes for a
@@ -145,12 +146,14 @@ def main():
                 for label, args in plans:
                     runs = []
                     for _ in range(a.runs):
+                        t0 = time.perf_counter()
                         r = subprocess.run([a.weightctl, "--json", "load", f"s3://{BUCKET}/m", *args],
                                            capture_output=True, text=True, env=ctl_env, timeout=600, check=True)
+                        wall = time.perf_counter() - t0  # the request end to end: open and checks included
                         rep = json.loads(r.stdout.strip().splitlines()[-1])
                         fetched = sum(rep["read_bytes"].values())
-                        runs.append({"seconds": rep["seconds"], "bytes": fetched,
-                                     "gb_per_s": round(fetched / rep["seconds"] / 1e9, 3), "method": rep["method"]})
+                        runs.append({"seconds": round(wall, 4), "fill_seconds": rep["seconds"], "bytes": fetched,
+                                     "gb_per_s": round(fetched / wall / 1e9, 3), "method": rep["method"]})
                         subprocess.run([a.weightctl, "evict", rep["set"]], capture_output=True, env=ctl_env,
                                        timeout=60, check=True)
                     rates = [x["gb_per_s"] for x in runs]
