@@ -129,6 +129,16 @@ bool ops_is_admin(const struct conn *c) {
   return false;
 }
 
+void ops_set_check(struct request *r, struct res_set *s, reg_ready_fn cb) {
+  struct daemon *d = req_daemon(r);
+  struct acc_cred who;
+  char label[96];
+  snprintf(label, sizeof label, "set %s", s->id);
+  bool vouched = s->loader_uid == r->conn->uid || ops_is_admin(r->conn);
+  reg_check(d->reg, s->ck, ops_reader(r->conn, &who), label, vouched ? REG_CHECK_SAME_OR_GONE : REG_CHECK_SAME_FILES,
+            cb, r);
+}
+
 const struct acc_cred *ops_reader(const struct conn *c, struct acc_cred *buf) {
   if (conn_is_privileged(c)) return NULL;
   *buf = (struct acc_cred){.uid = c->uid,

@@ -39,6 +39,16 @@ bool ops_is_admin(const struct conn *c);
  */
 const struct acc_cred *ops_reader(const struct conn *c, struct acc_cred *buf);
 
+struct res_set;
+/*
+ * Whether r's client may use set s (attach it, scrub it): the set holds what
+ * was read from its checkpoint's files, so it is for those who may read those
+ * very files, as a load is; once they are gone or replaced, only the set's
+ * loader and admins may (no one else's access to what was read can be
+ * shown). cb runs on the loop thread with the verdict (reg_check).
+ */
+void ops_set_check(struct request *r, struct res_set *s, reg_ready_fn cb);
+
 /* The daemon a request belongs to. */
 static inline struct daemon *req_daemon(const struct request *r) { return r->conn->d; }
 

@@ -247,12 +247,7 @@ void op_scrub(struct request *r) {
     req_fail(r, WEIGHTD_E_NOT_FOUND, "no resident set '%.64s'", set_id);
     return;
   }
-  struct acc_cred who;
-  char label[96];
-  snprintf(label, sizeof label, "set %s", s->id);
-  bool vouched = s->loader_uid == r->conn->uid || ops_is_admin(r->conn);
-  reg_check(d->reg, s->ck, ops_reader(r->conn, &who), label, vouched ? REG_CHECK_SAME_OR_GONE : REG_CHECK_SAME_FILES,
-            scrub_checked, r);
+  ops_set_check(r, s, scrub_checked);
 }
 
 /* ---- the corrupt event ------------------------------------------------------------------ */

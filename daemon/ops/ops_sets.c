@@ -693,17 +693,7 @@ void op_attach(struct request *r) {
     req_fail(r, WEIGHTD_E_NOT_FOUND, "no resident set '%.64s'", set_id);
     return;
   }
-  /*
-   * The set holds what was read from its checkpoint's files: for those who may read those very files, as a
-   * load is. Once they are gone or replaced, only the set's loader and admins may attach (no one else's access
-   * to what was read can be shown).
-   */
-  struct acc_cred who;
-  char label[96];
-  snprintf(label, sizeof label, "set %s", s->id);
-  bool vouched = s->loader_uid == r->conn->uid || ops_is_admin(r->conn);
-  reg_check(d->reg, s->ck, ops_reader(r->conn, &who), label, vouched ? REG_CHECK_SAME_OR_GONE : REG_CHECK_SAME_FILES,
-            attach_checked, r);
+  ops_set_check(r, s, attach_checked);
 }
 
 /* ---- evict ---------------------------------------------------------------------------------- */
