@@ -649,6 +649,11 @@ def run(args):
         h.probe.start()
         h.chaos_round(args.seed + 1, max(5, args.ops // 4), storms=0)
         h.probe.finish()
+        # The round's loads end after their clients went (canceled, or finishing their window): until then
+        # they hold device budget, and the load below could find no room (DEVICE_NOMEM) instead of running.
+        wdclient.wait_until(lambda: all(x["state"] not in ("loading", "canceling") for x in d1.status()["sets"]),
+                            timeout=60 * SLOW,
+                            what="the chaos round's loads to end")
         with Conn(d1.socket, timeout=DEADLINE * 4) as c:
             # A plan no worker loads (BIG_PLANS), so that this load cannot find its set ready.
             c.start("load", id="L", path=h.big, plan={"preset": "dense", "tp_size": 2, "tp_rank": 1})
