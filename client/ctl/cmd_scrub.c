@@ -54,12 +54,14 @@ const struct ctl_cmd ctl_cmd_scrub = {
     .max_args = 1,
     .summary = "hash a resident set's tensors again and name each one changed since it was loaded",
     .description =
-        "Asks the daemon to hash every tensor of the resident set SET (without SET: every ready set you loaded, "
-        "or every set for root, the daemon's user and admin_gids) with the same XXH3-128 it recorded when the "
+        "With the daemon's scrub setting on, asks it to hash every tensor of the resident set SET (without SET: "
+        "every ready set you may see in status, or every set for root, the daemon's user and admin_gids) with "
+        "the same XXH3-128 it recorded when the "
         "set was loaded, and prints each tensor that differs with the digest expected and the one found. A set "
         "found corrupt stays marked so (status shows it under corrupt) and refuses new leases with BAD_CHECKSUM; "
-        "its holders get a corrupt event. Exits 1 when any tensor differs or the scrub fails (UNSUPPORTED for a "
-        "set with no digests: a backend that cannot hash its memory, a set re-adopted after a restart).",
+        "its holders get a corrupt event. Exits 1 when any tensor differs, a set could not be scrubbed, or the "
+        "scrub fails (UNSUPPORTED for a set with no digests: the scrub setting off, a backend that cannot hash "
+        "its memory, a set re-adopted after a restart).",
     .flags = CTL_CMD_DAEMON,
     .run = run_scrub,
 };

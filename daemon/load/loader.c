@@ -259,7 +259,9 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   }
   /* A remote source checks every chunk against the manifest as it fetches it: nothing to check again after. */
   if (src->ops->kind == LD_SOURCE_REMOTE) verify = false;
-  t->hold_ready = verify;
+  /* Early attachers see no byte until a check that could still fail the load is done (verify, or the set's
+   * digests against the manifest's whole tensors). */
+  t->hold_ready = verify || (ld->digests && t->ck->manifest != NULL);
   snprintf(t->source, sizeof t->source, "%s", src->label);
   t->source_kind = src->ops->kind;
   atomic_store(&t->reading_kind, (int)src->ops->kind);
@@ -289,9 +291,9 @@ int ld_fill(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   t->verify_mismatches += atomic_load(&t->source_mismatches);
   /* A shard rewritten while we copied (or verified) would have given a mix of old and new bytes. */
   if (rc == 0) rc = ld_source_unchanged(src, err);
-  if (rc == 0) ld_publish_final(t);
-  /* The set's own digests, for scrubs; whole tensors checked against the manifest. */
+  /* The set's own digests, for scrubs; whole tensors checked against the manifest (before the final watermark). */
   if (rc == 0) rc = ld_digest(ld, t, err);
+  if (rc == 0) ld_publish_final(t);
   if (rc == 0 && ops->slab_seal != NULL) rc = ops->slab_seal(ctx, t->slab, err);
   ld_pool_set_home(-1);
   opened_close(&o);

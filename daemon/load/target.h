@@ -106,7 +106,7 @@ struct ld_target {
   int source_device;    /* method peer: the device whose copy was copied; else -1 (host memory) */
   size_t nshares;       /* method striped: the links that moved the bytes, the target's first */
   struct ld_share shares[LD_MAX_LINKS];
-  bool hold_ready;            /* the watermark stays at 0 until the whole slab is published (verify on_load) */
+  bool hold_ready;            /* the watermark stays at 0 until the whole slab is published (verify on_load, digests vs the manifest) */
   uint64_t verified_chunks;   /* manifest chunks checked, by verify on_load or a remote source as it read (0: none) */
   uint64_t verify_mismatches; /* of them, those whose digest differed */
   atomic_uint_fast64_t source_checked, source_mismatches; /* what the source checked as it read (fill threads) */

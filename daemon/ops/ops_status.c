@@ -506,6 +506,8 @@ static void status_daemon(struct daemon *d, cJSON *r) {
   json_u64_add(o, "staging_slot_bytes", d->cfg.staging_slot_bytes);
   msg_add_string(o, "staging_writes", config_enum_name(&d->cfg, "staging_writes"));
   msg_add_string(o, "pin", config_enum_name(&d->cfg, "pin"));
+  msg_add_string(o, "scrub", config_enum_name(&d->cfg, "scrub"));
+  if (d->cfg.test_writable_slabs == CFG_ON) cJSON_AddTrueToObject(o, "test_writable_slabs"); /* never in production */
   json_u64_add(o, "host_pin_budget", reg_pin_budget(d->reg));
   msg_add_string(o, "host_pin_budget_from", reg_pin_budget_source(d->reg));
   json_u64_add(o, "pinned_bytes", reg_pinned_bytes(d->reg));

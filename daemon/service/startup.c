@@ -71,6 +71,8 @@ static int host_backend(struct daemon *d, struct wd_error *err) {
 int startup_backend(struct daemon *d, struct wd_error *err) {
   enum cfg_backend want = d->cfg.backend;
   if (want == CFG_BACKEND_HOST) return host_backend(d, err);
+  if (d->cfg.test_writable_slabs == CFG_ON)
+    return err_set(err, WEIGHTD_E_INVALID, "test_writable_slabs is for tests of the host backend (--backend host) only");
   const char *node = nvidia_node();
   if (want == CFG_BACKEND_AUTO && node == NULL) {
     log_msg(LOG_WARN, "backend auto: no NVIDIA device nodes (/dev/nvidiactl, /dev/nvidia0): using the host backend, "

@@ -38,6 +38,7 @@ struct scrub_task {
   bool background;
   size_t next; /* the next output to hash (worker) */
   uint64_t bytes;
+  double spent; /* seconds of hashing so far (worker) */
   unsigned char (*got)[WD_DIGEST_BYTES];
   int rc;
   struct wd_error err;
@@ -118,7 +119,9 @@ static void *worker_main(void *arg) {
     pthread_mutex_unlock(&sc->lock);
     double t0 = clock_s();
     bool complete = hash_batch(sc, t);
-    double spent = clock_s() - t0;
+    t->spent += clock_s() - t0;
+    double spent = t->spent;
+    bool background = t->background;
     pthread_mutex_lock(&sc->lock);
     if (complete) {
       /* Only this thread takes tasks off the queue, but the loop may have put asked-for ones before t meanwhile. */
@@ -129,7 +132,12 @@ static void *worker_main(void *arg) {
       sc->done = t;
       uv_async_send(&sc->async);
     }
-    if (t->background && sc->duty > 0 && sc->duty < 100 && !sc->stop)
+    /*
+     * The duty cycle's nap comes after a background task is complete (t is the loop's now), never between its
+     * batches: a set is held only while it is hashed, so a scrub never keeps it from an eviction for long. A
+     * task queued meanwhile wakes the nap (the condition variable).
+     */
+    if (complete && background && sc->duty > 0 && sc->duty < 100 && !sc->stop)
       nap(sc, spent * (double)(100 - sc->duty) / (double)sc->duty);
   }
   pthread_mutex_unlock(&sc->lock);
@@ -237,6 +245,17 @@ static int queue_task(struct scrubber *sc, struct res_set *s, bool background, s
     if (t != NULL) free(t->got);
     free(t);
     return err_set(err, WEIGHTD_E_NOMEM, "out of memory");
+  }
+  if (!background) { /* one asked-for scrub of a set waits at a time: more would only hold it from eviction */
+    pthread_mutex_lock(&sc->lock);
+    bool queued = false;
+    for (struct scrub_task *q = sc->queue; q != NULL && !queued; q = q->next_task) queued = q->set == s && !q->background;
+    pthread_mutex_unlock(&sc->lock);
+    if (queued) {
+      free(t->got);
+      free(t);
+      return err_set(err, WEIGHTD_E_BUSY, "a scrub of set %s is already queued: ask again when it is done", s->id);
+    }
   }
   t->set = s;
   t->background = background;
