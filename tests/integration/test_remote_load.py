@@ -218,7 +218,9 @@ def test_load_through_5xx_429_and_dropped_bodies_equals_the_local_rank(start_dae
             remote = c.status()["daemon"]["remote"]
         # Every rule fired, and each fault was tried again.
         assert [r.applied for r in rules] == [2, 1, 2, 1], [(r, r.applied) for r in rules]
-        assert remote["retries"] >= 6, remote
+        # The three answers (503, 503, 429) are always the engine's retries; a connection reset before any
+        # response may instead be resent by libcurl itself on a reused connection, which the engine does not see.
+        assert remote["retries"] >= 3, remote
         assert remote["responses"]["5xx"] >= 2 and remote["responses"]["4xx"] >= 1, remote
 
 
