@@ -691,7 +691,13 @@ static void test_read_error(void) {
       CHECK_STR_CONTAINS(err.msg, a.ck->ck->shards[0].rel);
       CHECK_STR_CONTAINS(err.msg, "tensor '");
       CHECK(atomic_load(&l.t.ready_bytes) < p->slab_bytes);
-      CHECK_EQ_INT(atomic_load(&l.fail.failed), 1); /* one fill thread: the first failure stops the load */
+      /*
+       * The first failure stops the load: no range is read again, and at most one more read, begun before the
+       * failure was seen (a second window's task, or striped the other link's share), fails beside it (seen
+       * 2 under ASan's timing; 1 is the usual count).
+       */
+      unsigned failed = (unsigned)atomic_load(&l.fail.failed);
+      CHECK(failed >= 1 && failed <= 2);
       load_fini(&f.e, &l);
       plan_free(p);
     }
