@@ -35,7 +35,7 @@ test)
   exit "${PIPESTATUS[0]}"
   ;;
 speed)
-  all=XACDPSK
+  all=XACDPISK
   skip=$(echo "$all" | tr -d "${2:?sections}")
   SPEED_SKIP=$skip SPEED_BASELINE=$PWD/build-base OUT=$out tests/gpu/speed.sh build-gpu /tmp/weightd-speed 2>&1 |
     tee "$out/speed.log" | tail -80

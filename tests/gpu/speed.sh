@@ -29,6 +29,8 @@
 #      until the daemon has pinned by itself, later loads (whole and TP=2)
 #   D  pin on_open: the same, pinned from the open on
 #   P  peers, warm, the same checkpoint, against C's later loads
+#   I  the digests' cost: loads with scrub on (digests recorded) and off,
+#      alternating, and the scrub kernel's rate over the resident whole set
 #   S  DeepSeek-V3 (sparse) EP8 rank 0 (~94 GiB): open + plan, one load with
 #      the O_DIRECT source (holes read as zeros, no disk), prefetch, one staged
 #      load, pin per plan, one pinned load, attach, RssAnon
@@ -196,6 +198,32 @@ fi
 if want P; then
   run "P peers, warm, same checkpoint" 420 python3 "$here/peers.py" --checkpoint "$qwen" --runs 3 \
     --weightd-json "$json/C1_auto_whole.json" --json-out "$json/P_peers.json"
+fi
+
+# ---- I: the digests' cost (scrub on) and the scrub kernel ------------------------------------
+if want I; then
+  # scrub_duty=0: no background scrub runs while loads are timed.
+  start_daemon digests --set pin=off --set scrub=on --set scrub_duty=0 &&
+    start_daemon nodigests --set pin=off && {
+    run "I1 whole set: staged and pinned loads, scrub on (digests recorded) vs off (alternating)" 240 \
+      "${bench[@]}" --checkpoint "$qwen" --socket "$work/digests.sock" --alt-socket "$work/nodigests.sock" \
+      --names digests,none --phases ceiling,staged,pin,pinned --label "whole, digests vs none" \
+      --json-out "$json/I1_digests.json"
+    run "I2 TP=2 fused rank 0: the same" 240 \
+      "${bench[@]}" --checkpoint "$qwen" --socket "$work/digests.sock" --alt-socket "$work/nodigests.sock" \
+      --names digests,none --plan "$TP2" --phases ceiling,staged --label "TP=2 fused, digests vs none" \
+      --json-out "$json/I2_digests_tp2.json"
+    # A scrub of the resident whole set, three times: its bytes and seconds (the kernel's rate).
+    "$build/weightctl" --socket "$work/digests.sock" load "$qwen" >/dev/null &&
+      for _ in 1 2 3; do
+        run "I3 scrub of the whole set" 120 "$build/weightctl" --socket "$work/digests.sock" --json scrub |
+          python3 -c 'import json,sys; t=sys.stdin.read().strip(); r=json.loads(t) if t else {"sets": [], "clean": None}
+for s in r["sets"]:
+    if "bytes" in s: print("I3 scrub %s: %d tensors, %d bytes in %.3f s = %.1f GB/s, clean %s" % (s["set"], s["tensors"], s["bytes"], s["seconds"], s["bytes"]/max(s["seconds"],1e-9)/1e9, r["clean"]))'
+      done
+  }
+  stop_daemon digests
+  stop_daemon nodigests
 fi
 
 # ---- S: DeepSeek-V3 sparse, EP8 rank ----------------------------------------------------------

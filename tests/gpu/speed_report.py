@@ -269,6 +269,26 @@ def section_compare(t, s, name, title):
         t.rows.append({"what": f"{kind}: {a} vs {b}", "points": diff, "spreads": [100 * sa, 100 * sb], "met": ok})
 
 
+def section_digests(t, s, name, title):
+    """Loads with scrub on (digests recorded) against scrub off: the compare, then the cost in time (target <= 3%)."""
+    section_compare(t, s, name, title)
+    j = s.get(name)
+    if not j:
+        return
+    for k in j:
+        x = j[k]
+        if not (isinstance(x, dict) and x.get("daemon") == "digests"):
+            continue
+        other = j.get(k.rsplit("_", 1)[0] + "_none")
+        if not other:
+            continue
+        cost = x["median_s"] / other["median_s"] - 1
+        ok = cost <= 0.03
+        print(f"  {k.rsplit('_', 1)[0] + ': digests cost':54s} {100 * cost:+.1f}% of the load time "
+              f"({1e3 * x['median_s']:.1f} vs {1e3 * other['median_s']:.1f} ms; target <= 3%): {'met' if ok else 'MISSED'}")
+        t.rows.append({"what": f"{name} {k}: digests cost", "cost": cost, "met": ok})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("json_dir")
@@ -286,6 +306,8 @@ def main():
     section_auto(t, s, "C2_auto_tp2", "Default configuration (pin after_load), TP=2 fused rank 0", 0.93)
     section_auto(t, s, "D1_on_open_whole", "pin on_open, whole set", 0.95)
     section_peers(t, s, "P_peers", "Peers, warm, same checkpoint (against the default configuration's later loads)")
+    section_digests(t, s, "I1_digests", "Digests (scrub on) vs none, whole set")
+    section_digests(t, s, "I2_digests_tp2", "Digests (scrub on) vs none, TP=2 fused rank 0")
     section_dsv3(t, s, "S_dsv3_ep8", "DeepSeek-V3 (sparse), EP8 rank 0 onto one GPU")
     section_cold(t, s)
     if args.out:
