@@ -98,12 +98,15 @@ static inline int wd_handle_kind_has_fd(enum wd_handle_kind k) {
  *   topology      devices carry numa_node, link_rate and peers, sets their
  *                 source (a replica may come from a peer's copy, a load be
  *                 striped), and status has "topology"; listed by the daemon only
+ *   progress_page every attach (early or not) carries the set's progress
+ *                 page, whose flags say when a scrub found it corrupt
  */
 #define WD_FEATURE_MAP(XX)              \
   XX(TENSOR_TABLE, "tensor_table")      \
   XX(EARLY_ATTACH, "early_attach")      \
   XX(LOAD_GROUP, "load_group")          \
-  XX(TOPOLOGY, "topology")
+  XX(TOPOLOGY, "topology")             \
+  XX(PROGRESS_PAGE, "progress_page")
 
 enum wd_feature {
 #define WD_XX_(e, name) WD_FEATURE_##e,

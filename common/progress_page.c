@@ -24,7 +24,8 @@ _Static_assert(sizeof(struct wd_progress_page) <= WD_PAGE_BYTES, "the page's fie
 _Static_assert(offsetof(struct wd_progress_page, seq) == 8 && offsetof(struct wd_progress_page, state) == 12 &&
                    offsetof(struct wd_progress_page, ready_bytes) == 16 &&
                    offsetof(struct wd_progress_page, total_bytes) == 24 &&
-                   offsetof(struct wd_progress_page, error) == 32 && offsetof(struct wd_progress_page, message) == 64,
+                   offsetof(struct wd_progress_page, error) == 32 && offsetof(struct wd_progress_page, flags) == 36 &&
+                   offsetof(struct wd_progress_page, message) == 64,
                "the layout docs/protocol.md gives");
 
 static void wake_all(struct wd_progress_page *p) {
@@ -59,6 +60,7 @@ int ppage_create(uint64_t total_bytes, struct wd_progress_page **out, int *fd_ou
   atomic_init(&p->state, WD_PAGE_LOADING);
   atomic_init(&p->ready_bytes, 0);
   atomic_init(&p->error, 0);
+  atomic_init(&p->flags, 0);
   /* From here on only this mapping writes: the seals bind every other one, and cannot be undone. */
   if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0) {
     rc = err_set(err, errno == EINVAL ? WEIGHTD_E_UNSUPPORTED : WEIGHTD_E_INTERNAL,
@@ -95,6 +97,10 @@ void ppage_finish(struct wd_progress_page *p, enum wd_page_state state, int code
   if (state == WD_PAGE_READY) ppage_advance(p, p->total_bytes);
   atomic_store_explicit(&p->state, (uint32_t)state, memory_order_release);
   wake_all(p);
+}
+
+void ppage_flag_set(struct wd_progress_page *p, uint32_t flag) {
+  if ((atomic_fetch_or_explicit(&p->flags, flag, memory_order_release) & flag) == 0) wake_all(p);
 }
 
 /* ---- a client's side ------------------------------------------------------------------ */

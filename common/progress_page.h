@@ -38,6 +38,14 @@
 #define WD_PAGE_BYTES 4096u
 #define WD_PAGE_MESSAGE_BYTES 256u
 
+/*
+ * Flags the daemon sets on a set's page after its load, each once and for
+ * good (the values are part of the protocol). CORRUPT: a scrub found the
+ * set's bytes changed since they were loaded (state/scrub.h); its holders
+ * should release it and attach the set loaded in its place.
+ */
+#define WD_PAGE_FLAG_CORRUPT 0x1u
+
 /* A load's state on the page; the values are part of the protocol. */
 enum wd_page_state {
   WD_PAGE_LOADING = 0,
@@ -54,7 +62,7 @@ struct wd_progress_page {
   _Atomic uint64_t ready_bytes; /* 16: the watermark, in slab bytes */
   uint64_t total_bytes;         /* 24: the slab's bytes: ready_bytes reaches it before state READY */
   _Atomic int32_t error;        /* 32: the load's WEIGHTD_E_* code once FAILED or CANCELED, else 0 */
-  uint32_t reserved0;           /* 36 */
+  _Atomic uint32_t flags;       /* 36: WD_PAGE_FLAG_* bits, set after the load (never cleared) */
   uint64_t reserved[3];         /* 40 */
   char message[WD_PAGE_MESSAGE_BYTES]; /* 64: the load's error message, NUL-terminated */
 };
@@ -73,6 +81,9 @@ void ppage_destroy(struct wd_progress_page *p, int fd);
 void ppage_advance(struct wd_progress_page *p, uint64_t ready);
 /* Sets the final state (READY, FAILED or CANCELED), the error code and message, and wakes waiters. */
 void ppage_finish(struct wd_progress_page *p, enum wd_page_state state, int code, const char *message);
+
+/* Sets flag (WD_PAGE_FLAG_*) on the page and wakes waiters (loop thread). */
+void ppage_flag_set(struct wd_progress_page *p, uint32_t flag);
 
 /* ---- a client's side ----------------------------------------------------------------- */
 

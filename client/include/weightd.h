@@ -445,6 +445,15 @@ uint64_t weightd_set_ready_bytes(const weightd_set *s);
 /* The daemon's message for a failed or canceled load ("" otherwise). */
 const char *weightd_set_load_error(const weightd_set *s);
 /*
+ * 1 once a scrub in the daemon found the set's bytes changed since they
+ * were loaded (its corrupt event says which tensors), else 0 (also for a
+ * set whose daemon shares no progress page: an older daemon, a kernel
+ * before Linux 5.1, a set re-adopted after a restart). A corrupt set's
+ * bytes are not what the files hold: release it and attach again by path
+ * (with scrub_reload on, the daemon is already loading a good copy).
+ */
+int weightd_set_corrupt(const weightd_set *s);
+/*
  * Waits until the tensor called name is in place (0), at most timeout_ms
  * (< 0: forever; 0: only looks): WEIGHTD_E_TIMEOUT, WEIGHTD_E_NOT_FOUND for
  * no such tensor, or the load's error when it failed or was canceled first

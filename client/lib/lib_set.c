@@ -424,6 +424,11 @@ const char *weightd_set_load_error(const weightd_set *s) {
   return memchr(s->page->message, '\0', sizeof s->page->message) != NULL ? s->page->message : "";
 }
 
+int weightd_set_corrupt(const weightd_set *s) {
+  if (s == NULL || s->page == NULL) return 0;
+  return (atomic_load_explicit(&s->page->flags, memory_order_acquire) & WD_PAGE_FLAG_CORRUPT) != 0;
+}
+
 int weightd_set_wait_tensor(const weightd_set *s, size_t index, int timeout_ms) {
   if (s == NULL) return WEIGHTD_E_INVALID;
   if (index >= weightd_set_tensor_count(s)) return WEIGHTD_E_NOT_FOUND;

@@ -519,13 +519,16 @@ static void client_name_set(weightd_client *c, const char *name) {
 static int hello(weightd_client *c) {
   cJSON *req = lib_request_new("hello");
   /* Every handle kind this library opens (lib_set.c), so the daemon may hand it any set. */
-  cJSON *kinds = NULL, *features = NULL, *table = NULL;
+  cJSON *kinds = NULL, *features = NULL, *table = NULL, *page = NULL;
   if (req == NULL || cJSON_AddNumberToObject(req, "protocol", WEIGHTD_PROTOCOL_VERSION) == NULL ||
       cJSON_AddStringToObject(req, "client", c->client_name) == NULL ||
       (kinds = cJSON_AddArrayToObject(req, "handles")) == NULL ||
       (features = cJSON_AddArrayToObject(req, "features")) == NULL ||
       (table = cJSON_CreateString(wd_feature_name(WD_FEATURE_TENSOR_TABLE))) == NULL ||
-      !cJSON_AddItemToArray(features, table)) {
+      !cJSON_AddItemToArray(features, table) ||
+      (page = cJSON_CreateString(wd_feature_name(WD_FEATURE_PROGRESS_PAGE))) == NULL ||
+      !cJSON_AddItemToArray(features, page)) {
+    cJSON_Delete(page);
     cJSON_Delete(req);
     return lib_fail(c, WEIGHTD_E_NOMEM, "out of memory");
   }

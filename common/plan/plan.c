@@ -33,6 +33,37 @@ void plan_free(struct plan *p) {
   free(p);
 }
 
+int plan_copy(const struct plan *p, struct plan **out) {
+  *out = NULL;
+  struct plan *c = calloc(1, sizeof *c);
+  if (c == NULL) return WEIGHTD_E_NOMEM;
+  c->payload_bytes = p->payload_bytes;
+  c->slab_bytes = p->slab_bytes;
+  c->key = strdup(p->key);
+  c->outputs = calloc(p->noutputs ? p->noutputs : 1, sizeof *c->outputs);
+  if (c->key == NULL || c->outputs == NULL) goto fail;
+  c->noutputs = p->noutputs; /* from here plan_free frees what each output got */
+  for (size_t i = 0; i < p->noutputs; i++) {
+    const struct plan_output *o = &p->outputs[i];
+    struct plan_output *d = &c->outputs[i];
+    *d = *o;
+    d->name = NULL;
+    d->shape = NULL;
+    d->pieces = NULL;
+    d->name = strdup(o->name);
+    d->shape = malloc((o->ndim ? o->ndim : 1) * sizeof *d->shape);
+    d->pieces = malloc((o->npieces ? o->npieces : 1) * sizeof *d->pieces);
+    if (d->name == NULL || d->shape == NULL || d->pieces == NULL) goto fail;
+    memcpy(d->shape, o->shape, o->ndim * sizeof *d->shape);
+    memcpy(d->pieces, o->pieces, o->npieces * sizeof *d->pieces);
+  }
+  *out = c;
+  return 0;
+fail:
+  plan_free(c);
+  return WEIGHTD_E_NOMEM;
+}
+
 const struct plan_output *plan_output_at(const struct plan *p, uint64_t lo) {
   size_t a = 0, b = p->noutputs;
   while (a < b) { /* the first output that ends after lo */

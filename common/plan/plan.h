@@ -83,6 +83,8 @@ struct plan {
 int plan_build(const struct ckpt *c, const cJSON *spec, struct plan **out, struct wd_error *err);
 
 void plan_free(struct plan *p);
+/* A copy of p for the same checkpoint (its pieces point into it as p's do): 0, or WEIGHTD_E_NOMEM. */
+int plan_copy(const struct plan *p, struct plan **out);
 
 /*
  * The plan as JSON: {"key": the key, "payload_bytes", "slab_bytes",

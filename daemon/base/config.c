@@ -213,6 +213,12 @@ static const struct cfg_key keys[] = {
      "nothing is scrubbed; read at start"},
     {"scrub_interval_ms", CFG_UINT, OFF(scrub_interval_ms), 0, 1, 86400000, "60000",
      "the pause between the end of one set's background scrub and the start of the next one's; read at start"},
+    {"scrub_reload", CFG_ENUM, OFF(scrub_reload), 0, 0, 0, "on",
+     "on (the default): a set a scrub finds corrupt is taken off the daemon's list at once and loaded again "
+     "from its checkpoint (the same plan and device) under a new set id, so the next load or attach by path "
+     "gets good bytes; its holders keep the old memory until they release it, and are told (event, and the "
+     "corrupt flag on its progress page). off: the corrupt set stays listed, refusing new leases, until it "
+     "is evicted", onoff_names, .reload = true},
     {"load_method", CFG_ENUM, OFF(load_method), 0, 0, 0, "auto",
      "auto | staged: staged sends every load through the pinned staging slots, also on the host "
      "backend and for pinned checkpoints (for tests and comparisons)",

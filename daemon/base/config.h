@@ -84,6 +84,7 @@ struct wd_config {
   enum cfg_onoff scrub;             /* digests at load, and scrubs against them */
   uint64_t scrub_duty;              /* percent of the scrub thread's time spent hashing sets in the background; 0: off */
   uint64_t scrub_interval_ms;       /* between the end of one set's background scrub and the start of the next */
+  enum cfg_onoff scrub_reload;      /* a set a scrub finds corrupt is retired and loaded again */
   enum cfg_load_method load_method; /* staged: force the staging pipeline (tests, comparisons) */
   enum cfg_cuda_handles cuda_handles; /* how GPU sets are allocated and shared: VMM descriptors or legacy IPC */
   enum cfg_strided staged_strided;  /* how staged loads stage strided pieces */

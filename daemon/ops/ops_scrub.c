@@ -254,10 +254,55 @@ void op_scrub(struct request *r) {
   ops_set_check(r, s, scrub_checked);
 }
 
-/* ---- the corrupt event ------------------------------------------------------------------ */
+/* ---- the corrupt event, and the reload -------------------------------------------------- */
+
+/* A corrupt set's reload: its plan and checkpoint loaded again as a new set, whoever waits or not. */
+struct reload {
+  struct res_waiter w;
+  char old_id[24];
+};
+
+static void reloaded(struct res_waiter *w, struct res_set *s, bool joined, const struct wd_error *err) {
+  struct reload *rl = (struct reload *)w;
+  (void)joined;
+  if (s != NULL)
+    log_msg(LOG_INFO, "set %s (corrupt) loaded again as set %s (%s)", rl->old_id, s->id, s->ck->path);
+  else
+    log_msg(LOG_ERROR, "set %s (corrupt): loading it again failed: %s", rl->old_id, err->msg);
+  free(rl);
+}
+
+/*
+ * Retires s and loads its plan again on its device (scrub_reload on): true
+ * when the load was started. The new set is an ordinary one (evictable
+ * once ready, found by the next load or attach by path); the old one's
+ * holders keep its memory until they release it.
+ */
+static bool reload_set(struct daemon *d, struct res_set *s) {
+  if (d->cfg.scrub_reload != CFG_ON || s->orphan || s->state != SET_READY) return false;
+  struct reload *rl = calloc(1, sizeof *rl);
+  struct plan *copy = NULL;
+  if (rl == NULL || plan_copy(s->plan, &copy) != 0) {
+    free(rl);
+    log_msg(LOG_ERROR, "set %s (corrupt): out of memory to load it again; evict it and load it again", s->id);
+    return false;
+  }
+  snprintf(rl->old_id, sizeof rl->old_id, "%s", s->id);
+  rl->w.done = reloaded;
+  rl->w.uid = s->loader_uid;
+  struct reg_ckpt *ck = s->ck;
+  int device = s->device;
+  reg_ref(ck); /* res_load takes this reference; retiring s may drop its own */
+  res_set_retire(d->res, s); /* s may be gone from here on */
+  log_msg(LOG_INFO, "set %s (corrupt): retired, loading %s again", rl->old_id, ck->path);
+  res_load(d->res, ck, device, copy, ops_load_source(d, ck, false, 0), &rl->w);
+  return true;
+}
 
 void ops_scrub_corrupt(void *arg, struct res_set *s, const size_t *outs, size_t n) {
   struct daemon *d = arg;
+  bool reload = d->cfg.scrub_reload == CFG_ON && !s->orphan && s->state == SET_READY;
+  if (s->page != NULL) ppage_flag_set(s->page, WD_PAGE_FLAG_CORRUPT); /* holders that poll their page see it */
   for (struct lease *l = res_first_lease(d->res); l != NULL; l = l->next) {
     if (l->set != s || l->holder.owner == NULL) continue;
     bool told = false; /* one event per connection, however many leases it holds on the set */
@@ -270,9 +315,14 @@ void ops_scrub_corrupt(void *arg, struct res_set *s, const size_t *outs, size_t 
     msg_add_string(ev, "set", s->id);
     cJSON *names = cJSON_AddArrayToObject(ev, "tensors");
     for (size_t i = 0; i < n; i++) cJSON_AddItemToArray(names, cJSON_CreateString(s->plan->outputs[outs[i]].name));
-    msg_add_string(ev, "message", "a scrub found these tensors changed since the set was loaded; the set refuses "
-                                  "new leases: release it and load it again");
+    cJSON_AddBoolToObject(ev, "reload", reload);
+    msg_add_string(ev, "message",
+                   reload ? "a scrub found these tensors changed since the set was loaded; the daemon is loading it "
+                            "again as a new set: release this one and attach again by path"
+                          : "a scrub found these tensors changed since the set was loaded; the set refuses new "
+                            "leases: release it and load it again");
     conn_send(c, ev, NULL, 0);
     log_msg(LOG_INFO, "set %s: told pid %d (lease %s) it is corrupt", s->id, (int)l->holder.pid, l->id);
   }
+  if (!reload_set(d, s)) res_set_release_if_orphan(s);
 }

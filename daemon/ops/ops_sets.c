@@ -378,7 +378,8 @@ static void reply_attached(struct request *r, struct res_set *s) {
   struct wd_error err = {0};
   if (!handle_accepted(r, s)) return;
   bool binary = (r->conn->features & WD_FEATURE_BIT(WD_FEATURE_TENSOR_TABLE)) != 0;
-  bool page = r->early && s->page_fd >= 0;
+  /* Early attachers follow the load on it; others that asked for it see a scrub's corrupt flag there. */
+  bool page = s->page_fd >= 0 && (r->early || (r->conn->features & WD_FEATURE_BIT(WD_FEATURE_PROGRESS_PAGE)) != 0);
   const char *table = NULL;
   int rc = binary ? res_set_table_fd(s, &err) : (table = attach_table(s)) == NULL ? err_set(&err, WEIGHTD_E_NOMEM, "out of memory") : 0;
   if (rc != 0) {

@@ -347,7 +347,9 @@ static void collect_loads(struct daemon *d, struct collection *c) {
     sample(c, f, (double)ss->mismatches, NULL);
     size_t corrupt = 0;
     for (const struct res_set *s = res_first_set(d->res); s != NULL; s = s->next) corrupt += s->ncorrupt > 0;
-    f = family(c, "weightd_sets_corrupt", "gauge", "Resident sets a scrub found corrupt (they refuse new leases).");
+    for (const struct res_set *s = res_first_orphan(d->res); s != NULL; s = s->next) corrupt += s->ncorrupt > 0;
+    f = family(c, "weightd_sets_corrupt", "gauge",
+               "Sets a scrub found corrupt still in memory (listed and refusing leases, or retired and still held).");
     sample(c, f, (double)corrupt, NULL);
   }
   f = family(c, "weightd_last_load_gib_per_second", "gauge", "Rate of the last successful load (payload GiB/s).");

@@ -511,11 +511,33 @@ void res_lease_drop(struct residency *r, struct lease *l) {
   s->last_used_ms = clock_ms();
   free(l);
   res_changed(r, false);
-  if (s->orphan && s->leases == 0) {
-    log_msg(LOG_DEBUG, "set %s: its last early lease ended; freeing it", s->id);
+  if (s->orphan && s->leases == 0 && s->scrubbing == 0) {
+    log_msg(LOG_DEBUG, "set %s: its last lease ended; freeing it", s->id);
     res_set_destroy(s, NULL);
   }
 }
+
+void res_set_retire(struct residency *r, struct res_set *s) {
+  if (s->orphan) return;
+  res_set_unlink(s);
+  if (s->state == SET_READY) res_changed(r, false); /* gone from the list: a restart does not adopt it */
+  if (s->leases == 0 && s->scrubbing == 0) {
+    res_set_destroy(s, NULL);
+    return;
+  }
+  s->orphan = true;
+  s->next = r->orphans;
+  r->orphans = s;
+  log_msg(LOG_INFO, "set %s: retired; %d lease(s) keep its memory until they end", s->id, s->leases);
+}
+
+bool res_set_release_if_orphan(struct res_set *s) {
+  if (!s->orphan || s->leases > 0 || s->scrubbing > 0) return false;
+  res_set_destroy(s, NULL);
+  return true;
+}
+
+struct res_set *res_first_orphan(const struct residency *r) { return r->orphans; }
 
 struct lease *res_find_lease(const struct residency *r, const char *id) {
   for (struct lease *l = r->leases; l != NULL; l = l->next)
@@ -635,6 +657,7 @@ void res_destroy(struct residency *r) {
   r->destroying = true;
   answer_rooms(r); /* a load job that still waits for room is told to stop */
   while (r->leases != NULL) res_lease_drop(r, r->leases); /* orphans go with their last lease */
+  while (r->orphans != NULL) res_set_destroy(r->orphans, NULL); /* one a scrub still counted (none runs now) */
   while (r->sets != NULL) res_set_destroy(r->sets, NULL);
   uv_close((uv_handle_t *)&r->notify, residency_closed);
 }

@@ -74,7 +74,7 @@ struct res_set {
   struct wd_progress_page *page; /* how far the load has come (NULL: the kernel cannot share one) */
   int page_fd;                   /* the page's sealed memfd, or -1 */
   atomic_bool allocated;         /* the load job has allocated load.slab (then readable on the loop) */
-  bool orphan;                   /* failed or canceled while leased: off the list until its last lease ends */
+  bool orphan;                   /* failed or canceled while leased, or retired: off the list until its last lease ends */
   uv_timer_t progress_timer;
   /* Replicas (docs/multi-gpu.md): while this set loads, the ready copies on other devices it may be
    * copied from (load.sources) are kept resident; `copying` counts the loads holding this one so. */
@@ -237,9 +237,22 @@ int res_set_corrupt_error(const struct res_set *s, struct wd_error *err);
  */
 int res_lease_add(struct residency *r, struct res_set *s, const struct lease_holder *holder, struct lease **out,
                   struct wd_error *err);
-/* Ends one lease (the lease is freed); the last lease of a set that failed frees the set. */
+/* Ends one lease (the lease is freed); the last lease of a set that failed or was retired frees the set. */
 void res_lease_drop(struct residency *r, struct lease *l);
 struct lease *res_find_lease(const struct residency *r, const char *id);
+
+/*
+ * Takes a READY set off the list for good (a scrub found it corrupt and it
+ * is loaded again): nobody finds it, status does not show it, a restart
+ * does not adopt it. It is freed now when nothing holds it, else its leases
+ * and scrubs keep its memory (counted against its device) until the last
+ * one ends; s may be freed when this returns.
+ */
+void res_set_retire(struct residency *r, struct res_set *s);
+/* Frees a retired or failed set that nothing holds any more (the scrubber, after its last scrub); true if it did. */
+bool res_set_release_if_orphan(struct res_set *s);
+/* The sets off the list that leases or scrubs still hold (failed while leased, retired). */
+struct res_set *res_first_orphan(const struct residency *r);
 /* True when owner holds a lease. */
 bool res_owner_has_leases(const struct residency *r, const void *owner);
 /* Ends every lease of owner. */

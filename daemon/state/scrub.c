@@ -153,7 +153,6 @@ static void arm_background(struct scrubber *sc);
 /* Compares a finished task's digests with the set's, marks what differs, and tells its caller. */
 static void apply(struct scrubber *sc, struct scrub_task *t) {
   struct res_set *s = t->set;
-  s->scrubbing--;
   const struct plan *p = s->plan;
   struct scrub_mismatch *mm = NULL;
   size_t nm = 0, *fresh = NULL, nfresh = 0;
@@ -194,7 +193,6 @@ static void apply(struct scrubber *sc, struct scrub_task *t) {
   } else {
     log_msg(t->rc == WEIGHTD_E_CANCELED ? LOG_DEBUG : LOG_WARN, "scrub of set %s failed: %s", s->id, t->err.msg);
   }
-  if (nfresh > 0 && sc->on_corrupt != NULL) sc->on_corrupt(sc->on_corrupt_arg, s, fresh, nfresh);
   if (t->done != NULL) {
     struct scrub_report rep = {.bytes = t->bytes,
                                .tensors = p->noutputs,
@@ -208,8 +206,12 @@ static void apply(struct scrubber *sc, struct scrub_task *t) {
   if (t->background) {
     sc->background_out = false;
     sc->last_id = id_number(s->id);
-    arm_background(sc);
   }
+  /* The set is no longer read; on_corrupt may retire it (and free it), and a retired one goes with its last scrub. */
+  s->scrubbing--;
+  if (nfresh > 0 && sc->on_corrupt != NULL) sc->on_corrupt(sc->on_corrupt_arg, s, fresh, nfresh);
+  else res_set_release_if_orphan(s);
+  if (t->background) arm_background(sc);
   free(mm);
   free(fresh);
   free(t->got);

@@ -12,7 +12,8 @@
  *
  * A tensor found to differ marks the set corrupt (res_set.corrupt, kept
  * until the set goes): it is logged, counted, shown by status, refuses new
- * leases with BAD_CHECKSUM, and the on_corrupt hook tells whoever holds it.
+ * leases with BAD_CHECKSUM, and the on_corrupt hook tells whoever holds it
+ * (and may retire the set and load it again: ops_scrub.c).
  *
  * Background scrubs: with a duty cycle above 0 (percent of the worker's
  * time spent hashing; it sleeps in proportion to each batch it hashed), the
@@ -40,7 +41,8 @@ struct scrub_params {
   bool off;             /* the scrub setting is off: loads record no digests (scrubs say so) */
   unsigned duty;        /* percent, 0: no background scrubs */
   uint64_t interval_ms; /* between the end of one background scrub and the start of the next */
-  /* A scrub found outputs outs[0..n) of s to differ for the first time (loop thread); may be NULL. */
+  /* A scrub found outputs outs[0..n) of s to differ for the first time (loop thread, after that scrub's
+   * continuation, with s no longer held by it: the hook may retire s, which may free it); may be NULL. */
   void (*on_corrupt)(void *arg, struct res_set *s, const size_t *outs, size_t n);
   void *on_corrupt_arg;
 };

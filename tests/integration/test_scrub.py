@@ -18,7 +18,8 @@ import xxhash
 from cliutil import ctl
 from wdclient import Checkpoint, Closed, WDError
 
-WRITABLE = {"scrub": "on", "test_writable_slabs": "on", "scrub_duty": 0}
+# scrub_reload off: a corrupt set stays listed, refusing leases (the reload has its own test).
+WRITABLE = {"scrub": "on", "test_writable_slabs": "on", "scrub_duty": 0, "scrub_reload": "off"}
 
 
 def digest(b):
@@ -133,6 +134,67 @@ def test_flipped_byte_is_named_and_the_set_refuses_leases(start_daemon, tiny):
         assert other.call("scrub", set=again["set"])["clean"] is True
 
 
+def page_flags(fd):
+    """The flags word of a progress page (offset 36, docs/protocol.md)."""
+    m = mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ)
+    try:
+        assert m[0:4] == b"WDPP"
+        return int.from_bytes(m[36:40], "little")
+    finally:
+        m.close()
+
+
+def test_corrupt_set_is_retired_and_loaded_again(start_daemon, tiny):
+    """scrub_reload on (the default): the holder is told (event, page flag), the set leaves the list, a new set with
+    the files' bytes takes its place for the next attach by path, and the old memory goes with its last lease."""
+    d = start_daemon(settings={"scrub": "on", "test_writable_slabs": "on", "scrub_duty": 0})
+    ckpt = Checkpoint(tiny["b"])
+    with d.connect(features=["progress_page"]) as holder, d.connect() as other:
+        rep = load(holder, tiny["b"])
+        att, fds = holder.request("attach", set=rep["set"])
+        assert att.get("ok") and len(fds) == 2 and att["progress"]["fd_index"] == 1, att
+        slab_fd, page_fd = fds
+        assert page_flags(page_fd) == 0
+        t = table(att)["layers.0.odd"]
+        flip(slab_fd, att["bytes"], t["offset"] + 3)
+        got = other.call("scrub", set=rep["set"])
+        assert got["clean"] is False and got["mismatches"] == 1
+        ev = next_event(holder)
+        assert ev["event"] == "corrupt" and ev["set"] == rep["set"] and ev["reload"] is True, ev
+        assert ev["tensors"] == ["layers.0.odd"]
+        assert page_flags(page_fd) == 1
+        # Off the list at once; its replacement loads (it may be ready already: the checkpoint is tiny).
+        sets = other.status()["sets"]
+        assert rep["set"] not in [s["set"] for s in sets], sets
+        assert other.error("attach", set=rep["set"]) == "NOT_FOUND"
+        assert other.error("scrub", set=rep["set"]) == "NOT_FOUND"
+        new, nfd = other.attach(path=tiny["b"], device=0)
+        try:
+            assert new["set"] != rep["set"]
+            slab = os.pread(nfd, new["bytes"], 0)
+        finally:
+            os.close(nfd)
+        for name, x in table(new).items():
+            mp, b, e = ckpt.tensor_bytes(name)
+            assert slab[x["offset"]: x["offset"] + x["nbytes"]] == mp[b:e], name
+        assert other.call("scrub", set=new["set"])["clean"] is True
+        assert f"set {rep['set']} (corrupt) loaded again as set {new['set']}" in d.log_text()
+        # The holder still maps the old memory (with its flipped byte) until it releases it.
+        assert os.pread(slab_fd, 1, t["offset"] + 3) != ckpt_byte(ckpt, "layers.0.odd", 3)
+        os.close(slab_fd)
+        os.close(page_fd)
+        assert holder.call("release", lease=att["lease"]).get("ok")
+        (s,) = other.status()["sets"]
+        assert s["set"] == new["set"] and "corrupt" not in s
+    ckpt.close()
+    d.check_serving()
+
+
+def ckpt_byte(ckpt, name, i):
+    mp, b, e = ckpt.tensor_bytes(name)
+    return mp[b + i: b + i + 1]
+
+
 def test_untouched_sets_scrub_clean(start_daemon, tiny):
     d = start_daemon(settings=WRITABLE)
     with d.connect() as c:
@@ -186,8 +248,8 @@ def metrics(d):
 
 
 def test_background_scrub_finds_it(start_daemon, tiny):
-    d = start_daemon(settings={"scrub": "on", "test_writable_slabs": "on", "scrub_duty": 100, "scrub_interval_ms": 10},
-                     metrics=True)
+    d = start_daemon(settings={"scrub": "on", "test_writable_slabs": "on", "scrub_duty": 100, "scrub_interval_ms": 10,
+                               "scrub_reload": "off"}, metrics=True)
     with d.connect() as c:
         clean = load(c, tiny["a"])["set"]
         rep = load(c, tiny["c"])

@@ -160,6 +160,7 @@ _OPTIONAL = {
     "weightd_set_state": (_c.c_int, [_set_p]),
     "weightd_set_ready_bytes": (_c.c_uint64, [_set_p]),
     "weightd_set_load_error": (_c.c_char_p, [_set_p]),
+    "weightd_set_corrupt": (_c.c_int, [_set_p]),
     "weightd_set_wait": (_c.c_int, [_set_p, _c.c_char_p, _c.c_int]),
     "weightd_set_wait_tensor": (_c.c_int, [_set_p, _c.c_size_t, _c.c_int]),
     "weightd_load_group": (_c.c_int, [_client_p, _c.c_char_p, _c.POINTER(GroupOptions), _c.POINTER(_group_p)]),

@@ -159,6 +159,15 @@ class AttachedSet(Mapping):
         with self._reading() as ptr:
             return lib.weightd_set_load_error(ptr).decode(errors="replace")
 
+    @property
+    def corrupt(self) -> bool:
+        """True once a scrub in the daemon found this set's bytes changed since its load: release it and attach
+        again by path (with ``scrub_reload`` on, the daemon is loading a good copy already)."""
+        if not has("weightd_set_corrupt"):
+            return False
+        with self._reading() as ptr:
+            return bool(lib.weightd_set_corrupt(ptr))
+
     # Waits run in slices, so that Ctrl-C and release() from another thread get through.
     _SLICE_MS = 100
 
