@@ -30,7 +30,9 @@
 #   D  pin on_open: the same, pinned from the open on
 #   P  peers, warm, the same checkpoint, against C's later loads
 #   I  the digests' cost: loads with scrub on (digests recorded) and off,
-#      alternating, and the scrub kernel's rate over the resident whole set
+#      alternating, the scrub kernel's rate over the resident whole set, and
+#      a matmul loop's slowdown while the background scrub runs at its
+#      default duty
 #   S  DeepSeek-V3 (sparse) EP8 rank 0 (~94 GiB): open + plan, one load with
 #      the O_DIRECT source (holes read as zeros, no disk), prefetch, one staged
 #      load, pin per plan, one pinned load, attach, RssAnon
@@ -224,6 +226,14 @@ for s in r["sets"]:
   }
   stop_daemon digests
   stop_daemon nodigests
+  # I4: the background scrub at its default duty, back to back (interval 1 ms), over the resident whole set,
+  # against a matmul loop: scrubbing vs the daemon stopped, alternating (tests/gpu/matmul_scrub.py).
+  start_daemon bgscrub --set pin=off --set scrub=on --set scrub_interval_ms=1 --set metrics_address=127.0.0.1:9479 &&
+    "$build/weightctl" --socket "$work/bgscrub.sock" load "$qwen" >/dev/null &&
+    run "I4 background scrub (default duty, back to back) vs stopped: 8192^2 BF16 matmul loop" 180 \
+      python3 "$here/matmul_scrub.py" --pid "${pids[bgscrub]}" --metrics http://127.0.0.1:9479/metrics \
+      --json-out "$json/I4_matmul_scrub.json"
+  stop_daemon bgscrub
 fi
 
 # ---- S: DeepSeek-V3 sparse, EP8 rank ----------------------------------------------------------

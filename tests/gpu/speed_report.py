@@ -289,6 +289,20 @@ def section_digests(t, s, name, title):
         t.rows.append({"what": f"{name} {k}: digests cost", "cost": cost, "met": ok})
 
 
+def section_matmul(t, s, name, title):
+    """A matmul loop while the background scrub runs at its default duty, against the daemon stopped (<= 1%)."""
+    j = s.get(name)
+    if not j:
+        return
+    print(f"\n{title}")
+    slow = j["slowdown_percent"] / 100
+    ok = slow <= 0.01
+    print(f"  {'matmul ' + str(j['n']) + '^2 BF16, median of ' + str(j['runs']) + ' runs x ' + str(j['iters']):54s} "
+          f"{1e3 * j['median_ms']['scrub']:.1f} vs {1e3 * j['median_ms']['paused']:.1f} us: {100 * slow:+.2f}% "
+          f"(target <= 1%; {j.get('scrubbed_bytes_during')} bytes scrubbed meanwhile): {'met' if ok else 'MISSED'}")
+    t.rows.append({"what": f"{name}: matmul slowdown", "slowdown": slow, "met": ok})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("json_dir")
@@ -308,6 +322,7 @@ def main():
     section_peers(t, s, "P_peers", "Peers, warm, same checkpoint (against the default configuration's later loads)")
     section_digests(t, s, "I1_digests", "Digests (scrub on) vs none, whole set")
     section_digests(t, s, "I2_digests_tp2", "Digests (scrub on) vs none, TP=2 fused rank 0")
+    section_matmul(t, s, "I4_matmul_scrub", "Background scrub (default duty, back to back) vs stopped, matmul loop")
     section_dsv3(t, s, "S_dsv3_ep8", "DeepSeek-V3 (sparse), EP8 rank 0 onto one GPU")
     section_cold(t, s)
     if args.out:

@@ -817,8 +817,9 @@ static char *scrub_reply(const char *id) {
  * The scrub kernel on the real device: a set scrubs clean after its load
  * (the digests the kernel took after the copies, taken again); with legacy
  * handles, one byte written through this process's writable IPC mapping is
- * named by the next scrub (the op, and weightctl scrub's exit 1), and the set
- * refuses a new lease with BAD_CHECKSUM.
+ * named by the next scrub (the op, and weightctl scrub's exit 1); the holder
+ * sees the corrupt flag, the set is retired (attach by id: NOT_FOUND) and an
+ * attach by path gets the new set loaded in its place, every byte right.
  */
 static void test_scrub(void) {
   static const char *const spec = "{\"preset\":\"auto\",\"tp_size\":2,\"tp_rank\":0}";
@@ -850,9 +851,22 @@ static void test_scrub(void) {
   CHECK_STR_CONTAINS(r, want);
   weightd_free(r);
   CHECK_EQ_INT(run_cmd(clean), 1);
+  /* The holder is told on its page; the set is retired (scrub_reload on) and loaded again as a new one. */
+  CHECK_EQ_INT(weightd_set_corrupt(s), 1);
   weightd_set *again = NULL;
-  CHECK_EQ_INT(weightd_attach(g_c, id, &again), WEIGHTD_E_BAD_CHECKSUM);
-  release_and_evict(g_c, s);
+  CHECK_EQ_INT(weightd_attach(g_c, id, &again), WEIGHTD_E_NOT_FOUND);
+  weightd_set *fresh = NULL;
+  CHECK_EQ_INT(weightd_attach_path(g_c, ckpt, &o, &fresh), 0);
+  if (fresh != NULL) {
+    CHECK(strcmp(weightd_set_id(fresh), id) != 0);
+    CHECK_EQ_INT(weightd_set_corrupt(fresh), 0);
+    verify_plan(fresh, g_ck, spec); /* every byte against the files again */
+    r = scrub_reply(weightd_set_id(fresh));
+    CHECK_STR_CONTAINS(r, "\"clean\":true");
+    weightd_free(r);
+    release_and_evict(g_c, fresh);
+  }
+  CHECK_EQ_INT(weightd_release(s), 0); /* the retired set's memory goes with its last lease */
 }
 
 int main(int argc, char **argv) {
