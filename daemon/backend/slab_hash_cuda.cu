@@ -123,8 +123,10 @@ __global__ void xxh3_leaf_kernel(const unsigned char *base, const uint64_t *leav
   secret_load(k);
   size_t stride = (size_t)gridDim.x * WARPS_PER_BLOCK;
   /* The loop's bound is the same for the whole warp: no shuffle misses a thread. */
-  for (size_t i = (size_t)blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / 32; i < nleaves; i += stride)
+  for (size_t i = (size_t)blockIdx.x * WARPS_PER_BLOCK + threadIdx.x / 32; i < nleaves; i += stride) {
     warp_xxh3(base + leaves[2 * i], leaves[2 * i + 1], k, threadIdx.x % 32, digests + 16 * i);
+    __syncwarp(); /* a short leaf ran on thread 0 alone: the warp meets again before the next one */
+  }
 }
 
 /*
@@ -145,6 +147,7 @@ __global__ void xxh3_root_kernel(const uint64_t *runs, size_t n, const unsigned 
     } else {
       warp_xxh3(run, 16 * count, k, t, out + 16 * r);
     }
+    __syncwarp();
   }
 }
 
