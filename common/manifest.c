@@ -155,9 +155,10 @@ static void state_out(XXH3_state_t *s, unsigned char out[MF_DIGEST_BYTES]) {
 }
 
 /*
- * Bytes [lo, hi) of the file into the tree digest of tensor t, which spans
- * [s, e): split where a leaf ends (leaves are counted from s), each full
- * leaf's digest fed to the root; the tensor's digest is written at e.
+ * File bytes [lo, hi) at p into the tree digest of the tensor being fed
+ * (d->ti), which spans [s, e): split where a leaf ends (leaves are counted
+ * from s, whatever the pieces), each finished leaf's digest fed to the root
+ * of a tensor of more than one leaf; the tensor's digest is written at e.
  */
 static void feed_tree(struct mf_digester *d, const unsigned char *p, uint64_t lo, uint64_t hi, uint64_t s, uint64_t e) {
   bool tree = e - s > MF_LEAF_BYTES;
@@ -221,8 +222,8 @@ int mf_digester_end(struct mf_digester *d) {
   if (d == NULL) return 0;
   int rc = d->pos == d->out->size ? 0 : WEIGHTD_E_INVALID;
   if (rc == 0) {
-    for (size_t i = 0; i < d->hdr->ntensors; i++) /* empty tensors: the digest of no bytes */
-      if (d->hdr->tensors[i].begin == d->hdr->tensors[i].end) (void)mf_tensor_digest(NULL, 0, d->out->tensors[i]); /* one leaf: cannot fail */
+    for (size_t i = 0; i < d->hdr->ntensors; i++) /* empty tensors: the digest of no bytes (one leaf: no failure) */
+      if (d->hdr->tensors[i].begin == d->hdr->tensors[i].end) (void)mf_tensor_digest(NULL, 0, d->out->tensors[i]);
     mf_file_finish(d->out);
     if (d->sha) {
       sha256_final(&d->sha256, d->out->sha256);
