@@ -20,6 +20,24 @@ void mf_digest(const void *p, size_t n, unsigned char out[MF_DIGEST_BYTES]) {
   memcpy(out, c.digest, MF_DIGEST_BYTES);
 }
 
+int mf_tensor_digest(const void *p, size_t n, unsigned char out[MF_DIGEST_BYTES]) {
+  if (n <= MF_LEAF_BYTES) {
+    mf_digest(p, n, out);
+    return 0;
+  }
+  size_t leaves = (size_t)((n + MF_LEAF_BYTES - 1) / MF_LEAF_BYTES);
+  unsigned char (*d)[MF_DIGEST_BYTES] = malloc(leaves * MF_DIGEST_BYTES);
+  if (d == NULL) return WEIGHTD_E_NOMEM;
+  const unsigned char *b = p;
+  for (size_t i = 0; i < leaves; i++) {
+    size_t off = i * (size_t)MF_LEAF_BYTES;
+    mf_digest(b + off, n - off < MF_LEAF_BYTES ? n - off : (size_t)MF_LEAF_BYTES, d[i]);
+  }
+  mf_digest(d, leaves * MF_DIGEST_BYTES, out);
+  free(d);
+  return 0;
+}
+
 void mf_hex(const unsigned char *p, size_t n, char *out) {
   static const char digits[] = "0123456789abcdef";
   for (size_t i = 0; i < n; i++) {
@@ -106,7 +124,8 @@ struct mf_digester {
   struct mf_file *out;
   uint64_t pos;      /* bytes fed */
   size_t ti;         /* the next tensor (data-offset order) not yet digested whole */
-  XXH3_state_t *chunk, *tensor;
+  XXH3_state_t *chunk;
+  XXH3_state_t *leaf, *root; /* the tensor being fed: its current leaf, and its leaf digests (a tensor of >1 leaf) */
   bool sha;
   struct sha256 sha256;
 };
@@ -117,8 +136,10 @@ struct mf_digester *mf_digester_new(const struct ckpt *c, struct mf_manifest *m,
   d->hdr = c->shards[shard].hdr;
   d->out = &m->files[shard];
   d->sha = sha256;
-  if ((d->chunk = XXH3_createState()) == NULL || (d->tensor = XXH3_createState()) == NULL) {
+  if ((d->chunk = XXH3_createState()) == NULL || (d->leaf = XXH3_createState()) == NULL ||
+      (d->root = XXH3_createState()) == NULL) {
     XXH3_freeState(d->chunk);
+    XXH3_freeState(d->leaf);
     free(d);
     return NULL;
   }
@@ -131,6 +152,33 @@ static void state_out(XXH3_state_t *s, unsigned char out[MF_DIGEST_BYTES]) {
   XXH128_canonical_t c;
   XXH128_canonicalFromHash(&c, XXH3_128bits_digest(s));
   memcpy(out, c.digest, MF_DIGEST_BYTES);
+}
+
+/*
+ * File bytes [lo, hi) at p into the tree digest of the tensor being fed
+ * (d->ti), which spans [s, e): split where a leaf ends (leaves are counted
+ * from s, whatever the pieces), each finished leaf's digest fed to the root
+ * of a tensor of more than one leaf; the tensor's digest is written at e.
+ */
+static void feed_tree(struct mf_digester *d, const unsigned char *p, uint64_t lo, uint64_t hi, uint64_t s, uint64_t e) {
+  bool tree = e - s > MF_LEAF_BYTES;
+  if (lo == s) {
+    XXH3_128bits_reset(d->leaf);
+    if (tree) XXH3_128bits_reset(d->root);
+  }
+  while (lo < hi) {
+    uint64_t room = MF_LEAF_BYTES - (lo - s) % MF_LEAF_BYTES, k = hi - lo < room ? hi - lo : room;
+    XXH3_128bits_update(d->leaf, p, (size_t)k);
+    p += k;
+    lo += k;
+    if (tree && ((lo - s) % MF_LEAF_BYTES == 0 || lo == e)) {
+      unsigned char leaf[MF_DIGEST_BYTES];
+      state_out(d->leaf, leaf);
+      XXH3_128bits_update(d->root, leaf, sizeof leaf);
+      XXH3_128bits_reset(d->leaf);
+    }
+  }
+  if (hi == e) state_out(tree ? d->root : d->leaf, d->out->tensors[d->ti++]);
 }
 
 /* The tensors' share of file bytes [a, a + n) at p (none of them past a chunk's end). */
@@ -146,9 +194,7 @@ static void feed_tensors(struct mf_digester *d, const unsigned char *p, uint64_t
     uint64_t lo = a > s ? a : s;
     if (lo >= b) return;
     uint64_t hi = b < e ? b : e;
-    if (lo == s) XXH3_128bits_reset(d->tensor);
-    XXH3_128bits_update(d->tensor, p + (lo - a), (size_t)(hi - lo));
-    if (hi == e) state_out(d->tensor, d->out->tensors[d->ti++]);
+    feed_tree(d, p + (lo - a), lo, hi, s, e);
     p += hi - a;
     a = hi;
   }
@@ -176,8 +222,8 @@ int mf_digester_end(struct mf_digester *d) {
   if (d == NULL) return 0;
   int rc = d->pos == d->out->size ? 0 : WEIGHTD_E_INVALID;
   if (rc == 0) {
-    for (size_t i = 0; i < d->hdr->ntensors; i++) /* empty tensors: the digest of no bytes */
-      if (d->hdr->tensors[i].begin == d->hdr->tensors[i].end) mf_digest(NULL, 0, d->out->tensors[i]);
+    for (size_t i = 0; i < d->hdr->ntensors; i++) /* empty tensors: the digest of no bytes (one leaf: no failure) */
+      if (d->hdr->tensors[i].begin == d->hdr->tensors[i].end) (void)mf_tensor_digest(NULL, 0, d->out->tensors[i]);
     mf_file_finish(d->out);
     if (d->sha) {
       sha256_final(&d->sha256, d->out->sha256);
@@ -185,7 +231,8 @@ int mf_digester_end(struct mf_digester *d) {
     }
   }
   XXH3_freeState(d->chunk);
-  XXH3_freeState(d->tensor);
+  XXH3_freeState(d->leaf);
+  XXH3_freeState(d->root);
   free(d);
   return rc;
 }
@@ -228,9 +275,10 @@ static bool add_hex(cJSON *o, const char *key, const unsigned char *p, size_t n)
 char *mf_write(const struct mf_manifest *m, const struct ckpt *c, size_t *len) {
   cJSON *root = cJSON_CreateObject(), *files = NULL;
   bool ok = root != NULL && cJSON_AddStringToObject(root, "format", "weightd-manifest") != NULL &&
-            cJSON_AddNumberToObject(root, "version", 1) != NULL &&
+            cJSON_AddNumberToObject(root, "version", MF_VERSION) != NULL &&
             cJSON_AddStringToObject(root, "hash", "xxh3-128") != NULL &&
             cJSON_AddNumberToObject(root, "chunk_bytes", (double)MF_CHUNK_BYTES) != NULL &&
+            cJSON_AddNumberToObject(root, "leaf_bytes", (double)MF_LEAF_BYTES) != NULL &&
             add_hex(root, "layout_id", m->layout_id, CKPT_ID_BYTES) &&
             add_hex(root, "content_id", m->content_id, CKPT_ID_BYTES) &&
             (files = cJSON_AddArrayToObject(root, "files")) != NULL;
@@ -386,10 +434,15 @@ int mf_parse(const char *text, size_t len, const struct ckpt *c, const char *lab
     rc = v == root ? err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: more keys than a manifest has", label)
                    : err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: \"%s\" is given twice", label,
                              err_quote(v->key, v->key_len, q, sizeof q));
-  } else if ((v = member(root, "version")) == NULL || v->type != SJ_NUMBER || !sj_u64(v, &u) || u != 1) {
-    rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: version is %.*s, not 1 (the only one this reader knows)", label,
-                 v != NULL && v->type == SJ_NUMBER ? (int)(v->len > 20 ? 20 : v->len) : 7,
-                 v != NULL && v->type == SJ_NUMBER ? v->str : "missing");
+  } else if ((v = member(root, "version")) == NULL || v->type != SJ_NUMBER || !sj_u64(v, &u) || u != MF_VERSION) {
+    bool v1 = v != NULL && v->type == SJ_NUMBER && sj_u64(v, &u) && u == 1;
+    rc = v1 ? err_set(err, WEIGHTD_E_BAD_CHECKSUM,
+                      "%s: version is 1, not %d: its tensor digests are plain XXH3-128, which this version replaced "
+                      "by a tree of %llu-byte leaves; write it again with `weightctl manifest`",
+                      label, MF_VERSION, (unsigned long long)MF_LEAF_BYTES)
+            : err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: version is %.*s, not %d (the only one this reader knows)", label,
+                      v != NULL && v->type == SJ_NUMBER ? (int)(v->len > 20 ? 20 : v->len) : 7,
+                      v != NULL && v->type == SJ_NUMBER ? v->str : "missing", MF_VERSION);
   } else if (!is_str(member(root, "hash"), "xxh3-128")) {
     rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: hash is not \"xxh3-128\"", label);
   } else if ((v = member(root, "chunk_bytes")) == NULL || v->type != SJ_NUMBER || !sj_u64(v, &u) ||
@@ -397,6 +450,11 @@ int mf_parse(const char *text, size_t len, const struct ckpt *c, const char *lab
     rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: chunk_bytes is %.*s, not %llu", label,
                  v != NULL && v->type == SJ_NUMBER ? (int)(v->len > 20 ? 20 : v->len) : 7,
                  v != NULL && v->type == SJ_NUMBER ? v->str : "missing", (unsigned long long)MF_CHUNK_BYTES);
+  } else if ((v = member(root, "leaf_bytes")) == NULL || v->type != SJ_NUMBER || !sj_u64(v, &u) ||
+             u != MF_LEAF_BYTES) {
+    rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: leaf_bytes is %.*s, not %llu", label,
+                 v != NULL && v->type == SJ_NUMBER ? (int)(v->len > 20 ? 20 : v->len) : 7,
+                 v != NULL && v->type == SJ_NUMBER ? v->str : "missing", (unsigned long long)MF_LEAF_BYTES);
   } else if (hex_member(root, "layout_id", id, sizeof id) != 0) {
     rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM, "%s: no layout_id", label);
   } else if (memcmp(id, c->layout_id, CKPT_ID_BYTES) != 0) {

@@ -651,11 +651,11 @@ static const char *wm_load(struct fix *f, struct reg_ckpt *ck, const char *spec,
     if (slab != MAP_FAILED) {
       for (size_t i = 0; i < p->noutputs; i++)
         CHECK(memcmp(slab + p->outputs[i].offset, w.want + p->outputs[i].offset, p->outputs[i].nbytes) == 0);
-      /* The set's own digests (load/digest.c): XXH3-128 of each output of the expected image, whatever the method. */
+      /* The set's own digests (load/digest.c): the tensor digest of each output of the expected image, whatever the method. */
       CHECK(w.t.digests != NULL);
       for (size_t i = 0; w.t.digests != NULL && i < p->noutputs; i++) {
         unsigned char d[MF_DIGEST_BYTES];
-        mf_digest(w.want + p->outputs[i].offset, (size_t)p->outputs[i].nbytes, d);
+        CHECK_EQ_INT(mf_tensor_digest(w.want + p->outputs[i].offset, (size_t)p->outputs[i].nbytes, d), 0);
         CHECK(memcmp(d, w.t.digests[i], MF_DIGEST_BYTES) == 0);
       }
       /* The gaps between outputs too (zero, over the allocation's poison): bytes never depend on the method. */

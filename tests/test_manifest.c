@@ -1,7 +1,8 @@
 /*
  * test_manifest.c - the manifest module (common/manifest.h): a digester fed
  * in pieces of any size gives the digests of one whole pass (chunk, tensor
- * and file digests, SHA-256), equal to one-shot digests of the same bytes;
+ * and file digests, SHA-256), equal to one-shot digests of the same bytes
+ * (tensor digests: trees, against tree_oracle.h, at the leaf edges);
  * a written manifest parses back to the same digests and content id; and a
  * manifest that differs from the files in any way the format can say is
  * refused with BAD_CHECKSUM naming what differs.
@@ -12,12 +13,21 @@
 #include "fixture.h"
 #include "manifest.h"
 #include "sha256.h"
+#include "tree_oracle.h"
 
 static const struct fx_tensor TENSORS[] = {
     {"a", "BF16", 2, 1500, 1024},  /* 3,072,000 bytes: crosses no chunk */
     {"b", "F32", 4, 700, 1000},    /* 2,800,000: crosses the first chunk boundary */
     {"empty", "U8", 1, 0, 0},
     {"c", "U8", 1, 3000001, 0},    /* odd length, crosses the second */
+    /* The tree's edges: one leaf, one byte less and more, several leaves with a short last one. */
+    {"one", "U8", 1, 1, 0},
+    {"t240", "U8", 1, 240, 0},
+    {"t241", "U8", 1, 241, 0},
+    {"leaf_less", "U8", 1, MF_LEAF_BYTES - 1, 0},
+    {"leaf", "U8", 1, MF_LEAF_BYTES, 0},
+    {"leaf_more", "U8", 1, MF_LEAF_BYTES + 1, 0},
+    {"leaves", "U8", 1, 3 * MF_LEAF_BYTES + 17, 0},
 };
 #define NT (sizeof TENSORS / sizeof TENSORS[0])
 
@@ -89,10 +99,18 @@ static void test_pieces_do_not_matter(void) {
       CHECK(memcmp(want, a->chunks[k], MF_DIGEST_BYTES) == 0);
     }
     const struct st_header *h = f.ck->shards[0].hdr;
+    size_t trees = 0;
     for (size_t t = 0; t < h->ntensors; t++) {
-      mf_digest(f.bytes + h->data_start + h->tensors[t].begin, (size_t)(h->tensors[t].end - h->tensors[t].begin), want);
+      const unsigned char *p = f.bytes + h->data_start + h->tensors[t].begin;
+      size_t len = (size_t)(h->tensors[t].end - h->tensors[t].begin);
+      CHECK_EQ_INT(tree_oracle(p, len, want), 0);
       CHECK(memcmp(want, a->tensors[t], MF_DIGEST_BYTES) == 0);
+      unsigned char one_shot[MF_DIGEST_BYTES];
+      CHECK_EQ_INT(mf_tensor_digest(p, len, one_shot), 0);
+      CHECK(memcmp(one_shot, a->tensors[t], MF_DIGEST_BYTES) == 0);
+      trees += len > MF_LEAF_BYTES;
     }
+    CHECK(trees == 5); /* a, b, c, leaf_more and leaves: the odd pieces cut their leaves anywhere */
     struct sha256 s;
     unsigned char sw[MF_SHA256_BYTES];
     sha256_init(&s);
@@ -176,7 +194,12 @@ static void test_written_parses_back_and_differences_are_named(void) {
     snprintf(lother, sizeof lother, "%s", lid);
     lother[0] = lother[0] == 'a' ? 'b' : 'a';
     expect_refused(&f, text, lid, lother, "the content_id does not follow");
-    expect_refused(&f, text, "\"version\":1", "\"version\":2", "version is 2, not 1");
+    expect_refused(&f, text, "\"version\":2", "\"version\":3", "version is 3, not 2");
+    /* A manifest of the plain tensor digests: the operator is told to write it again. */
+    expect_refused(&f, text, "\"version\":2", "\"version\":1", "version is 1, not 2");
+    expect_refused(&f, text, "\"version\":2", "\"version\":1", "write it again with `weightctl manifest`");
+    expect_refused(&f, text, "\"leaf_bytes\":262144", "\"leaf_bytes\":262145", "leaf_bytes is 262145, not 262144");
+    expect_refused(&f, text, "\"leaf_bytes\":", "\"leaf_bytez\":", "leaf_bytes is missing, not 262144");
     expect_refused(&f, text, "xxh3-128", "xxh3-064", "hash is not");
     expect_refused(&f, text, "\"chunk_bytes\":4194304", "\"chunk_bytes\":4194305", "chunk_bytes is 4194305, not 4194304");
     expect_refused(&f, text, "\"name\":\"model", "\"name\":\"xodel", "does not name model.safetensors");

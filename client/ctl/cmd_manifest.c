@@ -235,8 +235,8 @@ const struct ctl_cmd ctl_cmd_manifest = {
     .summary = "write a checkpoint's manifest of chunk and tensor digests (no daemon)",
     .description =
         "Reads every shard of the checkpoint at PATH here and writes its manifest: the XXH3-128 digest of each "
-        "4 MiB chunk of each file, of each tensor and of each file, and the content id they make "
-        "(docs/checkpoints.md). Stored as " MF_FILE_NAME " beside the index, the daemon checks every load "
+        "4 MiB chunk of each file and of each file, each tensor's digest (a tree of 256 KiB leaves), and the "
+        "content id they make (docs/checkpoints.md). Stored as " MF_FILE_NAME " beside the index, the daemon checks every load "
         "against it when its `verify` setting is on_load, and `weightctl verify` checks the files against it. "
         "Written under a temporary name and renamed into place.",
     .opts = CTL_OPTS(manifest_opts),

@@ -115,7 +115,7 @@ struct wd_hash_range {
   uint64_t off, len;
 };
 
-/* The bytes of one digest slab_hash writes (XXH3-128, canonical: manifest.h's MF_DIGEST_BYTES). */
+/* The bytes of one digest slab_hash writes (a tensor digest, canonical: manifest.h's MF_DIGEST_BYTES). */
 #define WD_DIGEST_BYTES 16
 
 /* pinned_alloc flags. */
@@ -203,14 +203,15 @@ struct wd_backend_ops {
   int (*copy_peer)(void *ctx, struct wd_slab *dst, uint64_t dst_offset, const struct wd_slab *src,
                    uint64_t src_offset, uint64_t bytes, struct wd_stream *s, struct wd_error *err);
   /*
-   * slab_hash: the XXH3-128 digest (seed 0, canonical byte order, as
-   * libxxhash and manifest.h compute it) of each of n ranges of a slab,
-   * filled or sealed, into out[i]. Synchronous: it returns once every
-   * digest is written. Runs on a job thread, never the loop; a slab may be
-   * hashed while peer copies read it. host: libxxhash over the memfd's
-   * bytes on the calling thread; cuda: a kernel (slab_hash_cuda.cu), one
-   * warp per range, on the slab's device. NULL: the backend cannot hash its
-   * slabs (scrubs of its sets answer UNSUPPORTED).
+   * slab_hash: the tensor digest (manifest.h's tree of XXH3-128 over
+   * MF_LEAF_BYTES leaves, canonical: mf_tensor_digest) of each of n ranges
+   * of a slab, filled or sealed, into out[i]. Synchronous: it returns once
+   * every digest is written. Runs on a job thread, never the loop; a slab
+   * may be hashed while peer copies read it. host: mf_tensor_digest
+   * (libxxhash) over the memfd's bytes on the calling thread; cuda: two
+   * kernels (slab_hash_cuda.cu), one warp per leaf, then one per range over
+   * its leaf digests, on the slab's device. NULL: the backend cannot hash
+   * its slabs (scrubs of its sets answer UNSUPPORTED).
    */
   int (*slab_hash)(void *ctx, const struct wd_slab *slab, const struct wd_hash_range *ranges, size_t n,
                    unsigned char (*out)[WD_DIGEST_BYTES], struct wd_error *err);

@@ -48,6 +48,7 @@
 #include "backend.h"
 #include "backend_cuda_vmm.h"
 #include "cuda_ctx.h"
+#include "manifest.h"
 #include "slab_hash_cuda.h"
 
 /* cudaHostRegister is asked for at most this much at once. */
@@ -458,7 +459,7 @@ static int cu_copy_peer(void *ctx, struct wd_slab *dst, uint64_t dst_offset, con
 }
 
 /* A bounce buffer: cudaMalloc memory (freed by cu_slab_free as a legacy slab), never exported. */
-/* The scrub kernel over ranges of the slab, on a stream of its own of the slab's device. */
+/* Tensor digests of ranges of the slab by the scrub kernels, on a stream of its own of the slab's device. */
 static int cu_slab_hash(void *ctx, const struct wd_slab *s, const struct wd_hash_range *ranges, size_t n,
                         unsigned char (*out)[WD_DIGEST_BYTES], struct wd_error *err) {
   (void)ctx;
@@ -473,9 +474,11 @@ static int cu_slab_hash(void *ctx, const struct wd_slab *s, const struct wd_hash
   CK(cudaSetDevice(s->device), "cudaSetDevice");
   cudaStream_t st;
   CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-  cudaError_t e = xxh3_cuda_ranges(cs->base, (const uint64_t *)ranges, n, &out[0][0], st);
+  char what[160];
+  cudaError_t e = xxh3_cuda_tree(cs->base, (const uint64_t *)ranges, n, MF_LEAF_BYTES, &out[0][0], st, what,
+                                 sizeof what);
   cudaStreamDestroy(st);
-  if (e != cudaSuccess) return cuda_fail(err, e, "the digest kernel");
+  if (e != cudaSuccess) return cuda_fail(err, e, what[0] != '\0' ? what : "the digest kernels");
   return 0;
 }
 

@@ -346,7 +346,7 @@ static int host_copy_peer(void *ctx, struct wd_slab *dst, uint64_t dst_offset, c
 
 /* ---- digests ---------------------------------------------------------------------- */
 
-/* libxxhash over the slab's bytes: its writable mapping while it fills, else a read-only one made for the call. */
+/* Tensor digests (mf_tensor_digest) of the slab's bytes: its writable mapping while it fills, else a read-only one made for the call. */
 static int host_slab_hash(void *ctx, const struct wd_slab *s, const struct wd_hash_range *ranges, size_t n,
                           unsigned char (*out)[WD_DIGEST_BYTES], struct wd_error *err) {
   (void)ctx;
@@ -363,9 +363,13 @@ static int host_slab_hash(void *ctx, const struct wd_slab *s, const struct wd_ha
       return err_set(err, errno == ENOMEM ? WEIGHTD_E_NOMEM : WEIGHTD_E_DEVICE, "mapping a slab to digest it: %s",
                      strerror(errno));
   }
-  for (size_t i = 0; i < n; i++) mf_digest(view + ranges[i].off, (size_t)ranges[i].len, out[i]);
+  int rc = 0;
+  for (size_t i = 0; i < n && rc == 0; i++)
+    if (mf_tensor_digest(view + ranges[i].off, (size_t)ranges[i].len, out[i]) != 0)
+      rc = err_set(err, WEIGHTD_E_NOMEM, "out of memory for the leaf digests of bytes %llu+%llu of a slab",
+                   (unsigned long long)ranges[i].off, (unsigned long long)ranges[i].len);
   if (view != s->host_view) munmap((void *)view, h->map_len);
-  return 0;
+  return rc;
 }
 
 static void host_destroy(void *ctx) {

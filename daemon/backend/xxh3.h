@@ -1,11 +1,12 @@
 /*
  * xxh3.h - XXH3-128 (seed 0, the default secret), written from the
  * algorithm's published specification (xxHash's doc/xxhash_spec.md), for
- * code that cannot call libxxhash: the cuda backend's scrub kernel
- * (slab_hash_cuda.cu) compiles these functions for the device. The host
+ * code that cannot call libxxhash: the cuda backend's scrub kernels
+ * (slab_hash_cuda.cu: the leaves and roots of tensor digests) compile these
+ * functions for the device. The host
  * build of the same functions is checked against libxxhash in CI
  * (tests/test_xxh3.c), so the algorithm the kernel runs is tested on every
- * machine; the kernel's own spreading of the work over a warp is tested on
+ * machine; the kernels' own spreading of the work over warps is tested on
  * the GPU host (tests/gpu/test_xxh3_cuda.c).
  *
  * Inputs above 240 bytes are hashed in 1024-byte blocks of 16 stripes of 64

@@ -201,8 +201,9 @@ static const struct cfg_key keys[] = {
      "a remote checkpoint with a manifest is checked as it is fetched, whatever this setting (read at start)",
      verify_names},
     {"scrub", CFG_ENUM, OFF(scrub), 0, 0, 0, "off",
-     "on: every load records an XXH3-128 digest of each tensor of its set as loaded (whole tensors also checked "
-     "against the manifest), which weightctl scrub and the background scrub compare the resident bytes with; "
+     "on: every load records a tensor digest (XXH3-128, a tree of 256 KiB leaves past one leaf) of each "
+     "tensor of its set as loaded (whole tensors also checked against the manifest), which weightctl scrub "
+     "and the background scrub compare the resident bytes with; "
      "off (the default, until its cost on a GPU load is measured): no digests, and scrubs answer UNSUPPORTED "
      "(read at start)", onoff_names},
     {"scrub_duty", CFG_UINT, OFF(scrub_duty), 0, 0, 100, "1",

@@ -1,11 +1,11 @@
 /*
- * digest.c - a loaded set's own digests: XXH3-128 of each output tensor of
- * its plan as the slab holds it (its pieces: TP slices, fused tensors, whole
- * tensors), computed once the slab is filled and kept with the load
- * (ld_target.digests), so that a scrub can later tell which tensor changed.
- * They come from the backend's slab_hash over the slab itself: libxxhash
- * over the memfd on the host backend, the scrub kernel on a GPU after the
- * copies (no CPU thread touched those bytes). An output that is one whole
+ * digest.c - a loaded set's own digests: the tensor digest (manifest.h's
+ * tree) of each output tensor of its plan as the slab holds it (its pieces:
+ * TP slices, fused tensors, whole tensors), computed once the slab is filled
+ * and kept with the load (ld_target.digests), so that a scrub can later tell
+ * which tensor changed. They come from the backend's slab_hash over the slab
+ * itself: mf_tensor_digest over the memfd on the host backend, the scrub
+ * kernels on a GPU after the copies (no CPU thread touched those bytes). An output that is one whole
  * tensor of the files is also checked against the checkpoint's manifest
  * (its tensor digest) when one was read: a mismatch fails the load with
  * BAD_CHECKSUM naming the tensor, as verify on_load fails a chunk. A

@@ -2,7 +2,8 @@
 `verify: on_load`.
 
 The oracle is independent of the C code: the PyPI xxhash package computes every chunk, tensor and
-file digest from the files here, and hashlib their SHA-256s. The content id, which needs the layout
+file digest from the files here (tensor digests are manifest.h's tree of 256 KiB leaves:
+wdclient.tensor_digest), and hashlib their SHA-256s. The content id, which needs the layout
 id, is compared with the one the daemon computes itself while a whole prefetch digests the files
 (daemon/state/registry_pin.c, a separate code path). Corruption is a byte flipped at a known
 offset, inside a known tensor, and each check must name that file, that chunk and that tensor.
@@ -18,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from wdclient import WDError, verify_attached, write_safetensors, Checkpoint
+from wdclient import LEAF_BYTES, WDError, verify_attached, write_safetensors, tensor_digest, Checkpoint
 from wdfixtures import WEIGHTCTL, native_env
 
 try:
@@ -73,8 +74,7 @@ def oracle(d):
         chunks = [xxhash.xxh3_128(data[i:i + CHUNK]).hexdigest() for i in range(0, len(data), CHUNK)]
         start, h = header(os.path.join(d, shard))
         ts = sorted(h.values(), key=lambda t: t["data_offsets"][0])
-        tensors = [xxhash.xxh3_128(data[start + t["data_offsets"][0]:start + t["data_offsets"][1]]).hexdigest()
-                   for t in ts]
+        tensors = [tensor_digest(data[start + t["data_offsets"][0]:start + t["data_offsets"][1]]) for t in ts]
         whole = xxhash.xxh3_128(b"".join(bytes.fromhex(c) for c in chunks)).hexdigest()
         out[shard] = (chunks, tensors, whole, hashlib.sha256(data).hexdigest())
     return out
@@ -130,7 +130,8 @@ def test_manifest_digests_match_an_independent_oracle(ckpt, daemon):
     r = ctl("manifest", ckpt, check=0)
     assert os.path.join(ckpt, MANIFEST) in r.stdout
     m = json.load(open(os.path.join(ckpt, MANIFEST)))
-    assert (m["format"], m["version"], m["hash"], m["chunk_bytes"]) == ("weightd-manifest", 1, "xxh3-128", CHUNK)
+    assert (m["format"], m["version"], m["hash"], m["chunk_bytes"]) == ("weightd-manifest", 2, "xxh3-128", CHUNK)
+    assert m["leaf_bytes"] == LEAF_BYTES
     want = oracle(ckpt)
     assert [f["name"] for f in m["files"]] == list(SHARDS)
     for f in m["files"]:
@@ -140,6 +141,10 @@ def test_manifest_digests_match_an_independent_oracle(ckpt, daemon):
         assert f["chunks"] == chunks
         assert f["tensors"] == tensors
         assert f["digest"] == whole
+    # Trees and plain digests both: tensors of many whole leaves, of many with a short last one, and of one.
+    sizes = [e - b for s in SHARDS for b, e in (v["data_offsets"] for v in header(os.path.join(ckpt, s))[1].values())]
+    assert sum(n > LEAF_BYTES for n in sizes) == 3 and sum(n > LEAF_BYTES and n % LEAF_BYTES != 0 for n in sizes) == 2
+    assert sum(n <= LEAF_BYTES for n in sizes) == 3
     # The content id from the layout id and the file digests (docs/architecture.md, "Identity").
     h = hashlib.sha256(b"weightd-content-v1" + bytes.fromhex(m["layout_id"]) + struct.pack("<Q", len(SHARDS)))
     for f in m["files"]:
@@ -312,7 +317,7 @@ def test_off_by_default_and_a_foreign_manifest_refused(daemon, start_daemon, ckp
     # A key given twice, and a file far longer than a manifest of these files can be: refused before parsing.
     ctl("manifest", ckpt, check=0)
     text = open(os.path.join(ckpt, MANIFEST)).read()
-    open(os.path.join(ckpt, MANIFEST), "w").write(text.replace('"version":1', '"version":1,"version":1', 1))
+    open(os.path.join(ckpt, MANIFEST), "w").write(text.replace('"version":2', '"version":2,"version":2', 1))
     with daemon.connect() as c:
         with pytest.raises(WDError) as e:
             c.call("open", path=ckpt)
@@ -323,3 +328,36 @@ def test_off_by_default_and_a_foreign_manifest_refused(daemon, start_daemon, ckp
         with pytest.raises(WDError) as e:
             c.call("open", path=ckpt)
         assert "more than a manifest of these files can be" in e.value.reply["error"]["message"]
+
+
+def test_a_version_1_manifest_is_refused_until_written_again(daemon, ckpt):
+    """A manifest of the plain tensor digests (version 1, as written before the tree): every open and
+    `weightctl verify` refuse it, saying to write it again; `weightctl manifest` does, and it is read."""
+    need_xxhash()
+    ctl("manifest", ckpt, check=0)
+    path = os.path.join(ckpt, MANIFEST)
+    m = json.load(open(path))
+    v1 = json.loads(json.dumps(m))  # a deep copy
+    v1["version"] = 1
+    del v1["leaf_bytes"]
+    data = {s: open(os.path.join(ckpt, s), "rb").read() for s in SHARDS}
+    for f in v1["files"]:
+        start, h = header(os.path.join(ckpt, f["name"]))
+        ts = sorted(h.values(), key=lambda t: t["data_offsets"][0])
+        f["tensors"] = [xxhash.xxh3_128(data[f["name"]][start + t["data_offsets"][0]:start + t["data_offsets"][1]])
+                        .hexdigest() for t in ts]
+    assert v1["files"][0]["tensors"] != m["files"][0]["tensors"]  # embed.weight: plain is not the tree
+    json.dump(v1, open(path, "w"))
+    with daemon.connect() as c:
+        with pytest.raises(WDError) as e:
+            c.call("open", path=ckpt)
+        assert e.value.code == "BAD_CHECKSUM"
+        msg = e.value.reply["error"]["message"]
+        assert f"{MANIFEST}: version is 1, not 2" in msg and "write it again with `weightctl manifest`" in msg, msg
+    r = ctl("verify", ckpt)
+    assert r.returncode != 0 and "write it again with `weightctl manifest`" in r.stderr, r.stderr
+    ctl("manifest", ckpt, check=0)
+    assert json.load(open(path)) == m
+    with daemon.connect() as c:
+        c.call("open", path=ckpt)
+    ctl("verify", ckpt, check=0)

@@ -4,8 +4,9 @@ A set's digests are recorded when it is loaded; a scrub hashes its tensors
 again and names each one that differs. Corruption is injected as a client
 with a writable handle would: the daemon runs with test_writable_slabs, so
 the memfd an attach hands over can be mapped read-write (on a GPU, a legacy
-cuda_ipc importer can always write). The oracles are the python xxhash
-package over the slab's own bytes and over the checkpoint's files.
+cuda_ipc importer can always write). The oracles are tensor digests
+(wdclient.tensor_digest: manifest.h's tree, from the python xxhash package)
+over the slab's own bytes and over the checkpoint's files.
 """
 import mmap
 import os
@@ -13,17 +14,12 @@ import time
 import urllib.request
 
 import pytest
-import xxhash
 
 from cliutil import ctl
-from wdclient import Checkpoint, Closed, WDError
+from wdclient import LEAF_BYTES, Checkpoint, Closed, WDError, tensor_digest
 
 # scrub_reload off: a corrupt set stays listed, refusing leases (the reload has its own test).
 WRITABLE = {"scrub": "on", "test_writable_slabs": "on", "scrub_duty": 0, "scrub_reload": "off"}
-
-
-def digest(b):
-    return xxhash.xxh3_128(bytes(b)).hexdigest()
 
 
 def table(att):
@@ -63,8 +59,10 @@ def dctl(d, *args):
     return ctl("--socket", d.socket, *args)
 
 
-def test_digests_are_xxh3_of_the_slab_and_of_the_files(start_daemon, tiny):
-    """The host hash op against python xxhash on the slab bytes; whole tensors also equal the files' bytes."""
+def test_digests_are_tensor_digests_of_the_slab_and_of_the_files(start_daemon, tiny):
+    """The host hash op against tensor_digest of the slab bytes; whole tensors also equal the files' bytes.
+
+    Tensors of one leaf and of several (embed.weight, head.weight: a tree, its last leaf short) are both there."""
     d = start_daemon(settings={"scrub": "on"})
     ckpt = Checkpoint(tiny["a"])
     with d.connect() as c:
@@ -82,11 +80,12 @@ def test_digests_are_xxh3_of_the_slab_and_of_the_files(start_daemon, tiny):
         assert s["bytes"] == sum(t["nbytes"] for t in att["tensors"])
         digests = {x["tensor"]: x["digest"] for x in s["digests"]}
         assert set(digests) == set(table(att))
+        assert sum(t["nbytes"] > LEAF_BYTES for t in att["tensors"]) == 2
         for name, t in table(att).items():
             piece = slab[t["offset"]: t["offset"] + t["nbytes"]]
-            assert digests[name] == digest(piece), name
+            assert digests[name] == tensor_digest(piece), name
             mp, b, e = ckpt.tensor_bytes(name)
-            assert digests[name] == digest(mp[b:e]), name  # the whole plan: every output is a file tensor
+            assert digests[name] == tensor_digest(mp[b:e]), name  # the whole plan: every output is a file tensor
         assert c.status()["sets"][0]["digests"] is True
     ckpt.close()
 
@@ -110,7 +109,7 @@ def test_flipped_byte_is_named_and_the_set_refuses_leases(start_daemon, tiny):
         got = other.call("scrub", set=rep["set"])
         assert got["clean"] is False and got["mismatches"] == 1
         (m,) = got["sets"][0]["mismatches"]
-        assert m == {"tensor": "layers.0.odd", "expected": digest(before), "found": digest(after)}
+        assert m == {"tensor": "layers.0.odd", "expected": tensor_digest(before), "found": tensor_digest(after)}
         # The holder is told once, when the first scrub found it.
         ev = next_event(holder)
         assert ev["event"] == "corrupt" and ev["set"] == rep["set"] and ev["tensors"] == ["layers.0.odd"], ev
@@ -226,12 +225,12 @@ def test_fused_piece_flip_names_the_output(start_daemon, tiny):
         (s,) = got["sets"]
         assert [m["tensor"] for m in s["mismatches"]] == ["fused"]
         (m,) = s["mismatches"]
-        assert m["expected"] == digest(slab[t["offset"]: t["offset"] + t["nbytes"]])
+        assert m["expected"] == tensor_digest(slab[t["offset"]: t["offset"] + t["nbytes"]])
         ckpt = Checkpoint(tiny["c"])
         try:
             mp, b, e = ckpt.tensor_bytes("embed.weight")
             half = table(att)["half"]
-            assert {x["tensor"]: x["digest"] for x in s["digests"]}["half"] == digest(mp[b: b + half["nbytes"]])
+            assert {x["tensor"]: x["digest"] for x in s["digests"]}["half"] == tensor_digest(mp[b: b + half["nbytes"]])
         finally:
             ckpt.close()
 

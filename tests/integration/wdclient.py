@@ -474,6 +474,23 @@ def verify_attached(reply, fd, ckpt, names=None, whole=True):
         m.close()
 
 
+# ---- tensor digests (common/manifest.h) -------------------------------------------------
+
+LEAF_BYTES = 256 << 10
+
+
+def tensor_digest(b):
+    """A tensor digest as hex (manifest.h's tree), from the PyPI xxhash package: XXH3-128 of the bytes
+    when they fit one LEAF_BYTES leaf, else XXH3-128 of the canonical digests of their leaves (from the
+    first byte, the last one shorter), concatenated in order. Chunk and file digests are plain XXH3-128."""
+    import xxhash  # only the tests that check digests need it (tests/requirements.txt)
+    b = memoryview(b).cast("B")
+    if len(b) <= LEAF_BYTES:
+        return xxhash.xxh3_128(b).hexdigest()
+    leaves = b"".join(xxhash.xxh3_128(b[i:i + LEAF_BYTES]).digest() for i in range(0, len(b), LEAF_BYTES))
+    return xxhash.xxh3_128(leaves).hexdigest()
+
+
 # ---- the binary tensor table and the progress page (docs/protocol.md) -----------------
 
 _M64 = (1 << 64) - 1
