@@ -358,6 +358,8 @@ int startup_state(struct daemon *d, struct wd_error *err) {
                               .off = d->cfg.scrub != CFG_ON,
                               .duty = d->cfg.scrub == CFG_ON ? (unsigned)d->cfg.scrub_duty : 0,
                               .interval_ms = d->cfg.scrub_interval_ms,
+                              .batch_bytes = d->backend.ops->caps & WD_CAP_HOST_SLABS ? SCRUB_BATCH_BYTES
+                                                                                      : SCRUB_BATCH_BYTES_DEVICE,
                               .on_corrupt = ops_scrub_corrupt,
                               .on_corrupt_arg = d};
     rc = scrub_create(&sp, &d->scrub, err);

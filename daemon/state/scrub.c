@@ -8,7 +8,7 @@
  * on_done (uv_async_send from the worker; the done list coalesces several
  * sends) to compare digests, mark sets corrupt and call the continuations.
  * The worker thread takes tasks from the queue, those asked for before
- * background ones, and hashes one batch of outputs (up to BATCH_BYTES) at a
+ * background ones, and hashes one batch of outputs (up to batch_bytes) at a
  * time through the backend's slab_hash; after a batch of a background task
  * it sleeps so that hashing takes `duty` percent of its time (woken early
  * by a new task or the stop). `lock` guards the queue, the done list and
@@ -30,8 +30,6 @@
 #include "manifest.h"
 #include "scrub.h"
 
-/* The most bytes one slab_hash call covers (at least one whole output): pacing and preemption are that fine. */
-#define BATCH_BYTES (64ull << 20)
 
 struct scrub_task {
   struct res_set *set;
@@ -55,6 +53,7 @@ struct scrubber {
   bool off;
   unsigned duty;
   uint64_t interval_ms;
+  uint64_t batch_bytes; /* per slab_hash call (scrub_params) */
   void (*on_corrupt)(void *arg, struct res_set *s, const size_t *outs, size_t n);
   void *on_corrupt_arg;
   pthread_t worker;
@@ -89,7 +88,7 @@ static bool hash_batch(struct scrubber *sc, struct scrub_task *t) {
   const struct plan *p = t->set->plan;
   size_t first = t->next, end = first;
   uint64_t bytes = 0;
-  while (end < p->noutputs && (end == first || bytes + p->outputs[end].nbytes <= BATCH_BYTES))
+  while (end < p->noutputs && (end == first || bytes + p->outputs[end].nbytes <= sc->batch_bytes))
     bytes += p->outputs[end++].nbytes;
   struct wd_hash_range *r = calloc(end - first ? end - first : 1, sizeof *r);
   if (r == NULL) {
@@ -319,6 +318,7 @@ int scrub_create(const struct scrub_params *p, struct scrubber **out, struct wd_
   sc->duty = p->duty > 100 ? 100 : p->duty;
   sc->off = p->off;
   sc->interval_ms = p->interval_ms;
+  sc->batch_bytes = p->batch_bytes ? p->batch_bytes : SCRUB_BATCH_BYTES;
   sc->on_corrupt = p->on_corrupt;
   sc->on_corrupt_arg = p->on_corrupt_arg;
   pthread_mutex_init(&sc->lock, NULL);

@@ -34,6 +34,17 @@
 
 struct scrubber;
 
+/*
+ * The batch for a backend whose slab_hash runs on the CPU (host: 64 MiB, a
+ * few ms of one thread). A GPU's kernels want whole sets: a call's fixed
+ * cost (the leaf list, an allocation, two launches, a synchronize) and its
+ * parallelism (one warp per 256 KiB leaf: 64 MiB feeds 256 warps of the
+ * thousands a GPU runs) make 64 MiB batches of a 7.49 GiB set two orders
+ * slower than one call, which hashes it in milliseconds.
+ */
+#define SCRUB_BATCH_BYTES (64ull << 20)
+#define SCRUB_BATCH_BYTES_DEVICE (64ull << 30)
+
 struct scrub_params {
   uv_loop_t *loop;
   const struct wd_backend *backend;
@@ -41,6 +52,9 @@ struct scrub_params {
   bool off;             /* the scrub setting is off: loads record no digests (scrubs say so) */
   unsigned duty;        /* percent, 0: no background scrubs */
   uint64_t interval_ms; /* between the end of one background scrub and the start of the next */
+  /* The most bytes one slab_hash call covers (at least one whole output): the grain at which an asked-for
+   * scrub goes ahead of a background one. 0: SCRUB_BATCH_BYTES. */
+  uint64_t batch_bytes;
   /* A scrub found outputs outs[0..n) of s to differ for the first time (loop thread, after that scrub's
    * continuation, with s no longer held by it: the hook may retire s, which may free it); may be NULL. */
   void (*on_corrupt)(void *arg, struct res_set *s, const size_t *outs, size_t n);
