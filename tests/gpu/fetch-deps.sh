@@ -15,7 +15,8 @@
 # LD_LIBRARY_PATH, so source it in every shell that runs them.
 set -euo pipefail
 DEPS=(libuv1 libuv1-dev libcjson1 libcjson-dev libmicrohttpd12 libmicrohttpd-dev libxxhash0 libxxhash-dev liburing2 liburing-dev
-      libcurl4 libcurl4-openssl-dev libnghttp2-14 libpsl5 librtmp1 libssh2-1)
+      libcurl4 libcurl4-openssl-dev libnghttp2-14 libpsl5 librtmp1 libssh2-1
+      libldap-2.5-0 libunistring2)  # libcurl4 links libldap-2.5, libpsl5 libunistring.so.2: not on the Ubuntu 24.04 GPU host
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 out=$root/.devdeps
 mkdir -p "$out"
