@@ -10,7 +10,12 @@
  * (its tensor digest) when one was read: a mismatch fails the load with
  * BAD_CHECKSUM naming the tensor, as verify on_load fails a chunk. A
  * backend that fails to hash leaves the set without digests (logged): the
- * load is not failed for its scrubs' sake.
+ * load is not failed for its scrubs' sake. A replica copied device to
+ * device from another device's copy of the same set must hash to the
+ * digests that copy recorded at its load, output by output: a copy that
+ * went wrong, or a source changed since its load (a writer through a
+ * legacy handle), fails the replica with BAD_CHECKSUM instead of becoming
+ * a second copy whose digests vouch for the wrong bytes.
  *
  * Threads: runs on the load's job thread, after the fill and before the
  * slab is sealed; it reads only the target and the plan.
@@ -37,6 +42,14 @@ static const unsigned char *whole_tensor_digest(const struct ckpt *ck, const str
   return m->files[p->src->shard].tensors[i];
 }
 
+/* The recorded digests of the copy a replica was copied from (method peer), or NULL when it has none. */
+static const unsigned char (*copy_digests(const struct ld_target *t))[WD_DIGEST_BYTES] {
+  if (t->method != LD_METHOD_PEER) return NULL;
+  for (size_t i = 0; i < t->ncopies; i++)
+    if (t->copies[i].device == t->source_device) return t->copies[i].digests;
+  return NULL;
+}
+
 int ld_digest(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   const struct wd_backend *b = ld->backend;
   free(t->digests);
@@ -56,6 +69,17 @@ int ld_digest(struct loader *ld, struct ld_target *t, struct wd_error *err) {
   if (b->ops->slab_hash(b->ctx, t->slab, ranges, n, d, &herr) != 0) {
     /* The set is served all the same, without digests: its scrubs answer UNSUPPORTED, pointing here. */
     log_msg(LOG_WARN, "%s: no digests for the set being loaded (its scrubs are refused): %s", t->name, herr.msg);
+    goto fail;
+  }
+  const unsigned char (*src)[WD_DIGEST_BYTES] = copy_digests(t);
+  for (size_t i = 0; src != NULL && i < n; i++) {
+    if (memcmp(src[i], d[i], WD_DIGEST_BYTES) == 0) continue;
+    log_msg(LOG_ERROR, "%s: tensor '%s' copied from device %d's copy differs from that copy's digests", t->name,
+            p->outputs[i].name, t->source_device);
+    rc = err_set(err, WEIGHTD_E_BAD_CHECKSUM,
+                 "%s: tensor '%s' as copied from device %d's copy of the set differs from the digest that copy "
+                 "recorded at its load (the copy went wrong, or the source changed since); load it again",
+                 t->name, p->outputs[i].name, t->source_device);
     goto fail;
   }
   for (size_t i = 0; i < n; i++) {

@@ -34,6 +34,9 @@ const char *ld_method_name(enum ld_method m);
 struct ld_copy {
   const struct wd_slab *slab;
   int device;
+  /* The copy's digests as recorded at its load (one per plan output), or NULL: a replica copied from it must
+   * hash to the same (digest.c), so bytes that went wrong in the copy, or in the copy since its load, fail it. */
+  const unsigned char (*digests)[WD_DIGEST_BYTES];
 };
 
 /* A share of a striped load: slab bytes [lo, hi) came over `device`'s host link. */

@@ -273,35 +273,54 @@ static void reloaded(struct res_waiter *w, struct res_set *s, bool joined, const
 }
 
 /*
- * Retires s and loads its plan again on its device (scrub_reload on): true
- * when the load was started. The new set is an ordinary one (evictable
- * once ready, found by the next load or attach by path); the old one's
- * holders keep its memory until they release it.
+ * A reload of s prepared (its waiter and a copy of its plan), or NULL when
+ * s is not to be reloaded: scrub_reload off, the daemon stopping, s retired
+ * already or not ready, its checkpoint replaced since (a load of the new
+ * files is a load of its own, by path), no room on its device for a second
+ * copy while its holders keep the first, or no memory.
  */
-static bool reload_set(struct daemon *d, struct res_set *s) {
-  if (d->cfg.scrub_reload != CFG_ON || s->orphan || s->state != SET_READY) return false;
+static struct reload *reload_prepare(struct daemon *d, struct res_set *s, struct plan **copy) {
+  *copy = NULL;
+  if (d->cfg.scrub_reload != CFG_ON || d->stopping || s->orphan || s->state != SET_READY || s->ck->detached)
+    return NULL;
+  if (!res_set_reload_fits(d->res, s)) {
+    log_msg(LOG_WARN, "set %s (corrupt): no room on device %d for a second copy while it is held: not loaded "
+                      "again; it refuses new leases until it is released and evicted", s->id, s->device);
+    return NULL;
+  }
   struct reload *rl = calloc(1, sizeof *rl);
-  struct plan *copy = NULL;
-  if (rl == NULL || plan_copy(s->plan, &copy) != 0) {
+  if (rl == NULL || plan_copy(s->plan, copy) != 0) {
     free(rl);
     log_msg(LOG_ERROR, "set %s (corrupt): out of memory to load it again; evict it and load it again", s->id);
-    return false;
+    return NULL;
   }
   snprintf(rl->old_id, sizeof rl->old_id, "%s", s->id);
   rl->w.done = reloaded;
   rl->w.uid = s->loader_uid;
+  return rl;
+}
+
+/*
+ * Retires s and loads its plan again on its device, through the source its
+ * own load was given: the new set is an ordinary one (evictable once
+ * ready, found by the next load or attach by path); the old one's holders
+ * keep its memory until they release it. s may be freed when this returns.
+ */
+static void reload_start(struct daemon *d, struct res_set *s, struct reload *rl, struct plan *copy) {
   struct reg_ckpt *ck = s->ck;
   int device = s->device;
+  enum ld_source_choice source = s->load.choice;
   reg_ref(ck); /* res_load takes this reference; retiring s may drop its own */
-  res_set_retire(d->res, s); /* s may be gone from here on */
+  res_set_retire(d->res, s);
   log_msg(LOG_INFO, "set %s (corrupt): retired, loading %s again", rl->old_id, ck->path);
-  res_load(d->res, ck, device, copy, ops_load_source(d, ck, false, 0), &rl->w);
-  return true;
+  res_load(d->res, ck, device, copy, source, &rl->w);
 }
 
 void ops_scrub_corrupt(void *arg, struct res_set *s, const size_t *outs, size_t n) {
   struct daemon *d = arg;
-  bool reload = d->cfg.scrub_reload == CFG_ON && !s->orphan && s->state == SET_READY;
+  bool retired = s->orphan;
+  struct plan *copy = NULL;
+  struct reload *rl = reload_prepare(d, s, &copy);
   if (s->page != NULL) ppage_flag_set(s->page, WD_PAGE_FLAG_CORRUPT); /* holders that poll their page see it */
   for (struct lease *l = res_first_lease(d->res); l != NULL; l = l->next) {
     if (l->set != s || l->holder.owner == NULL) continue;
@@ -315,14 +334,17 @@ void ops_scrub_corrupt(void *arg, struct res_set *s, const size_t *outs, size_t 
     msg_add_string(ev, "set", s->id);
     cJSON *names = cJSON_AddArrayToObject(ev, "tensors");
     for (size_t i = 0; i < n; i++) cJSON_AddItemToArray(names, cJSON_CreateString(s->plan->outputs[outs[i]].name));
-    cJSON_AddBoolToObject(ev, "reload", reload);
+    cJSON_AddBoolToObject(ev, "reload", rl != NULL);
     msg_add_string(ev, "message",
-                   reload ? "a scrub found these tensors changed since the set was loaded; the daemon is loading it "
-                            "again as a new set: release this one and attach again by path"
-                          : "a scrub found these tensors changed since the set was loaded; the set refuses new "
-                            "leases: release it and load it again");
+                   rl != NULL ? "a scrub found these tensors changed since the set was loaded; the daemon is loading "
+                                "it again as a new set: release this one and attach again by path"
+                   : retired  ? "a scrub found these tensors changed since the set was loaded; it was retired "
+                                "already: release it and attach again by path"
+                              : "a scrub found these tensors changed since the set was loaded; the set refuses new "
+                                "leases: release it and load it again");
     conn_send(c, ev, NULL, 0);
     log_msg(LOG_INFO, "set %s: told pid %d (lease %s) it is corrupt", s->id, (int)l->holder.pid, l->id);
   }
-  if (!reload_set(d, s)) res_set_release_if_orphan(s);
+  if (rl != NULL) reload_start(d, s, rl, copy);
+  else if (!res_set_release_if_orphan(s) && !retired) res_set_marked(d->res); /* listed, corrupt: never adopted */
 }

@@ -72,7 +72,7 @@ static bool ours(const char *name) {
 
 /* Whether s goes into the store: READY, and memory that outlives the process. */
 static bool storable(const struct res_set *s) {
-  return s->state == SET_READY && s->load.slab != NULL &&
+  return s->state == SET_READY && s->ncorrupt == 0 && s->load.slab != NULL && /* a corrupt one: never adopted */
          (s->load.slab->kind == WD_HANDLE_FD || s->load.slab->kind == WD_HANDLE_CUDA_VMM);
 }
 

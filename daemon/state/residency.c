@@ -289,7 +289,7 @@ uint64_t res_device_budget(const struct residency *r, int device) {
 static uint64_t unevictable(const struct residency *r, int device) {
   uint64_t pinned = 0;
   for (const struct res_set *s = r->sets; s != NULL; s = s->next)
-    if (s->device == device && (s->state != SET_READY || s->leases > 0 || s->copying > 0))
+    if (s->device == device && (s->state != SET_READY || s->leases > 0 || s->copying > 0 || s->scrubbing > 0))
       pinned += s->plan->slab_bytes;
   for (const struct res_set *s = r->orphans; s != NULL; s = s->next)
     if (s->device == device) pinned += s->plan->slab_bytes;
@@ -511,33 +511,44 @@ void res_lease_drop(struct residency *r, struct lease *l) {
   s->last_used_ms = clock_ms();
   free(l);
   res_changed(r, false);
-  if (s->orphan && s->leases == 0 && s->scrubbing == 0) {
+  if (s->orphan && s->leases == 0 && s->scrubbing == 0 && s->copying == 0) {
     log_msg(LOG_DEBUG, "set %s: its last lease ended; freeing it", s->id);
     res_set_destroy(s, NULL);
   }
+}
+
+static bool held(const struct res_set *s) { return s->leases > 0 || s->scrubbing > 0 || s->copying > 0; }
+
+bool res_set_reload_fits(const struct residency *r, const struct res_set *s) {
+  return !held(s) || res_room_possible(r, s->device, s->plan->slab_bytes);
 }
 
 void res_set_retire(struct residency *r, struct res_set *s) {
   if (s->orphan) return;
   res_set_unlink(s);
   if (s->state == SET_READY) res_changed(r, false); /* gone from the list: a restart does not adopt it */
-  if (s->leases == 0 && s->scrubbing == 0) {
-    res_set_destroy(s, NULL);
+  if (!held(s)) {
+    /* Its slab is freed by the next load's job before that one allocates (res_load): the reload that follows
+     * must not race a free job for the device's memory. */
+    res_set_destroy(s, &r->retired);
     return;
   }
   s->orphan = true;
   s->next = r->orphans;
   r->orphans = s;
-  log_msg(LOG_INFO, "set %s: retired; %d lease(s) keep its memory until they end", s->id, s->leases);
+  log_msg(LOG_INFO, "set %s: retired; its %d lease(s), %u scrub(s) and %u copy(ies) keep its memory until they end",
+          s->id, s->leases, s->scrubbing, s->copying);
 }
 
 bool res_set_release_if_orphan(struct res_set *s) {
-  if (!s->orphan || s->leases > 0 || s->scrubbing > 0) return false;
+  if (!s->orphan || held(s)) return false;
   res_set_destroy(s, NULL);
   return true;
 }
 
 struct res_set *res_first_orphan(const struct residency *r) { return r->orphans; }
+
+void res_set_marked(struct residency *r) { res_changed(r, true); }
 
 struct lease *res_find_lease(const struct residency *r, const char *id) {
   for (struct lease *l = r->leases; l != NULL; l = l->next)
@@ -658,6 +669,7 @@ void res_destroy(struct residency *r) {
   answer_rooms(r); /* a load job that still waits for room is told to stop */
   while (r->leases != NULL) res_lease_drop(r, r->leases); /* orphans go with their last lease */
   while (r->orphans != NULL) res_set_destroy(r->orphans, NULL); /* one a scrub still counted (none runs now) */
+  res_free_later(r, NULL, &r->retired);
   while (r->sets != NULL) res_set_destroy(r->sets, NULL);
   uv_close((uv_handle_t *)&r->notify, residency_closed);
 }

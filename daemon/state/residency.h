@@ -244,13 +244,23 @@ struct lease *res_find_lease(const struct residency *r, const char *id);
 /*
  * Takes a READY set off the list for good (a scrub found it corrupt and it
  * is loaded again): nobody finds it, status does not show it, a restart
- * does not adopt it. It is freed now when nothing holds it, else its leases
- * and scrubs keep its memory (counted against its device) until the last
- * one ends; s may be freed when this returns.
+ * does not adopt it. It is freed when nothing holds it (its slab then goes
+ * with the next res_load's job, freed before that load allocates), else
+ * its leases, scrubs and the loads copying from it keep its memory
+ * (counted against its device) until the last one ends; s may be freed
+ * when this returns.
  */
 void res_set_retire(struct residency *r, struct res_set *s);
-/* Frees a retired or failed set that nothing holds any more (the scrubber, after its last scrub); true if it did. */
+/*
+ * Whether s's device has room for a second copy of s while s is still held
+ * (leases, scrubs or copies keep it after a retire): true when nothing holds
+ * it (retiring frees it first) or its budget allows both.
+ */
+bool res_set_reload_fits(const struct residency *r, const struct res_set *s);
+/* Frees a retired or failed set that nothing holds any more (the scrubber, a copy's end); true if it did. */
 bool res_set_release_if_orphan(struct res_set *s);
+/* A set's state changed outside residency (a scrub marked it corrupt): restart survival records it now. */
+void res_set_marked(struct residency *r);
 /* The sets off the list that leases or scrubs still hold (failed while leased, retired). */
 struct res_set *res_first_orphan(const struct residency *r);
 /* True when owner holds a lease. */

@@ -51,7 +51,8 @@ struct residency {
   uint64_t device_budget;
   uint64_t next_id; /* the last set or lease id number given; never past RES_ID_MAX */
   struct res_set *sets;
-  struct res_set *orphans; /* failed or canceled while leased: freed with their last lease */
+  struct res_set *orphans; /* failed or canceled while leased, or retired while held: freed when nothing holds them */
+  struct slab_list retired; /* slabs of sets retired unheld: the next load's job frees them before it allocates */
   struct lease *leases;
   struct res_stats stats;
   uv_async_t notify; /* a load allocated its slab (answer early waiters) or asks for room */

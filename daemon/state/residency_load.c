@@ -199,7 +199,10 @@ static void load_done(struct job *j) {
   }
   reg_load_end(s->ck);
   ld_unreserve(r->ld, s->device);
-  for (size_t i = 0; i < s->ncopy_from; i++) s->copy_from[i]->copying--;
+  for (size_t i = 0; i < s->ncopy_from; i++) {
+    s->copy_from[i]->copying--;
+    res_set_release_if_orphan(s->copy_from[i]); /* retired meanwhile (a scrub found it corrupt): it goes now */
+  }
   s->ncopy_from = 0;
   s->load.ncopies = 0;
   count_load(r, s, lj->rc);
@@ -260,11 +263,17 @@ static void load_done(struct job *j) {
  * on other devices (a replica may be copied from one of them), and keeps
  * them from eviction until the load is done. Without memory it offers none.
  */
+/* Whether c is a ready copy of s on another device that s may be copied from (never one a scrub found corrupt). */
+static bool copyable(const struct res_set *c, const struct res_set *s) {
+  return c->ck == s->ck && c->device != s->device && c->state == SET_READY && c->ncorrupt == 0 &&
+         strcmp(c->plan->key, s->plan->key) == 0;
+}
+
 static void offer_copies(struct residency *r, struct res_set *s) {
   if (!r->replicas) return;
   size_t n = 0;
   for (struct res_set *c = r->sets; c != NULL; c = c->next)
-    n += c->ck == s->ck && c->device != s->device && c->state == SET_READY && strcmp(c->plan->key, s->plan->key) == 0;
+    n += copyable(c, s);
   if (n == 0) return;
   struct ld_copy *src = calloc(n, sizeof *src);
   struct res_set **from = calloc(n, sizeof *from);
@@ -275,9 +284,9 @@ static void offer_copies(struct residency *r, struct res_set *s) {
   }
   size_t k = 0;
   for (struct res_set *c = r->sets; c != NULL && k < n; c = c->next) {
-    if (c->ck != s->ck || c->device == s->device || c->state != SET_READY || strcmp(c->plan->key, s->plan->key) != 0)
-      continue;
-    src[k] = (struct ld_copy){.slab = c->load.slab, .device = c->device};
+    if (!copyable(c, s)) continue;
+    src[k] = (struct ld_copy){.slab = c->load.slab, .device = c->device,
+                              .digests = (const unsigned char (*)[WD_DIGEST_BYTES])c->load.digests};
     from[k++] = c;
     c->copying++;
   }
@@ -290,8 +299,12 @@ static void offer_copies(struct residency *r, struct res_set *s) {
 void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan *plan, enum ld_source_choice source,
               struct res_waiter *w) {
   w->set = NULL;
+  /* Slabs of sets retired just before (a corrupt set's reload): this load's job frees them before it allocates. */
+  struct slab_list retired = r->retired;
+  r->retired = (struct slab_list){0};
   char *key = NULL;
   if (asprintf(&key, "%s#%" PRIu64 "|%d|%s", ck->path, ck->generation, device, plan->key) < 0) {
+    res_free_later(r, NULL, &retired);
     plan_free(plan);
     reg_unref(ck);
     fail_waiter(w, WEIGHTD_E_NOMEM, "out of memory");
@@ -299,6 +312,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   }
   struct res_set *s = res_find_by_key(r, key);
   if (s != NULL) {
+    res_free_later(r, NULL, &retired);
     free(key);
     plan_free(plan);
     reg_unref(ck);
@@ -310,6 +324,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   struct load_job *lj = calloc(1, sizeof *lj);
   if (s == NULL || lj == NULL || id == 0 || !res_room_possible(r, device, plan->slab_bytes)) {
     bool nomem = s == NULL || lj == NULL;
+    res_free_later(r, NULL, &retired);
     free(s);
     free(lj);
     free(key);
@@ -364,6 +379,7 @@ void res_load(struct residency *r, struct reg_ckpt *ck, int device, struct plan 
   uv_timer_start(&s->progress_timer, on_progress_timer, 100, 100);
   lj->job.work = load_work;
   lj->job.done = load_done;
+  lj->to_free = retired;
   lj->set = s;
   lj->ld = r->ld;
   lj->backend = r->backend;

@@ -9,9 +9,9 @@
  * sends) to compare digests, mark sets corrupt and call the continuations.
  * The worker thread takes tasks from the queue, those asked for before
  * background ones, and hashes one batch of outputs (up to batch_bytes) at a
- * time through the backend's slab_hash; after a batch of a background task
- * it sleeps so that hashing takes `duty` percent of its time (woken early
- * by a new task or the stop). `lock` guards the queue, the done list and
+ * time through the backend's slab_hash; after the last batch of a
+ * background task it sleeps so that hashing takes `duty` percent of its
+ * time (woken early by a new task or the stop). `lock` guards the queue, the done list and
  * `stop`; a task's fields are the worker's while it is queued and the
  * loop's once on the done list. The worker reads of a set only what is
  * immutable while it is READY and held (res_set.scrubbing): its plan, slab
@@ -179,7 +179,7 @@ static void apply(struct scrubber *sc, struct scrub_task *t) {
         mf_hex(s->load.digests[i], WD_DIGEST_BYTES, w);
         mf_hex(t->got[i], WD_DIGEST_BYTES, g);
         log_msg(LOG_ERROR, "set %s (%s): tensor '%s' changed since it was loaded (xxh3-128 %s, loaded as %s; %s "
-                           "scrub): the set refuses new leases",
+                           "scrub): the set is marked corrupt",
                 s->id, s->ck->path, p->outputs[i].name, g, w, t->background ? "background" : "requested");
       }
     }

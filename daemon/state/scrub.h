@@ -11,9 +11,10 @@
  * mid-scrub frees nothing under the worker.
  *
  * A tensor found to differ marks the set corrupt (res_set.corrupt, kept
- * until the set goes): it is logged, counted, shown by status, refuses new
- * leases with BAD_CHECKSUM, and the on_corrupt hook tells whoever holds it
- * (and may retire the set and load it again: ops_scrub.c).
+ * until the set goes): it is logged and counted, it refuses new leases with
+ * BAD_CHECKSUM, and the on_corrupt hook tells whoever holds it and may
+ * retire the set and load it again (ops_scrub.c; status then no longer
+ * shows it).
  *
  * Background scrubs: with a duty cycle above 0 (percent of the worker's
  * time spent hashing; it sleeps in proportion to each batch it hashed), the

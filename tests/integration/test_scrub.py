@@ -178,15 +178,44 @@ def test_corrupt_set_is_retired_and_loaded_again(start_daemon, tiny):
             assert slab[x["offset"]: x["offset"] + x["nbytes"]] == mp[b:e], name
         assert other.call("scrub", set=new["set"])["clean"] is True
         assert f"set {rep['set']} (corrupt) loaded again as set {new['set']}" in d.log_text()
+        # Both copies count against the device while the holder keeps the old one.
+        assert other.status()["devices"][0]["used"] == att["bytes"] + new["bytes"]
         # The holder still maps the old memory (with its flipped byte) until it releases it.
         assert os.pread(slab_fd, 1, t["offset"] + 3) != ckpt_byte(ckpt, "layers.0.odd", 3)
         os.close(slab_fd)
         os.close(page_fd)
         assert holder.call("release", lease=att["lease"]).get("ok")
-        (s,) = other.status()["sets"]
+        st = other.status()
+        (s,) = st["sets"]
         assert s["set"] == new["set"] and "corrupt" not in s
+        assert st["devices"][0]["used"] == new["bytes"]  # the retired set's memory went with its last lease
     ckpt.close()
     d.check_serving()
+
+
+def test_replica_of_a_changed_copy_fails(start_daemon, tiny):
+    """A replica copied device to device must hash to its source's recorded digests: a source changed since its
+    load (not scrubbed yet) fails the replica with BAD_CHECKSUM instead of becoming a second wrong copy."""
+    d = start_daemon(settings={"scrub": "on", "test_writable_slabs": "on", "scrub_duty": 0, "host_devices": 2,
+                               "metrics_address": ""})
+    with d.connect() as c:
+        first = c.call("load", path=tiny["b"], device=0, plan={"preset": "whole"})
+        att, fd = c.attach(set=first["set"])
+        try:
+            flip(fd, att["bytes"], table(att)["embed.weight"]["offset"] + 5)
+        finally:
+            os.close(fd)
+        m, _ = c.request("load", path=tiny["b"], device=1, plan={"preset": "whole"})
+        assert m["error"]["code"] == "BAD_CHECKSUM", m
+        assert "'embed.weight' as copied from device 0's copy" in m["error"]["message"], m
+        assert [s["set"] for s in c.status()["sets"]] == [first["set"]]  # the failed replica left nothing
+        c.call("release", lease=att["lease"])
+        # An unchanged source gives a replica whose every output matches.
+        c.call("evict", set=first["set"])
+        first = c.call("load", path=tiny["b"], device=0, plan={"preset": "whole"})
+        second = c.call("load", path=tiny["b"], device=1, plan={"preset": "whole"})
+        assert second["method"] == "peer", second
+        assert c.call("scrub", set=second["set"])["clean"] is True
 
 
 def ckpt_byte(ckpt, name, i):
