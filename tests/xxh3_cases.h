@@ -25,7 +25,7 @@ static const uint64_t XXH3_EDGE_LENGTHS[] = {
 };
 #define XXH3_NEDGE (sizeof XXH3_EDGE_LENGTHS / sizeof XXH3_EDGE_LENGTHS[0])
 #define XXH3_NRANDOM 200
-#define XXH3_BUF_BYTES ((8u << 20) + 64)
+#define XXH3_BUF_BYTES ((24u << 20) + 64) /* room for a tree whose root hashes over 1 KiB of leaf digests */
 
 /* A deterministic generator (xorshift64*), so a failure reproduces. */
 static inline uint64_t xxh3_case_rand(uint64_t *s) {
@@ -64,6 +64,7 @@ static inline void xxh3_case(size_t i, uint64_t *off, uint64_t *len) {
 static const uint64_t XXH3_TREE_LENGTHS[] = {
     0, 1, 240, 241, MF_LEAF_BYTES - 1, MF_LEAF_BYTES, MF_LEAF_BYTES + 1, 2 * MF_LEAF_BYTES,
     3 * MF_LEAF_BYTES + 17, 32 * MF_LEAF_BYTES, 32 * MF_LEAF_BYTES - 241,
+    80 * MF_LEAF_BYTES - 9, /* a root over 1,280 bytes of leaf digests: past one 1 KiB block of XXH3 */
 };
 #define XXH3_NTREE_EDGE (sizeof XXH3_TREE_LENGTHS / sizeof XXH3_TREE_LENGTHS[0])
 #define XXH3_NTREE_RANDOM 24

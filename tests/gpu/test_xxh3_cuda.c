@@ -63,10 +63,11 @@ static void test_flipped_byte_changes_the_covering_digests(void) {
 }
 
 /*
- * 300,000 short ranges (one leaf each) and then 40 ranges of 8 MiB (32
- * leaves each, 1,280 in all) beside 270,000 short ones: more warps' work
- * than the kernels' largest grid (65,535 blocks of 4 warps), so each
- * kernel's stride is taken.
+ * 300,000 short ranges (one leaf each), then 270,000 short ones followed by
+ * 40 ranges of 8 MiB (32 leaves each, 1,280 in all) and two of 80 leaves
+ * (a root over 1,280 bytes of leaf digests, past one 1 KiB block): more
+ * warps' work than the kernels' largest grid (65,535 blocks of 4 warps),
+ * with the long ranges last, so both kernels' strides reach multi-leaf work.
  */
 static void test_more_work_than_one_grid(void) {
   size_t count = 300000;
@@ -81,12 +82,17 @@ static void test_more_work_than_one_grid(void) {
   }
   CHECK(digests(r, count, d) == cudaSuccess);
   CHECK(count_bad(r, count, d) == 0);
-  for (size_t i = 0; i < 40; i++) {
-    r[2 * i] = i % 64;
-    r[2 * i + 1] = 32 * MF_LEAF_BYTES;
+  size_t k = 270000;
+  for (size_t i = 0; i < 40; i++, k++) {
+    r[2 * k] = i % 64;
+    r[2 * k + 1] = 32 * MF_LEAF_BYTES;
   }
-  CHECK(digests(r, 270040, d) == cudaSuccess);
-  CHECK(count_bad(r, 270040, d) == 0);
+  for (size_t i = 0; i < 2; i++, k++) {
+    r[2 * k] = 3 * i;
+    r[2 * k + 1] = 80 * MF_LEAF_BYTES - 17 * i;
+  }
+  CHECK(digests(r, k, d) == cudaSuccess);
+  CHECK(count_bad(r, k, d) == 0);
 done:
   free(r);
   free(d);
