@@ -105,6 +105,19 @@ def check_ranges(ranges, local):
                 raise RuntimeError(f"ceiling: {path} differs from the object's bytes {off}-{off + n - 1}")
 
 
+def load_once(weightctl, ctl_env, args):
+    """One load of the bucket's checkpoint (then its set evicted): the request's time end to end, its fill time."""
+    t0 = time.perf_counter()
+    r = subprocess.run([weightctl, "--json", "load", f"s3://{BUCKET}/m", *args],
+                       capture_output=True, text=True, env=ctl_env, timeout=600, check=True)
+    wall = time.perf_counter() - t0  # the request end to end: open and checks included
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    fetched = sum(rep["read_bytes"].values())
+    subprocess.run([weightctl, "evict", rep["set"]], capture_output=True, env=ctl_env, timeout=60, check=True)
+    return {"seconds": round(wall, 4), "fill_seconds": rep["seconds"], "bytes": fetched,
+            "gb_per_s": round(fetched / wall / 1e9, 3), "method": rep["method"]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3-4b", help="the layout (weightctl mkcheckpoint --list)")
@@ -114,10 +127,13 @@ def main():
                     help='a rank to load besides the whole plan, as weightctl load flags ("--tp-size 2 --tp-rank 0")')
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--backend", default="host")
-    ap.add_argument("--weightd", default=os.environ.get("WEIGHTD", os.path.join(REPO, "build", "weightd")))
+    ap.add_argument("--weightd", action="append", default=[],
+                    help="the daemon binary ($WEIGHTD, or build/weightd); given several times (LABEL=PATH), one "
+                         "daemon each, their loads alternating run by run, reported by label")
     ap.add_argument("--weightctl", default=os.environ.get("WEIGHTCTL", os.path.join(REPO, "build", "weightctl")))
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     a = ap.parse_args()
+    a.weightd = a.weightd or [os.environ.get("WEIGHTD", os.path.join(REPO, "build", "weightd"))]
     work = tempfile.mkdtemp(prefix="wdbench-")
     out = {"machine": {"cpus": os.cpu_count(), "note": "the S3 server and the client share these cores"},
            "backend": a.backend}
@@ -143,7 +159,7 @@ def main():
             out["ceiling_sweep"] = sweep
             # weightd's range-GET engine alone (tests/test_fetch: rf_read into memory, the default 16
             # connections and 8 MiB parts), over the same shard in 64 MiB reads from 2 and 8 threads.
-            fetch = os.path.join(os.path.dirname(a.weightd), "tests", "test_fetch")
+            fetch = os.path.join(os.path.dirname(a.weightctl), "tests", "test_fetch")
             if os.path.exists(fetch):
                 ranges = os.path.join(work, "ranges.txt")
                 with open(ranges, "w") as f:
@@ -157,45 +173,49 @@ def main():
                 out["engine"] = eng
             ceil = max(x["gb_per_s"] for x in sweep)
             out["ceiling_gb_per_s"] = ceil
-            sock = os.path.join(work, "wd.sock")
             env = dict(os.environ, AWS_ACCESS_KEY_ID=s3server.ACCESS_KEY, AWS_SECRET_ACCESS_KEY=s3server.SECRET_KEY,
                        AWS_REGION=s3server.REGION, AWS_ENDPOINT_URL_S3=s3.endpoint, AWS_EC2_METADATA_DISABLED="true")
-            log = open(os.path.join(work, "weightd.log"), "wb")
-            wd = subprocess.Popen([a.weightd, "--foreground", "--backend", a.backend, "--socket", sock,
-                                   "--remote-root", f"s3://{BUCKET}", "--set", "metrics_address="],
-                                  stdout=log, stderr=subprocess.STDOUT, env=env)
+            daemons = []  # (label, Popen, log, ctl_env), one daemon per binary, all up at once
             try:
-                for _ in range(600):
-                    if os.path.exists(sock):
-                        break
-                    time.sleep(0.05)
-                ctl_env = dict(os.environ, WEIGHTD_SOCKET=sock)
+                for i, spec in enumerate(a.weightd):
+                    label, path = spec.split("=", 1) if "=" in spec else (os.path.basename(spec), spec)
+                    sock = os.path.join(work, f"wd{i}.sock")
+                    log = open(os.path.join(work, f"weightd{i}.log"), "wb")
+                    wd = subprocess.Popen([path, "--foreground", "--backend", a.backend, "--socket", sock,
+                                           "--remote-root", f"s3://{BUCKET}", "--set", "metrics_address="],
+                                          stdout=log, stderr=subprocess.STDOUT, env=env)
+                    daemons.append((label, wd, log, dict(os.environ, WEIGHTD_SOCKET=sock)))
+                    for _ in range(600):
+                        if os.path.exists(sock):
+                            break
+                        time.sleep(0.05)
                 plans = [("whole", [])] + [(r, r.split()) for r in a.rank]
-                out["weightd"] = {}
+                runs = {(d[0], p[0]): [] for d in daemons for p in plans}
                 for label, args in plans:
-                    runs = []
                     for _ in range(a.runs):
-                        t0 = time.perf_counter()
-                        r = subprocess.run([a.weightctl, "--json", "load", f"s3://{BUCKET}/m", *args],
-                                           capture_output=True, text=True, env=ctl_env, timeout=600, check=True)
-                        wall = time.perf_counter() - t0  # the request end to end: open and checks included
-                        rep = json.loads(r.stdout.strip().splitlines()[-1])
-                        fetched = sum(rep["read_bytes"].values())
-                        runs.append({"seconds": round(wall, 4), "fill_seconds": rep["seconds"], "bytes": fetched,
-                                     "gb_per_s": round(fetched / wall / 1e9, 3), "method": rep["method"]})
-                        subprocess.run([a.weightctl, "evict", rep["set"]], capture_output=True, env=ctl_env,
-                                       timeout=60, check=True)
-                    rates = [x["gb_per_s"] for x in runs]
-                    out["weightd"][label] = {"runs": runs, "fetched_bytes": runs[0]["bytes"],
-                                             "share_of_checkpoint": round(runs[0]["bytes"] / size, 4),
-                                             "best_gb_per_s": max(rates),
-                                             "median_gb_per_s": statistics.median(rates),
-                                             "best_ratio": round(max(rates) / ceil, 3),
-                                             "median_ratio": round(statistics.median(rates) / ceil, 3)}
+                        for name, _, _, ctl_env in daemons:  # the binaries' loads alternate: the same conditions
+                            runs[(name, label)].append(load_once(a.weightctl, ctl_env, args))
+                # The ceiling's best point again, after the loads: the machine's other load may have changed.
+                best = max(sweep, key=lambda x: x["gb_per_s"])
+                again = round(ceiling(obj, big_size, best["connections"], best["range_bytes"], os.path.join(d, big)), 3)
+                out["ceiling_after"] = {"connections": best["connections"], "range_bytes": best["range_bytes"],
+                                        "gb_per_s": again}
+                ceil = max(ceil, again)
+                out["ceiling_gb_per_s"] = ceil
+                res = {}
+                for (name, label), rs in runs.items():
+                    rates = [x["gb_per_s"] for x in rs]
+                    res.setdefault(name, {})[label] = {
+                        "runs": rs, "fetched_bytes": rs[0]["bytes"],
+                        "share_of_checkpoint": round(rs[0]["bytes"] / size, 4), "best_gb_per_s": max(rates),
+                        "median_gb_per_s": statistics.median(rates), "best_ratio": round(max(rates) / ceil, 3),
+                        "median_ratio": round(statistics.median(rates) / ceil, 3)}
+                out["weightd"] = res[daemons[0][0]] if len(daemons) == 1 else res
             finally:
-                wd.terminate()
-                wd.wait(timeout=60)
-                log.close()
+                for _, wd, log, _ in daemons:
+                    wd.terminate()
+                    wd.wait(timeout=60)
+                    log.close()
     finally:
         if a.keep:
             out["work"] = work
