@@ -4,7 +4,13 @@
  *
  * A contiguous read is one rck_read into dst: the engine splits it into
  * parts with several requests in flight and writes each body where it
- * belongs. A strided read (a column slice) is fetched as whole rows, as the
+ * belongs. A fill task's contiguous reads come as one batch (readv): sorted
+ * by shard and offset, each shard's become one vectored read (rck_readv),
+ * which fetches reads that touch in the file as one run of parts
+ * (remote/fetch.h's merge rule; no byte outside the reads). Before a read
+ * is handed to the engine its destination's pages are faulted in on the
+ * calling fill thread (base/prefault.h), so the engine's one thread only
+ * copies bodies. A strided read (a column slice) is fetched as whole rows, as the
  * staging path reads files: runs of rows spanning at most REMOTE_BOUNCE
  * bytes go into a bounce buffer and the rows are copied out, so a TP rank
  * of N fetches its column-sliced tensors whole (N times their share of the
