@@ -7,10 +7,10 @@
  * belongs. A fill task's contiguous reads come as one batch (readv): sorted
  * by shard and offset, each shard's become one vectored read (rck_readv),
  * which fetches reads that touch in the file as one run of parts
- * (remote/fetch.h's merge rule; no byte outside the reads). Before a read
- * is handed to the engine its destination's pages are faulted in on the
- * calling fill thread (base/prefault.h), so the engine's one thread only
- * copies bodies. A strided read (a column slice) is fetched as whole rows, as the
+ * (remote/fetch.h's merge rule; no byte outside the reads). The engine
+ * faults each part's destination pages in on the calling fill thread before
+ * it sends the part's request, so its own thread only copies bodies. A
+ * strided read (a column slice) is fetched as whole rows, as the
  * staging path reads files: runs of rows spanning at most REMOTE_BOUNCE
  * bytes go into a bounce buffer and the rows are copied out, so a TP rank
  * of N fetches its column-sliced tensors whole (N times their share of the
@@ -39,7 +39,6 @@
 #include <string.h>
 
 #include "base/log.h"
-#include "base/prefault.h"
 #include "manifest.h"
 #include "remote/rckpt.h"
 
@@ -129,7 +128,6 @@ static int remote_read(void *ctx, const struct ld_read *rq, struct wd_error *err
     if (rc == 0 && rq->counts != NULL) rq->counts[LD_SOURCE_REMOTE] += rq->width * rq->height;
     return rc;
   }
-  (void)prefault_write(rq->dst, (size_t)(rq->width * rq->height)); /* an error: the pages fault as written */
   if (rq->height == 1 || rq->pitch == rq->width) {
     rc = rck_read(r, rq->shard, rq->off, rq->width * rq->height, rq->dst, rq->cancel, err);
   } else if (rq->pitch > REMOTE_BOUNCE) { /* rows so far apart that each is a large read of its own */
@@ -197,10 +195,7 @@ static int remote_readv(void *ctx, const struct ld_read *rq, size_t n, struct wd
   for (size_t i = 0; i < k && rc == 0;) { /* shard by shard; a batch's reads share one reader's cancel and counts */
     uint32_t shard = b[i].shard;
     size_t m = 0;
-    for (; i < k && b[i].shard == shard; i++) {
-      (void)prefault_write(b[i].e.dst, (size_t)b[i].e.len); /* an error: the pages fault as written */
-      ext[m++] = b[i].e;
-    }
+    for (; i < k && b[i].shard == shard; i++) ext[m++] = b[i].e;
     rc = rck_readv(r, shard, ext, m, rq[0].cancel, err);
   }
   free(ext);

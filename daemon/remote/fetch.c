@@ -27,6 +27,7 @@
 #include <strings.h>
 #include <time.h>
 
+#include "base/prefault.h"
 #include "clock.h"
 #include "fetch_internal.h"
 
@@ -255,6 +256,21 @@ nomem:
   return WEIGHTD_E_NOMEM;
 }
 
+/*
+ * Faults in the pages the transfer's body will be written to, here on the
+ * caller's thread, so that the loop thread's write callback only copies (an
+ * error leaves them to fault as they are written: prefault.h).
+ */
+static void part_prefault(const struct xfer *x) {
+  uint64_t at = x->want_off, end = x->want_off + x->want_len;
+  for (size_t i = x->ei; at < end; i++) {
+    const struct rf_extent *e = &x->ext[i];
+    uint64_t stop = e->off + e->len < end ? e->off + e->len : end;
+    (void)prefault_write(e->dst + (at - e->off), (size_t)(stop - at));
+    at = stop;
+  }
+}
+
 /* Prepares and submits a slot's next try. */
 static void slot_start(struct run *r, struct slot *s) {
   struct xfer *x = &s->x;
@@ -273,6 +289,7 @@ static void slot_start(struct run *r, struct slot *s) {
     x->ext = r->ext;
     x->ei = s->part_ext;
     while (r->ext[x->ei].off + r->ext[x->ei].len <= x->want_off) x->ei++;
+    part_prefault(x);
   } else { /* rf_stat */
     x->head = s->head;
     x->ranged = !s->head;

@@ -46,7 +46,9 @@
  * Threads: every function but rf_client_create/rf_client_free may be called
  * from any thread at once; the auth hook runs on the caller's thread (so a
  * credential refresh never blocks the engine's thread), the body is written
- * from the engine's thread.
+ * from the engine's thread, into pages the caller's thread faulted in before
+ * the part's request went out (base/prefault.h; where the kernel refuses,
+ * they fault as they are written).
  */
 #ifndef WD_REMOTE_FETCH_H
 #define WD_REMOTE_FETCH_H

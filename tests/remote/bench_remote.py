@@ -128,8 +128,9 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--backend", default="host")
     ap.add_argument("--weightd", action="append", default=[],
-                    help="the daemon binary ($WEIGHTD, or build/weightd); given several times (LABEL=PATH), one "
-                         "daemon each, their loads alternating run by run, reported by label")
+                    help="the daemon binary ($WEIGHTD, or build/weightd); given several times (LABEL=PATH, and "
+                         "@KEY=VALUE for each setting it runs with), one daemon each, their loads alternating "
+                         "run by run, reported by label")
     ap.add_argument("--weightctl", default=os.environ.get("WEIGHTCTL", os.path.join(REPO, "build", "weightctl")))
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     a = ap.parse_args()
@@ -178,11 +179,13 @@ def main():
             daemons = []  # (label, Popen, log, ctl_env), one daemon per binary, all up at once
             try:
                 for i, spec in enumerate(a.weightd):
+                    spec, *settings = spec.split("@")
                     label, path = spec.split("=", 1) if "=" in spec else (os.path.basename(spec), spec)
                     sock = os.path.join(work, f"wd{i}.sock")
                     log = open(os.path.join(work, f"weightd{i}.log"), "wb")
                     wd = subprocess.Popen([path, "--foreground", "--backend", a.backend, "--socket", sock,
-                                           "--remote-root", f"s3://{BUCKET}", "--set", "metrics_address="],
+                                           "--remote-root", f"s3://{BUCKET}", "--set", "metrics_address=",
+                                           *[x for kv in settings for x in ("--set", kv)]],
                                           stdout=log, stderr=subprocess.STDOUT, env=env)
                     daemons.append((label, wd, log, dict(os.environ, WEIGHTD_SOCKET=sock)))
                     for _ in range(600):
