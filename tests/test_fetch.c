@@ -13,7 +13,9 @@
  *   test_fetch read URL [opt]  rf_stat, then rf_read of the ranges of
  *                              --ranges (or the whole object) from --threads
  *                              threads (with --vector: all of them as one
- *                              rf_readv, in the file's order); the bytes go
+ *                              rf_readv, in the file's order; with --memfd:
+ *                              each into a fresh memfd mapping, as a host
+ *                              slab is, not malloc'd memory); the bytes go
  *                              to --out, range after range; one JSON object
  *                              on stdout
  *
@@ -32,6 +34,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -311,6 +314,7 @@ struct opts {
   bool allow_any;
   uint64_t cancel_after_bytes; /* 0: never */
   bool vector;                 /* every range in one rf_readv */
+  bool memfd;                  /* each range read into a fresh memfd mapping, not malloc'd memory */
 };
 
 struct range {
@@ -326,6 +330,7 @@ struct shared {
   size_t nranges;
   unsigned threads;
   int out_fd;
+  bool memfd;
   atomic_bool cancel;
   atomic_bool finished;
   pthread_mutex_t lock;
@@ -392,12 +397,13 @@ static int parse_opts(int argc, char **argv, int i, struct opts *o) {
   o->threads = 1;
   for (; i < argc; i++) {
     const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (v == NULL && strcmp(k, "--allow-any") != 0 && strcmp(k, "--vector") != 0) {
+    if (v == NULL && strcmp(k, "--allow-any") != 0 && strcmp(k, "--vector") != 0 && strcmp(k, "--memfd") != 0) {
       fprintf(stderr, "%s needs a value\n", k);
       return -1;
     }
     if (strcmp(k, "--allow-any") == 0) { o->allow_any = true; continue; }
     if (strcmp(k, "--vector") == 0) { o->vector = true; continue; }
+    if (strcmp(k, "--memfd") == 0) { o->memfd = true; continue; }
     i++;
     if (strcmp(k, "--ranges") == 0) o->ranges_file = v;
     else if (strcmp(k, "--out") == 0) o->out_file = v;
@@ -448,17 +454,28 @@ static int load_ranges(const char *file, uint64_t size, struct range **out, size
   return 0;
 }
 
+/* n bytes of a fresh memfd, mapped shared: the memory a host-backend slab is (4 KiB shmem pages, zeroed as faulted). */
+static unsigned char *memfd_buffer(size_t n) {
+  int fd = memfd_create("test_fetch", MFD_CLOEXEC);
+  if (fd < 0) return NULL;
+  void *p = ftruncate(fd, (off_t)n) == 0 ? mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  close(fd);
+  return p == MAP_FAILED ? NULL : p;
+}
+
 static void *reader_thread(void *arg) {
   struct shared *sh = ((void **)arg)[0];
   unsigned t = (unsigned)(uintptr_t)((void **)arg)[1];
   for (size_t i = t; i < sh->nranges; i += sh->threads) {
     struct range *r = &sh->ranges[i];
-    unsigned char *buf = malloc(r->len ? r->len : 1);
+    size_t n = r->len ? r->len : 1;
+    unsigned char *buf = sh->memfd ? memfd_buffer(n) : malloc(n);
     struct wd_error err = {0};
-    r->rc = rf_read(sh->cl, sh->auth, sh->obj, r->off, r->len, buf, &sh->cancel, &err);
+    r->rc = buf == NULL ? WEIGHTD_E_NOMEM : rf_read(sh->cl, sh->auth, sh->obj, r->off, r->len, buf, &sh->cancel, &err);
     if (r->rc == 0 && sh->out_fd >= 0 && pwrite(sh->out_fd, buf, r->len, (off_t)r->out_off) != (ssize_t)r->len)
       r->rc = WEIGHTD_E_IO, snprintf(err.msg, sizeof err.msg, "writing the output: %s", strerror(errno));
-    free(buf);
+    if (sh->memfd && buf != NULL) munmap(buf, n);
+    else free(buf);
     pthread_mutex_lock(&sh->lock);
     if (r->rc != 0 && sh->first_rc == 0) {
       sh->first_rc = r->rc;
@@ -567,7 +584,7 @@ static int run_remote(bool read, int argc, char **argv) {
     free(url);
     return 0;
   }
-  struct shared sh = {.cl = cl, .auth = &auth, .obj = &obj, .threads = o.threads, .out_fd = -1};
+  struct shared sh = {.cl = cl, .auth = &auth, .obj = &obj, .threads = o.threads, .out_fd = -1, .memfd = o.memfd};
   pthread_mutex_init(&sh.lock, NULL);
   if (load_ranges(o.ranges_file, obj.size, &sh.ranges, &sh.nranges) != 0) {
     fprintf(stderr, "test_fetch: cannot read %s\n", o.ranges_file);

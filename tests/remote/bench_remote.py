@@ -159,18 +159,22 @@ def main():
                                   "gb_per_s": round(ceiling(obj, big_size, conns, rb, os.path.join(d, big)), 3)})
             out["ceiling_sweep"] = sweep
             # weightd's range-GET engine alone (tests/test_fetch: rf_read into memory, the default 16
-            # connections and 8 MiB parts), over the same shard in 64 MiB reads from 2 and 8 threads.
+            # connections and 8 MiB parts), over the same shard in 64 MiB reads from 2 and 8 threads into
+            # malloc'd memory (anonymous: transparent huge pages where the kernel gives them), and from 2
+            # threads into fresh memfd mappings (what a host-backend slab is: shmem pages).
             fetch = os.path.join(os.path.dirname(a.weightctl), "tests", "test_fetch")
             if os.path.exists(fetch):
                 ranges = os.path.join(work, "ranges.txt")
                 with open(ranges, "w") as f:
                     f.writelines(f"{o} {min(64 << 20, big_size - o)}\n" for o in range(0, big_size, 64 << 20))
                 eng = []
-                for threads in (2, 8):
+                for threads, dst in ((2, "malloc"), (8, "malloc"), (2, "memfd")):
                     t0 = time.perf_counter()
                     subprocess.run([fetch, "read", obj, "--threads", str(threads), "--ranges", ranges, "--out",
-                                    "/dev/null"], check=True, capture_output=True, timeout=600)
-                    eng.append({"threads": threads, "gb_per_s": round(big_size / (time.perf_counter() - t0) / 1e9, 3)})
+                                    "/dev/null", *(["--memfd"] if dst == "memfd" else [])],
+                                   check=True, capture_output=True, timeout=600)
+                    eng.append({"threads": threads, "into": dst,
+                                "gb_per_s": round(big_size / (time.perf_counter() - t0) / 1e9, 3)})
                 out["engine"] = eng
             ceil = max(x["gb_per_s"] for x in sweep)
             out["ceiling_gb_per_s"] = ceil
