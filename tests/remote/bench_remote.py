@@ -8,11 +8,15 @@ writes (a published model's layout, seeded bytes), and then:
 1. The ceiling: the server's throughput for parallel range GETs into memory, measured with curl
    (`curl --parallel`, an independent client: each range of the largest shard written into memory, a
    file of /dev/shm of its own, each file's size and edges checked against the shard once per sweep
-   point), swept over connections x range size; the best is the ceiling.
+   point), swept over connections x range size, and its best point measured again after the loads;
+   the best of all is the ceiling. Beside it, weightd's engine alone (tests/test_fetch) into malloc'd
+   memory and into memfd mappings.
 2. weightd: a daemon (the host backend, or --backend cuda on a GPU host) with the bucket as its
    remote root loads the checkpoint (the whole plan, and each --rank) by URL, `--runs` times,
    each set evicted before the next; its time is the request's, end to end as the client sees it
-   (`weightctl load`; the first run includes the open), beside the reply's fill time.
+   (`weightctl load`; the first run includes the open), beside the reply's fill time. With several
+   --weightd binaries (LABEL=PATH[@KEY=VALUE...]), one daemon each runs, and their loads alternate
+   run by run, so that each sees the same conditions and the same ceiling.
 
 It prints one JSON object: the machine, the ceiling sweep, each weightd run, and the ratio of
 weightd's best and median rate to the ceiling (bytes fetched per second: a TP rank's bytes for a
@@ -20,7 +24,7 @@ TP rank). Server and client share the machine's cores, which the output states.
 
     python3 tests/remote/bench_remote.py [--preset qwen3-4b --layers 36] [--runs 5] [--backend host|cuda]
         [--rank "--tp-size 2 --tp-rank 0"] [--preset deepseek-v3 --layers 4 --experts 32
-        --rank "--ep-size 8 --ep-rank 0"]
+        --rank "--ep-size 8 --ep-rank 0"] [--weightd base=PATH --weightd new=PATH@fill_threads=4]
 """
 import argparse
 import json
