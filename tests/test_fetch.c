@@ -12,8 +12,12 @@
  *   test_fetch stat URL [opt]  rf_stat, printing one JSON object
  *   test_fetch read URL [opt]  rf_stat, then rf_read of the ranges of
  *                              --ranges (or the whole object) from --threads
- *                              threads; the bytes go to --out, range after
- *                              range; one JSON object on stdout
+ *                              threads (with --vector: all of them as one
+ *                              rf_readv, in the file's order; with --memfd:
+ *                              each into a fresh memfd mapping, as a host
+ *                              slab is, not malloc'd memory); the bytes go
+ *                              to --out, range after range; one JSON object
+ *                              on stdout
  *
  * The stat and read modes are driven by tests/integration/test_fetch.py
  * against SeaweedFS and the fault proxy (tests/remote). URLs are parsed here
@@ -30,6 +34,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -256,6 +261,31 @@ static void test_forbidden_addresses(void) {
   CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
 }
 
+/* rf_readv refuses extents out of order, empty or beyond the object before it sends a request. */
+static void test_readv_checks(void) {
+  struct rf_config c;
+  rf_config_defaults(&c);
+  struct rf_client *cl = NULL;
+  struct wd_error err = {0};
+  CHECK_EQ_INT(rf_client_create(&c, &cl, &err), 0);
+  struct rf_object o = {.ep = {.host = "127.0.0.1", .port = 9}, .path = "/b/k", .query = "", .name = "s3://b/k",
+                        .size = 100};
+  unsigned char buf[100];
+  struct rf_extent desc[2] = {{.off = 50, .len = 10, .dst = buf}, {.off = 10, .len = 10, .dst = buf + 10}};
+  CHECK_EQ_INT(rf_readv(cl, NULL, &o, desc, 2, NULL, &err), WEIGHTD_E_INVALID);
+  CHECK_STR_CONTAINS(err.msg, "s3://b/k: extent 1 (byte 10) comes before");
+  struct rf_extent empty[1] = {{.off = 5, .len = 0, .dst = buf}};
+  CHECK_EQ_INT(rf_readv(cl, NULL, &o, empty, 1, NULL, &err), WEIGHTD_E_INVALID);
+  struct rf_extent beyond[2] = {{.off = 0, .len = 10, .dst = buf}, {.off = 95, .len = 6, .dst = buf + 10}};
+  CHECK_EQ_INT(rf_readv(cl, NULL, &o, beyond, 2, NULL, &err), WEIGHTD_E_INVALID);
+  CHECK_STR_CONTAINS(err.msg, "beyond its 100 bytes");
+  CHECK_EQ_INT(rf_readv(cl, NULL, &o, beyond, 0, NULL, &err), 0); /* nothing to read */
+  struct rf_stats st;
+  rf_client_stats(cl, &st);
+  CHECK_EQ_INT(st.requests[0] + st.requests[2] + st.connects, 0); /* no request was sent */
+  rf_client_free(cl);
+}
+
 static int run_unit(void) {
   RUN(test_backoff);
   RUN(test_retry_decide);
@@ -263,6 +293,7 @@ static int run_unit(void) {
   RUN(test_s3_code);
   RUN(test_forbidden_hosts);
   RUN(test_config_checks);
+  RUN(test_readv_checks);
   RUN(test_forbidden_addresses);
   return tu_finish();
 }
@@ -282,6 +313,8 @@ struct opts {
   unsigned nallow;
   bool allow_any;
   uint64_t cancel_after_bytes; /* 0: never */
+  bool vector;                 /* every range in one rf_readv */
+  bool memfd;                  /* each range read into a fresh memfd mapping, not malloc'd memory */
 };
 
 struct range {
@@ -297,6 +330,7 @@ struct shared {
   size_t nranges;
   unsigned threads;
   int out_fd;
+  bool memfd;
   atomic_bool cancel;
   atomic_bool finished;
   pthread_mutex_t lock;
@@ -363,11 +397,13 @@ static int parse_opts(int argc, char **argv, int i, struct opts *o) {
   o->threads = 1;
   for (; i < argc; i++) {
     const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-    if (v == NULL && strcmp(k, "--allow-any") != 0) {
+    if (v == NULL && strcmp(k, "--allow-any") != 0 && strcmp(k, "--vector") != 0 && strcmp(k, "--memfd") != 0) {
       fprintf(stderr, "%s needs a value\n", k);
       return -1;
     }
     if (strcmp(k, "--allow-any") == 0) { o->allow_any = true; continue; }
+    if (strcmp(k, "--vector") == 0) { o->vector = true; continue; }
+    if (strcmp(k, "--memfd") == 0) { o->memfd = true; continue; }
     i++;
     if (strcmp(k, "--ranges") == 0) o->ranges_file = v;
     else if (strcmp(k, "--out") == 0) o->out_file = v;
@@ -418,17 +454,28 @@ static int load_ranges(const char *file, uint64_t size, struct range **out, size
   return 0;
 }
 
+/* n bytes of a fresh memfd, mapped shared: the memory a host-backend slab is (4 KiB shmem pages, zeroed as faulted). */
+static unsigned char *memfd_buffer(size_t n) {
+  int fd = memfd_create("test_fetch", MFD_CLOEXEC);
+  if (fd < 0) return NULL;
+  void *p = ftruncate(fd, (off_t)n) == 0 ? mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+  close(fd);
+  return p == MAP_FAILED ? NULL : p;
+}
+
 static void *reader_thread(void *arg) {
   struct shared *sh = ((void **)arg)[0];
   unsigned t = (unsigned)(uintptr_t)((void **)arg)[1];
   for (size_t i = t; i < sh->nranges; i += sh->threads) {
     struct range *r = &sh->ranges[i];
-    unsigned char *buf = malloc(r->len ? r->len : 1);
+    size_t n = r->len ? r->len : 1;
+    unsigned char *buf = sh->memfd ? memfd_buffer(n) : malloc(n);
     struct wd_error err = {0};
-    r->rc = rf_read(sh->cl, sh->auth, sh->obj, r->off, r->len, buf, &sh->cancel, &err);
+    r->rc = buf == NULL ? WEIGHTD_E_NOMEM : rf_read(sh->cl, sh->auth, sh->obj, r->off, r->len, buf, &sh->cancel, &err);
     if (r->rc == 0 && sh->out_fd >= 0 && pwrite(sh->out_fd, buf, r->len, (off_t)r->out_off) != (ssize_t)r->len)
       r->rc = WEIGHTD_E_IO, snprintf(err.msg, sizeof err.msg, "writing the output: %s", strerror(errno));
-    free(buf);
+    if (sh->memfd && buf != NULL) munmap(buf, n);
+    else free(buf);
     pthread_mutex_lock(&sh->lock);
     if (r->rc != 0 && sh->first_rc == 0) {
       sh->first_rc = r->rc;
@@ -437,6 +484,25 @@ static void *reader_thread(void *arg) {
     pthread_mutex_unlock(&sh->lock);
   }
   return NULL;
+}
+
+/* Every range as one rf_readv into one buffer (range i at its out_off), then written out. */
+static void read_vector(struct shared *sh) {
+  uint64_t total = 0;
+  for (size_t i = 0; i < sh->nranges; i++) total += sh->ranges[i].len;
+  unsigned char *buf = malloc(total ? total : 1);
+  struct rf_extent *ext = calloc(sh->nranges ? sh->nranges : 1, sizeof *ext);
+  for (size_t i = 0; i < sh->nranges; i++)
+    ext[i] = (struct rf_extent){.off = sh->ranges[i].off, .len = sh->ranges[i].len, .dst = buf + sh->ranges[i].out_off};
+  struct wd_error err = {0};
+  int rc = rf_readv(sh->cl, sh->auth, sh->obj, ext, sh->nranges, &sh->cancel, &err);
+  if (rc == 0 && sh->out_fd >= 0 && pwrite(sh->out_fd, buf, total, 0) != (ssize_t)total)
+    rc = WEIGHTD_E_IO, snprintf(err.msg, sizeof err.msg, "writing the output: %s", strerror(errno));
+  for (size_t i = 0; i < sh->nranges; i++) sh->ranges[i].rc = rc;
+  sh->first_rc = rc;
+  sh->first_err = err;
+  free(ext);
+  free(buf);
 }
 
 /* Sets the cancel flag once the client has delivered cancel_after bytes (a read is then under way). */
@@ -518,7 +584,7 @@ static int run_remote(bool read, int argc, char **argv) {
     free(url);
     return 0;
   }
-  struct shared sh = {.cl = cl, .auth = &auth, .obj = &obj, .threads = o.threads, .out_fd = -1};
+  struct shared sh = {.cl = cl, .auth = &auth, .obj = &obj, .threads = o.threads, .out_fd = -1, .memfd = o.memfd};
   pthread_mutex_init(&sh.lock, NULL);
   if (load_ranges(o.ranges_file, obj.size, &sh.ranges, &sh.nranges) != 0) {
     fprintf(stderr, "test_fetch: cannot read %s\n", o.ranges_file);
@@ -533,6 +599,10 @@ static int run_remote(bool read, int argc, char **argv) {
   if (o.cancel_after_bytes) pthread_create(&canceller, NULL, cancel_thread, cargs);
   pthread_t *th = calloc(o.threads, sizeof *th);
   void **args = calloc(o.threads * 2, sizeof *args);
+  if (o.vector) {
+    read_vector(&sh);
+    o.threads = 0;
+  }
   for (unsigned t = 0; t < o.threads; t++) {
     args[2 * t] = &sh;
     args[2 * t + 1] = (void *)(uintptr_t)t;

@@ -77,7 +77,8 @@ struct image_args {
 
 static int image_range(void *arg) {
   struct image_args *a = arg;
-  return plan_image_read(a->plan, a->lo, a->hi, a->dst, ld_reader_read, a->rd);
+  int rc = plan_image_read(a->plan, a->lo, a->hi, a->dst, ld_reader_read, a->rd);
+  return rc == 0 ? ld_reader_flush(a->rd) : rc;
 }
 
 static void memcpy_task(void *arg, size_t i) {
@@ -91,6 +92,7 @@ static void memcpy_task(void *arg, size_t i) {
   struct ld_reader rd = {.src = r->src, .copy = memcpy, .cancel = &r->t->cancel};
   struct image_args g = {r->t->plan, a, b, r->dst + (a - r->lo), &rd};
   int rc = fault_call(image_range, &g);
+  ld_reader_clear(&rd);
   ld_count_reads(r->t, &rd);
   if (rc != 0) {
     struct wd_error err = rd.err;

@@ -287,7 +287,8 @@ struct fill_args {
 
 static int fill_range(void *arg) {
   struct fill_args *a = arg;
-  return plan_stage_read(a->r->sched, a->r->t->plan, a->w, a->lo, a->hi, a->dst, ld_reader_read, a->rd);
+  int rc = plan_stage_read(a->r->sched, a->r->t->plan, a->w, a->lo, a->hi, a->dst, ld_reader_read, a->rd);
+  return rc == 0 ? ld_reader_flush(a->rd) : rc;
 }
 
 /* The window task i belongs to (by position), and that position's window. */
@@ -328,6 +329,7 @@ static void staged_task(void *arg, size_t i) {
     struct ld_reader rd = {.src = r->src, .copy = r->copy, .cancel = &r->t->cancel};
     struct fill_args a = {r, w, lo, hi, (unsigned char *)l->link->slots[k] + lo, &rd};
     int rc = fault_call(fill_range, &a);
+    ld_reader_clear(&rd);
     ld_count_reads(r->t, &rd);
     if (rc != 0) {
       /* The first transfer of the window that overlaps the range names the tensor. */

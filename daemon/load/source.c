@@ -97,5 +97,28 @@ int ld_reader_read(void *arg, const struct plan_read *rd) {
                        .counts = r->counts,
                        .cancel = r->cancel,
                        .checks = r->checks};
+  if (r->src->ops->readv != NULL && (rq.height == 1 || rq.pitch == rq.width)) {
+    if (r->queued == r->cap) {
+      size_t cap = r->cap ? r->cap * 2 : 64;
+      struct ld_read *q = realloc(r->queue, cap * sizeof *q);
+      if (q == NULL) return err_set(&r->err, WEIGHTD_E_NOMEM, "out of memory for a fill task's reads");
+      r->queue = q;
+      r->cap = cap;
+    }
+    r->queue[r->queued++] = rq;
+    return 0;
+  }
   return ld_source_read(r->src, &rq, &r->err);
+}
+
+int ld_reader_flush(struct ld_reader *r) {
+  size_t n = r->queued;
+  r->queued = 0;
+  return n > 0 ? r->src->ops->readv(r->src->ctx, r->queue, n, &r->err) : 0;
+}
+
+void ld_reader_clear(struct ld_reader *r) {
+  free(r->queue);
+  r->queue = NULL;
+  r->queued = r->cap = 0;
 }

@@ -116,6 +116,14 @@ struct ld_source_ops {
   /* Reads rq (see struct ld_read): 0, or an error naming the shard and offset (FAULT for a truncated file). */
   int (*read)(void *ctx, const struct ld_read *rq, struct wd_error *err);
   /*
+   * Reads rq[0..n), each contiguous (height 1, or pitch == width), in any
+   * order and as one would read each, so that a source whose every request
+   * costs a round trip can join reads that touch in the file (remote). 0, or
+   * the first error (the other reads' bytes are then not promised). NULL:
+   * reads are made one by one (struct ld_reader does that).
+   */
+  int (*readv)(void *ctx, const struct ld_read *rq, size_t n, struct wd_error *err);
+  /*
    * Bytes from file offset off of shard `shard` this source holds, at most
    * len (0: it holds none at off). NULL: it holds every byte of every shard.
    */
@@ -171,7 +179,11 @@ void ld_source_close(struct ld_source *s);
  * A reader of plan bytes through a source (a plan_read_fn for plan.h's
  * plan_image_read and plan_stage.h's plan_stage_read): each plan read
  * becomes one ld_source_read, with the file offset its shard's header adds.
- * One per fill task: counts are its own, added to the load's totals once.
+ * Where the source has readv, contiguous reads are queued instead and made
+ * together by ld_reader_flush, which the task calls once its walk is done:
+ * a fill task's reads then reach the source as one batch. One reader per
+ * fill task: counts are its own, added to the load's totals once;
+ * ld_reader_clear frees its queue.
  */
 struct ld_reader {
   const struct ld_source *src;
@@ -180,8 +192,14 @@ struct ld_reader {
   uint64_t checks[2];        /* manifest chunks checked as they were read, and mismatches (struct ld_read) */
   uint64_t counts[LD_SOURCE_KINDS];
   struct wd_error err; /* the first read's error */
+  struct ld_read *queue; /* reads waiting for ld_reader_flush (malloc'd, cap of them) */
+  size_t queued, cap;
 };
 int ld_reader_read(void *arg, const struct plan_read *rd);
+/* Makes the queued reads (readv): 0 or the first error (in r->err). The queue is empty after. */
+int ld_reader_flush(struct ld_reader *r);
+/* Frees the queue (reads still in it are dropped: a walk that failed). */
+void ld_reader_clear(struct ld_reader *r);
 
 /* Where piece pc's source starts in its shard file. */
 uint64_t ld_piece_file_off(const struct ckpt *ck, const struct plan_piece *pc);

@@ -217,6 +217,7 @@ static void direct_destroy(void *ctx) {
 static const struct ld_source_ops direct_ops = {
     .kind = LD_SOURCE_DIRECT,
     .read = direct_read,
+    .readv = NULL, /* fill tasks are read_min long already: one by one */
     .holds = NULL,    /* every byte: the files are local */
     .map = NULL,      /* reads only */
     .prefetch = NULL, /* nothing is kept warm: that is the point */

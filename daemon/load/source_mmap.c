@@ -109,6 +109,7 @@ static void mmap_destroy(void *ctx) {
 static const struct ld_source_ops mmap_ops = {
     .kind = LD_SOURCE_MMAP,
     .read = mmap_read,
+    .readv = NULL, /* a copy out of the page cache costs no round trip: one by one */
     .holds = NULL, /* every byte: the files are local */
     .map = mmap_map,
     .prefetch = mmap_prefetch,
@@ -184,6 +185,7 @@ static int pagecache_read(void *ctx, const struct ld_read *rq, struct wd_error *
 static const struct ld_source_ops pagecache_ops = {
     .kind = LD_SOURCE_PAGECACHE,
     .read = pagecache_read,
+    .readv = NULL, /* as mmap */
     .holds = pagecache_holds,
     .map = NULL,      /* a view for reads only: the mmap source maps */
     .prefetch = NULL, /* it holds what is warm; warming is the mmap source's */

@@ -4,7 +4,13 @@
  *
  * A contiguous read is one rck_read into dst: the engine splits it into
  * parts with several requests in flight and writes each body where it
- * belongs. A strided read (a column slice) is fetched as whole rows, as the
+ * belongs. A fill task's contiguous reads come as one batch (readv): sorted
+ * by shard and offset, each shard's become one vectored read (rck_readv),
+ * which fetches reads that touch in the file as one run of parts
+ * (remote/fetch.h's merge rule; no byte outside the reads). The engine
+ * faults each part's destination pages in on the calling fill thread before
+ * it sends the part's request, so its own thread only copies bodies. A
+ * strided read (a column slice) is fetched as whole rows, as the
  * staging path reads files: runs of rows spanning at most REMOTE_BOUNCE
  * bytes go into a bounce buffer and the rows are copied out, so a TP rank
  * of N fetches its column-sliced tensors whole (N times their share of the
@@ -143,6 +149,61 @@ static int remote_read(void *ctx, const struct ld_read *rq, struct wd_error *err
   return rc;
 }
 
+/* Orders a batch's extents by shard, then file offset (qsort over struct batch_ext). */
+struct batch_ext {
+  uint32_t shard;
+  struct rf_extent e;
+};
+
+static int batch_cmp(const void *pa, const void *pb) {
+  const struct batch_ext *a = pa, *b = pb;
+  if (a->shard != b->shard) return a->shard < b->shard ? -1 : 1;
+  return a->e.off < b->e.off ? -1 : a->e.off > b->e.off;
+}
+
+/*
+ * A fill task's contiguous reads at once: sorted by shard and offset, each
+ * shard's reads handed to the engine as one vectored read, which fetches
+ * reads that touch in the file as one run (fetch.h's merge rule: parts of
+ * part_bytes, no byte outside the reads). With a manifest each read is
+ * checked on its own (read_checked fetches whole chunks already).
+ */
+static int remote_readv(void *ctx, const struct ld_read *rq, size_t n, struct wd_error *err) {
+  const struct rck *r = ctx;
+  int rc = 0;
+  if (r->ck->manifest != NULL) {
+    for (size_t i = 0; i < n && rc == 0; i++) rc = remote_read(ctx, &rq[i], err);
+    return rc;
+  }
+  struct batch_ext *b = malloc((n ? n : 1) * sizeof *b);
+  struct rf_extent *ext = malloc((n ? n : 1) * sizeof *ext);
+  if (b == NULL || ext == NULL) {
+    free(b);
+    free(ext);
+    return err_set(err, WEIGHTD_E_NOMEM, "out of memory for %zu reads", n);
+  }
+  size_t k = 0;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    uint64_t len = rq[i].width * rq[i].height;
+    if (len == 0) continue;
+    if ((rc = ld_read_check(r->ck, &rq[i], err)) != 0) break;
+    b[k++] = (struct batch_ext){.shard = rq[i].shard, .e = {.off = rq[i].off, .len = len, .dst = rq[i].dst}};
+    bytes += len;
+  }
+  if (rc == 0) qsort(b, k, sizeof *b, batch_cmp);
+  for (size_t i = 0; i < k && rc == 0;) { /* shard by shard; a batch's reads share one reader's cancel and counts */
+    uint32_t shard = b[i].shard;
+    size_t m = 0;
+    for (; i < k && b[i].shard == shard; i++) ext[m++] = b[i].e;
+    rc = rck_readv(r, shard, ext, m, rq[0].cancel, err);
+  }
+  free(ext);
+  free(b);
+  if (rc == 0 && n > 0 && rq[0].counts != NULL) rq[0].counts[LD_SOURCE_REMOTE] += bytes;
+  return rc;
+}
+
 static int remote_unchanged(void *ctx, struct wd_error *err) { return rck_unchanged(ctx, err); }
 
 static void remote_destroy(void *ctx) {
@@ -155,6 +216,7 @@ static void remote_destroy(void *ctx) {
 static const struct ld_source_ops remote_ops = {
     .kind = LD_SOURCE_REMOTE,
     .read = remote_read,
+    .readv = remote_readv,
     .holds = NULL,    /* every byte of every shard, one request away */
     .map = NULL,      /* nothing local to map: no direct DMA, no pinned tier */
     .prefetch = NULL, /* nothing kept warm (a node cache would) */

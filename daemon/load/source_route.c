@@ -157,6 +157,7 @@ static void route_destroy(void *ctx) {
 static const struct ld_source_ops route_ops = {
     .kind = LD_SOURCE_ROUTE,
     .read = route_read,
+    .readv = NULL, /* each read may go to another member: one by one */
     .holds = route_holds,
     .map = NULL,      /* bytes may come from anywhere: nothing to map as one */
     .prefetch = NULL, /* each member warms what it keeps */

@@ -1,7 +1,9 @@
 /*
- * fetch.c - the remote client's calls (see fetch.h): rf_stat and rf_read,
- * each a run of requests on the caller's thread, with retries, redirects
- * and the verdicts on every response.
+ * fetch.c - the remote client's calls (see fetch.h): rf_stat, rf_read and
+ * rf_readv, each a run of requests on the caller's thread, with retries,
+ * redirects and the verdicts on every response. The client itself (its
+ * configuration, the multi handle, counters) and the pure pieces are
+ * fetch_client.c; the engine's thread is fetch_loop.c.
  *
  * DESIGN: a call is a `struct run` with one or more slots; a slot is a chain
  * of tries for one thing (rf_stat's object, or one part of rf_read's range)
@@ -11,7 +13,10 @@
  * transfer comes back it judges it here: done, try again later (backoff),
  * follow a redirect, or fail. A failure or a cancel aborts the call's other
  * transfers, and the call returns only when the loop has handed all of them
- * back, so nothing writes into the caller's buffer after it returns.
+ * back, so nothing writes into the caller's buffer after it returns. A
+ * read's slots take its parts in turn (read_next_part: fetch.h's merge
+ * rule), so a call keeps up to max_connections parts in flight however its
+ * extents are cut.
  */
 #include "fetch.h"
 
@@ -22,164 +27,13 @@
 #include <strings.h>
 #include <time.h>
 
+#include "base/prefault.h"
 #include "clock.h"
 #include "fetch_internal.h"
 
 #define WAIT_SLICE_MS 20 /* how often a waiting call looks at its cancel flag */
 
-/* ---- pure pieces ------------------------------------------------------------ */
-
-uint64_t rf_backoff_ms(unsigned base_ms, unsigned max_ms, unsigned attempt, uint64_t rnd) {
-  uint64_t cap = base_ms;
-  for (unsigned i = 1; i < attempt && cap < max_ms; i++) cap *= 2;
-  if (cap > max_ms) cap = max_ms;
-  return rnd % (cap + 1);
-}
-
-enum rf_retry_verdict rf_retry_decide(const struct rf_config *c, unsigned attempt, uint64_t elapsed_ms,
-                                      uint64_t retry_after_ms, uint64_t rnd, uint64_t *delay_ms) {
-  *delay_ms = 0;
-  if (attempt > c->retries) return RF_GIVE_UP_COUNT;
-  uint64_t d = rf_backoff_ms(c->backoff_base_ms, c->backoff_max_ms, attempt, rnd);
-  if (retry_after_ms > d) d = retry_after_ms;
-  if (elapsed_ms + d > c->retry_budget_ms) return RF_GIVE_UP_BUDGET;
-  *delay_ms = d;
-  return RF_RETRY;
-}
-
-static int parse_u64(const char **p, uint64_t *out) {
-  const char *s = *p;
-  if (*s < '0' || *s > '9') return -1;
-  uint64_t v = 0;
-  for (; *s >= '0' && *s <= '9'; s++) {
-    uint64_t d = (uint64_t)(*s - '0');
-    if (v > UINT64_MAX / 10 || (v == UINT64_MAX / 10 && d > UINT64_MAX % 10)) return -1;
-    v = v * 10 + d;
-  }
-  *out = v;
-  *p = s;
-  return 0;
-}
-
-int rf_content_range_parse(const char *v, uint64_t *first, uint64_t *last, uint64_t *total) {
-  if (strncmp(v, "bytes ", 6) != 0) return -1;
-  const char *p = v + 6;
-  if (*p == '*') {
-    *first = *last = UINT64_MAX;
-    p++;
-  } else {
-    if (parse_u64(&p, first) != 0 || *p++ != '-' || parse_u64(&p, last) != 0 || *last < *first) return -1;
-  }
-  if (*p++ != '/') return -1;
-  if (*p == '*' && p[1] == '\0') {
-    if (*first == UINT64_MAX) return -1; /* a star for both the range and the total says nothing */
-    *total = UINT64_MAX;
-    return 0;
-  }
-  if (parse_u64(&p, total) != 0 || *p != '\0') return -1;
-  if (*first != UINT64_MAX && *last >= *total) return -1;
-  return 0;
-}
-
-void rf_s3_error_code(const char *body, size_t len, char *code, size_t codelen) {
-  code[0] = '\0';
-  const char *open = memmem(body, len, "<Code>", 6);
-  if (open == NULL) return;
-  const char *s = open + 6;
-  const char *close = memmem(s, len - (size_t)(s - body), "</Code>", 7);
-  if (close == NULL) return;
-  size_t o = 0;
-  for (; s < close && o + 1 < codelen; s++)
-    if (*s > ' ' && *s < 127) code[o++] = *s;
-  code[o] = '\0';
-}
-
-/* ---- configuration, client ------------------------------------------------- */
-
-void rf_config_defaults(struct rf_config *c) {
-  *c = (struct rf_config){
-      .max_connections = 16,
-      .part_bytes = 8u << 20,
-      .retries = 5,
-      .retry_budget_ms = 30000,
-      .backoff_base_ms = 100,
-      .backoff_max_ms = 5000,
-      .stall_ms = 10000,
-      .connect_timeout_ms = 5000,
-  };
-}
-
-static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
-static CURLcode curl_init_rc;
-
-static void curl_init_once(void) { curl_init_rc = curl_global_init(CURL_GLOBAL_DEFAULT); }
-
-static int config_check(const struct rf_config *c, struct wd_error *err) {
-  if (c->max_connections < 1 || c->max_connections > 1024)
-    return err_set(err, WEIGHTD_E_INVALID, "remote client: max_connections %u is not in 1..1024", c->max_connections);
-  if (c->part_bytes < 4096)
-    return err_set(err, WEIGHTD_E_INVALID, "remote client: part_bytes %llu is below 4096",
-                   (unsigned long long)c->part_bytes);
-  if (c->backoff_max_ms < c->backoff_base_ms)
-    return err_set(err, WEIGHTD_E_INVALID, "remote client: backoff_max_ms %u is below backoff_base_ms %u",
-                   c->backoff_max_ms, c->backoff_base_ms);
-  return 0;
-}
-
-int rf_client_create(const struct rf_config *cfg, struct rf_client **out, struct wd_error *err) {
-  *out = NULL;
-  int rc = config_check(cfg, err);
-  if (rc != 0) return rc;
-  pthread_once(&curl_once, curl_init_once);
-  if (curl_init_rc != CURLE_OK)
-    return err_set(err, WEIGHTD_E_IO, "remote client: libcurl: %s", curl_easy_strerror(curl_init_rc));
-  struct rf_client *c = calloc(1, sizeof *c);
-  if (c == NULL) return err_set(err, WEIGHTD_E_NOMEM, "remote client: out of memory");
-  c->cfg = *cfg;
-  c->cfg.ca_file = NULL;
-  pthread_mutex_init(&c->lock, NULL);
-  atomic_init(&c->rng, clock_ns() ^ (uint64_t)(uintptr_t)c);
-  if (cfg->ca_file && (c->ca_file = strdup(cfg->ca_file)) == NULL) {
-    rc = err_set(err, WEIGHTD_E_NOMEM, "remote client: out of memory");
-    goto fail;
-  }
-  c->multi = curl_multi_init();
-  if (c->multi == NULL) {
-    rc = err_set(err, WEIGHTD_E_IO, "remote client: curl_multi_init failed");
-    goto fail;
-  }
-  curl_multi_setopt(c->multi, CURLMOPT_PIPELINING, (long)CURLPIPE_MULTIPLEX);
-  curl_multi_setopt(c->multi, CURLMOPT_MAX_HOST_CONNECTIONS, (long)cfg->max_connections);
-  curl_multi_setopt(c->multi, CURLMOPT_MAX_TOTAL_CONNECTIONS, (long)cfg->max_connections);
-  curl_multi_setopt(c->multi, CURLMOPT_MAXCONNECTS, (long)cfg->max_connections); /* idle ones kept */
-  rc = loop_start(c, err);
-  if (rc != 0) goto fail;
-  *out = c;
-  return 0;
-fail:
-  rf_client_free(c);
-  return rc;
-}
-
-void rf_client_free(struct rf_client *c) {
-  if (c == NULL) return;
-  loop_stop(c);
-  if (c->multi) curl_multi_cleanup(c->multi);
-  pthread_mutex_destroy(&c->lock);
-  free(c->ca_file);
-  free(c);
-}
-
-void rf_client_stats(struct rf_client *c, struct rf_stats *out) {
-  for (int i = 0; i < 6; i++) out->requests[i] = atomic_load(&c->stats.requests[i]);
-  out->bytes = atomic_load(&c->stats.bytes);
-  out->retries = atomic_load(&c->stats.retries);
-  out->stalls = atomic_load(&c->stats.stalls);
-  out->redirects = atomic_load(&c->stats.redirects);
-  out->connects = atomic_load(&c->stats.connects);
-  out->http2 = atomic_load(&c->stats.http2);
-  out->in_flight = atomic_load(&c->stats.in_flight);
-}
+/* ---- a call's random numbers ------------------------------------------------------------ */
 
 static uint64_t next_random(struct rf_client *c) {
   if (c->cfg.random) return c->cfg.random(c->cfg.random_arg);
@@ -272,6 +126,7 @@ struct slot {
   unsigned hops;
   bool head;      /* rf_stat: the HEAD try (false: the GET of byte 0) */
   uint64_t part_off, part_len, part_done;
+  size_t part_ext; /* the extent that holds part_off */
 };
 
 struct run {
@@ -286,10 +141,11 @@ struct run {
   uint64_t start_ms;
   int rc;
   struct wd_error *err;
-  /* rf_read */
+  /* rf_read, rf_readv: the extents, and where the next part starts (in ext[next_ext], at next_off) */
   const struct rf_object *o;
-  unsigned char *dst;
-  uint64_t off, next_off, end_off;
+  const struct rf_extent *ext;
+  size_t next, next_ext;
+  uint64_t next_off;
   /* rf_stat */
   struct rf_object *out;
 };
@@ -400,6 +256,21 @@ nomem:
   return WEIGHTD_E_NOMEM;
 }
 
+/*
+ * Faults in the pages the transfer's body will be written to, here on the
+ * caller's thread, so that the loop thread's write callback only copies (an
+ * error leaves them to fault as they are written: prefault.h).
+ */
+static void part_prefault(const struct xfer *x) {
+  uint64_t at = x->want_off, end = x->want_off + x->want_len;
+  for (size_t i = x->ei; at < end; i++) {
+    const struct rf_extent *e = &x->ext[i];
+    uint64_t stop = e->off + e->len < end ? e->off + e->len : end;
+    (void)prefault_write(e->dst + (at - e->off), (size_t)(stop - at));
+    at = stop;
+  }
+}
+
 /* Prepares and submits a slot's next try. */
 static void slot_start(struct run *r, struct slot *s) {
   struct xfer *x = &s->x;
@@ -415,7 +286,10 @@ static void slot_start(struct run *r, struct slot *s) {
     x->want_off = s->part_off + s->part_done;
     x->want_len = s->part_len - s->part_done;
     x->object_size = r->o->size;
-    x->dst = r->dst + (x->want_off - r->off);
+    x->ext = r->ext;
+    x->ei = s->part_ext;
+    while (r->ext[x->ei].off + r->ext[x->ei].len <= x->want_off) x->ei++;
+    part_prefault(x);
   } else { /* rf_stat */
     x->head = s->head;
     x->ranged = !s->head;
@@ -423,7 +297,7 @@ static void slot_start(struct run *r, struct slot *s) {
     x->want_off = 0;
     x->want_len = 1;
     x->object_size = UINT64_MAX;
-    x->dst = NULL;
+    x->ext = NULL;
     if (s->head) method = "HEAD";
   }
   int rc = slot_headers(r, s, method, x->want_off, x->want_off + x->want_len - 1);
@@ -695,18 +569,37 @@ static void run_drive(struct run *r) {
   }
 }
 
-/* ---- rf_read ------------------------------------------------------------- */
+/* ---- rf_read, rf_readv ------------------------------------------------------ */
 
+/*
+ * Cuts the next part (fetch.h's merge rule): from next_off on through the
+ * extents that touch, until part_bytes or the end of the run.
+ */
 static bool read_next_part(struct run *r, struct slot *s) {
-  if (r->rc != 0 || r->next_off >= r->end_off) return false;
-  uint64_t len = r->end_off - r->next_off;
-  if (len > r->c->cfg.part_bytes) len = r->c->cfg.part_bytes;
-  s->part_off = r->next_off;
-  s->part_len = len;
+  if (r->rc != 0 || r->next_ext >= r->next) return false;
+  const struct rf_extent *e = r->ext;
+  size_t first = r->next_ext, i = first;
+  uint64_t off = r->next_off, cap = off + r->c->cfg.part_bytes, end;
+  for (;;) {
+    uint64_t e_end = e[i].off + e[i].len;
+    if (e_end > cap) { /* the part ends inside extent i; the next one starts there */
+      end = r->next_off = cap;
+      break;
+    }
+    end = e_end;
+    i++;
+    if (i == r->next || e[i].off != e_end || e_end == cap) {
+      if (i < r->next) r->next_off = e[i].off;
+      break;
+    }
+  }
+  r->next_ext = i;
+  s->part_off = off;
+  s->part_len = end - off;
   s->part_done = 0;
+  s->part_ext = first;
   s->tries = 0;
   s->hops = 0;
-  r->next_off += len;
   if (target_set(&s->t, &r->o->ep, r->o->path, r->o->query) != 0) {
     run_fail(r, WEIGHTD_E_NOMEM, "%s: out of memory", r->name);
     return false;
@@ -731,16 +624,30 @@ static void read_done(struct run *r, struct slot *s, enum verdict v, const char 
   }
 }
 
-int rf_read(struct rf_client *c, const struct rf_auth *a, const struct rf_object *o, uint64_t off, uint64_t len,
-            void *dst, const atomic_bool *cancel, struct wd_error *err) {
-  if (len == 0) return 0;
-  if (off > o->size || len > o->size - off)
-    return err_set(err, WEIGHTD_E_INVALID, "%s: bytes %llu-%llu are beyond its %llu bytes", o->name,
-                   (unsigned long long)off, (unsigned long long)(off + len - 1), (unsigned long long)o->size);
-  uint64_t parts = (len + c->cfg.part_bytes - 1) / c->cfg.part_bytes;
+int rf_readv(struct rf_client *c, const struct rf_auth *a, const struct rf_object *o, const struct rf_extent *ext,
+             size_t n, const atomic_bool *cancel, struct wd_error *err) {
+  if (n == 0) return 0;
+  uint64_t parts = 0, run_start = 0, run_end = 0, part = c->cfg.part_bytes;
+  for (size_t i = 0; i < n; i++) {
+    const struct rf_extent *e = &ext[i];
+    if (e->len == 0 || e->off > o->size || e->len > o->size - e->off)
+      return err_set(err, WEIGHTD_E_INVALID, "%s: bytes %llu+%llu are empty or beyond its %llu bytes", o->name,
+                     (unsigned long long)e->off, (unsigned long long)e->len, (unsigned long long)o->size);
+    if (i > 0 && e->off < ext[i - 1].off)
+      return err_set(err, WEIGHTD_E_INVALID, "%s: extent %zu (byte %llu) comes before the one ahead of it", o->name,
+                     i, (unsigned long long)e->off);
+    if (i > 0 && e->off == run_end) {
+      run_end += e->len;
+      continue;
+    }
+    parts += (run_end - run_start + part - 1) / part;
+    run_start = e->off;
+    run_end = e->off + e->len;
+  }
+  parts += (run_end - run_start + part - 1) / part;
   unsigned nslots = parts < c->cfg.max_connections ? (unsigned)parts : c->cfg.max_connections;
   struct run r = {.c = c, .a = a, .auth_ep = o->redirected ? NULL : &o->ep, .name = o->name, .cancel = cancel,
-                  .err = err, .o = o, .dst = dst, .off = off, .next_off = off, .end_off = off + len};
+                  .err = err, .o = o, .ext = ext, .next = n, .next_ext = 0, .next_off = ext[0].off};
   if (run_init(&r, nslots) != 0) {
     run_destroy(&r);
     return err_set(err, WEIGHTD_E_NOMEM, "%s: out of memory", o->name);
@@ -749,6 +656,16 @@ int rf_read(struct rf_client *c, const struct rf_auth *a, const struct rf_object
   run_drive(&r);
   run_destroy(&r);
   return r.rc;
+}
+
+int rf_read(struct rf_client *c, const struct rf_auth *a, const struct rf_object *o, uint64_t off, uint64_t len,
+            void *dst, const atomic_bool *cancel, struct wd_error *err) {
+  if (len == 0) return 0;
+  if (off > o->size || len > o->size - off)
+    return err_set(err, WEIGHTD_E_INVALID, "%s: bytes %llu-%llu are beyond its %llu bytes", o->name,
+                   (unsigned long long)off, (unsigned long long)(off + len - 1), (unsigned long long)o->size);
+  struct rf_extent e = {.off = off, .len = len, .dst = dst};
+  return rf_readv(c, a, o, &e, 1, cancel, err);
 }
 
 /* ---- rf_stat ------------------------------------------------------------- */

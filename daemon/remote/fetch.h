@@ -46,7 +46,9 @@
  * Threads: every function but rf_client_create/rf_client_free may be called
  * from any thread at once; the auth hook runs on the caller's thread (so a
  * credential refresh never blocks the engine's thread), the body is written
- * from the engine's thread.
+ * from the engine's thread, into pages the caller's thread faulted in before
+ * the part's request went out (base/prefault.h; where the kernel refuses,
+ * they fault as they are written).
  */
 #ifndef WD_REMOTE_FETCH_H
 #define WD_REMOTE_FETCH_H
@@ -182,6 +184,30 @@ int rf_stat(struct rf_client *c, const struct rf_auth *a, const struct rf_locati
  */
 int rf_read(struct rf_client *c, const struct rf_auth *a, const struct rf_object *o, uint64_t off, uint64_t len,
             void *dst, const atomic_bool *cancel, struct wd_error *err);
+
+/* One piece of a vectored read (rf_readv): bytes [off, off + len) of the object, written at dst. */
+struct rf_extent {
+  uint64_t off, len;
+  unsigned char *dst;
+};
+
+/*
+ * Reads n extents of one object, each into its dst: every byte of every
+ * extent, or an error, as rf_read reads one range. The merge rule: extents
+ * that touch (one starts where the one before it ends) form one run of the
+ * object, and a run is fetched as parts of at most part_bytes from its
+ * start, each part one ranged GET whose body is scattered into the extents
+ * it covers; extents that do not touch are never joined, so no byte outside
+ * the extents is fetched (no gap is bridged). A run of L bytes therefore
+ * costs ceil(L / part_bytes) requests. Each part carries If-Match and is
+ * checked and retried on its own, for what it has not delivered yet; at
+ * most max_connections parts of one call are in flight. The extents come in
+ * ascending order of off, each at least one byte and within the object
+ * (INVALID otherwise, naming the object); an extent that overlaps the one
+ * before it starts a run of its own. Returns as rf_read does.
+ */
+int rf_readv(struct rf_client *c, const struct rf_auth *a, const struct rf_object *o, const struct rf_extent *ext,
+             size_t n, const atomic_bool *cancel, struct wd_error *err);
 
 /* Frees an object's strings and zeroes it (NULL-safe). */
 void rf_object_clear(struct rf_object *o);

@@ -1,6 +1,7 @@
 /*
- * fetch_internal.h - what fetch.c (the calls: requests, retries, verdicts)
- * and fetch_loop.c (the engine's thread) share.
+ * fetch_internal.h - what fetch.c (the calls: requests, retries, verdicts),
+ * fetch_client.c (the client: configuration, multi handle, counters) and
+ * fetch_loop.c (the engine's thread) share.
  *
  * A transfer (struct xfer) belongs to its caller while the caller prepares
  * it and after it completes, and to the loop thread from xfer_submit until
@@ -55,7 +56,8 @@ struct xfer {
   uint64_t want_len;
   uint64_t object_size;    /* the size a Content-Range total must equal; UINT64_MAX: not known yet */
   bool discard_body;       /* rf_stat's GET: the headers are all it wants */
-  unsigned char *dst;      /* where a wanted body goes (want_len bytes) */
+  const struct rf_extent *ext; /* where a wanted body goes: the extents from ext[ei] on, touching (NULL: none) */
+  size_t ei;               /* the extent that holds byte want_off + written */
   uint64_t stall_ms;
 
   /* The response (written by the loop thread's callbacks; read by the caller after completion). */

@@ -11,8 +11,8 @@
  * aborted calls (a cancel, or another part's failure) and those that
  * delivered no byte for stall_ms, so a call waits at most one pass for
  * either. Bodies are written by the callbacks below, on this thread,
- * straight into the caller's buffer at the transfer's offset and never past
- * the bytes it asked for. Counters are atomics any thread may read.
+ * straight into the caller's extents (one or several that touch) and never
+ * past the bytes it asked for. Counters are atomics any thread may read.
  */
 #include "fetch_internal.h"
 
@@ -107,7 +107,7 @@ static void response_reset(struct xfer *x, const char *line, size_t n) {
 /* What to do with the body of the response whose headers just ended. */
 static enum body_use judge_body(const struct xfer *x) {
   if (x->status < 200 || x->status >= 300) return BODY_KEEP;
-  if (x->discard_body || x->dst == NULL) return BODY_DISCARD;
+  if (x->discard_body || x->ext == NULL) return BODY_DISCARD;
   if (x->status == 206) {
     uint64_t first, last, total;
     if (rf_content_range_parse(x->content_range, &first, &last, &total) != 0 || first == UINT64_MAX)
@@ -174,8 +174,15 @@ static size_t on_body(char *p, size_t size, size_t count, void *arg) {
       x->overflow = true;
       return 0;
     }
-    memcpy(x->dst + x->written, p, n);
-    x->written += n;
+    for (size_t done = 0; done < n;) { /* scattered: the part's extents touch, so the body runs on into the next */
+      const struct rf_extent *e = &x->ext[x->ei];
+      uint64_t at = x->want_off + x->written, room = e->off + e->len - at;
+      size_t m = n - done < room ? n - done : (size_t)room;
+      memcpy(e->dst + (at - e->off), p + done, m);
+      done += m;
+      x->written += m;
+      if (m == room) x->ei++;
+    }
     atomic_fetch_add(&x->client->stats.bytes, n);
     return n;
   case BODY_KEEP:

@@ -267,6 +267,13 @@ int rck_read(const struct rck *r, uint32_t shard, uint64_t off, uint64_t len, vo
   return rf_read(r->t->client, &r->auth, &r->objs[shard], off, len, dst, cancel != NULL ? cancel : r->t->cancel, err);
 }
 
+int rck_readv(const struct rck *r, uint32_t shard, const struct rf_extent *ext, size_t n, const atomic_bool *cancel,
+              struct wd_error *err) {
+  if (shard >= r->nobjs || r->objs[shard].path == NULL)
+    return err_set(err, WEIGHTD_E_INTERNAL, "%s: shard %u was not opened", r->name, (unsigned)shard);
+  return rf_readv(r->t->client, &r->auth, &r->objs[shard], ext, n, cancel != NULL ? cancel : r->t->cancel, err);
+}
+
 int rck_unchanged(const struct rck *r, struct wd_error *err) {
   for (size_t i = 0; r->ck != NULL && i < r->ck->nshards; i++) {
     struct rf_object now = {0};

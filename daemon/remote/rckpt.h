@@ -23,9 +23,9 @@
  * a Last-Modified is refused (UNSUPPORTED): nothing could tell its versions
  * apart.
  *
- * Threads: rck_open and rck_close on one thread; rck_read and rck_unchanged
- * from any number of threads at once (the client is shared, the objects
- * read-only).
+ * Threads: rck_open and rck_close on one thread; rck_read, rck_readv and
+ * rck_unchanged from any number of threads at once (the client is shared,
+ * the objects read-only).
  */
 #ifndef WD_REMOTE_RCKPT_H
 #define WD_REMOTE_RCKPT_H
@@ -86,6 +86,10 @@ int rck_open(const struct rck_target *t, const char *url_text, struct rck **out,
 /* Reads bytes [off, off + len) of shard `shard` into dst (rf_read: STALE when the object changed). */
 int rck_read(const struct rck *r, uint32_t shard, uint64_t off, uint64_t len, void *dst, const atomic_bool *cancel,
              struct wd_error *err);
+
+/* Reads extents ext[0..n) of shard `shard` (rf_readv: ascending, adjacent ones fetched as one run). */
+int rck_readv(const struct rck *r, uint32_t shard, const struct rf_extent *ext, size_t n, const atomic_bool *cancel,
+              struct wd_error *err);
 
 /* 0 when every shard is still the object opened (size and ETag, or Last-Modified), else STALE naming it. */
 int rck_unchanged(const struct rck *r, struct wd_error *err);

@@ -122,6 +122,51 @@ def test_random_ranges_from_16_threads_match_the_upload(s3, tmp_path):
     assert 1 <= r["stats"]["connects"] <= 6, r["stats"]
 
 
+def merged_requests(ranges, part):
+    """The merge rule of rf_readv (fetch.h), written from its contract: ranges (ascending) that touch form a
+    run, each run is cut into parts of `part` bytes from its start; the (first, last) of every request."""
+    runs = []
+    for off, n in ranges:
+        if runs and runs[-1][1] == off:
+            runs[-1][1] = off + n
+        else:
+            runs.append([off, off + n])
+    return [(a + k, min(b, a + k + part) - 1) for a, b in runs for k in range(0, b - a, part)]
+
+
+def test_vectored_read_merges_touching_ranges_and_nothing_else(s3, tmp_path):
+    part = 64 * 1024
+    ranges = [(0, 1000), (1000, 70000), (71000, 5),         # touch: one run of 71,005 bytes, two parts
+              (80000, 10), (80005, 100), (80105, 2 * part),  # the second overlaps the first: a run of its own
+              (300000, 7), (300008, 9),                      # a one-byte gap: never bridged
+              (SIZE - 3, 3)]
+    want = merged_requests(ranges, part)
+    assert len(want) == 9, want  # 2 + 1 + 3 + 1 + 1 + 1
+    with proxy_for(s3) as p:
+        out = str(tmp_path / "out.bin")
+        r = fetch("read", p.url + f"/{BUCKET}/{KEY}", "--vector", "--part-bytes", str(part), out=out, ranges=ranges,
+                  tmp=tmp_path)
+        assert r["rc"] == "OK", r
+        assert read_out(out) == expected(s3.data, ranges)
+        assert sorted(ranges_asked(p)) == sorted(want)
+        assert r["stats"]["bytes"] == sum(b - a + 1 for a, b in want)  # no byte outside the ranges
+        assert all(e["headers"].get("if-match") == s3.etag for e in p.log() if e["method"] == "GET")
+
+
+def test_vectored_read_cut_mid_part_resumes_in_the_next_range(s3, tmp_path):
+    """A part that spans several ranges, cut after 1,500 bytes (inside its second range), is asked again from
+    there, and the rest of its body still lands in the right ranges."""
+    ranges = [(4096, 1000), (5096, 3000), (8096, 20000)]  # one run, one part
+    with proxy_for(s3, [Rule("drop", method="GET", after_bytes=1500, times=1)]) as p:
+        out = str(tmp_path / "out.bin")
+        r = fetch("read", p.url + f"/{BUCKET}/{KEY}", "--vector", *FAST, out=out, ranges=ranges, tmp=tmp_path)
+        assert r["rc"] == "OK", r
+        assert read_out(out) == expected(s3.data, ranges)
+        assert r["stats"]["retries"] == 1
+        assert ranges_asked(p, rule="drop") == [(4096, 28095)]
+        assert ranges_asked(p, rule=None) == [(4096 + 1500, 28095)]
+
+
 def test_http2_over_tls_with_the_test_certificate(s3, tmp_path):
     rng = random.Random(8)
     ranges = [(0, SIZE)] + [(o, rng.randint(1, 100000)) for o in (rng.randrange(SIZE - 100000) for _ in range(60))]

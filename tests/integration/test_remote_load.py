@@ -21,12 +21,13 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from wdclient import Checkpoint, WDError, map_readonly, verify_attached
+from wdclient import Checkpoint, WDError, map_readonly, verify_attached, write_safetensors
 from wdfixtures import REPO, SLOW, WEIGHTCTL, WEIGHTD
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_early_attach import qwen3_tp  # noqa: E402,F401  (a fixture: a Qwen3-shaped checkpoint, ~38 MiB)
 from test_remote_ckpt import SIGNED, upload, write_checkpoint  # noqa: E402
+from test_fetch import merged_requests  # noqa: E402  (fetch.h's merge rule, written from its contract)
 
 sys.path.insert(0, os.path.join(REPO, "tests", "remote"))
 import s3server  # noqa: E402
@@ -187,6 +188,87 @@ def test_object_replaced_after_open_is_stale_then_reopened(start_daemon, store, 
         finally:
             os.close(fd)
     assert "changed since it was opened" in wd.log_text() or "reopening" in wd.log_text(), wd.log_tail(40)
+
+
+@pytest.fixture
+def qwen3_moe(model_root):
+    """A one-layer Qwen3-MoE-shaped checkpoint (~62 MiB): 8 experts of 6 MiB, the router and attention before
+    them in the file and a norm after, so that an EP=2 rank's tensors touch in the file: rank 0 reads the
+    attention, the router and experts 0-3 as one run, then the tail norms and heads."""
+    d = os.path.join(model_root, "remote-qwen3-moe")
+    if os.path.exists(os.path.join(d, "config.json")):
+        return d
+    os.makedirs(d)
+    H, I, V, NH, KV, HD, E = 1024, 1024, 2048, 8, 4, 128, 8
+    p = "model.layers.0."
+    tensors = [("model.embed_tokens.weight", "BF16", [V, H]), (p + "input_layernorm.weight", "BF16", [H]),
+               (p + "self_attn.q_proj.weight", "BF16", [NH * HD, H]), (p + "self_attn.k_proj.weight", "BF16", [KV * HD, H]),
+               (p + "self_attn.v_proj.weight", "BF16", [KV * HD, H]), (p + "self_attn.o_proj.weight", "BF16", [H, NH * HD]),
+               (p + "self_attn.q_norm.weight", "BF16", [HD]), (p + "self_attn.k_norm.weight", "BF16", [HD]),
+               (p + "mlp.gate.weight", "BF16", [E, H])]
+    for e in range(E):
+        tensors += [(p + f"mlp.experts.{e}.gate_proj.weight", "BF16", [I, H]),
+                    (p + f"mlp.experts.{e}.up_proj.weight", "BF16", [I, H]),
+                    (p + f"mlp.experts.{e}.down_proj.weight", "BF16", [H, I])]
+    tensors += [(p + "post_attention_layernorm.weight", "BF16", [H]), ("model.norm.weight", "BF16", [H]),
+                ("lm_head.weight", "BF16", [V, H])]
+    write_safetensors(os.path.join(d, "model.safetensors"), tensors, seed=29)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": H,
+                   "moe_intermediate_size": I, "num_attention_heads": NH, "num_key_value_heads": KV, "head_dim": HD,
+                   "vocab_size": V, "num_hidden_layers": 1, "num_experts": E, "num_experts_per_tok": 2,
+                   "tie_word_embeddings": False}, f)
+    return d
+
+
+def file_ranges(ckpt_dir, plan):
+    """The file ranges of shard model.safetensors that a plan of whole tensors reads ((offset, length),
+    ascending), from the plan weightctl builds here and the file's header."""
+    args = [WEIGHTCTL, "plan", ckpt_dir, "--json", "--preset", plan["preset"], "--ep-size", str(plan["ep_size"]),
+            "--ep-rank", str(plan["ep_rank"])]
+    desc = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
+    with open(os.path.join(ckpt_dir, "model.safetensors"), "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        hdr = json.loads(f.read(n))
+    out = set()
+    for o in desc["outputs"]:
+        for pc in o["pieces"]:
+            h = hdr[pc["tensor"]]
+            b, e = h["data_offsets"]
+            assert pc["dim"] == 0 and pc["start"] == 0 and pc["end"] == h["shape"][0], pc  # whole tensors only
+            out.add((8 + n + b, e - b))
+    return sorted(out)
+
+
+def test_ep_rank_reads_merged_as_the_rule_says(start_daemon, store, qwen3_moe):
+    """An EP=2 rank's tensors that touch in the file are fetched as one run cut into 8 MiB parts (fetch.h's
+    merge rule): the Range headers the store saw during the load are exactly the rule's, no byte outside
+    the rank's tensors, and the slab equals the same plan loaded from the files."""
+    upload(store, "ckpt", "moe", qwen3_moe)
+    with FaultProxy("127.0.0.1", store.port, []) as proxy:
+        wd = proxied(start_daemon, store, proxy, ["s3://ckpt/moe"])
+        url = "s3://ckpt/moe"
+        for rank in (0, 1):
+            plan = {"preset": "auto", "ep_size": 2, "ep_rank": rank}
+            ranges = file_ranges(qwen3_moe, plan)
+            want = merged_requests(ranges, 8 << 20)
+            assert len(want) < len(ranges), (want, ranges)  # the plan's ranges do merge
+            with wd.connect() as c:
+                c.call("open", path=url)
+                asked = len(proxy.log())
+                rrep = c.call("load", path=url, device=0, plan=plan)
+                seen = [e for e in proxy.log()[asked:] if e["method"] == "GET" and "range" in e["headers"]]
+                got = sorted(tuple(int(x) for x in e["headers"]["range"].removeprefix("bytes=").split("-"))
+                             for e in seen)
+                assert got == sorted(want), (rank, got, want)
+                assert all(e["path"].endswith("/model.safetensors") for e in seen)
+                assert sum(rrep["read_bytes"].values()) == sum(n for _, n in ranges), rrep
+                lrep = c.call("load", path=qwen3_moe, device=0, plan=plan)
+                la, lb = slab_bytes(c, path=qwen3_moe, plan=plan)
+                ra, rb = slab_bytes(c, path=url, plan=plan)
+                assert [(t["name"], t["offset"]) for t in la["tensors"]] == [(t["name"], t["offset"]) for t in ra["tensors"]]
+                assert lb == rb, f"EP rank {rank}: the remote slab differs from the local one"
+                assert sum(lrep["read_bytes"].values()) == sum(rrep["read_bytes"].values())
 
 
 # ---- faults: the fault proxy between the daemon and the store ---------------------------------------
