@@ -80,7 +80,10 @@ static void nap(struct scrubber *sc, double s) {
   double end = (double)ts.tv_sec + (double)ts.tv_nsec / 1e9 + s;
   ts.tv_sec = (time_t)end;
   ts.tv_nsec = (long)((end - (double)ts.tv_sec) * 1e9);
-  pthread_cond_timedwait(&sc->cv, &sc->lock, &ts);
+  /* Only the stop or an asked-for task ends it early: the next background task, queued by the loop a short
+   * interval after the last one ended, must wait for it (else the duty cycle holds only for long intervals). */
+  while (!sc->stop && (sc->queue == NULL || sc->queue->background))
+    if (pthread_cond_timedwait(&sc->cv, &sc->lock, &ts) == ETIMEDOUT) break;
 }
 
 /* Hashes the task's next batch of outputs; true when the task is complete (or failed). */

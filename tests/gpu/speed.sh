@@ -219,7 +219,7 @@ if want I; then
     "$build/weightctl" --socket "$work/digests.sock" load "$qwen" >/dev/null &&
       for _ in 1 2 3; do
         run "I3 scrub of the whole set" 120 "$build/weightctl" --socket "$work/digests.sock" --json scrub |
-          python3 -c 'import json,sys; t=sys.stdin.read().strip(); r=json.loads(t) if t else {"sets": [], "clean": None}
+          python3 -c 'import json,sys; t=[l for l in sys.stdin.read().splitlines() if l.startswith("{")]; r=json.loads(t[-1]) if t else {"sets": [], "clean": None}
 for s in r["sets"]:
     if "bytes" in s: print("I3 scrub %s: %d tensors, %d bytes in %.3f s = %.1f GB/s, clean %s" % (s["set"], s["tensors"], s["bytes"], s["seconds"], s["bytes"]/max(s["seconds"],1e-9)/1e9, r["clean"]))'
       done
