@@ -86,6 +86,15 @@ cJSON *ops_device_json(const struct daemon *d, int i) {
   json_u64_add(o, "memory_free", dev->info.memory_free);
   json_u64_add(o, "budget", d->cfg.device_memory_budget);
   json_u64_add(o, "used", dev->used);
+  /* Of used: sets off the list that leases (or scrubs, copies) still hold: failed while leased, or retired corrupt. */
+  uint64_t held = 0, nheld = 0;
+  for (const struct res_set *s = res_first_orphan(d->res); s != NULL; s = s->next)
+    if (s->device == i) {
+      held += s->plan->slab_bytes;
+      nheld++;
+    }
+  json_u64_add(o, "unlisted_sets", nheld);
+  json_u64_add(o, "unlisted_bytes", held);
   msg_add_string(o, "handles", wd_handle_kind_name(dev->info.handles));
   ops_multi_device_fields(d, i, o);
   return o;

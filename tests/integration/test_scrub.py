@@ -178,8 +178,10 @@ def test_corrupt_set_is_retired_and_loaded_again(start_daemon, tiny):
             assert slab[x["offset"]: x["offset"] + x["nbytes"]] == mp[b:e], name
         assert other.call("scrub", set=new["set"])["clean"] is True
         assert f"set {rep['set']} (corrupt) loaded again as set {new['set']}" in d.log_text()
-        # Both copies count against the device while the holder keeps the old one.
-        assert other.status()["devices"][0]["used"] == att["bytes"] + new["bytes"]
+        # Both copies count against the device while the holder keeps the old one, which status counts apart.
+        dev = other.status()["devices"][0]
+        assert dev["used"] == att["bytes"] + new["bytes"], dev
+        assert dev["unlisted_sets"] == 1 and dev["unlisted_bytes"] == att["bytes"], dev
         # The holder still maps the old memory (with its flipped byte) until it releases it.
         assert os.pread(slab_fd, 1, t["offset"] + 3) != ckpt_byte(ckpt, "layers.0.odd", 3)
         os.close(slab_fd)
@@ -189,6 +191,7 @@ def test_corrupt_set_is_retired_and_loaded_again(start_daemon, tiny):
         (s,) = st["sets"]
         assert s["set"] == new["set"] and "corrupt" not in s
         assert st["devices"][0]["used"] == new["bytes"]  # the retired set's memory went with its last lease
+        assert st["devices"][0]["unlisted_sets"] == 0 and st["devices"][0]["unlisted_bytes"] == 0
     ckpt.close()
     d.check_serving()
 
