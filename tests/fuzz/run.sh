@@ -19,7 +19,7 @@ build=$(cd "$1" && pwd)
 secs=$2
 jobs=${3:-$(nproc 2>/dev/null || echo 2)}
 here=$(cd "$(dirname "$0")" && pwd)
-targets=(header index frame request plan table setdesc) # as WD_FUZZ_TARGETS in CMakeLists.txt
+targets=(header index frame request plan table setdesc manifest) # as WD_FUZZ_TARGETS in CMakeLists.txt
 if [ $# -gt 3 ]; then
   shift 3
   for t in "$@"; do
