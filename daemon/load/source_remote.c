@@ -188,6 +188,10 @@ static int remote_readv(void *ctx, const struct ld_read *rq, size_t n, struct wd
     uint64_t len = rq[i].width * rq[i].height;
     if (len == 0) continue;
     if ((rc = ld_read_check(r->ck, &rq[i], err)) != 0) break;
+    if (rq[i].height > 1 && rq[i].pitch != rq[i].width) { /* the contract (source.h): readv takes runs of bytes */
+      rc = err_set(err, WEIGHTD_E_INTERNAL, "%s: a strided read reached the remote source's readv", r->name);
+      break;
+    }
     b[k++] = (struct batch_ext){.shard = rq[i].shard, .e = {.off = rq[i].off, .len = len, .dst = rq[i].dst}};
     bytes += len;
   }

@@ -288,7 +288,7 @@ static void slot_start(struct run *r, struct slot *s) {
     x->object_size = r->o->size;
     x->ext = r->ext;
     x->ei = s->part_ext;
-    while (r->ext[x->ei].off + r->ext[x->ei].len <= x->want_off) x->ei++;
+    while (x->ei + 1 < r->next_ext && r->ext[x->ei].off + r->ext[x->ei].len <= x->want_off) x->ei++;
     part_prefault(x);
   } else { /* rf_stat */
     x->head = s->head;
@@ -610,7 +610,11 @@ static bool read_next_part(struct run *r, struct slot *s) {
 
 static void read_done(struct run *r, struct slot *s, enum verdict v, const char *why) {
   s->part_done += s->x.written; /* bytes of the same version (If-Match), checked against the range */
-  if (v == V_DONE && s->part_done < s->part_len) { /* a 2xx that ended early (no length to hold it to) */
+  if (v == V_RETRY && s->part_done == s->part_len) {
+    /* Every byte of the part came before the try failed (a stall after the last byte, a declared length past
+     * the range, a stream reset after the last frame): nothing is left to ask for. */
+    read_next_part(r, s);
+  } else if (v == V_DONE && s->part_done < s->part_len) { /* a 2xx that ended early (no length to hold it to) */
     char short_body[160];
     snprintf(short_body, sizeof short_body, "short body: %llu of %llu bytes", (unsigned long long)s->x.written,
              (unsigned long long)s->x.want_len);

@@ -104,8 +104,8 @@ static void curl_init_once(void) { curl_init_rc = curl_global_init(CURL_GLOBAL_D
 static int config_check(const struct rf_config *c, struct wd_error *err) {
   if (c->max_connections < 1 || c->max_connections > 1024)
     return err_set(err, WEIGHTD_E_INVALID, "remote client: max_connections %u is not in 1..1024", c->max_connections);
-  if (c->part_bytes < 4096)
-    return err_set(err, WEIGHTD_E_INVALID, "remote client: part_bytes %llu is below 4096",
+  if (c->part_bytes < 4096 || c->part_bytes > (1ull << 30))
+    return err_set(err, WEIGHTD_E_INVALID, "remote client: part_bytes %llu is not between 4096 and 1 GiB",
                    (unsigned long long)c->part_bytes);
   if (c->backoff_max_ms < c->backoff_base_ms)
     return err_set(err, WEIGHTD_E_INVALID, "remote client: backoff_max_ms %u is below backoff_base_ms %u",

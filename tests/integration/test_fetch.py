@@ -167,6 +167,21 @@ def test_vectored_read_cut_mid_part_resumes_in_the_next_range(s3, tmp_path):
         assert ranges_asked(p, rule=None) == [(4096 + 1500, 28095)]
 
 
+def test_failure_after_the_last_byte_asks_nothing_again(s3, tmp_path):
+    """A try that delivered every byte of its part and then failed (a Content-Length past the range, the
+    connection closed) completes the part: nothing is asked again (an empty range was, reading past the
+    part's ranges), single reads and merged ones alike."""
+    for vector in (False, True):
+        ranges = [(4096, 1000), (5096, 3000)] if vector else [(4096, 4000)]
+        with proxy_for(s3, [Rule("overstate", method="GET", extra=10, times=None)]) as p:
+            out = str(tmp_path / "out.bin")
+            args = ("--vector",) if vector else ()
+            r = fetch("read", p.url + f"/{BUCKET}/{KEY}", *args, *FAST, out=out, ranges=ranges, tmp=tmp_path)
+            assert r["rc"] == "OK", r
+            assert read_out(out) == expected(s3.data, ranges)
+            assert ranges_asked(p) == [(4096, 8095)], p.log()
+
+
 def test_http2_over_tls_with_the_test_certificate(s3, tmp_path):
     rng = random.Random(8)
     ranges = [(0, SIZE)] + [(o, rng.randint(1, 100000)) for o in (rng.randrange(SIZE - 100000) for _ in range(60))]

@@ -20,6 +20,8 @@ connections on both sides. Rules (Rule) change what happens to the requests they
     Rule("drop_request_headers", names=[...])    relay without these request headers
     Rule("set_request_headers", headers={...})   relay with these request headers set (replaced)
     Rule("pad_body", extra=N)                    relay with N more body bytes than the server sent
+    Rule("overstate", extra=N)                   relay the whole body under a Content-Length N bytes
+                                                 longer, then close: every byte came, the transfer failed
     Rule("flip", offset=N)                       relay with body byte N (of what the server sent)
                                                  inverted: a corruption the transport did not catch
     Rule("require_bearer", token=T)              answer 401 unless the request carries
@@ -51,7 +53,7 @@ S3_CODES = {403: "AccessDenied", 404: "NoSuchKey", 412: "PreconditionFailed", 42
 
 class Rule:
     ACTIONS = ("drop", "status", "stall", "replace", "redirect", "strip_response_headers", "drop_request_headers",
-               "set_request_headers", "pad_body", "require_bearer", "flip")
+               "set_request_headers", "pad_body", "require_bearer", "flip", "overstate")
 
     def __init__(self, kind, path=None, method=None, skip=0, times=1, **params):
         if kind not in self.ACTIONS:
@@ -269,6 +271,10 @@ class FaultProxy:
         if kind == "strip_response_headers":
             strip = {n.lower() for n in p["names"]}
             rheaders = [(k, v) for k, v in rheaders if k.lower() not in strip]
+        if kind == "overstate":
+            head = self._head_bytes(status, reason, rheaders, b"\0" * (len(body) + p.get("extra", 1)), req)
+            conn.sendall(head + body)
+            return upstream, False
         if kind == "drop":
             self._send_partial(conn, status, reason, rheaders, body, req, p.get("after_bytes", 0))
             if p.get("reset"):
