@@ -13,6 +13,7 @@
 #ifndef WD_XXH3_CASES_H
 #define WD_XXH3_CASES_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -46,13 +47,18 @@ static inline void xxh3_case_fill(unsigned char *buf) {
  * lengths come at offsets 0, 1, 3 and 7 each; random ones at random offsets.
  */
 static inline size_t xxh3_case_count(void) { return 4 * XXH3_NEDGE + XXH3_NRANDOM; }
-static inline void xxh3_case(size_t i, uint64_t *off, uint64_t *len) {
+
+/* Edge case i of lengths[0..n) at offsets 0, 1, 3 and 7 each: true, with (offset, length); false past them. */
+static inline bool xxh3_edge_case(const uint64_t *lengths, size_t n, size_t i, uint64_t *off, uint64_t *len) {
   static const uint64_t offs[4] = {0, 1, 3, 7};
-  if (i < 4 * XXH3_NEDGE) {
-    *len = XXH3_EDGE_LENGTHS[i / 4];
-    *off = offs[i % 4];
-    return;
-  }
+  if (i >= 4 * n) return false;
+  *len = lengths[i / 4];
+  *off = offs[i % 4];
+  return true;
+}
+
+static inline void xxh3_case(size_t i, uint64_t *off, uint64_t *len) {
+  if (xxh3_edge_case(XXH3_EDGE_LENGTHS, XXH3_NEDGE, i, off, len)) return;
   uint64_t s = 0xD1B54A32D192ED03ull + i;
   uint64_t r = xxh3_case_rand(&s);
   *len = r % 3 == 0 ? xxh3_case_rand(&s) % (6u << 20) : xxh3_case_rand(&s) % 5000;
@@ -76,12 +82,7 @@ static const uint64_t XXH3_TREE_LENGTHS[] = {
  */
 static inline size_t xxh3_tree_case_count(void) { return 4 * XXH3_NTREE_EDGE + XXH3_NTREE_RANDOM; }
 static inline void xxh3_tree_case(size_t i, uint64_t *off, uint64_t *len) {
-  static const uint64_t offs[4] = {0, 1, 3, 7};
-  if (i < 4 * XXH3_NTREE_EDGE) {
-    *len = XXH3_TREE_LENGTHS[i / 4];
-    *off = offs[i % 4];
-    return;
-  }
+  if (xxh3_edge_case(XXH3_TREE_LENGTHS, XXH3_NTREE_EDGE, i, off, len)) return;
   uint64_t s = 0x8CB92BA72F3D8DD7ull + i;
   *len = xxh3_case_rand(&s) % (7u << 20);
   *off = xxh3_case_rand(&s) % (XXH3_BUF_BYTES - *len + 1);

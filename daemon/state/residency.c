@@ -285,11 +285,14 @@ uint64_t res_device_budget(const struct residency *r, int device) {
   return 0;
 }
 
-/* Bytes of device's sets that eviction cannot free: loading, leased or being copied, and orphans. */
+/* Whether something still reads s's memory: a lease, a scrub, a load copying from it. */
+static bool held(const struct res_set *s) { return s->leases > 0 || s->scrubbing > 0 || s->copying > 0; }
+
+/* Bytes of device's sets that eviction cannot free: loading, leased, scrubbed or being copied, and orphans. */
 static uint64_t unevictable(const struct residency *r, int device) {
   uint64_t pinned = 0;
   for (const struct res_set *s = r->sets; s != NULL; s = s->next)
-    if (s->device == device && (s->state != SET_READY || s->leases > 0 || s->copying > 0 || s->scrubbing > 0))
+    if (s->device == device && (s->state != SET_READY || held(s)))
       pinned += s->plan->slab_bytes;
   for (const struct res_set *s = r->orphans; s != NULL; s = s->next)
     if (s->device == device) pinned += s->plan->slab_bytes;
@@ -511,13 +514,11 @@ void res_lease_drop(struct residency *r, struct lease *l) {
   s->last_used_ms = clock_ms();
   free(l);
   res_changed(r, false);
-  if (s->orphan && s->leases == 0 && s->scrubbing == 0 && s->copying == 0) {
+  if (s->orphan && !held(s)) {
     log_msg(LOG_DEBUG, "set %s: its last lease ended; freeing it", s->id);
     res_set_destroy(s, NULL);
   }
 }
-
-static bool held(const struct res_set *s) { return s->leases > 0 || s->scrubbing > 0 || s->copying > 0; }
 
 bool res_set_reload_fits(const struct residency *r, const struct res_set *s) {
   return !held(s) || res_room_possible(r, s->device, s->plan->slab_bytes);
